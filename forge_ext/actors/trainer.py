@@ -1,0 +1,288 @@
+"""``RLTrainer``: a Monarch actor wrapping the engine, in the shape of torchforge's RLTrainer.
+
+Each endpoint is one verb; the actor validates the request, calls the engine (or the weight
+publisher) and returns plain data. Under data parallelism every rank receives the whole
+request (lists indexed by data-parallel rank, as in torchforge) and picks its own part, so all
+ranks validate the same thing and a rejected request never leaves ranks out of step.
+
+Controller usage::
+
+    trainer = await spawn_trainer({...trainer section...}, loss={"name": "cross_entropy"})
+    loss = await trainer.train_step(inputs, targets)   # calls every rank, returns one value
+    await trainer.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from monarch.actor import Actor, ProcMesh, current_rank, endpoint, this_host
+from monarch.spmd import setup_torch_elastic_env_async
+
+from forge_ext.engine import EngineConfig, TitanEngine, engine_config_from_mapping
+from forge_ext.engine.losses import build_loss
+
+logger = logging.getLogger(__name__)
+
+
+class RLTrainer(Actor):
+    """Trainer actor: one per process of a proc mesh; together they form the DP/PP world.
+
+    Args:
+        trainer: the YAML ``trainer:`` mapping (see :mod:`forge_ext.engine.config`).
+        loss: ``{"name": <registered loss>, **kwargs}`` (see
+            :func:`forge_ext.engine.losses.build_loss`); default token-level cross entropy.
+    """
+
+    def __init__(self, trainer: dict[str, Any], loss: dict[str, Any] | None = None):
+        self.trainer_config = dict(trainer)
+        self.loss_config = dict(loss or {"name": "cross_entropy"})
+        self.engine: TitanEngine | None = None
+
+    @endpoint
+    async def setup(self) -> dict[str, int]:
+        """Initialise ``torch.distributed`` from the proc mesh environment and build the engine.
+
+        Returns:
+            ``{"rank", "dp_rank", "dp_size", "policy_version"}`` of this process.
+        """
+        self.loss_fn, self.loss_weight_fn = build_loss(**self.loss_config)
+        self.engine = TitanEngine(engine_config_from_mapping(self.trainer_config))
+        return {
+            "rank": current_rank().rank,
+            "dp_rank": self.engine.dp_rank,
+            "dp_size": self.engine.dp_size,
+            "policy_version": self.engine.step,
+        }
+
+    # ---- training verbs ----------------------------------------------------------------
+    @endpoint
+    async def train_step(
+        self,
+        inputs: list[dict[str, torch.Tensor]],
+        targets: list[dict[str, torch.Tensor]],
+        return_metrics: bool = False,
+    ) -> float | dict[str, float]:
+        """One optimizer step on the global batch.
+
+        Args:
+            inputs: one dict per data-parallel rank with ``input_ids`` ``[local_batch, S]``.
+            targets: one dict per data-parallel rank with ``labels`` ``[local_batch, S]`` and
+                whatever else the loss reads (e.g. ``advantages``, ``generator_logprobs``).
+            return_metrics: return the full metrics dict instead of the loss.
+
+        Returns:
+            The step's loss (weighted mean over all ranks' valid tokens, the same on every
+            rank), or with ``return_metrics`` a dict with ``loss``, ``grad_norm``, ``lr``,
+            ``num_tokens``, ``tokens_per_second``, ``policy_version``.
+
+        Raises:
+            ValueError: ``inputs``/``targets`` lengths differ from each other or from the DP
+                size, or a batch has the wrong keys/shapes (before any computation).
+        """
+        batch = self._local_batch(inputs, targets)
+        metrics = self.engine.train_batch(batch, self.loss_fn, self.loss_weight_fn)
+        metrics["policy_version"] = self.engine.step
+        return metrics if return_metrics else metrics["loss"]
+
+    @endpoint
+    async def forward_backward(
+        self, inputs: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
+        """Accumulate gradients of this batch's mean loss (tinker style; no zero_grad here).
+
+        Returns:
+            ``{"loss": weighted mean loss, "num_tokens": global weight}``.
+        """
+        batch = self._local_batch(inputs, targets)
+        out = self.engine.forward_backward_batch(
+            self.engine.microbatches(batch), self.loss_fn, self.loss_weight_fn
+        )
+        return {"loss": out.loss, "num_tokens": out.global_weight}
+
+    @endpoint
+    async def optim_step(self) -> dict[str, float]:
+        """Clip, optimizer step, LR step, then zero the gradients; bumps the policy version.
+
+        Returns:
+            ``{"grad_norm", "lr" (used by this step), "policy_version"}``.
+        """
+        lr = self.engine.current_lr()
+        grad_norm = self.engine.optimizer_step()
+        self.engine.lr_scheduler_step()
+        self.engine.optimizer_zero_grad()
+        return {"grad_norm": grad_norm, "lr": lr, "policy_version": self.engine.step}
+
+    @endpoint
+    async def eval_step(
+        self, inputs: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]]
+    ) -> float:
+        """The weighted mean loss of the global batch, without gradients."""
+        batch = self._local_batch(inputs, targets)
+        return self.engine.eval_batch(batch, self.loss_fn, self.loss_weight_fn)
+
+    # ---- state verbs -------------------------------------------------------------------
+    @endpoint
+    async def get_policy_version(self) -> int:
+        """Completed optimizer steps (restored by :meth:`load_checkpoint`)."""
+        return self.engine.step
+
+    @endpoint
+    async def save_checkpoint(self, step: int | None = None) -> int:
+        """Save the full training state at ``step`` (default: the policy version)."""
+        step = self.engine.step if step is None else step
+        self.engine.save_checkpoint(step)
+        return step
+
+    @endpoint
+    async def load_checkpoint(self, step: int | None = None) -> int:
+        """Load ``step`` (latest complete one when None); return the policy version."""
+        return self.engine.load_checkpoint(step)
+
+    @endpoint
+    async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) model weights in HF layout; for tests and small models."""
+        sd = self.engine.hf_state_dict()
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in sd.items()}
+
+    @endpoint
+    async def cleanup(self) -> None:
+        """Release the checkpointer's resources. The proc mesh owns the process group and
+        tears it down on ``stop()`` (destroying it here can race with mesh shutdown)."""
+        if self.engine is not None:
+            self.engine.close()
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _local_batch(
+        self, inputs: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        dp_size = self.engine.dp_size
+        if not isinstance(inputs, (list, tuple)) or not isinstance(targets, (list, tuple)):
+            raise ValueError("inputs and targets must be lists indexed by data-parallel rank")
+        if len(inputs) != len(targets):
+            raise ValueError(
+                f"len(inputs)={len(inputs)} != len(targets)={len(targets)}: pass one inputs "
+                "dict and one targets dict per data-parallel rank"
+            )
+        if len(inputs) != dp_size:
+            raise ValueError(
+                f"len(inputs)={len(inputs)} but the trainer has {dp_size} data-parallel "
+                "ranks: pass one batch per data-parallel rank"
+            )
+        batches = []
+        for rank, (inp, tgt) in enumerate(zip(inputs, targets)):
+            overlap = set(inp) & set(tgt)
+            if overlap:
+                raise ValueError(f"inputs[{rank}] and targets[{rank}] both have keys {overlap}")
+            batches.append({**inp, **tgt})
+        # Every rank checks every rank's batch: all accept or all reject, in step.
+        for batch in batches:
+            self.engine.microbatches(batch)
+        return batches[self.engine.dp_rank]
+
+
+@dataclass
+class TrainerHandle:
+    """The controller's handle on a spawned trainer: the actor mesh and its proc mesh."""
+
+    actor: RLTrainer
+    procs: ProcMesh
+    config: EngineConfig
+    num_procs: int
+
+    async def stop(self) -> None:
+        """Run ``cleanup`` on every rank, then stop the proc mesh."""
+        try:
+            await self.actor.cleanup.call()
+        finally:
+            await self.procs.stop()
+
+    async def _call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``verb`` on every rank and return one rank's value: every rank returns the
+        same (DP-reduced) value, except under PP where only last-stage ranks hold losses and
+        outputs, so the last rank's value is returned."""
+        values = await getattr(self.actor, verb).call(*args, **kwargs)
+        return list(values.values())[-1]
+
+    async def train_step(self, inputs, targets, return_metrics: bool = False):
+        return await self._call("train_step", inputs, targets, return_metrics)
+
+    async def forward_backward(self, inputs, targets) -> dict[str, float]:
+        return await self._call("forward_backward", inputs, targets)
+
+    async def optim_step(self) -> dict[str, float]:
+        return await self._call("optim_step")
+
+    async def eval_step(self, inputs, targets) -> float:
+        return await self._call("eval_step", inputs, targets)
+
+    async def get_policy_version(self) -> int:
+        return await self._call("get_policy_version")
+
+    async def save_checkpoint(self, step: int | None = None) -> int:
+        return await self._call("save_checkpoint", step)
+
+    async def load_checkpoint(self, step: int | None = None) -> int:
+        return await self._call("load_checkpoint", step)
+
+    async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return await self._call("get_hf_state_dict")
+
+
+def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
+    """Processes the trainer needs: the product of parallel degrees.
+
+    Raises:
+        ValueError: if ``data_parallel_replicate_degree`` is -1 (auto) and ``num_procs`` is
+            not given, or ``num_procs`` disagrees with explicit degrees.
+    """
+    par = config.parallelism
+    others = (
+        max(par.data_parallel_shard_degree, 1) * par.context_parallel_degree
+        * par.tensor_parallel_degree * par.pipeline_parallel_degree
+    )
+    if par.data_parallel_replicate_degree == -1:
+        return num_procs if num_procs is not None else others
+    world = par.data_parallel_replicate_degree * others
+    if num_procs is not None and num_procs != world:
+        raise ValueError(
+            f"num_procs={num_procs} but the parallelism degrees multiply to {world}; "
+            "change trainer.parallelism or num_procs"
+        )
+    return world
+
+
+async def spawn_trainer(
+    trainer: dict[str, Any],
+    loss: dict[str, Any] | None = None,
+    num_procs: int | None = None,
+    name: str = "trainer",
+) -> TrainerHandle:
+    """Validate the config, spawn a proc mesh, set up torch.distributed and the engine.
+
+    The whole config is validated here, in the controller, before any process is spawned.
+
+    Args:
+        trainer: YAML ``trainer:`` mapping.
+        loss: loss spec for :func:`forge_ext.engine.losses.build_loss`.
+        num_procs: processes to spawn (default: the product of parallel degrees).
+
+    Raises:
+        ValueError: a config error naming the field.
+    """
+    config = engine_config_from_mapping(trainer)
+    build_loss(**(loss or {"name": "cross_entropy"}))
+    n = world_size_of(config, num_procs)
+    procs = this_host().spawn_procs(per_host={"procs": n})
+    try:
+        await setup_torch_elastic_env_async(procs)
+        actor = procs.spawn(name, RLTrainer, trainer, loss)
+        await actor.setup.call()
+    except BaseException:
+        await procs.stop()
+        raise
+    return TrainerHandle(actor=actor, procs=procs, config=config, num_procs=n)

@@ -1,0 +1,254 @@
+"""Typed engine configuration, built from the nested mapping of a YAML ``trainer:`` section.
+
+The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
+
+    trainer:
+      model: {name: qwen3, flavor: tiny, hf_path: null, attn_backend: sdpa}
+      training: {local_batch_size: 8, microbatch_size: 2, seq_len: 64, steps: 100}
+      parallelism: {data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1}
+      optimizer: {name: AdamW, lr: 1.0e-3, weight_decay: 0.0}
+      lr_scheduler: {warmup_steps: 0}
+      checkpoint: {enable: false, folder: checkpoint, interval: 10}
+      compile: {enable: false}
+      activation_checkpoint: {mode: none}
+
+``training``, ``parallelism``, ``lr_scheduler``, ``checkpoint`` and ``compile`` are torchtitan's
+own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``,
+``LRSchedulersContainer.Config``), so every torchtitan field is accepted under its torchtitan
+name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``.
+
+CPU-safe defaults (applied only to fields the mapping leaves unset, when no accelerator is
+present; see shared FINDINGS): ``training.mixed_precision_param=float32`` (bf16 matmuls are ~20x
+slower on CPU), ``parallelism.spmd_backend=partial_dtensor``, data parallelism by replication
+(``data_parallel_shard_degree=1``) and ``training.disable_cuda_graphs=true``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import dacite
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
+)
+from torchtitan.config import CompileConfig, ParallelismConfig
+from torchtitan.config import TrainingConfig as TitanTrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "qwen3"
+    """Model family: ``qwen3`` or ``llama3``."""
+    flavor: str = "tiny"
+    """A torchtitan registry flavor, a small forge_ext flavor (``tiny``, ``small``), or ``hf``."""
+    hf_path: str | None = None
+    """HF checkpoint directory (config.json + safetensors). With ``flavor: hf`` the
+    architecture comes from its config.json; when set, weights are loaded from it."""
+    attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig(TitanTrainingConfig):
+    """torchtitan's ``TrainingConfig`` plus the microbatch split of ``local_batch_size``.
+
+    Set at most one of ``microbatch_size`` and ``gradient_accumulation_steps``; with neither,
+    the batch is one microbatch.
+    """
+
+    seq_len: int = 512
+    """Longest sequence a batch may hold (tokens); also the RoPE table length."""
+    microbatch_size: int | None = None
+    """Sequences per microbatch (per data-parallel rank)."""
+    gradient_accumulation_steps: int | None = None
+    """Microbatches per step (per data-parallel rank)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """One optimizer over all parameters, torchforge style (torchtitan's ``default_adamw``)."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+
+    def to_titan(self) -> OptimizersContainer.Config:
+        return OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name=self.name,
+                    optimizer_kwargs=dict(
+                        lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                        weight_decay=self.weight_decay,
+                    ),
+                )
+            ],
+            implementation=self.implementation,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "selective", "full"] = "none"
+
+    def to_titan(self):
+        """torchtitan AC config, or None for ``mode: none``."""
+        return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[
+            self.mode
+        ]
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulersContainer.Config = field(
+        default_factory=lambda: LRSchedulersContainer.Config(warmup_steps=0)
+    )
+    checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    dump_folder: str = "outputs"
+    """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
+    seed: int = 0
+    """Seed for weight init (same on every rank, so DP replicas start identical)."""
+
+    @property
+    def pp_degree(self) -> int:
+        return self.parallelism.pipeline_parallel_degree
+
+    def num_microbatches(self) -> int:
+        """Microbatches per step on each data-parallel rank.
+
+        Raises:
+            ValueError: naming ``training.local_batch_size`` and the microbatch field when
+                they do not divide, or when both microbatch fields are set.
+        """
+        t = self.training
+        if t.microbatch_size is not None and t.gradient_accumulation_steps is not None:
+            raise ValueError(
+                "set only one of training.microbatch_size="
+                f"{t.microbatch_size} and training.gradient_accumulation_steps="
+                f"{t.gradient_accumulation_steps}"
+            )
+        if t.microbatch_size is not None:
+            if t.microbatch_size <= 0 or t.local_batch_size % t.microbatch_size:
+                raise ValueError(
+                    f"training.local_batch_size={t.local_batch_size} is not a multiple of "
+                    f"training.microbatch_size={t.microbatch_size}"
+                )
+            return t.local_batch_size // t.microbatch_size
+        if t.gradient_accumulation_steps is not None:
+            ga = t.gradient_accumulation_steps
+            if ga <= 0 or t.local_batch_size % ga:
+                raise ValueError(
+                    f"training.local_batch_size={t.local_batch_size} is not divisible by "
+                    f"training.gradient_accumulation_steps={ga}"
+                )
+            return ga
+        return 1
+
+    def validate(self) -> None:
+        """Check everything the config alone shows, before any process is spawned.
+
+        Raises:
+            ValueError: naming the offending field and the fix.
+        """
+        from forge_ext.engine.models import build_model_spec
+
+        if self.training.local_batch_size <= 0:
+            raise ValueError(
+                f"training.local_batch_size={self.training.local_batch_size} must be > 0"
+            )
+        self.num_microbatches()
+        spec = build_model_spec(
+            self.model.name, self.model.flavor, hf_path=self.model.hf_path,
+            attn_backend=self.model.attn_backend,
+        )
+        max_seq_len = spec.model.layers[0].attention.rope.max_seq_len
+        if self.training.seq_len > max_seq_len:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} exceeds the model's maximum "
+                f"sequence length {max_seq_len} ({self.model.name} {self.model.flavor})"
+            )
+        if not torch.cuda.is_available() and self.model.attn_backend != "sdpa":
+            raise ValueError(
+                f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
+                "model.attn_backend=sdpa on a machine without CUDA"
+            )
+        if not torch.cuda.is_available() and self.parallelism.data_parallel_shard_degree > 1:
+            raise ValueError(
+                "parallelism.data_parallel_shard_degree="
+                f"{self.parallelism.data_parallel_shard_degree} (FSDP) is not supported on "
+                "gloo; use parallelism.data_parallel_replicate_degree on CPU"
+            )
+
+
+def _cpu_safe_defaults(raw: dict[str, Any]) -> None:
+    """Fill CPU-safe values into fields ``raw`` leaves unset (no-op with CUDA)."""
+    if torch.cuda.is_available():
+        return
+    training = raw.setdefault("training", {})
+    training.setdefault("mixed_precision_param", "float32")
+    training.setdefault("disable_cuda_graphs", True)
+    par = raw.setdefault("parallelism", {})
+    par.setdefault("spmd_backend", "partial_dtensor")
+    par.setdefault("data_parallel_shard_degree", 1)
+    par.setdefault("data_parallel_replicate_degree", -1)
+
+
+def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> EngineConfig:
+    """Build and validate an :class:`EngineConfig` from a nested mapping (YAML ``trainer:``).
+
+    ``parallelism.data_parallel_replicate_degree: -1`` means "whatever the world size leaves";
+    the engine resolves it once the world size is known.
+
+    Raises:
+        ValueError: an unknown key (named with its full path, e.g. ``trainer.training.foo``),
+            a value of the wrong type, or a failed :meth:`EngineConfig.validate` check.
+    """
+    raw = copy.deepcopy(dict(mapping or {}))
+    _check_keys(EngineConfig, raw, "trainer")
+    _cpu_safe_defaults(raw)
+    try:
+        config = dacite.from_dict(
+            EngineConfig, raw, config=dacite.Config(strict=True, cast=[tuple])
+        )
+    except (dacite.WrongTypeError, dacite.MissingValueError) as e:
+        raise ValueError(f"trainer.{e.field_path}: {e}") from None
+    config.validate()
+    return config
+
+
+def _check_keys(cls: type, mapping: Mapping[str, Any], path: str) -> None:
+    """Raise ValueError naming ``path.key`` for each key that is not a field of ``cls``."""
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"{path} must be a mapping, got {type(mapping).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {', '.join(f'{path}.{k}' for k in unknown)}; "
+            f"accepted keys of {path}: {sorted(names)}"
+        )
+    for key, value in mapping.items():
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
+            _check_keys(hints[key], value, f"{path}.{key}")

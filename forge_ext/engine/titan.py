@@ -1,0 +1,329 @@
+"""TorchTitan backend of the engine: model, optimizer, LR scheduler and checkpointer built from
+torchtitan components, in the order of ``torchtitan/trainer.py`` (``Trainer.__init__``) and
+``torchtitan/experiments/rl/actors/trainer.py`` (``PolicyTrainer``).
+
+No Monarch here: the engine runs in any process where ``torch.distributed`` can be set up from
+the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` environment
+(torchrun, ``monarch.spmd.setup_torch_elastic_env_async``, or
+:func:`forge_ext.engine.distributed.init_single_process_env` for one process).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.config import CommConfig, DebugConfig, TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools import utils as titan_utils
+
+from forge_ext.engine.base import (
+    Batch,
+    BaseEngine,
+    ForwardBackwardOutputs,
+    LossFn,
+    LossWeightFn,
+    split_batch,
+)
+from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.models import build_model_spec
+
+logger = logging.getLogger(__name__)
+
+
+class TitanEngine(BaseEngine):
+    """A torchtitan model with optimizer, LR scheduler and checkpointer, driven in microbatches.
+
+    Args:
+        config: an :class:`EngineConfig` or the nested mapping of a YAML ``trainer:`` section.
+
+    Raises:
+        ValueError: a config error (named field), or parallel degrees that do not fit the
+            world size.
+    """
+
+    def __init__(self, config: EngineConfig | dict):
+        if not isinstance(config, EngineConfig):
+            config = engine_config_from_mapping(config)
+        self.config = config
+        self.device = titan_utils.get_local_device()
+        titan_utils.device_module.set_device(self.device)
+        world_size = dist_utils.init_distributed(CommConfig(), base_folder=config.dump_folder)
+        par = config.parallelism
+        if par.data_parallel_replicate_degree == -1:
+            others = (
+                max(par.data_parallel_shard_degree, 1) * par.context_parallel_degree
+                * par.tensor_parallel_degree * par.pipeline_parallel_degree
+            )
+            par.data_parallel_replicate_degree = max(world_size // others, 1)
+        try:
+            self.parallel_dims = ParallelDims.from_config(par, world_size)
+        except AssertionError as e:
+            raise ValueError(
+                f"parallelism degrees do not fit world size {world_size}: {e} "
+                "(check parallelism.data_parallel_*_degree / pipeline_parallel_degree)"
+            ) from None
+        dist_utils.set_spmd_backend(par.spmd_backend)
+        self.train_context = dist_utils.get_spmd_context(
+            parallel_dims=self.parallel_dims, spmd_typechecking=False
+        )
+        self.num_microbatches = config.num_microbatches()
+
+        self.model_spec = build_model_spec(
+            config.model.name, config.model.flavor, hf_path=config.model.hf_path,
+            attn_backend=config.model.attn_backend,
+        )
+        model_config = self.model_spec.model
+        model_config.update_from_config(config=config)
+        for layer in model_config.layers:
+            layer.attention.rope = replace(
+                layer.attention.rope, max_seq_len=config.training.seq_len
+            )
+        self.sd_adapter = (
+            self.model_spec.state_dict_adapter(model_config, config.model.hf_path or "")
+            if self.model_spec.state_dict_adapter
+            else None
+        )
+        # Same seed on every rank of a DP/TP group so replicas start identical.
+        dist_utils.set_determinism(
+            self.parallel_dims, self.device, DebugConfig(seed=config.seed),
+            distinct_seed_mesh_dims=["pp"],
+        )
+        with torch.device("meta"), titan_utils.set_default_dtype(
+            TORCH_DTYPE_MAP[config.training.dtype]
+        ):
+            model = model_config.build()
+        self.model_parts = self._parallelize(model)
+
+        self.optimizers = config.optimizer.to_titan().build(model_parts=self.model_parts)
+        self.lr_schedulers = config.lr_scheduler.build(
+            optimizers=self.optimizers, training_steps=config.training.steps
+        )
+        self.step = 0
+        self.checkpointer = config.checkpoint.build(
+            dataloader=None,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            sd_adapter=self.sd_adapter,
+            base_folder=config.dump_folder,
+        )
+        if config.model.hf_path:
+            self.load_hf_weights(config.model.hf_path)
+
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        self.dp_mesh = batch_mesh
+        self.dp_size = batch_mesh.size() if batch_mesh is not None else 1
+        self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+
+    # ---- construction ------------------------------------------------------------------
+    def _parallelize(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        config = self.config
+        model = self.model_spec.parallelize_fn(
+            model,
+            parallel_dims=self.parallel_dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            compile_config=config.compile,
+            ac_config=config.activation_checkpoint.to_titan(),
+            dump_folder=config.dump_folder,
+        )
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        return [model]
+
+    # ---- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Train state saved with checkpoints (``train_state``): the step counter."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in torchtitan layout (DTensors under DP/TP), all parts."""
+        return ModelWrapper(self.model_parts).state_dict()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in HF layout (torchtitan's state-dict adapter ``to_hf``)."""
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        return self.sd_adapter.to_hf(self.model_state_dict())
+
+    def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) or sharded tensors in torchtitan layout into all parts."""
+        ModelWrapper(self.model_parts).load_state_dict(state_dict)
+
+    def load_hf_weights(self, hf_path: str) -> None:
+        """Load HF safetensors from ``hf_path`` through the adapter and DCP's HF reader
+        (the path torchtitan's ``CheckpointManager.dcp_load`` takes for ``from_hf``)."""
+        wrapper = ModelWrapper(self.model_parts)
+        hf_sd = self.sd_adapter.to_hf(wrapper.state_dict())
+        dcp.load(hf_sd, storage_reader=self.sd_adapter.get_hf_storage_reader(hf_path, False))
+        wrapper.load_state_dict(self.sd_adapter.from_hf(hf_sd))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.model_parts for p in m.parameters()]
+
+    # ---- microbatching -----------------------------------------------------------------
+    def microbatches(self, batch: Batch) -> list[Batch]:
+        """Check ``batch`` against the config and split it into microbatches.
+
+        Raises:
+            ValueError: missing/mistyped ``input_ids``, a tensor whose leading dimension or
+                sequence length disagrees with ``input_ids``, a batch size other than
+                ``training.local_batch_size``, or ``seq_len > training.seq_len``.
+        """
+        validate_batch(batch, self.config)
+        return split_batch(batch, self.num_microbatches)
+
+    # ---- the microbatch core -----------------------------------------------------------
+    def forward_backward_batch(
+        self,
+        data_iterator: Iterable[Batch],
+        loss_fn: LossFn | None,
+        loss_weight_fn: LossWeightFn | None,
+        output_post_hook: Callable[[torch.Tensor, Batch], Any] | None = None,
+        return_outputs: bool = False,
+        forward_only: bool = False,
+    ) -> ForwardBackwardOutputs:
+        microbatches = [self._to_device(mb) for mb in data_iterator]
+        if loss_fn is not None and loss_weight_fn is None:
+            raise ValueError("loss_weight_fn is required with loss_fn")
+        out = ForwardBackwardOutputs()
+        weights = [
+            torch.as_tensor(loss_weight_fn(mb), dtype=torch.float32, device=self.device)
+            for mb in microbatches
+        ] if loss_fn is not None else []
+        global_weight = None
+        if weights:
+            # The global weight must be known before any backward (full-batch gradient).
+            global_weight = self._dp_sum(torch.stack(weights).sum())
+            out.global_weight = float(global_weight)
+        weighted_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        grad_ctx = torch.enable_grad() if not forward_only else torch.no_grad()
+        with grad_ctx, self.train_context():
+            for i, mb in enumerate(microbatches):
+                logits = self.model_parts[0](mb["input_ids"])
+                if loss_fn is not None:
+                    loss = loss_fn(logits, mb)
+                    out.losses.append(loss.detach())
+                    # Zero-weight microbatches still backprop (keeps DP collectives in step).
+                    scaled = loss * weights[i] / global_weight.clamp(min=1e-12)
+                    if not forward_only:
+                        scaled.backward()
+                    weighted_sum += scaled.detach()
+                if return_outputs:
+                    hooked = output_post_hook(logits, mb) if output_post_hook else logits
+                    out.mb_outputs.append(hooked.detach() if torch.is_tensor(hooked) else hooked)
+                del logits
+        if loss_fn is not None:
+            out.loss = float(self._dp_sum(weighted_sum))
+        return out
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.dp_mesh.get_group())
+        return x
+
+    def _to_device(self, mb: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    # ---- optimizer verbs ---------------------------------------------------------------
+    def optimizer_zero_grad(self) -> None:
+        self.optimizers.zero_grad()
+
+    def optimizer_step(self) -> float:
+        grad_norm = dist_utils.clip_grad_norm_(
+            self.parameters(),
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {grad_norm} at step {self.step + 1}")
+        self.optimizers.step()
+        self.step += 1
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        self.lr_schedulers.step()
+        return self.current_lr()
+
+    def current_lr(self) -> float:
+        return float(self.lr_schedulers.schedulers[0].get_last_lr()[0])
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> None:
+        """Save model, optimizer, LR scheduler and train state for ``step`` with DCP under
+        ``<dump_folder>/<checkpoint.folder>/step-<step>`` (``.metadata`` written last, so a
+        half-written step is never picked by :meth:`load_checkpoint`).
+
+        Raises:
+            ValueError: if ``checkpoint.enable`` is false.
+        """
+        if not self.checkpointer.enable:
+            raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        self.checkpointer.save(step, last_step=True)
+
+    def load_checkpoint(self, step: int | None = None) -> int:
+        """Restore ``step`` (the latest complete one when None); return the step restored,
+        0 when there is no checkpoint yet.
+
+        Raises:
+            ValueError: if ``checkpoint.enable`` is false.
+            FileNotFoundError: if ``step`` is given and was not saved.
+        """
+        if not self.checkpointer.enable:
+            raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        self.checkpointer.load(step=-1 if step is None else step)
+        return self.step
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+def validate_batch(batch: Batch, config: EngineConfig) -> None:
+    """Check a batch's fields and shapes against the config (see ``TitanEngine.microbatches``)."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise ValueError("batch must be a dict with 'input_ids' [batch, seq] (int64)")
+    ids = batch["input_ids"]
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(
+            f"batch['input_ids'] must be [batch, seq] int64, got {tuple(ids.shape)} {ids.dtype}"
+        )
+    bsz, seq = ids.shape
+    if bsz != config.training.local_batch_size:
+        raise ValueError(
+            f"batch['input_ids'] has batch size {bsz}, expected "
+            f"training.local_batch_size={config.training.local_batch_size}"
+        )
+    if seq > config.training.seq_len:
+        raise ValueError(
+            f"batch['input_ids'] has sequence length {seq} > training.seq_len="
+            f"{config.training.seq_len}"
+        )
+    for key, value in batch.items():
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != bsz:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"batch[{key!r}] must be a tensor with leading dim {bsz}, got {shape}")
+        if value.dim() >= 2 and key != "input_ids" and value.shape[1] != seq:
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(value.shape)}; dim 1 must equal the "
+                f"sequence length {seq} of input_ids"
+            )

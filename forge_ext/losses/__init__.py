@@ -1,0 +1,21 @@
+"""RL losses that satisfy the engine's ``loss_fn(logits, mb) -> scalar`` contract."""
+
+from forge_ext.losses.grpo import (
+    GRPOLoss,
+    compute_group_advantages,
+    grpo_loss,
+    grpo_loss_and_metrics,
+    grpo_metrics,
+    token_logprobs,
+    valid_token_count,
+)
+
+__all__ = [
+    "GRPOLoss",
+    "compute_group_advantages",
+    "grpo_loss",
+    "grpo_loss_and_metrics",
+    "grpo_metrics",
+    "token_logprobs",
+    "valid_token_count",
+]

@@ -1,0 +1,328 @@
+"""GRPO loss for the engine's ``loss_fn(logits, mb) -> scalar`` contract.
+
+Objective (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300, eq. 3), maximised::
+
+    J = E[ min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A) - beta * KL_t ]
+
+with, per response token t of a sequence whose group-normalised advantage is ``A``:
+
+- ``r_t = pi_theta(o_t) / pi_gen(o_t)``: the importance ratio against the log-probs the
+  generator recorded while sampling (``generator_logprobs``);
+- ``KL_t = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1``: the k3 estimator of
+  ``KL(pi_theta || pi_ref)`` (DeepSeekMath eq. 4; Schulman, "Approximating KL divergence",
+  2020), always >= 0, against a frozen reference model's log-probs (``ref_logprobs``);
+- ``A = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath section 4.1.2), see
+  :func:`compute_group_advantages`.
+
+Separate ``eps_low``/``eps_high`` are DAPO's "clip-higher" (Yu et al. 2025,
+arXiv:2503.14476, eq. 10); equal values give GRPO's symmetric clip.
+
+Normalisation: the loss is the *mean over the microbatch's valid tokens* (``labels != -100``),
+i.e. DAPO's token-level normalisation (arXiv:2503.14476 eq. 12), not DeepSeekMath's
+per-sequence ``1/|o_i|`` mean. The engine multiplies each microbatch mean by
+:func:`valid_token_count` and divides by the global token count, so the optimised quantity is
+the mean over every valid token of the step, independent of how it is split into microbatches.
+
+Log-ratios are clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (as
+``torchtitan.experiments.rl.losses.dapo`` does), so a token that is wildly off-policy cannot
+overflow to inf/NaN; that token's clamped term then carries no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torchtitan.components.loss import IGNORE_INDEX, compute_logprobs
+
+MAX_LOG_RATIO = 10.0
+"""Bound on ``|log(pi_a / pi_b)|`` before ``exp``; ``exp(10) ~ 2.2e4``."""
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label token under ``logits``.
+
+    ``out[b, t] = log_softmax(logits[b, t])[labels[b, t]]``, and ``0.0`` where
+    ``labels[b, t] == -100``. Labels are already shifted: the label at position ``t`` is the
+    input token at ``t + 1``. Used by the GRPO loss for the current policy and by a reference
+    model's forward-only pass to produce ``ref_logprobs``.
+
+    Delegates to ``torchtitan.components.loss.compute_logprobs`` (a cross-entropy gather in
+    fp32 that also gathers vocab-sharded tensor-parallel logits).
+
+    Args:
+        logits: ``[batch, seq, vocab]``, any float dtype (upcast to fp32).
+        labels: ``[batch, seq]`` int64 token ids, ``-100`` to ignore.
+
+    Returns:
+        ``[batch, seq]`` fp32 log-probabilities (nats), differentiable w.r.t. ``logits``.
+
+    Raises:
+        ValueError: if ``logits.shape[:2] != labels.shape``.
+    """
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be [batch, seq, vocab] matching "
+            f"labels {tuple(labels.shape)} = [batch, seq]"
+        )
+    return compute_logprobs(logits, labels)
+
+
+def valid_token_count(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Number of valid (trained) tokens in a microbatch: ``(mb["labels"] != -100).sum()``.
+
+    This is the engine's ``loss_weight_fn``: it multiplies the per-microbatch mean returned by
+    :func:`grpo_loss` by this count and divides by the count summed over all microbatches and
+    data-parallel ranks, which makes gradient accumulation exact.
+
+    Returns:
+        0-dim int64 tensor on ``labels``' device.
+    """
+    return (mb["labels"] != IGNORE_INDEX).sum()
+
+
+def compute_group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-normalised advantages: ``A_i = (r_i - mean(r_g)) / (std(r_g) + eps)``.
+
+    DeepSeekMath (arXiv:2402.03300) section 4.1.2, outcome supervision. ``std`` is the
+    population standard deviation (divide by ``group_size``), as torchtitan's
+    ``AdvantageEstimator`` uses (``statistics.pstdev``): a group whose rewards are all equal
+    gets advantage 0 for every member, and ``group_size == 1`` is allowed (all zeros).
+
+    Args:
+        rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
+            group (the completions of one prompt).
+        group_size: completions per prompt, >= 1.
+        eps: added to the std to avoid division by zero.
+
+    Returns:
+        ``[num_groups * group_size]`` advantages, same dtype as ``rewards`` (fp32 if integer).
+
+    Raises:
+        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, or its length is not a
+            multiple of ``group_size``.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
+            f"multiple of group_size={group_size}"
+        )
+    grouped = rewards.float() if not rewards.is_floating_point() else rewards
+    grouped = grouped.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, unbiased=False, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if key not in mb:
+        raise ValueError(f"GRPO microbatch is missing {key!r}; it has {sorted(mb)}")
+    value = mb[key]
+    if tuple(value.shape) != shape:
+        raise ValueError(f"mb[{key!r}] has shape {tuple(value.shape)}, expected {shape}")
+    return value
+
+
+def grpo_loss_and_metrics(
+    logits: torch.Tensor,
+    mb: Mapping[str, torch.Tensor],
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.04,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss (token mean over valid tokens) and detached per-token-mean metrics.
+
+    Args:
+        logits: ``[batch, seq, vocab]`` current-policy logits (fp32).
+        mb: one microbatch with ``labels`` ``[batch, seq]`` int64 (``-100`` = not a response
+            token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]``,
+            ``generator_logprobs`` ``[batch, seq]`` aligned with ``labels``, and
+            ``ref_logprobs`` ``[batch, seq]`` (needed only when ``kl_coef != 0``). Values of
+            ``generator_logprobs``/``ref_logprobs`` at ignored positions are not read.
+        clip_eps_low: ratio lower bound is ``1 - clip_eps_low``.
+        clip_eps_high: ratio upper bound is ``1 + clip_eps_high``.
+        kl_coef: ``beta``, weight of the k3 KL penalty.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` averaged over valid tokens
+        (``0.0``, still attached to the graph, if there are none). ``metrics`` are 0-dim
+        detached tensors, each a mean over valid tokens (NaN when there are none):
+
+        - ``loss``: the loss value;
+        - ``kl``: mean k3 KL to the reference (0 when ``kl_coef == 0``);
+        - ``ratio_mean``: mean importance ratio ``pi_theta / pi_gen``;
+        - ``clip_fraction``: fraction of tokens where the clip binds (ratio below
+          ``1 - eps_low`` with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token
+          gets no policy gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
+        - ``num_valid_tokens``: the count the means are over (a float, for weighting).
+
+    Raises:
+        ValueError: if a required key is missing or shapes disagree.
+    """
+    if "labels" not in mb:
+        raise ValueError(f"GRPO microbatch is missing 'labels'; it has {sorted(mb)}")
+    labels = mb["labels"]
+    logprobs = token_logprobs(logits, labels)
+    batch, seq = labels.shape
+    advantages = _require(mb, "advantages", (batch,)).to(logprobs.dtype)[:, None]
+    generator_logprobs = _require(mb, "generator_logprobs", (batch, seq))
+
+    mask = labels != IGNORE_INDEX
+    num_valid = mask.sum().to(logprobs.dtype)
+    zeros = torch.zeros_like(logprobs)
+
+    # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
+    log_ratio = torch.where(mask, logprobs - generator_logprobs, zeros)
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+
+    if kl_coef != 0.0:
+        ref_logprobs = _require(mb, "ref_logprobs", (batch, seq))
+        ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, zeros)
+        ref_log_ratio = ref_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+    else:
+        kl = zeros
+
+    token_loss = torch.where(mask, -(surrogate - kl_coef * kl), zeros)
+    loss = token_loss.sum() / num_valid.clamp(min=1.0)
+
+    # Tensor ops only (no .item()), so computing metrics never forces a device sync.
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - clip_eps_low) & (advantages < 0)) | (
+            (ratio > 1.0 + clip_eps_high) & (advantages > 0)
+        )
+        sums = {
+            "loss": token_loss.sum(),
+            "kl": (kl * mask).sum(),
+            "ratio_mean": (ratio * mask).sum(),
+            "clip_fraction": (clipped & mask).sum().to(logprobs.dtype),
+        }
+        nan = torch.full_like(num_valid, math.nan)
+        metrics = {
+            name: torch.where(num_valid > 0, total / num_valid.clamp(min=1.0), nan)
+            for name, total in sums.items()
+        }
+        metrics["num_valid_tokens"] = num_valid
+    return loss, metrics
+
+
+def grpo_loss(
+    logits: torch.Tensor,
+    mb: Mapping[str, torch.Tensor],
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.04,
+) -> torch.Tensor:
+    """The GRPO loss alone: a 0-dim tensor, mean over the microbatch's valid tokens.
+
+    See :func:`grpo_loss_and_metrics` for arguments, the formula and errors.
+    """
+    loss, _ = grpo_loss_and_metrics(
+        logits, mb, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef
+    )
+    return loss
+
+
+def grpo_metrics(
+    logits: torch.Tensor,
+    mb: Mapping[str, torch.Tensor],
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.04,
+) -> dict[str, float]:
+    """GRPO metrics for one microbatch as Python floats, computed without autograd.
+
+    Keys and meaning as in :func:`grpo_loss_and_metrics`. Means are over valid tokens; to
+    combine microbatches or ranks, weight each by ``num_valid_tokens`` (sum the products and
+    the counts, then divide), never average the means.
+    """
+    with torch.no_grad():
+        _, metrics = grpo_loss_and_metrics(
+            logits,
+            mb,
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            kl_coef=kl_coef,
+        )
+    return {name: float(value) for name, value in metrics.items()}
+
+
+class GRPOLoss:
+    """Callable GRPO loss built from a :class:`GRPOLoss.Config`; also accumulates metrics.
+
+    ``loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.0))`` satisfies the engine's
+    ``loss_fn(logits, mb) -> scalar`` contract (see :func:`grpo_loss`). Each call also adds
+    its token-weighted metrics to a running sum, so metrics come out without a second forward
+    pass: call :meth:`pop_metrics` after a train step to read and reset them. Every call counts
+    (eval calls too), so pop before and after a step if the same instance is used for both.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        clip_eps_low: float = 0.2
+        """Importance ratio lower clip: ``ratio >= 1 - clip_eps_low``."""
+
+        clip_eps_high: float = 0.2
+        """Importance ratio upper clip: ``ratio <= 1 + clip_eps_high`` (DAPO uses 0.28)."""
+
+        kl_coef: float = 0.04
+        """``beta`` in DeepSeekMath eq. 3; 0 disables the KL term and ``ref_logprobs``."""
+
+        def __post_init__(self) -> None:
+            for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"GRPOLoss.Config.{name}={getattr(self, name)} must be >= 0")
+            if self.clip_eps_low >= 1:
+                raise ValueError(
+                    f"GRPOLoss.Config.clip_eps_low={self.clip_eps_low} must be < 1 "
+                    "(the lower ratio bound 1 - clip_eps_low must stay positive)"
+                )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        # Token-weighted sums kept as tensors, so a call never forces a device sync.
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss, metrics = grpo_loss_and_metrics(
+            logits,
+            mb,
+            clip_eps_low=self.config.clip_eps_low,
+            clip_eps_high=self.config.clip_eps_high,
+            kl_coef=self.config.kl_coef,
+        )
+        n = metrics.pop("num_valid_tokens")
+        for name, mean in metrics.items():
+            weighted = torch.nan_to_num(mean) * n  # an empty microbatch adds 0, not NaN
+            self._sums[name] = self._sums.get(name, 0.0) + weighted
+        self._sums["num_valid_tokens"] = self._sums.get("num_valid_tokens", 0.0) + n
+        return loss
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Token-weighted means of the metrics over all calls since the last pop, then reset.
+
+        Returns:
+            ``{"loss", "kl", "ratio_mean", "clip_fraction", "num_valid_tokens"}`` (means are
+            NaN if no valid token was seen), or ``{}`` if there was no call. Across
+            data-parallel ranks, combine as ``sum(mean * num_valid_tokens) /
+            sum(num_valid_tokens)``, never as a plain mean of means.
+        """
+        sums = {name: float(total) for name, total in self._sums.items()}
+        self._sums = {}
+        if not sums:
+            return {}
+        n = sums.pop("num_valid_tokens")
+        out = {name: total / n if n > 0 else math.nan for name, total in sums.items()}
+        out["num_valid_tokens"] = n
+        return out
