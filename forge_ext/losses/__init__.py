@@ -2,6 +2,7 @@
 
 from forge_ext.losses.grpo import (
     GRPOLoss,
+    build,
     compute_group_advantages,
     grpo_loss,
     grpo_loss_and_metrics,
@@ -12,6 +13,7 @@ from forge_ext.losses.grpo import (
 
 __all__ = [
     "GRPOLoss",
+    "build",
     "compute_group_advantages",
     "grpo_loss",
     "grpo_loss_and_metrics",

@@ -15,11 +15,11 @@ with, per response token t of a sequence whose group-normalised advantage is ``A
   :func:`compute_group_advantages`.
 
 Separate ``eps_low``/``eps_high`` are DAPO's "clip-higher" (Yu et al. 2025,
-arXiv:2503.14476, eq. 10); equal values give GRPO's symmetric clip.
+arXiv:2503.14476, section 3.1); equal values give GRPO's symmetric clip.
 
 Normalisation: the loss is the *mean over the microbatch's valid tokens* (``labels != -100``),
-i.e. DAPO's token-level normalisation (arXiv:2503.14476 eq. 12), not DeepSeekMath's
-per-sequence ``1/|o_i|`` mean. The engine multiplies each microbatch mean by
+i.e. DAPO's token-level policy-gradient loss (arXiv:2503.14476, section 3.3), not
+DeepSeekMath's per-sequence ``1/|o_i|`` mean. The engine multiplies each microbatch mean by
 :func:`valid_token_count` and divides by the global token count, so the optimised quantity is
 the mean over every valid token of the step, independent of how it is split into microbatches.
 
@@ -31,7 +31,7 @@ overflow to inf/NaN; that token's clamped term then carries no gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,8 @@ def grpo_loss_and_metrics(
             token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]``,
             ``generator_logprobs`` ``[batch, seq]`` aligned with ``labels``, and
             ``ref_logprobs`` ``[batch, seq]`` (needed only when ``kl_coef != 0``). Values of
-            ``generator_logprobs``/``ref_logprobs`` at ignored positions are not read.
+            ``generator_logprobs``/``ref_logprobs`` at ignored positions (even inf/NaN) do
+            not affect the loss or its gradient.
         clip_eps_low: ratio lower bound is ``1 - clip_eps_low``.
         clip_eps_high: ratio upper bound is ``1 + clip_eps_high``.
         kl_coef: ``beta``, weight of the k3 KL penalty.
@@ -326,3 +327,16 @@ class GRPOLoss:
         out = {name: total / n if n > 0 else math.nan for name, total in sums.items()}
         out["num_valid_tokens"] = n
         return out
+
+
+def build(**config: float) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
+    """``(loss_fn, loss_weight_fn)`` for the engine, from a ``loss`` config section.
+
+    ``forge_ext.engine.losses.build_loss(name="grpo", **config)`` calls this, e.g. with
+    ``{"kl_coef": 0.0, "clip_eps_high": 0.28}``.
+
+    Raises:
+        TypeError: an unknown key (not a field of :class:`GRPOLoss.Config`).
+        ValueError: an invalid value.
+    """
+    return GRPOLoss(GRPOLoss.Config(**config)), valid_token_count

@@ -1,0 +1,165 @@
+"""Multi-digit addition as a verifiable RL task, generated in-process (no dataset download).
+
+A problem is two operands drawn uniformly from ``[0, 10**max_digits)``. Prompt text is
+``"{a}+{b}="`` (e.g. ``"12+345="``), which the tokenizer encodes as ``<bos>`` followed by one
+token per character; the expected response is the decimal sum without leading zeros followed
+by ``<eos>`` (e.g. ``"357"`` then ``<eos>``). See :mod:`apps.grpo.tokenizer` for the ids.
+
+Reward (:meth:`AdditionTask.reward`): ``1.0`` if the response up to its first ``<eos>`` is
+exactly the sum; ``partial_credit`` (default ``0.0``, off) if it is a wrong but well-formed
+number (one or more digits) followed by ``<eos>``; otherwise ``0.0`` (no ``<eos>``, empty
+answer, any non-digit token). Tokens after the first ``<eos>`` are ignored (the generator
+stops there).
+
+Splits: the held-out set and the training set are disjoint even up to commutativity (no
+``a+b`` in one split when ``a+b`` or ``b+a`` is in the other), and each unordered pair occurs
+at most once overall. Both are a pure function of ``(seed, max_digits, num_eval,
+num_train)``; the held-out set does not depend on ``num_train``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from apps.grpo.tokenizer import EOS_ID, build_tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class AdditionProblem:
+    a: int
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        """Prompt text, e.g. ``"12+345="``."""
+        return f"{self.a}+{self.b}="
+
+    @property
+    def answer(self) -> str:
+        """Expected response text without ``<eos>``, e.g. ``"357"``."""
+        return str(self.a + self.b)
+
+
+class AdditionTask:
+    """Train/held-out addition problems plus their reward and accuracy."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        seed: int = 0
+        """Seed of the problem generator."""
+
+        max_digits: int = 3
+        """Operands are drawn uniformly from ``[0, 10**max_digits)``."""
+
+        num_train: int = 2000
+        """Number of training problems."""
+
+        num_eval: int = 200
+        """Number of held-out problems."""
+
+        partial_credit: float = 0.0
+        """Reward for a wrong but well-formed answer (digits then ``<eos>``); 0 disables."""
+
+        def __post_init__(self) -> None:
+            if self.max_digits < 1:
+                raise ValueError(f"AdditionTask.Config.max_digits={self.max_digits} must be >= 1")
+            if self.num_train < 0 or self.num_eval < 0:
+                raise ValueError(
+                    f"AdditionTask.Config.num_train={self.num_train} and "
+                    f"num_eval={self.num_eval} must be >= 0"
+                )
+            n = 10**self.max_digits
+            capacity = n * (n + 1) // 2  # unordered operand pairs
+            # Rejection sampling of distinct pairs stays cheap while at most half are taken.
+            if self.num_train + self.num_eval > capacity // 2:
+                raise ValueError(
+                    f"AdditionTask.Config.num_train + num_eval = "
+                    f"{self.num_train + self.num_eval} exceeds {capacity // 2}, half of the "
+                    f"{capacity} distinct problems with max_digits={self.max_digits}; "
+                    "raise max_digits or ask for fewer problems"
+                )
+            if not 0.0 <= self.partial_credit < 1.0:
+                raise ValueError(
+                    f"AdditionTask.Config.partial_credit={self.partial_credit} must be in [0, 1)"
+                )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._tokenizer = build_tokenizer()
+        problems = _distinct_problems(
+            random.Random(config.seed), config.max_digits, config.num_eval + config.num_train
+        )
+        self.eval_problems: list[AdditionProblem] = problems[: config.num_eval]
+        self.train_problems: list[AdditionProblem] = problems[config.num_eval :]
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens: ``<bos>``, two operands, ``'+'`` and ``'='``."""
+        return 1 + 2 * self.config.max_digits + 2
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest correct response in tokens: ``max_digits + 1`` digits and ``<eos>``."""
+        return self.config.max_digits + 2
+
+    def reward(self, problem: AdditionProblem, response_ids: Sequence[int]) -> float:
+        """Reward of one sampled response (rules in the module docstring).
+
+        Args:
+            problem: the prompt's problem.
+            response_ids: generated token ids after the prompt, ``<eos>`` included if emitted.
+
+        Returns:
+            ``1.0``, ``config.partial_credit`` or ``0.0``.
+        """
+        text = self._answer_text(response_ids)
+        if text is None:
+            return 0.0
+        if text == problem.answer:
+            return 1.0
+        if text and all(char.isdigit() for char in text):
+            return self.config.partial_credit
+        return 0.0
+
+    def accuracy(
+        self, problems: Sequence[AdditionProblem], responses: Sequence[Sequence[int]]
+    ) -> float:
+        """Fraction of responses that are exactly the sum followed by ``<eos>``, in [0, 1].
+
+        Raises:
+            ValueError: if the two sequences differ in length or are empty.
+        """
+        if len(problems) != len(responses) or not problems:
+            raise ValueError(
+                f"accuracy needs as many responses as problems, and at least one; got "
+                f"{len(responses)} responses for {len(problems)} problems"
+            )
+        correct = sum(
+            self._answer_text(ids) == problem.answer
+            for problem, ids in zip(problems, responses, strict=True)
+        )
+        return correct / len(problems)
+
+    def _answer_text(self, response_ids: Sequence[int]) -> str | None:
+        """Decoded text before the first ``<eos>``; ``None`` if there is no ``<eos>``."""
+        ids = list(response_ids)
+        if EOS_ID not in ids:
+            return None
+        # skip_special_tokens=False: a stray <bos>/<pad> inside the answer must make it wrong.
+        return self._tokenizer.decode(ids[: ids.index(EOS_ID)], skip_special_tokens=False)
+
+
+def _distinct_problems(rng: random.Random, max_digits: int, count: int) -> list[AdditionProblem]:
+    """``count`` problems, no two sharing the same unordered operand pair."""
+    n = 10**max_digits
+    seen: set[tuple[int, int]] = set()
+    problems: list[AdditionProblem] = []
+    while len(problems) < count:
+        a, b = rng.randrange(n), rng.randrange(n)
+        key = (min(a, b), max(a, b))
+        if key not in seen:
+            seen.add(key)
+            problems.append(AdditionProblem(a, b))
+    return problems
