@@ -118,7 +118,7 @@ class EngineConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulersContainer.Config = field(
-        default_factory=lambda: LRSchedulersContainer.Config(warmup_steps=0)
+        default_factory=LRSchedulersContainer.Config
     )
     checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -201,8 +201,15 @@ class EngineConfig:
             )
 
 
-def _cpu_safe_defaults(raw: dict[str, Any]) -> None:
-    """Fill CPU-safe values into fields ``raw`` leaves unset (no-op with CUDA)."""
+def _defaults(raw: dict[str, Any]) -> None:
+    """Fill forge_ext's defaults into fields ``raw`` leaves unset.
+
+    ``checkpoint.last_save_model_only=false``: ``save_checkpoint(step)`` writes a resumable
+    full state (model, optimizer, LR scheduler, step). ``lr_scheduler.warmup_steps=0``.
+    Without an accelerator, also the CPU-safe values listed in the module docstring.
+    """
+    raw.setdefault("checkpoint", {}).setdefault("last_save_model_only", False)
+    raw.setdefault("lr_scheduler", {}).setdefault("warmup_steps", 0)
     if torch.cuda.is_available():
         return
     training = raw.setdefault("training", {})
@@ -226,7 +233,7 @@ def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> Engi
     """
     raw = copy.deepcopy(dict(mapping or {}))
     _check_keys(EngineConfig, raw, "trainer")
-    _cpu_safe_defaults(raw)
+    _defaults(raw)
     try:
         config = dacite.from_dict(
             EngineConfig, raw, config=dacite.Config(strict=True, cast=[tuple])

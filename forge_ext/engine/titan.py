@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import CommConfig, DebugConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -117,6 +118,9 @@ class TitanEngine(BaseEngine):
             sd_adapter=self.sd_adapter,
             base_folder=config.dump_folder,
         )
+        # The engine has no dataloader (callers feed batches); a None entry would be saved
+        # and then demanded on load.
+        getattr(self.checkpointer, "states", {}).pop("dataloader", None)
         if config.model.hf_path:
             self.load_hf_weights(config.model.hf_path)
 
@@ -162,8 +166,26 @@ class TitanEngine(BaseEngine):
         return self.sd_adapter.to_hf(self.model_state_dict())
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full (unsharded) or sharded tensors in torchtitan layout into all parts."""
-        ModelWrapper(self.model_parts).load_state_dict(state_dict)
+        """Load full (unsharded) tensors in torchtitan layout into every model part; each
+        tensor is sharded the way the parameter it replaces is (``distribute_tensor``).
+
+        Raises:
+            KeyError: naming keys of the model missing from ``state_dict``.
+        """
+        wrapper = ModelWrapper(self.model_parts)
+        current = wrapper.state_dict()
+        missing = sorted(set(current) - set(state_dict))
+        if missing:
+            raise KeyError(f"state dict lacks model keys {missing}")
+        sharded = {}
+        for key, cur in current.items():
+            value = state_dict[key]
+            if isinstance(cur, DTensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(
+                    value.to(cur.device, cur.dtype), cur.device_mesh, cur.placements
+                )
+            sharded[key] = value
+        wrapper.load_state_dict(sharded)
 
     def load_hf_weights(self, hf_path: str) -> None:
         """Load HF safetensors from ``hf_path`` through the adapter and DCP's HF reader

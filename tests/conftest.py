@@ -1,0 +1,39 @@
+"""Shared test helpers. ``import forge_ext`` first: it makes torchtitan pick the CPU device
+on machines without an accelerator."""
+
+import forge_ext  # noqa: F401  (must precede any torchtitan import)
+import torch
+
+from forge_ext.engine import IGNORE_INDEX
+
+
+def make_lm_batch(batch_size: int, seq_len: int, vocab: int, seed: int, ignore_prefix=None):
+    """A causal-LM batch: ``input_ids [B, S]`` and shifted ``labels [B, S]``.
+
+    ``ignore_prefix[i]`` masks the first tokens of row i (like a prompt), so rows carry
+    different numbers of valid tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    for i, n in enumerate(ignore_prefix or []):
+        labels[i, :n] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (or the tensor itself)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def random_state_dict(state_dict: dict, seed: int, std: float = 0.2) -> dict:
+    """Random weights shaped like ``state_dict`` (the default init leaves logits near zero,
+    which makes parity tests pass vacuously)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state_dict.items():
+        v = full(v)
+        noise = torch.randn(v.shape, generator=g, dtype=v.dtype) * std
+        out[k] = (1.0 + noise) if "norm" in k else noise
+    return out

@@ -1,0 +1,178 @@
+"""Engine behaviour in one process (world of one, gloo): gradient accumulation is exact,
+eval never depends on the split, checkpoints round-trip, bad input is rejected clearly."""
+
+import copy
+
+import pytest
+import torch
+from conftest import full, make_lm_batch, random_state_dict
+
+from forge_ext.engine import TitanEngine, cross_entropy_loss, engine_config_from_mapping
+from forge_ext.engine import valid_tokens
+from forge_ext.engine.distributed import init_single_process_env
+
+BASE = {
+    "model": {"name": "qwen3", "flavor": "tiny"},
+    "training": {"local_batch_size": 8, "seq_len": 64, "max_norm": 1.0e6},
+    # A large Adam eps keeps the first update proportional to the gradient: with eps=1e-8 it
+    # is lr * sign(g), and fp32 noise flips the sign of near-zero gradients.
+    "optimizer": {"lr": 1e-2, "eps": 1e-3},
+}
+# Rows carry very different valid-token counts, so microbatch means are unequal.
+PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
+
+
+def config(**training):
+    c = copy.deepcopy(BASE)
+    c["training"].update(training)
+    return c
+
+
+@pytest.fixture(scope="module")
+def reference_weights():
+    init_single_process_env()
+    engine = TitanEngine(config())
+    return random_state_dict(engine.model_state_dict(), seed=1)
+
+
+def build(reference_weights, **training) -> TitanEngine:
+    engine = TitanEngine(config(**training))
+    engine.load_model_state_dict(reference_weights)
+    return engine
+
+
+def grads(engine):
+    return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
+
+
+def weights(engine):
+    return {k: full(v).clone() for k, v in engine.model_state_dict().items()}
+
+
+def test_gradient_accumulation_equals_full_batch(reference_weights):
+    batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
+    ga1 = build(reference_weights)
+    ga4 = build(reference_weights, gradient_accumulation_steps=4)
+    results = {}
+    for name, engine in (("ga1", ga1), ("ga4", ga4)):
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(
+            engine.microbatches(batch), cross_entropy_loss, valid_tokens
+        )
+        results[name] = (out, grads(engine))
+        engine.optimizer_step()
+
+    out1, g1 = results["ga1"]
+    out4, g4 = results["ga4"]
+    assert len(out4.losses) == 4
+    assert out1.global_weight == out4.global_weight == float(valid_tokens(batch))
+    # The bug this guards against: averaging microbatch means gives a different loss.
+    naive = torch.stack(out4.losses).mean()
+    assert abs(float(naive) - out4.loss) > 1e-2
+    assert out4.loss == pytest.approx(out1.loss, rel=1e-5)
+    for name in g1:
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-5, atol=1e-6, msg=name)
+    w1, w4 = weights(ga1), weights(ga4)
+    for name in w1:
+        torch.testing.assert_close(w4[name], w1[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_step_loss_is_the_full_batch_token_mean(reference_weights):
+    batch = make_lm_batch(8, 32, 256, seed=3, ignore_prefix=PREFIX)
+    engine = build(reference_weights, microbatch_size=2)
+    logits = engine.forward_batch(batch)
+    reference = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    )
+    metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+    assert metrics["loss"] == pytest.approx(float(reference), rel=1e-5)
+    assert metrics["num_tokens"] == float(valid_tokens(batch))
+    assert set(metrics) == {"loss", "grad_norm", "lr", "num_tokens", "tokens_per_second"}
+
+
+def test_eval_batch_does_not_depend_on_microbatches(reference_weights):
+    batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
+    losses = [
+        build(reference_weights, gradient_accumulation_steps=k).eval_batch(
+            batch, cross_entropy_loss, valid_tokens
+        )
+        for k in (1, 2, 4, 8)
+    ]
+    for loss in losses[1:]:
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_forward_batch_does_not_depend_on_microbatches(reference_weights):
+    batch = make_lm_batch(8, 32, 256, seed=5)
+    a = build(reference_weights).forward_batch(batch)
+    engine = build(reference_weights, microbatch_size=2)
+    b = engine.forward_batch(batch)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert engine.forward is not None and engine.forward_batch(batch).shape == a.shape
+    tails = engine.forward(batch, output_seqlens=[3] * 8)
+    assert len(tails) == 8 and tails[0].shape == (3, 256)
+    torch.testing.assert_close(tails[2], b[2, -3:], rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_round_trip(reference_weights, tmp_path):
+    ckpt = {"enable": True, "folder": "ckpt"}
+    batches = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in range(4)]
+    cfg = config(microbatch_size=4)
+    cfg.update(checkpoint=ckpt, dump_folder=str(tmp_path))
+    first = TitanEngine(cfg)
+    first.load_model_state_dict(reference_weights)
+    for b in batches[:2]:
+        first.train_batch(b, cross_entropy_loss, valid_tokens)
+    first.save_checkpoint(first.step)
+    expected = first.train_batch(batches[2], cross_entropy_loss, valid_tokens)
+
+    fresh = TitanEngine(cfg)
+    assert fresh.load_checkpoint() == 2
+    got = fresh.train_batch(batches[2], cross_entropy_loss, valid_tokens)
+    assert got["loss"] == expected["loss"]
+    assert got["lr"] == expected["lr"]
+    assert got["grad_norm"] == expected["grad_norm"]
+
+
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"training": {"local_batch_size": 6, "microbatch_size": 4}},
+         "training.local_batch_size=6 is not a multiple of training.microbatch_size=4"),
+        ({"training": {"local_batch_size": 6, "gradient_accumulation_steps": 4}},
+         "training.gradient_accumulation_steps=4"),
+        ({"model": {"flavor": "huge-typo"}}, "model.flavor='huge-typo'"),
+        ({"model": {"name": "gpt9"}}, "model.name='gpt9'"),
+        ({"training": {"microbatch": 2}}, "trainer.training.microbatch"),
+        ({"training": {"seq_len": 100000}}, "training.seq_len=100000"),
+        ({"optimizer": {"lr": "fast"}}, "trainer.optimizer.lr"),
+    ],
+)
+def test_bad_config_names_the_field(mapping, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        engine_config_from_mapping(mapping)
+
+
+def test_bad_batch_is_rejected_and_engine_stays_usable(reference_weights):
+    engine = build(reference_weights, microbatch_size=2)
+    good = make_lm_batch(8, 32, 256, seed=6)
+    before = weights(engine)
+    bad_batches = {
+        "local_batch_size=8": make_lm_batch(6, 32, 256, seed=6),
+        "dim 1 must equal the sequence length": {**good, "labels": good["labels"][:, :16]},
+        r"batch\['input_ids'\] must be \[batch, seq\] int64": {
+            **good, "input_ids": good["input_ids"].float()
+        },
+        r"batch\['advantages'\] must be a tensor with leading dim 8": {
+            **good, "advantages": torch.ones(5)
+        },
+        "training.seq_len=64": make_lm_batch(8, 80, 256, seed=6),
+    }
+    for message, batch in bad_batches.items():
+        with pytest.raises(ValueError, match=message):
+            engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+    after = weights(engine)
+    for k in before:
+        assert torch.equal(before[k], after[k])
+    metrics = engine.train_batch(good, cross_entropy_loss, valid_tokens)
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and engine.step == 1
