@@ -143,6 +143,48 @@ class RLTrainer(Actor):
         return self.engine.load_checkpoint(step)
 
     @endpoint
+    async def forward(
+        self,
+        inputs: list[dict[str, torch.Tensor]],
+        targets: list[dict[str, torch.Tensor]] | None = None,
+        output: str = "logits",
+    ) -> torch.Tensor | None:
+        """Forward-only pass over this rank's batch (no gradients).
+
+        Args:
+            output: ``"logits"`` (``[local_batch, S, V]``) or ``"logprobs"`` (``[local_batch,
+                S]`` log-probability of each label, 0 where the label is ignored; needs
+                ``targets`` with ``labels``).
+
+        Returns:
+            The output on ranks holding the last PP stage; None on the other stages.
+        """
+        if output not in ("logits", "logprobs"):
+            raise ValueError(f"output={output!r} must be 'logits' or 'logprobs'")
+        if output == "logprobs" and targets is None:
+            raise ValueError("output='logprobs' needs targets with 'labels'")
+        batch = self._local_batch(inputs, targets or [{} for _ in inputs])
+        hook = _label_logprobs if output == "logprobs" else None
+        return self.engine.forward_batch(batch, post_hook=hook)
+
+    @endpoint
+    async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the model weights with full tensors in HF layout (each PP stage and DP/TP
+        shard takes its part). Optimizer state is left as is."""
+        self.engine.load_model_state_dict(self.engine.sd_adapter.from_hf(state_dict))
+
+    @endpoint
+    async def get_gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's accumulated gradients, gathered to full tensors, by parameter name
+        (torchtitan names; under PP only this stage's parameters). For tests and debugging."""
+        return {
+            name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for part in self.engine.model_parts
+            for name, p in part.named_parameters()
+            if p.grad is not None
+        }
+
+    @endpoint
     async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) model weights in HF layout; for tests and small models."""
         sd = self.engine.hf_state_dict()
@@ -230,7 +272,26 @@ class TrainerHandle:
         return await self._call("load_checkpoint", step)
 
     async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return await self._call("get_hf_state_dict")
+        """Full weights in HF layout, merged over PP stages."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in (await self.actor.get_hf_state_dict.call()).values():
+            merged.update(part)
+        return merged
+
+    async def forward(self, inputs, targets=None, output: str = "logits") -> torch.Tensor:
+        """Outputs of every data-parallel rank, concatenated in DP-rank order."""
+        values = await self.actor.forward.call(inputs, targets, output)
+        return torch.cat([v for v in values.values() if v is not None])
+
+    async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        await self.actor.load_hf_state_dict.call(state_dict)
+
+    async def get_gradients(self) -> dict[str, torch.Tensor]:
+        """Gradients of all parameters, merged over PP stages."""
+        merged: dict[str, torch.Tensor] = {}
+        for grads in (await self.actor.get_gradients.call()).values():
+            merged.update(grads)
+        return merged
 
 
 def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
@@ -286,3 +347,10 @@ async def spawn_trainer(
         await procs.stop()
         raise
     return TrainerHandle(actor=actor, procs=procs, config=config, num_procs=n)
+
+
+def _label_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, S]`` log-probability of each label under ``logits`` (0 where ignored)."""
+    from forge_ext.losses.grpo import token_logprobs
+
+    return token_logprobs(logits, mb["labels"])

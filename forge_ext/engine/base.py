@@ -39,14 +39,15 @@ class ForwardBackwardOutputs:
             ``return_outputs=True``; empty otherwise. Under PP only the last stage has them.
         losses: per microbatch, the detached ``loss_fn`` value (a mean over the microbatch).
         loss: the step loss ``sum_i w_i * loss_i / sum_i w_i`` over all microbatches of all
-            data-parallel ranks, as a float, identical on every rank (NaN on PP stages that
-            hold no loss). This is a weighted mean, never a sum logged as a mean.
+            data-parallel ranks, as a float, identical on every rank; None without a loss
+            function and on PP ranks without the last stage (they hold no loss). A weighted
+            mean, never a sum logged as a mean.
         global_weight: ``sum_i w_i`` over all microbatches and data-parallel ranks.
     """
 
     mb_outputs: list[Any] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
-    loss: float = float("nan")
+    loss: float | None = None
     global_weight: float = 0.0
 
 

@@ -20,7 +20,7 @@ name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``.
 CPU-safe defaults (applied only to fields the mapping leaves unset, when no accelerator is
 present; see shared FINDINGS): ``training.mixed_precision_param=float32`` (bf16 matmuls are ~20x
 slower on CPU), ``parallelism.spmd_backend=partial_dtensor``, data parallelism by replication
-(``data_parallel_shard_degree=1``) and ``training.disable_cuda_graphs=true``.
+(``data_parallel_shard_degree=1``). Always: ``training.disable_cuda_graphs=true``.
 """
 
 from __future__ import annotations
@@ -165,6 +165,36 @@ class EngineConfig:
             return ga
         return 1
 
+    def num_pp_microbatches(self) -> int:
+        """PP microbatches per ``schedule.step`` (1 without PP): each gradient-accumulation
+        microbatch is split into pieces of ``parallelism.pipeline_parallel_microbatch_size``.
+
+        Raises:
+            ValueError: naming the fields when they do not divide or when there would be
+                fewer PP microbatches than pipeline stages.
+        """
+        par = self.parallelism
+        if par.pipeline_parallel_degree <= 1:
+            return 1
+        per_step = self.training.local_batch_size // self.num_microbatches()
+        size = par.pipeline_parallel_microbatch_size
+        if size <= 0 or per_step % size:
+            raise ValueError(
+                f"training.local_batch_size={self.training.local_batch_size} / "
+                f"{self.num_microbatches()} gradient-accumulation microbatches = {per_step} "
+                f"sequences per pipeline step is not divisible by "
+                f"parallelism.pipeline_parallel_microbatch_size={size}"
+            )
+        n = per_step // size
+        if n < par.pipeline_parallel_degree:
+            raise ValueError(
+                f"{n} PP microbatches per step is fewer than "
+                f"parallelism.pipeline_parallel_degree={par.pipeline_parallel_degree} stages; "
+                "lower parallelism.pipeline_parallel_microbatch_size or raise "
+                "training.local_batch_size"
+            )
+        return n
+
     def validate(self) -> None:
         """Check everything the config alone shows, before any process is spawned.
 
@@ -188,6 +218,8 @@ class EngineConfig:
                 f"training.seq_len={self.training.seq_len} exceeds the model's maximum "
                 f"sequence length {max_seq_len} ({self.model.name} {self.model.flavor})"
             )
+        if self.pp_degree > 1:
+            _validate_pipeline_config(self, spec)
         if not torch.cuda.is_available() and self.model.attn_backend != "sdpa":
             raise ValueError(
                 f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
@@ -201,6 +233,28 @@ class EngineConfig:
             )
 
 
+def _validate_pipeline_config(config: "EngineConfig", spec) -> None:
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    par = config.parallelism
+    try:
+        get_schedule_class(par.pipeline_parallel_schedule)
+    except ValueError:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={par.pipeline_parallel_schedule!r} is "
+            "not a torch.distributed.pipelining schedule (e.g. 1F1B, GPipe, Interleaved1F1B)"
+        ) from None
+    if getattr(spec.model, "enable_weight_tying", False):
+        raise ValueError(
+            f"model {config.model.name} {config.model.flavor} ties its embedding and output "
+            "weights, which pipeline parallelism cannot split; use an untied flavor "
+            "(tie_word_embeddings=false) or parallelism.pipeline_parallel_degree=1"
+        )
+    if spec.pipelining_fn is None:
+        raise ValueError(f"model.name={config.model.name!r} does not support pipelining")
+    config.num_pp_microbatches()
+
+
 def _defaults(raw: dict[str, Any]) -> None:
     """Fill forge_ext's defaults into fields ``raw`` leaves unset.
 
@@ -210,11 +264,12 @@ def _defaults(raw: dict[str, Any]) -> None:
     """
     raw.setdefault("checkpoint", {}).setdefault("last_save_model_only", False)
     raw.setdefault("lr_scheduler", {}).setdefault("warmup_steps", 0)
+    # The engine never captures CUDA graphs; torchtitan refuses PP unless they are off.
+    raw.setdefault("training", {}).setdefault("disable_cuda_graphs", True)
     if torch.cuda.is_available():
         return
     training = raw.setdefault("training", {})
     training.setdefault("mixed_precision_param", "float32")
-    training.setdefault("disable_cuda_graphs", True)
     par = raw.setdefault("parallelism", {})
     par.setdefault("spmd_backend", "partial_dtensor")
     par.setdefault("data_parallel_shard_degree", 1)

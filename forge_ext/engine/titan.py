@@ -77,6 +77,7 @@ class TitanEngine(BaseEngine):
             parallel_dims=self.parallel_dims, spmd_typechecking=False
         )
         self.num_microbatches = config.num_microbatches()
+        self.num_pp_microbatches = config.num_pp_microbatches()
 
         self.model_spec = build_model_spec(
             config.model.name, config.model.flavor, hf_path=config.model.hf_path,
@@ -131,21 +132,46 @@ class TitanEngine(BaseEngine):
 
     # ---- construction ------------------------------------------------------------------
     def _parallelize(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Apply SPMD parallelisms (and PP stage splitting), materialise, init weights."""
         config = self.config
-        model = self.model_spec.parallelize_fn(
-            model,
+        common = dict(
             parallel_dims=self.parallel_dims,
-            training=config.training,
             parallelism=config.parallelism,
             compile_config=config.compile,
             ac_config=config.activation_checkpoint.to_titan(),
             dump_folder=config.dump_folder,
         )
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        return [model]
+        self.pp_schedule = None
+        self.pp_has_first_stage = self.pp_has_last_stage = True
+        if self.parallel_dims.pp_enabled:
+            # One schedule.step per gradient-accumulation microbatch: the schedule splits that
+            # microbatch into local_batch_size / GA / pipeline_parallel_microbatch_size pieces.
+            step_training = replace(
+                config.training,
+                local_batch_size=config.training.local_batch_size // self.num_microbatches,
+            )
+            self._pp_loss = _PipelineLoss()
+            (
+                self.pp_schedule,
+                parts,
+                self.pp_has_first_stage,
+                self.pp_has_last_stage,
+            ) = self.model_spec.pipelining_fn(
+                model, training=step_training, device=self.device,
+                model_config=self.model_spec.model,
+                parallelize_fn=self.model_spec.parallelize_fn, loss_fn=self._pp_loss,
+                **common,
+            )
+        else:
+            parts = [
+                self.model_spec.parallelize_fn(model, training=config.training, **common)
+            ]
+        for part in parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+            part.train()
+        return parts
 
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -220,39 +246,71 @@ class TitanEngine(BaseEngine):
         return_outputs: bool = False,
         forward_only: bool = False,
     ) -> ForwardBackwardOutputs:
-        microbatches = [self._to_device(mb) for mb in data_iterator]
         if loss_fn is not None and loss_weight_fn is None:
             raise ValueError("loss_weight_fn is required with loss_fn")
+        microbatches = [self._to_device(mb) for mb in data_iterator]
+        # Under PP each microbatch is one schedule.step over its PP microbatches; the loss
+        # weights belong to the PP microbatches, which are the units the loss sees.
+        groups = (
+            [split_batch(mb, self.num_pp_microbatches) for mb in microbatches]
+            if self.pp_schedule is not None else [[mb] for mb in microbatches]
+        )
+        units = [mb for group in groups for mb in group]
         out = ForwardBackwardOutputs()
-        weights = [
-            torch.as_tensor(loss_weight_fn(mb), dtype=torch.float32, device=self.device)
-            for mb in microbatches
-        ] if loss_fn is not None else []
+        weights: list[torch.Tensor] = []
         global_weight = None
-        if weights:
-            # The global weight must be known before any backward (full-batch gradient).
+        if loss_fn is not None:
+            weights = [
+                torch.as_tensor(loss_weight_fn(mb), dtype=torch.float32, device=self.device)
+                for mb in units
+            ]
+            # Known before any backward: the step's loss is normalised once, globally.
             global_weight = self._dp_sum(torch.stack(weights).sum())
             out.global_weight = float(global_weight)
-        weighted_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        grad_ctx = torch.enable_grad() if not forward_only else torch.no_grad()
+        loss_term = _LossTerm(
+            loss_fn, weights, global_weight, output_post_hook, keep_outputs=return_outputs
+        )
+        grad_ctx = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_ctx, self.train_context():
-            for i, mb in enumerate(microbatches):
-                logits = self.model_parts[0](mb["input_ids"])
-                if loss_fn is not None:
-                    loss = loss_fn(logits, mb)
-                    out.losses.append(loss.detach())
-                    # Zero-weight microbatches still backprop (keeps DP collectives in step).
-                    scaled = loss * weights[i] / global_weight.clamp(min=1e-12)
-                    if not forward_only:
+            if self.pp_schedule is None:
+                for i, mb in enumerate(units):
+                    scaled = loss_term(self.model_parts[0](mb["input_ids"]), mb, i)
+                    if loss_fn is not None and not forward_only:
                         scaled.backward()
-                    weighted_sum += scaled.detach()
-                if return_outputs:
-                    hooked = output_post_hook(logits, mb) if output_post_hook else logits
-                    out.mb_outputs.append(hooked.detach() if torch.is_tensor(hooked) else hooked)
-                del logits
+            else:
+                self._pipeline_steps(groups, units, loss_term, forward_only)
+        loss_term.fill(out)
         if loss_fn is not None:
-            out.loss = float(self._dp_sum(weighted_sum))
+            # Only ranks holding the last PP stage computed losses; others report None.
+            local = sum(loss_term.scaled.values(), torch.zeros((), device=self.device))
+            total = float(self._dp_sum(local))
+            out.loss = total if self.pp_has_last_stage else None
         return out
+
+    def _pipeline_steps(
+        self, groups: list[list[Batch]], units: list[Batch], loss_term: "_LossTerm",
+        forward_only: bool,
+    ) -> None:
+        """Run one ``schedule.step`` (or ``eval``) per group of PP microbatches.
+
+        The schedule calls ``self._pp_loss(logits, target)`` on the last stage per PP
+        microbatch; ``target`` carries the microbatch's index into ``units`` (a tensor the
+        schedule splits like the inputs), so the loss reads the whole microbatch dict and
+        returns the globally normalised term: backward inside ``step`` sees the final scale.
+        """
+        self._pp_loss.term, self._pp_loss.units = loss_term, units
+        offset = 0
+        for group in groups:
+            n = len(group)
+            target = torch.arange(offset, offset + n, device=self.device)
+            inputs = (torch.cat([mb["input_ids"] for mb in group]),) if self.pp_has_first_stage else ()
+            run = self.pp_schedule.eval if forward_only else self.pp_schedule.step
+            kwargs = {"target": target} if self.pp_has_last_stage else {}
+            if not forward_only:
+                kwargs["return_outputs"] = False
+            run(*inputs, **kwargs)
+            offset += n
+        self._pp_loss.term, self._pp_loss.units = None, []
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp_mesh is None or self.dp_mesh.size() == 1:
@@ -349,3 +407,54 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
                 f"batch[{key!r}] has shape {tuple(value.shape)}; dim 1 must equal the "
                 f"sequence length {seq} of input_ids"
             )
+
+
+class _LossTerm:
+    """Computes one microbatch's contribution ``w_i * loss_i / W`` and records outputs.
+
+    Shared by the plain loop and the PP schedule's loss callback, so both normalise the same
+    way. Records are keyed by microbatch index: the schedule may call the loss once more for
+    its shape inference, and the real call then overwrites that record. Without a loss
+    function (``forward_batch``) the term is a zero that keeps the schedule's loss path
+    well defined.
+    """
+
+    def __init__(self, loss_fn, weights, global_weight, post_hook, *, keep_outputs):
+        self.loss_fn, self.weights, self.global_weight = loss_fn, weights, global_weight
+        self.post_hook, self.keep_outputs = post_hook, keep_outputs
+        self.scaled: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+
+    def __call__(self, logits: torch.Tensor, mb: Batch, index: int) -> torch.Tensor:
+        if self.keep_outputs:
+            hooked = self.post_hook(logits, mb) if self.post_hook else logits
+            self.outputs[index] = hooked.detach() if torch.is_tensor(hooked) else hooked
+        if self.loss_fn is None:
+            return logits.sum() * 0.0
+        loss = self.loss_fn(logits, mb)
+        self.losses[index] = loss.detach()
+        # Zero-weight microbatches still run backward (keeps DP collectives in step).
+        scaled = loss * self.weights[index] / self.global_weight.clamp(min=1e-12)
+        self.scaled[index] = scaled.detach()
+        return scaled
+
+    def fill(self, out: ForwardBackwardOutputs) -> None:
+        out.mb_outputs = [self.outputs[i] for i in sorted(self.outputs)]
+        out.losses = [self.losses[i] for i in sorted(self.losses)]
+
+
+class _PipelineLoss:
+    """The loss callable handed to torchtitan's ``pipelining_fn`` at build time; the engine
+    points it at the current step's :class:`_LossTerm` before each ``schedule.step``."""
+
+    def __init__(self):
+        self.term: _LossTerm | None = None
+        self.units: list[Batch] = []
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, **_: Any):
+        if self.term is None or logits.device.type == "meta":
+            # Shape inference by the schedule: any scalar depending on the output will do.
+            return logits.sum() * 0.0, {}
+        index = int(target.reshape(-1)[0])
+        return self.term(logits, self.units[index], index), {}

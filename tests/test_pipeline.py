@@ -1,0 +1,135 @@
+"""Pipeline parallelism through RLTrainer on real Monarch procs (gloo): PP=2 and PP=2 x DP=2
+give the same loss, gradients and weights as PP=1 from the same weights and batch, with
+gradient accumulation over microbatches of unequal valid-token counts."""
+
+import copy
+
+import pytest
+import pytest_asyncio
+import torch
+from conftest import make_lm_batch, random_state_dict
+
+from forge_ext.actors import spawn_trainer
+from forge_ext.engine import engine_config_from_mapping
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BATCH = 8
+BASE = {
+    "model": {"name": "qwen3", "flavor": "tiny"},
+    "training": {"local_batch_size": BATCH, "gradient_accumulation_steps": 2, "seq_len": 64,
+                 "max_norm": 1.0e6},
+    "optimizer": {"lr": 1e-2, "eps": 1e-3},  # large eps: first Adam step ~ linear in grad
+}
+PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
+
+
+def config(pp=1, dp=1, schedule="1F1B", **extra):
+    c = copy.deepcopy(BASE)
+    c["training"]["local_batch_size"] = BATCH // dp
+    c["parallelism"] = {
+        "pipeline_parallel_degree": pp, "data_parallel_replicate_degree": dp,
+        "pipeline_parallel_microbatch_size": 1, "pipeline_parallel_schedule": schedule,
+    }
+    c.update(extra)
+    return c
+
+
+def split(batch, dp):
+    return ([{"input_ids": t} for t in batch["input_ids"].chunk(dp)],
+            [{"labels": t} for t in batch["labels"].chunk(dp)])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def meshes(tmp_path_factory):
+    ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"},
+            "dump_folder": str(tmp_path_factory.mktemp("pp"))}
+    handles = {
+        "pp1": await spawn_trainer(config()),
+        "pp2": await spawn_trainer(config(pp=2, **ckpt)),
+        "pp2dp2": await spawn_trainer(config(pp=2, dp=2, schedule="Interleaved1F1B")),
+    }
+    weights = random_state_dict(await handles["pp1"].get_hf_state_dict(), seed=3)
+    for h in handles.values():
+        await h.load_hf_state_dict(weights)
+    yield handles
+    for h in handles.values():
+        await h.stop()
+
+
+async def one_step(handle, batch, dp):
+    fb = await handle.forward_backward(*split(batch, dp))
+    grads = await handle.get_gradients()
+    await handle.optim_step()
+    return fb, grads, await handle.get_hf_state_dict()
+
+
+@pytest.mark.parametrize("name, dp", [("pp2", 1), ("pp2dp2", 2)])
+async def test_pipeline_equals_no_pipeline(meshes, name, dp):
+    batch = make_lm_batch(BATCH, 32, 256, seed=11, ignore_prefix=PREFIX)
+    ref = meshes["pp1"]
+    weights = await ref.get_hf_state_dict()
+    await meshes[name].load_hf_state_dict(weights)
+    fb_ref, g_ref, w_ref = await one_step(ref, batch, 1)
+    fb, g, w = await one_step(meshes[name], batch, dp)
+    assert fb["loss"] == pytest.approx(fb_ref["loss"], rel=1e-5)
+    assert fb["num_tokens"] == fb_ref["num_tokens"]
+    assert set(g) == set(g_ref)
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    await meshes[name].load_hf_state_dict(weights)
+    await ref.load_hf_state_dict(weights)
+
+
+async def test_eval_and_forward_under_pipeline_equal_no_pipeline(meshes):
+    batch = make_lm_batch(BATCH, 32, 256, seed=12, ignore_prefix=PREFIX)
+    for name, dp in (("pp2", 1), ("pp2dp2", 2)):
+        ref_loss = await meshes["pp1"].eval_step(*split(batch, 1))
+        loss = await meshes[name].eval_step(*split(batch, dp))
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        ref_logits = await meshes["pp1"].forward(*split(batch, 1))
+        logits = await meshes[name].forward(*split(batch, dp))
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        lp = await meshes[name].forward(*split(batch, dp), output="logprobs")
+        assert lp.shape == (BATCH, 32)
+    # Stages other than the last return nothing, not zeros.
+    values = list((await meshes["pp2"].actor.forward.call(*split(batch, 1))).values())
+    assert values[0] is None and values[1] is not None
+    losses = list((await meshes["pp2"].actor.eval_step.call(*split(batch, 1))).values())
+    assert losses[0] is None and losses[1] == pytest.approx(ref_loss, rel=1e-5)
+
+
+async def test_pipeline_checkpoint_restores_exactly(meshes):
+    pp2 = meshes["pp2"]
+    batches = [make_lm_batch(BATCH, 32, 256, seed=s, ignore_prefix=PREFIX) for s in (13, 14)]
+    await pp2.train_step(*split(batches[0], 1))
+    step = await pp2.save_checkpoint()
+    first = await pp2.train_step(*split(batches[1], 1), return_metrics=True)
+    w_first = await pp2.get_hf_state_dict()
+    assert await pp2.load_checkpoint(step) == step
+    again = await pp2.train_step(*split(batches[1], 1), return_metrics=True)
+    assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
+    w_again = await pp2.get_hf_state_dict()
+    assert all(torch.equal(w_first[k], w_again[k]) for k in w_first)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": {"name": "qwen3", "flavor": "debugmodel"}}, "ties its embedding"),
+        ({"parallelism": {"pipeline_parallel_microbatch_size": 4}},
+         "fewer than parallelism.pipeline_parallel_degree=2"),
+        ({"parallelism": {"pipeline_parallel_schedule": "2F2B"}},
+         "pipeline_parallel_schedule='2F2B'"),
+        ({"parallelism": {"pipeline_parallel_microbatch_size": 3}},
+         "not divisible by parallelism.pipeline_parallel_microbatch_size=3"),
+    ],
+)
+async def test_bad_pipeline_config_fails_before_spawn(change, message):
+    c = config(pp=2)
+    for section, values in change.items():
+        c[section] = {**c.get(section, {}), **values}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        engine_config_from_mapping(c)
