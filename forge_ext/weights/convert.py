@@ -3,23 +3,20 @@
 The HF layout is what ``transformers``' ``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``LlamaForCausalLM`` return from ``state_dict()`` (and what torchtitan's state-dict adapters
 produce with ``to_hf``). The vLLM layout is the set of parameters of vLLM's models of the same
-names, whose projections are fused and, under tensor parallelism (TP), split per rank:
+names, whose projections are fused and, under tensor parallelism (TP), split per rank (shapes
+on rank ``r`` of ``T``):
 
-==========================================  ===========================  =========================
-vLLM parameter (shape on TP rank r of T)     HF source                    vLLM layer
-==========================================  ===========================  =========================
-``model.embed_tokens.weight [Vp/T, h]``      same key ``[V, h]``          ``VocabParallelEmbedding``
-``...self_attn.qkv_proj.weight``             ``q_proj, k_proj, v_proj``   ``QKVParallelLinear``
-``  [(Hq/T + 2*Hkv_r) * d, h]``
-``...self_attn.qkv_proj.bias``               their biases (Qwen2)         ``QKVParallelLinear``
-``...self_attn.o_proj.weight [h, Hq*d/T]``   same key                     ``RowParallelLinear``
-``...mlp.gate_up_proj.weight [2*I/T, h]``    ``gate_proj, up_proj``       ``MergedColumnParallelLinear``
-``...mlp.down_proj.weight [h, I/T]``         same key                     ``RowParallelLinear``
-norms, ``o_proj.bias``, ``down_proj.bias``   same key, replicated         (RMSNorm; row-parallel
-                                                                          biases are added once,
-                                                                          on rank 0)
-``lm_head.weight [Vp/T, h]``                 same key; absent when tied   ``ParallelLMHead``
-==========================================  ===========================  =========================
+- ``model.embed_tokens.weight [Vp/T, h]`` <- same key ``[V, h]``: ``VocabParallelEmbedding``
+- ``...self_attn.qkv_proj.weight [(Hq/T + 2*Hkv_r) * d, h]`` (and ``.bias``, Qwen2) <-
+  ``q_proj``, ``k_proj``, ``v_proj``: ``QKVParallelLinear``
+- ``...self_attn.o_proj.weight [h, Hq*d/T]`` <- same key: ``RowParallelLinear``
+- ``...mlp.gate_up_proj.weight [2*I/T, h]`` <- ``gate_proj``, ``up_proj``:
+  ``MergedColumnParallelLinear``
+- ``...mlp.down_proj.weight [h, I/T]`` <- same key: ``RowParallelLinear``
+- norms, ``o_proj.bias``, ``down_proj.bias`` <- same key, full on every rank (vLLM adds a
+  row-parallel bias once, on rank 0)
+- ``lm_head.weight [Vp/T, h]`` <- same key: ``ParallelLMHead``; absent when the embeddings are
+  tied (vLLM's ``lm_head`` is then ``embed_tokens``)
 
 (``h`` hidden_size, ``d`` head_dim, ``Hq``/``Hkv`` attention / key-value heads, ``I``
 intermediate_size, ``V`` vocab_size, ``Vp`` vocab_size padded to a multiple of 64.)
@@ -39,6 +36,13 @@ vLLM's parameters hold them: rank ``r`` gets rows ``[r*Vp/T, (r+1)*Vp/T)`` of th
 vocabulary, and rows at or beyond ``vocab_size`` are zero (vLLM's ``weight_loader`` zero-fills
 them too). With ``tp_rank=None`` vocabulary tensors stay unpadded ``[V, h]``. ``vllm_to_hf``
 accepts ``V`` or ``Vp`` rows and drops the padding.
+
+Use on the vLLM side: copy each tensor into the parameter of the same name
+(``dict(model.named_parameters())[key].data.copy_(tensor)``). Do not pass the fused names to
+vLLM's ``model.load_weights``: it expects HF names and matches them by substring, so
+``...qkv_proj.weight`` would match the "v_proj" entry and be renamed ``...qkqkv_proj.weight``.
+vLLM's Qwen3 has no ``o_proj`` bias: a Qwen3 config with ``attention_bias=True`` yields an
+``o_proj.bias`` that vLLM has no parameter for (no released Qwen3 sets it).
 
 Storage: an output that is an input tensor unchanged (a norm, an unsharded ``o_proj``, ...) is
 returned as that very tensor, without a copy. Every other output is freshly allocated,
@@ -75,7 +79,7 @@ __all__ = [
 ]
 
 #: vLLM pads the vocabulary of ``VocabParallelEmbedding`` / ``ParallelLMHead`` to a multiple of
-#: this (``DEFAULT_VOCAB_PADDING_SIZE`` in ``vllm/model_executor/layers/vocab_parallel_embedding.py``).
+#: this (``DEFAULT_VOCAB_PADDING_SIZE`` in vLLM's ``layers/vocab_parallel_embedding.py``).
 VOCAB_PADDING_SIZE = 64
 
 _SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -206,7 +210,9 @@ class _TensorParallelPlan:
 
     tp_size: int
     q_rows: int  # q_proj rows per rank: query heads per rank * head_dim
-    kv_rows: int  # k_proj (and v_proj) rows per rank: KV heads per rank (1 if replicated) * head_dim
+    kv_rows: (
+        int  # k_proj (and v_proj) rows per rank: KV heads per rank (1 if replicated) * head_dim
+    )
     kv_replicas: int  # ranks holding the same KV head
     intermediate: int  # gate (and up) rows per rank
     vocab_padded: int
@@ -288,7 +294,11 @@ def _params(cfg: ModelConfig) -> list[_Param]:
 
     params = [same("model.embed_tokens.weight", (cfg.vocab_size, h), _Kind.VOCAB)]
     for i in range(cfg.num_hidden_layers):
-        layer, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layer, attn, mlp = (
+            f"model.layers.{i}.",
+            f"model.layers.{i}.self_attn.",
+            f"model.layers.{i}.mlp.",
+        )
         qkv_names, qkv_rows = ("q_proj", "k_proj", "v_proj"), (q, kv, kv)
         params.append(same(layer + "input_layernorm.weight", (h,)))
         params.append(fused(attn, qkv_names, "weight", qkv_rows, _Kind.QKV))
@@ -301,7 +311,7 @@ def _params(cfg: ModelConfig) -> list[_Param]:
         if cfg.o_proj_bias:
             params.append(same(attn + "o_proj.bias", (h,)))
         params.append(same(layer + "post_attention_layernorm.weight", (h,)))
-        gate_up, gate_up_rows = ("up_proj", "gate_proj"), (inter, inter)
+        gate_up, gate_up_rows = ("gate_proj", "up_proj"), (inter, inter)
         params.append(fused(mlp, gate_up, "weight", gate_up_rows, _Kind.MERGED_COLUMN))
         if cfg.mlp_bias:
             params.append(fused(mlp, gate_up, "bias", gate_up_rows, _Kind.MERGED_COLUMN))
@@ -318,7 +328,7 @@ _FUSED = (_Kind.QKV, _Kind.MERGED_COLUMN)
 
 
 def _vllm_shape(param: _Param, plan: _TensorParallelPlan | None) -> tuple[int, ...]:
-    """Shape of ``param`` in vLLM layout: full and unpadded when ``plan`` is None, else one rank's."""
+    """Shape of ``param`` in vLLM layout: whole and unpadded if ``plan`` is None, else per rank."""
     first, *rest = param.hf_shapes[0]
     if param.kind in _FUSED:
         rows = [shape[0] for shape in param.hf_shapes] if plan is None else _shard_rows(param, plan)
@@ -393,12 +403,25 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _as_config(model_config: Any) -> ModelConfig:
-    return model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_hf(model_config)
+    return (
+        model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_hf(model_config)
+    )
 
 
 def _check_rank(tp_rank: int | None, tp_size: int) -> None:
     if tp_rank is not None and not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
         raise ValueError(f"tp_rank={tp_rank!r} must be None or an int in [0, tp_size={tp_size})")
+
+
+_LISTED = 20  # items named in an error message; the rest are counted
+
+
+def _more(items: Sequence[str]) -> str:
+    return f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+
+
+def _listed(keys: Sequence[str]) -> str:
+    return f"{list(keys[:_LISTED])}{_more(keys)}"
 
 
 def _check_state_dict(
@@ -429,11 +452,11 @@ def _check_state_dict(
     ]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {_listed(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+        problems.append(f"unexpected keys {_listed(unexpected)}")
     if wrong_shapes:
-        problems.append(f"wrong shapes [{'; '.join(wrong_shapes)}]")
+        problems.append(f"wrong shapes [{'; '.join(wrong_shapes[:_LISTED])}]{_more(wrong_shapes)}")
     if problems:
         raise ValueError(
             f"state dict does not match the {layout} layout of this model_config ({cfg}): "
@@ -469,7 +492,7 @@ def iter_hf_to_vllm(
     plan = _TensorParallelPlan.build(cfg, tp_size)
     _check_rank(tp_rank, tp_size)
     params = _params(cfg)
-    expected = {k: (s,) for p in params for k, s in zip(p.hf_keys, p.hf_shapes)}
+    expected = {k: (s,) for p in params for k, s in zip(p.hf_keys, p.hf_shapes, strict=True)}
     _check_state_dict(state_dict, expected, cfg, "HF")
     return _hf_to_vllm(state_dict, params, cfg, plan, tp_rank)
 
@@ -492,7 +515,7 @@ def _to_vllm(
         if tp_rank is not None:
             rows = _shard_rows(param, plan)
             starts = _shard_starts(param, plan, tp_rank)
-            sources = [t.narrow(0, s, n) for t, s, n in zip(sources, starts, rows)]
+            sources = [t.narrow(0, s, n) for t, s, n in zip(sources, starts, rows, strict=True)]
         return torch.cat(sources, dim=0)  # one copy, into fresh storage
     (source,) = sources
     if tp_rank is None or param.kind is _Kind.REPLICATED:
@@ -583,7 +606,7 @@ def _vllm_to_hf(state_dict, params, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         tensor = _full(state_dict[param.vllm_key])
         if param.kind in _FUSED:
             sizes = [shape[0] for shape in param.hf_shapes]
-            for key, piece in zip(param.hf_keys, torch.split(tensor, sizes, dim=0)):
+            for key, piece in zip(param.hf_keys, torch.split(tensor, sizes, dim=0), strict=True):
                 yield key, _owned(piece)
         elif param.kind is _Kind.VOCAB and tensor.shape[0] != cfg.vocab_size:
             yield param.hf_keys[0], _owned(tensor.narrow(0, 0, cfg.vocab_size))
@@ -591,7 +614,9 @@ def _vllm_to_hf(state_dict, params, cfg) -> Iterator[tuple[str, torch.Tensor]]:
             yield param.hf_keys[0], tensor
 
 
-def vllm_to_hf(state_dict: Mapping[str, torch.Tensor], model_config: Any) -> dict[str, torch.Tensor]:
+def vllm_to_hf(
+    state_dict: Mapping[str, torch.Tensor], model_config: Any
+) -> dict[str, torch.Tensor]:
     """Convert a full (unsharded) vLLM-layout state dict back to the HF layout.
 
     The inverse of ``hf_to_vllm(..., tp_rank=None)``: ``vllm_to_hf(hf_to_vllm(sd, c), c)`` has
@@ -647,7 +672,9 @@ def merge_vllm_shards(
         except ValueError as error:
             raise ValueError(f"shard {rank}: {error}") from None
     with torch.no_grad():
-        return {p.vllm_key: _merge(p, [_full(s[p.vllm_key]) for s in shards], cfg, plan) for p in params}
+        return {
+            p.vllm_key: _merge(p, [_full(s[p.vllm_key]) for s in shards], cfg, plan) for p in params
+        }
 
 
 def _merge(
@@ -660,7 +687,7 @@ def _merge(
     if param.kind is _Kind.VOCAB:
         starts = range(0, plan.vocab_padded, plan.vocab_rows)
         real = [max(0, min(cfg.vocab_size - s, plan.vocab_rows)) for s in starts]
-        return torch.cat([t.narrow(0, 0, n) for t, n in zip(pieces, real)], dim=0)
+        return torch.cat([t.narrow(0, 0, n) for t, n in zip(pieces, real, strict=True)], dim=0)
     rows = _shard_rows(param, plan)
     per_rank = [torch.split(t, rows, dim=0) for t in pieces]  # [rank][source]
     holders = [range(plan.tp_size)] * len(rows)
