@@ -1,0 +1,245 @@
+"""Read published policy weights back from torchstore (and, for ``dcp``, from disk).
+
+Store layout written by :mod:`forge_ext.weights.publish` for version ``N`` under
+``key_prefix`` (keys use ``.`` between parts because torchstore 0.1.2 lists keys by prefix
+only at ``.``-separated boundaries, see ``torchstore/storage_utils/trie.py``):
+
+- ``{key_prefix}.v{N}.commit``: the commit record, written last, by rank 0 of the publishing
+  group, after every rank stored its part. A version without it does not exist for readers.
+- ``direct`` only: ``{key_prefix}.v{N}.r{rank}.c{i}``: chunk ``i`` of rank ``rank``'s byte
+  stream, a ``uint8`` tensor of at most ``chunk_bytes``. The stream is the concatenation of the
+  rank's tensors (each a DTensor's local shard or a whole tensor), each starting at a multiple
+  of :data:`ALIGN` bytes.
+- ``dcp`` only: the commit record holds the ``torch.distributed.checkpoint`` id (a folder) and
+  its :class:`~torch.distributed.checkpoint.metadata.Metadata`.
+
+The commit record is a dict of builtins, torch dtypes and (for dcp) DCP metadata, so the
+storage volume that holds it never has to import forge_ext.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torchstore as ts
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
+
+from forge_ext.compat import torchstore_monarch
+
+torchstore_monarch.apply()
+
+FORMAT = "forge_ext.weights/1"
+DEFAULT_KEY_PREFIX = "policy_weights"
+# Byte alignment of every tensor in a rank's stream: a chunk boundary (a multiple of ALIGN)
+# then never splits an element, and a uint8 slice can be viewed as any dtype.
+ALIGN = 64
+# Concurrent torchstore gets per fetch: several messages in flight hide per-call latency.
+MAX_INFLIGHT_GETS = 8
+
+
+class WeightsVersionNotFoundError(KeyError):
+    """The requested policy version has no commit record: never published, still being
+    published, failed half-way, or already deleted by retention."""
+
+    def __init__(self, version: int, key_prefix: str, committed: list[int]) -> None:
+        self.version = version
+        self.committed = committed
+        super().__init__(
+            f"policy_version={version} is not committed under key_prefix={key_prefix!r} "
+            f"(committed versions: {committed}); it was never published, is still being "
+            "published, failed, or was deleted by retention"
+        )
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def commit_key(key_prefix: str, version: int) -> str:
+    return f"{key_prefix}.v{version}.commit"
+
+
+def chunk_key(key_prefix: str, version: int, rank: int, index: int) -> str:
+    return f"{key_prefix}.v{version}.r{rank}.c{index}"
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One stored block of a tensor: ``local_shape`` elements at ``global_offset`` of the full
+    tensor, stored in rank ``rank``'s byte stream from ``stream_offset`` on."""
+
+    rank: int
+    stream_offset: int
+    local_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+async def committed_versions(
+    *, key_prefix: str = DEFAULT_KEY_PREFIX, store_name: str = DEFAULT_TORCHSTORE_NAME
+) -> list[int]:
+    """Committed policy versions under ``key_prefix``, ascending."""
+    client = await ts.client(store_name)
+    pattern = re.compile(rf"^{re.escape(key_prefix)}\.v(\d+)\.commit$")
+    found = (pattern.match(key) for key in await client.keys(key_prefix))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+async def latest_version(
+    *, key_prefix: str = DEFAULT_KEY_PREFIX, store_name: str = DEFAULT_TORCHSTORE_NAME
+) -> int | None:
+    """The newest committed policy version, or None if there is none."""
+    versions = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+    return versions[-1] if versions else None
+
+
+async def fetch_commit_record(
+    version: int, *, key_prefix: str, store_name: str
+) -> dict[str, Any]:
+    """The commit record of ``version``. Raises WeightsVersionNotFoundError if absent."""
+    key = commit_key(key_prefix, version)
+    try:
+        record = await ts.get(key, store_name=store_name)
+    except KeyError:  # torchstore raises KeyError for a key it does not index
+        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+        raise WeightsVersionNotFoundError(version, key_prefix, committed) from None
+    if record.get("format") != FORMAT:
+        raise ValueError(f"{key} holds {record.get('format')!r}, expected {FORMAT!r}")
+    return record
+
+
+async def fetch_weights(
+    version: int,
+    names: Iterable[str] | None = None,
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    store_name: str = DEFAULT_TORCHSTORE_NAME,
+) -> dict[str, torch.Tensor]:
+    """Fetch published policy weights (HF layout, as published) onto this process's CPU.
+
+    Usable from the controller or from any actor on any proc that can reach the store. Every
+    tensor comes back whole (DTensor shards written by several ranks are reassembled), in
+    the dtype it was published in.
+
+    Args:
+        version: the ``policy_version`` passed to ``WeightsPublisher.publish``.
+        names: parameter names to fetch; None fetches all. Only the chunks (``direct``) or
+            DCP byte ranges (``dcp``) holding these tensors are read.
+        key_prefix: ``WeightsConfig.key_prefix`` of the publisher.
+        store_name: the torchstore instance.
+
+    Returns:
+        ``{name: tensor}``. With ``direct``, tensors stored whole may be views into a
+        received chunk (``clone()`` one before putting it into torchstore yourself).
+
+    Raises:
+        WeightsVersionNotFoundError: ``version`` has no commit record.
+        KeyError: a name in ``names`` is not part of the version.
+    """
+    record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
+    wanted = list(record["names"]) if names is None else list(names)
+    missing = sorted(set(wanted) - set(record["names"]))
+    if missing:
+        raise KeyError(f"policy_version={version} has no tensors named {missing[:5]}")
+    if record["transport"] == "direct":
+        return await _fetch_direct(record, wanted, key_prefix, store_name)
+    if record["transport"] == "dcp":
+        return await asyncio.to_thread(_load_dcp, record, wanted)
+    raise ValueError(f"unknown transport {record['transport']!r} in commit record")
+
+
+async def _fetch_direct(
+    record: Mapping[str, Any], wanted: list[str], key_prefix: str, store_name: str
+) -> dict[str, torch.Tensor]:
+    chunk_bytes: int = record["chunk_bytes"]
+    tensors: Mapping[str, dict[str, Any]] = record["tensors"]
+    version: int = record["version"]
+
+    def chunk_range(piece: Piece, nbytes: int) -> range:
+        first = piece.stream_offset // chunk_bytes
+        last = (piece.stream_offset + max(nbytes, 1) - 1) // chunk_bytes
+        return range(first, last + 1)
+
+    plan: list[tuple[str, torch.dtype, tuple[int, ...], list[tuple[Piece, int]]]] = []
+    needed: set[tuple[int, int]] = set()
+    for name in wanted:
+        meta = tensors[name]
+        dtype, item = meta["dtype"], meta["dtype"].itemsize
+        pieces = []
+        for raw in meta["pieces"]:
+            piece = Piece(*raw)
+            nbytes = math.prod(piece.local_shape) * item
+            pieces.append((piece, nbytes))
+            if nbytes:
+                needed.update((piece.rank, i) for i in chunk_range(piece, nbytes))
+        plan.append((name, dtype, tuple(meta["shape"]), pieces))
+
+    limit = asyncio.Semaphore(MAX_INFLIGHT_GETS)
+
+    async def get_chunk(rank: int, index: int) -> torch.Tensor:
+        async with limit:
+            return await ts.get(chunk_key(key_prefix, version, rank, index), store_name=store_name)
+
+    order = sorted(needed)
+    chunks = dict(zip(order, await asyncio.gather(*(get_chunk(r, i) for r, i in order))))
+
+    def piece_bytes(piece: Piece, nbytes: int) -> torch.Tensor:
+        indices = chunk_range(piece, nbytes)
+        if len(indices) == 1:  # zero-copy view into the received chunk
+            lo = piece.stream_offset - indices[0] * chunk_bytes
+            return chunks[(piece.rank, indices[0])][lo : lo + nbytes]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        for i in indices:
+            chunk = chunks[(piece.rank, i)]
+            lo = max(piece.stream_offset, i * chunk_bytes)
+            hi = min(piece.stream_offset + nbytes, i * chunk_bytes + chunk.numel())
+            out[lo - piece.stream_offset : hi - piece.stream_offset].copy_(
+                chunk[lo - i * chunk_bytes : hi - i * chunk_bytes]
+            )
+        return out
+
+    result: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, pieces in plan:
+        local = [
+            (piece, piece_bytes(piece, nbytes).view(dtype).view(piece.local_shape))
+            if nbytes
+            else (piece, torch.empty(piece.local_shape, dtype=dtype))
+            for piece, nbytes in pieces
+        ]
+        if len(local) == 1 and local[0][0].local_shape == shape:
+            result[name] = local[0][1]
+            continue
+        full = torch.empty(shape, dtype=dtype)
+        for piece, block in local:
+            index = tuple(
+                slice(o, o + n) for o, n in zip(piece.global_offset, piece.local_shape)
+            )
+            full[index] = block
+        result[name] = full
+    return result
+
+
+def _load_dcp(record: Mapping[str, Any], wanted: list[str]) -> dict[str, torch.Tensor]:
+    metadata = record["metadata"]
+    state_dict = {
+        name: torch.empty(
+            tuple(metadata.state_dict_metadata[name].size),
+            dtype=metadata.state_dict_metadata[name].properties.dtype,
+        )
+        for name in wanted
+    }
+    # no_dist: this reader loads alone even if its process is part of a process group.
+    with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state_dict, checkpoint_id=record["checkpoint_id"], no_dist=True)
+    return state_dict

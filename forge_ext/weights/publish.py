@@ -1,0 +1,626 @@
+"""Publish policy weights as a numbered version that generators fetch (issue 4, library side).
+
+A trainer calls :meth:`WeightsPublisher.publish` on every rank of its process group with its
+HF-layout state dict (torchtitan's ``to_hf`` output; values are plain tensors or DTensors).
+Two transports, chosen by ``WeightsConfig.transport``:
+
+- ``direct``: each rank writes only what it owns (a DTensor's local shard, or, on rank 0, a
+  plain tensor) into one byte stream, cut into owned ``uint8`` chunks of ``chunk_mb`` that are
+  put into torchstore concurrently. Why not one ``ts.put`` per tensor (torchforge's seed) or
+  torchstore's DTensor path: both send one message per tensor (and torchstore's DTensor
+  ``get`` fetches shards one by one); on Monarch RPC each message has a fixed cost of a few
+  ms, and messages much larger than ~16-32 MB are slower per byte, so fixed-size chunks of
+  owned memory win (see ``bench/push_weights.py``). Torchstore moves each chunk over Monarch
+  RDMA when ``torchstore.transport.buffers.rdma_available()``, over RPC otherwise.
+- ``dcp``: ``torch.distributed.checkpoint.save`` into ``<dcp_path>/<version>`` (every rank
+  writes its shards; DCP de-duplicates replicas), then rank 0 puts a handle (checkpoint id,
+  DCP metadata, names) as the commit record. Readers need the folder on a shared filesystem.
+
+Multi-rank protocol: every rank of the process group calls ``publish``; "rank 0" is the
+group's rank 0; each "exchange" is one ``all_gather_object`` of a small status, after which
+every rank takes the same decision (so a failure on one rank never leaves others hanging in
+a later collective, and every rank raises the same ``WeightsPublishError``).
+0. Rank 0 checks that the version is new (and, for dcp, creates ``<dcp_path>/<version>``,
+   refusing an existing folder); every rank checks its input. Exchange.
+1. Every rank writes its part (direct: its chunks; dcp: the collective ``dcp.save``).
+   Exchange: an error, or (direct) a manifest of the pieces written.
+   If any rank failed, each rank deletes the keys it wrote (dcp: rank 0 deletes the folder
+   it created) and raises: the version stays absent, earlier ones are untouched.
+2. Every rank checks that the manifests cover each tensor exactly once; rank 0 writes the
+   commit record (the version becomes visible). Exchange, so that when ``publish`` returns on
+   any rank the version is fetchable.
+3. Rank 0 applies retention: for each version it published beyond the newest
+   ``keep_versions``, it deletes the commit record first (readers then see "missing", never a
+   partial dict), then the chunks or the DCP folder it recorded creating. Nothing is found by
+   listing keys or directories, so nothing this publisher did not create is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torchstore as ts
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
+from torchstore.transport.buffers import rdma_available
+
+from forge_ext.compat import torchstore_monarch
+from forge_ext.weights.fetch import (
+    DEFAULT_KEY_PREFIX,
+    FORMAT,
+    Piece,
+    align,
+    chunk_key,
+    commit_key,
+)
+
+torchstore_monarch.apply()
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("direct", "dcp")
+# Chunk puts in flight per rank: enough to overlap one chunk's copy with others' sends while
+# bounding the extra host memory to MAX_INFLIGHT_PUTS * chunk_mb.
+MAX_INFLIGHT_PUTS = 4
+
+ProgressHook = Callable[[int, int], None]
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightsConfig:
+    """How a trainer publishes weights for generators.
+
+    Attributes:
+        transport: ``"direct"`` (torchstore puts) or ``"dcp"`` (DCP files + a torchstore
+            handle).
+        dcp_path: folder that receives ``<dcp_path>/<policy_version>``; required for dcp. Must
+            be on a filesystem the readers can see.
+        keep_versions: committed versions kept; older ones this publisher created are deleted.
+        dtype: generator dtype, e.g. ``"bfloat16"``; floating-point tensors are cast to it
+            before publishing (except names passed as ``exclude_from_cast``). None keeps dtypes.
+        key_prefix: torchstore key prefix; readers pass the same to ``fetch_weights``.
+        chunk_mb: size of the chunks ``direct`` puts (MiB).
+    """
+
+    transport: str = "direct"
+    dcp_path: str | None = None
+    keep_versions: int = 2
+    dtype: str | None = None
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    chunk_mb: int = 16
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the offending ``weights.<field>``."""
+        if self.transport not in TRANSPORTS:
+            allowed = ", ".join(repr(t) for t in TRANSPORTS)
+            raise ValueError(f"weights.transport={self.transport!r} must be one of {allowed}")
+        if self.transport == "dcp" and not self.dcp_path:
+            raise ValueError("weights.dcp_path must be set when weights.transport='dcp'")
+        if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or (
+            self.keep_versions < 1
+        ):
+            raise ValueError(f"weights.keep_versions={self.keep_versions!r} must be an int >= 1")
+        if self.dtype is not None:
+            dtype = getattr(torch, self.dtype, None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(
+                    f"weights.dtype={self.dtype!r} must be None or a torch floating-point "
+                    "dtype name such as 'bfloat16'"
+                )
+        if not self.key_prefix or self.key_prefix.startswith(".") or self.key_prefix.endswith("."):
+            raise ValueError(
+                f"weights.key_prefix={self.key_prefix!r} must be non-empty and must not start "
+                "or end with '.'"
+            )
+        if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, int) or (
+            self.chunk_mb < 1
+        ):
+            raise ValueError(f"weights.chunk_mb={self.chunk_mb!r} must be an int >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+
+class WeightsPublishError(RuntimeError):
+    """A publish failed on at least one rank; nothing of that version is visible."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """What ``publish`` did on this rank."""
+
+    policy_version: int
+    transport: str
+    bytes_written: int  # by this rank (direct: chunk bytes; dcp: its share of tensor bytes)
+    seconds: float
+    rdma: bool  # torchstore moved data over Monarch RDMA (direct only)
+
+
+@dataclass(slots=True)
+class _Block:
+    """A block of tensor data this rank writes into its byte stream."""
+
+    name: str
+    source: torch.Tensor  # flat view of the local data, any device, source dtype
+    dtype: torch.dtype  # published dtype
+    local_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    stream_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.dtype.itemsize
+
+
+@dataclass(slots=True)
+class _Published:
+    """What this publisher created for one committed version (rank 0 keeps these)."""
+
+    version: int
+    keys: list[str]  # torchstore keys, commit record first
+    dcp_dir: str | None  # created by this publisher
+
+
+class _Group:
+    """The publishing process group, or a single process when torch.distributed is off."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.group = group
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _status(error: BaseException | None, **fields: Any) -> dict[str, Any]:
+    return {"error": None if error is None else f"{type(error).__name__}: {error}", **fields}
+
+
+def _raise_if_any_failed(
+    statuses: list[dict[str, Any]], what: str, own: BaseException | None
+) -> None:
+    """Raise the same WeightsPublishError on every rank if any status holds an error; the
+    failing rank chains its own exception."""
+    failed = {rank: s["error"] for rank, s in enumerate(statuses) if s["error"] is not None}
+    if failed:
+        raise WeightsPublishError(f"{what} failed on rank(s) {failed}") from own
+
+
+class WeightsPublisher:
+    """Publishes state dicts as policy versions; one instance per trainer rank.
+
+    State (what was published, for retention) lives in the instance, so keep one per rank
+    for the trainer's lifetime. Every rank of ``process_group`` must call :meth:`publish`
+    with the same ``policy_version``, the same names in the same order, and same-placement
+    values.
+    """
+
+    Config = WeightsConfig
+
+    def __init__(
+        self,
+        config: WeightsConfig,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        store_name: str = DEFAULT_TORCHSTORE_NAME,
+    ) -> None:
+        """``process_group``: the ranks that hold the state dict; None = the default group
+        if torch.distributed is initialized, else this process alone."""
+        config.validate()
+        self.config = config
+        self.store_name = store_name
+        self._group = _Group(process_group)
+        self._published: deque[_Published] = deque()
+        self._last_version: int | None = None
+
+    @property
+    def published_versions(self) -> list[int]:
+        """Versions this publisher committed and has not deleted (rank 0; empty elsewhere)."""
+        return [p.version for p in self._published]
+
+    async def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        policy_version: int,
+        *,
+        exclude_from_cast: Collection[str] = frozenset(),
+        on_progress: ProgressHook | None = None,
+    ) -> PublishResult:
+        """Store ``state_dict`` as ``policy_version`` and make it visible to ``fetch_weights``.
+
+        Collective over the process group (see the module docstring for the protocol).
+
+        Args:
+            state_dict: HF-layout ``{name: tensor}``; values are ``torch.Tensor`` (assumed
+                identical on every rank; rank 0 writes them) or ``DTensor`` (each rank writes
+                the shards it owns; replicas are written once). Partial or strided-shard
+                DTensors are first redistributed to ``Replicate`` (a collective).
+            policy_version: an int greater than any version this publisher published.
+            exclude_from_cast: names that keep their dtype when ``config.dtype`` is set
+                (e.g. buffers such as rotary ``inv_freq``). Non-floating tensors always keep
+                theirs.
+            on_progress: called as ``on_progress(stored_bytes, total_bytes)`` for this rank
+                after each chunk is stored (direct) or after the DCP save (dcp). An exception
+                it raises fails the publish like a transport error would: a fault-injection
+                point for tests, or a progress report.
+
+        Returns:
+            PublishResult for this rank.
+
+        Raises:
+            WeightsPublishError: on every rank, if any rank failed; ``policy_version`` is then
+                absent and earlier versions are untouched.
+        """
+        start = time.perf_counter()
+        group, version = self._group, policy_version
+        exclude = frozenset(exclude_from_cast)
+        what = f"publish of policy_version={version}"
+        dcp_dir = self._dcp_dir(version) if self.config.transport == "dcp" else None
+        # Phase 0: every rank checks its input, rank 0 checks the version is new (and creates
+        # the DCP folder), so that no rank writes anything for a rejected version.
+        created_dir = False
+        error: BaseException | None = None
+        try:
+            _check_values(state_dict)
+            if group.rank == 0:
+                await self._check_new_version(version)
+                if dcp_dir is not None:
+                    _create_new_dir(dcp_dir)
+                    created_dir = True
+        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below
+            error = e
+        try:
+            _raise_if_any_failed(group.all_gather(_status(error)), what, error)
+        except Exception:
+            if created_dir:
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+            raise
+
+        # Phase 1: every rank writes its part; then all learn whether every rank succeeded.
+        stored: list[str] = []  # torchstore keys this rank wrote
+        manifest: dict[str, Any] = {}
+        written = 0
+        try:
+            if dcp_dir is None:
+                written, manifest = await self._write_direct(
+                    state_dict, version, exclude, on_progress, stored
+                )
+            else:
+                written, manifest = self._write_dcp(state_dict, dcp_dir, exclude, on_progress)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        statuses = group.all_gather(_status(error, **manifest))
+
+        # Phase 2: rank 0 writes the commit record; all learn whether that worked.
+        committing = False
+        try:
+            _raise_if_any_failed(statuses, what, error)
+            if dcp_dir is None:
+                record = _direct_record(statuses, version, self.config.chunk_mb << 20)
+            else:
+                record = _dcp_record(statuses[0], version, dcp_dir)
+            committing = True
+            await self._commit(record, version)
+        except Exception:
+            if committing and group.rank == 0:  # a failed put may still have stored it
+                stored.append(commit_key(self.config.key_prefix, version))
+            await self._delete_keys(stored)
+            if created_dir:
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+            raise
+        self._last_version = version
+        if group.rank == 0:
+            keys = [commit_key(self.config.key_prefix, version)]
+            if dcp_dir is None:
+                keys += [
+                    chunk_key(self.config.key_prefix, version, rank, i)
+                    for rank, status in enumerate(statuses)
+                    for i in range(status["chunks"])
+                ]
+            self._published.append(_Published(version, keys, dcp_dir))
+            await self._apply_retention()
+        return PublishResult(
+            policy_version=version,
+            transport=self.config.transport,
+            bytes_written=written,
+            seconds=time.perf_counter() - start,
+            rdma=dcp_dir is None and rdma_available(),
+        )
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _dcp_dir(self, version: int) -> str:
+        return os.path.join(os.path.abspath(self.config.dcp_path), str(version))
+
+    async def _check_new_version(self, version: int) -> None:
+        """Rank 0: the version is new for this publisher and not committed by anyone."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"policy_version={version!r} must be an int >= 0")
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(
+                f"policy_version={version} must be greater than the last published "
+                f"version {self._last_version}"
+            )
+        key = commit_key(self.config.key_prefix, version)
+        if await ts.exists(key, store_name=self.store_name):
+            raise ValueError(
+                f"policy_version={version} is already committed under "
+                f"weights.key_prefix={self.config.key_prefix!r} by another publisher"
+            )
+
+    def _publish_dtype(
+        self, name: str, tensor: torch.Tensor, exclude: frozenset[str]
+    ) -> torch.dtype:
+        target = self.config.torch_dtype
+        if target is None or name in exclude or not tensor.dtype.is_floating_point:
+            return tensor.dtype
+        return target
+
+    async def _write_direct(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        exclude: frozenset[str],
+        on_progress: ProgressHook | None,
+        stored: list[str],
+    ) -> tuple[int, dict[str, Any]]:
+        """Put this rank's chunks; returns (bytes, manifest of what it wrote)."""
+        rank, prefix = self._group.rank, self.config.key_prefix
+        blocks: list[_Block] = []
+        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, value in state_dict.items():
+            dtype = self._publish_dtype(name, value, exclude)
+            tensors[name] = (dtype, tuple(value.shape))
+            owned = _owned_block(value, rank)
+            if owned is not None:
+                local, local_shape, global_offset = owned
+                blocks.append(
+                    _Block(name, local.reshape(-1), dtype, local_shape, global_offset, offset)
+                )
+                offset += align(blocks[-1].nbytes)
+        await _put_stream(
+            blocks,
+            self.config.chunk_mb << 20,
+            lambda i: chunk_key(prefix, version, rank, i),
+            stored,
+            on_progress,
+            self.store_name,
+        )
+        pieces = [
+            (b.name, (rank, b.stream_offset, b.local_shape, b.global_offset)) for b in blocks
+        ]
+        manifest = {"tensors": tensors, "pieces": pieces, "chunks": len(stored)}
+        return sum(b.nbytes for b in blocks), manifest
+
+    def _write_dcp(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        dcp_dir: str,
+        exclude: frozenset[str],
+        on_progress: ProgressHook | None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Collective ``dcp.save``; returns (this rank's bytes, {"metadata", "names"})."""
+        group = self._group
+        staged = {}
+        for name, value in state_dict.items():
+            dtype = self._publish_dtype(name, value, exclude)
+            staged[name] = value if value.dtype == dtype else value.to(dtype)
+        # DCP reports a failure on any rank to every rank, so all ranks leave together.
+        with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            metadata = dcp.save(
+                staged, checkpoint_id=dcp_dir, process_group=group.group, no_dist=group.size == 1
+            )
+        written = sum(_local_nbytes(t, group.rank) for t in staged.values())
+        if on_progress is not None:
+            on_progress(written, written)
+        return written, {"metadata": metadata if group.rank == 0 else None, "names": list(staged)}
+
+    async def _commit(self, record: dict[str, Any], version: int) -> None:
+        """Rank 0 writes the commit record; every rank raises if that failed."""
+        error: BaseException | None = None
+        if self._group.rank == 0:
+            try:
+                key = commit_key(self.config.key_prefix, version)
+                await ts.put(key, record, store_name=self.store_name)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = e
+        statuses = self._group.all_gather(_status(error))
+        _raise_if_any_failed(statuses, f"commit of policy_version={version}", error)
+
+    async def _delete_keys(self, keys: list[str]) -> None:
+        """Best effort: a key that is already gone (or never got indexed) is skipped."""
+        for key in keys:
+            try:
+                await ts.delete(key, store_name=self.store_name)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not delete %s: %s: %s", key, type(e).__name__, e)
+
+    async def _apply_retention(self) -> None:
+        """Rank 0: delete what this publisher created for versions beyond keep_versions."""
+        while len(self._published) > self.config.keep_versions:
+            old = self._published.popleft()
+            # keys[0] is the commit record: once it is gone readers see the version as missing.
+            await self._delete_keys(old.keys)
+            if old.dcp_dir is not None:
+                shutil.rmtree(old.dcp_dir, ignore_errors=True)
+
+
+def _check_values(state_dict: Mapping[str, Any]) -> None:
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor")
+
+
+def _create_new_dir(path: str) -> None:
+    """Create ``path``; refuse one that exists, since retention will delete it later."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path} already exists and was not created by this publisher; remove it or set "
+            "weights.dcp_path to a fresh folder"
+        ) from None
+
+
+def _dcp_record(rank0: dict[str, Any], version: int, dcp_dir: str) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": version,
+        "transport": "dcp",
+        "checkpoint_id": dcp_dir,
+        "metadata": rank0["metadata"],
+        "names": rank0["names"],
+    }
+
+
+def _owned_block(
+    value: torch.Tensor, group_rank: int
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """(local data, local shape, global offset) of the part of ``value`` this rank writes,
+    or None if another rank writes it."""
+    if not isinstance(value, DTensor):
+        # Plain tensors are the same on every rank: rank 0 writes them.
+        return (value.detach(), tuple(value.shape), (0,) * value.dim()) if group_rank == 0 else None
+    if not all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard))
+        for p in value.placements
+    ):
+        # Partial sums and strided shards are not contiguous blocks of the full tensor.
+        value = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return None
+    if any(c != 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate)):
+        return None  # a replica: the rank at coordinate 0 of each replicated mesh dim writes
+    local_shape, global_offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return value.to_local().detach(), tuple(local_shape), tuple(global_offset)
+
+
+def _local_nbytes(value: torch.Tensor, group_rank: int) -> int:
+    """Bytes of ``value`` held by this rank (plain tensors count on rank 0 only)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    elif group_rank != 0:
+        return 0
+    return value.numel() * value.element_size()
+
+
+async def _put_stream(
+    blocks: list[_Block],
+    chunk_bytes: int,
+    key_of: Callable[[int], str],
+    stored: list[str],
+    on_progress: ProgressHook | None,
+    store_name: str,
+) -> None:
+    """Cut this rank's byte stream into chunks and put them, at most MAX_INFLIGHT_PUTS in
+    flight, appending each stored key to ``stored``. On an error, starts no new put, waits
+    for those in flight (so ``stored`` lists exactly what is in the store) and raises it."""
+    total = blocks[-1].stream_offset + blocks[-1].nbytes if blocks else 0
+    limit = asyncio.Semaphore(MAX_INFLIGHT_PUTS)
+    errors: list[BaseException] = []
+    stored_bytes = 0
+
+    async def put(index: int, chunk: torch.Tensor) -> None:
+        nonlocal stored_bytes
+        try:
+            key = key_of(index)
+            await ts.put(key, chunk, store_name=store_name)
+            stored.append(key)
+            stored_bytes += chunk.numel()
+            if on_progress is not None and not errors:
+                on_progress(stored_bytes, total)
+        except Exception as e:  # noqa: BLE001 - raised below, after the other puts
+            errors.append(e)
+        finally:
+            limit.release()
+
+    tasks = []
+    first = 0  # first block that may overlap the current chunk
+    for index in range(math.ceil(total / chunk_bytes)):
+        await limit.acquire()
+        if errors:
+            limit.release()
+            break
+        lo, hi = index * chunk_bytes, min(total, (index + 1) * chunk_bytes)
+        # An owned buffer: putting a view of a larger tensor would send its whole storage.
+        chunk = torch.empty(hi - lo, dtype=torch.uint8)
+        while first < len(blocks) and blocks[first].stream_offset + blocks[first].nbytes <= lo:
+            first += 1
+        for block in blocks[first:]:
+            if block.stream_offset >= hi:
+                break
+            a, z = max(lo, block.stream_offset), min(hi, block.stream_offset + block.nbytes)
+            if a < z:  # a and z fall on element boundaries: blocks start ALIGN-aligned
+                item = block.dtype.itemsize
+                elements = slice((a - block.stream_offset) // item, (z - block.stream_offset) // item)
+                chunk[a - lo : z - lo].view(block.dtype).copy_(block.source[elements])
+        tasks.append(asyncio.create_task(put(index, chunk)))
+    await asyncio.gather(*tasks)
+    if errors:
+        raise errors[0]
+
+
+def _direct_record(statuses: list[dict[str, Any]], version: int, chunk_bytes: int) -> dict[str, Any]:
+    """The commit record from every rank's manifest; checks that the ranks agree on the
+    tensors and that their pieces cover each tensor exactly once."""
+    tensors = statuses[0]["tensors"]
+    for rank, status in enumerate(statuses):
+        if status["tensors"] != tensors:
+            raise WeightsPublishError(
+                f"rank {rank} and rank 0 publish different names, shapes or dtypes"
+            )
+    pieces: dict[str, list[tuple]] = {name: [] for name in tensors}
+    for status in statuses:
+        for name, piece in status["pieces"]:
+            pieces[name].append(piece)
+    for name, (_, shape) in tensors.items():
+        covered = sum(math.prod(Piece(*p).local_shape) for p in pieces[name])
+        if covered != math.prod(shape):
+            raise WeightsPublishError(
+                f"{name}: the ranks wrote {covered} elements of {math.prod(shape)}; every "
+                "element must be written once (are all ranks in the tensor's device mesh?)"
+            )
+    return {
+        "format": FORMAT,
+        "version": version,
+        "transport": "direct",
+        "chunk_bytes": chunk_bytes,
+        "names": list(tensors),
+        "tensors": {
+            name: {"dtype": dtype, "shape": shape, "pieces": pieces[name]}
+            for name, (dtype, shape) in tensors.items()
+        },
+    }
