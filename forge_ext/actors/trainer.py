@@ -24,6 +24,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_ext.engine import EngineConfig, TitanEngine, engine_config_from_mapping
 from forge_ext.engine.losses import build_loss
+from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,21 @@ class RLTrainer(Actor):
         trainer: the YAML ``trainer:`` mapping (see :mod:`forge_ext.engine.config`).
         loss: ``{"name": <registered loss>, **kwargs}`` (see
             :func:`forge_ext.engine.losses.build_loss`); default token-level cross entropy.
+        weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.publish.WeightsConfig`)
+            for :meth:`push_weights`; torchstore must be initialised by the controller.
     """
 
-    def __init__(self, trainer: dict[str, Any], loss: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        trainer: dict[str, Any],
+        loss: dict[str, Any] | None = None,
+        weights: dict[str, Any] | None = None,
+    ):
         self.trainer_config = dict(trainer)
         self.loss_config = dict(loss or {"name": "cross_entropy"})
+        self.weights_config = WeightsConfig(**(weights or {}))
         self.engine: TitanEngine | None = None
+        self.publisher: WeightsPublisher | None = None
 
     @endpoint
     async def setup(self) -> dict[str, int]:
@@ -141,6 +151,47 @@ class RLTrainer(Actor):
     async def load_checkpoint(self, step: int | None = None) -> int:
         """Load ``step`` (latest complete one when None); return the policy version."""
         return self.engine.load_checkpoint(step)
+
+    @endpoint
+    async def push_weights(self, policy_version: int | None = None) -> dict[str, Any]:
+        """Publish the model's weights in HF layout as ``policy_version`` (default: the current
+        policy version) through ``weights.transport``; collective over all ranks.
+
+        Floating-point parameters are cast to ``weights.dtype`` when set; buffers keep their
+        dtype. DTensor shards are written by the ranks that own them (no rank gathers the
+        model). The version becomes fetchable (``forge_ext.weights.fetch.fetch_weights``)
+        only once all of it is stored.
+
+        Returns:
+            ``{"policy_version", "bytes", "seconds", "rdma"}`` for this rank.
+
+        Raises:
+            ValueError: under pipeline parallelism (each stage holds different tensors; not
+                supported yet).
+            forge_ext.weights.publish.WeightsPublishError: the push failed on some rank; the
+                version stays absent and earlier ones are untouched.
+        """
+        if self.engine.parallel_dims.pp_enabled:
+            raise ValueError(
+                "push_weights with parallelism.pipeline_parallel_degree > 1 is not supported"
+            )
+        if self.publisher is None:
+            self.publisher = WeightsPublisher(self.weights_config)
+        version = self.engine.step if policy_version is None else policy_version
+        state_dict = self.engine.hf_state_dict()
+        result = await self.publisher.publish(
+            state_dict, version, exclude_from_cast=self._hf_buffer_names()
+        )
+        return {"policy_version": version, "bytes": result.bytes_written,
+                "seconds": result.seconds, "rdma": result.rdma}
+
+    def _hf_buffer_names(self) -> set[str]:
+        titan_sd = self.engine.model_state_dict()
+        buffers = {
+            name for part in self.engine.model_parts for name, _ in part.named_buffers()
+        }
+        buffer_sd = {k: v for k, v in titan_sd.items() if k in buffers}
+        return set(self.engine.sd_adapter.to_hf(buffer_sd)) if buffer_sd else set()
 
     @endpoint
     async def forward(
@@ -265,6 +316,9 @@ class TrainerHandle:
     async def get_policy_version(self) -> int:
         return await self._call("get_policy_version")
 
+    async def push_weights(self, policy_version: int | None = None) -> dict[str, Any]:
+        return await self._call("push_weights", policy_version)
+
     async def save_checkpoint(self, step: int | None = None) -> int:
         return await self._call("save_checkpoint", step)
 
@@ -322,6 +376,7 @@ async def spawn_trainer(
     loss: dict[str, Any] | None = None,
     num_procs: int | None = None,
     name: str = "trainer",
+    weights: dict[str, Any] | None = None,
 ) -> TrainerHandle:
     """Validate the config, spawn a proc mesh, set up torch.distributed and the engine.
 
@@ -331,17 +386,22 @@ async def spawn_trainer(
         trainer: YAML ``trainer:`` mapping.
         loss: loss spec for :func:`forge_ext.engine.losses.build_loss`.
         num_procs: processes to spawn (default: the product of parallel degrees).
+        weights: YAML ``weights:`` mapping for ``push_weights``.
 
     Raises:
         ValueError: a config error naming the field.
     """
     config = engine_config_from_mapping(trainer)
     build_loss(**(loss or {"name": "cross_entropy"}))
+    try:
+        WeightsConfig(**(weights or {}))
+    except TypeError as e:
+        raise ValueError(f"weights: {e}") from None
     n = world_size_of(config, num_procs)
     procs = this_host().spawn_procs(per_host={"procs": n})
     try:
         await setup_torch_elastic_env_async(procs)
-        actor = procs.spawn(name, RLTrainer, trainer, loss)
+        actor = procs.spawn(name, RLTrainer, trainer, loss, weights)
         await actor.setup.call()
     except BaseException:
         await procs.stop()
