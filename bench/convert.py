@@ -8,12 +8,13 @@ Compares, side by side, on random weights shaped like Qwen/Qwen3-0.6B (tied embe
 - ``hf_to_vllm`` (a dict) and ``iter_hf_to_vllm`` (streamed: each tensor dropped once made),
   whole (``tp_rank=None``) and per TP rank.
 
-Each row runs in a fresh process: it builds the input, converts once to measure the peak
-resident memory above the input (``ru_maxrss``), then takes the best of ``--repeats`` timed
-runs. GB/s is the bytes of the converted output over the time taken; "copied" is how much of
-that was freshly written (unchanged tensors are passed through without a copy).
+Peak memory: each method runs once in a fresh process, which reports its peak resident memory
+above the input (``ru_maxrss``). Time: one process runs the methods in turn, ``--repeats``
+rounds, and keeps each method's best. GB/s is the bytes of the converted output over that
+time; "copied" is how much of it was freshly written (unchanged tensors are passed through
+without a copy), "x copy" the ratio to the plain copy's GB/s.
 
-Usage: ``python bench/convert.py [--dtype bfloat16] [--repeats 3] [--tp 2]``
+Usage: ``python bench/convert.py [--dtype bfloat16] [--repeats 5] [--tp 2]``
 """
 
 from __future__ import annotations
@@ -125,89 +126,83 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def worker(method: str, dtype: torch.dtype, repeats: int, tp: int) -> dict:
-    """Measure one method in this (fresh) process."""
+def _config():
     from transformers import Qwen3Config
 
     from forge_ext.weights.convert import ModelConfig
 
-    config = ModelConfig.from_hf(Qwen3Config(**QWEN3_0_6B))
-    sd = hf_state_dict(dtype)
+    return ModelConfig.from_hf(Qwen3Config(**QWEN3_0_6B))
+
+
+def memory_worker(method: str, dtype: torch.dtype, tp: int) -> dict:
+    """Run ``method`` once in this fresh process: peak resident memory above the input, and
+    the bytes it produced / freshly wrote."""
+    config, sd = _config(), hf_state_dict(dtype)
     input_ids = {id(t) for t in sd.values()}
     _, fn = _methods(tp)[method]
-
     base = _maxrss_bytes()
     out_bytes = copied = 0
-    for t in fn(sd, config):  # first run: peak memory, and what was produced
+    for t in fn(sd, config):
         out_bytes += t.numel() * t.element_size()
         copied += 0 if id(t) in input_ids else t.numel() * t.element_size()
         del t
-    peak_extra = _maxrss_bytes() - base
+    return dict(peak_extra=_maxrss_bytes() - base, out_bytes=out_bytes, copied=copied)
 
-    best = float("inf")
+
+def best_seconds(dtype: torch.dtype, tp: int, repeats: int) -> dict[str, float]:
+    """Best time of each method over ``repeats`` rounds; the methods take turns within a round
+    so that a change in machine load touches them all alike."""
+    config, sd = _config(), hf_state_dict(dtype)
+    methods = _methods(tp)
+    best = dict.fromkeys(methods, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        for t in fn(sd, config):
-            del t
-        best = min(best, time.perf_counter() - start)
-    model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
-    return dict(
-        method=method,
-        seconds=best,
-        out_bytes=out_bytes,
-        copied=copied,
-        peak_extra=peak_extra,
-        model_bytes=model_bytes,
-    )
+        for method, (_, fn) in methods.items():
+            start = time.perf_counter()
+            for t in fn(sd, config):
+                del t
+            best[method] = min(best[method], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    if args.worker:
-        print(json.dumps(worker(args.worker, dtype, args.repeats, args.tp)))
+    if args.memory_worker:
+        print(json.dumps(memory_worker(args.memory_worker, dtype, args.tp)))
         return
 
-    rows = []
-    for method, (description, _) in _methods(args.tp).items():
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            method,
-            "--dtype",
-            args.dtype,
-            "--repeats",
-            str(args.repeats),
-            "--tp",
-            str(args.tp),
-        ]
-        result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        rows.append((description, result))
+    methods = _methods(args.tp)
+    memory = {}
+    for method in methods:
+        cmd = [sys.executable, __file__, "--memory-worker", method]
+        cmd += ["--dtype", args.dtype, "--tp", str(args.tp)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        memory[method] = json.loads(out)
+    seconds = best_seconds(dtype, args.tp, args.repeats)
 
     gb = 1e9
-    copy = rows[0][1]
-    copy_bw = copy["out_bytes"] / copy["seconds"]
+    copy_bw = memory["copy"]["out_bytes"] / seconds["copy"]
     print(
-        f"Qwen3-0.6B-sized state dict, {args.dtype}, {copy['model_bytes'] / gb:.2f} GB, "
-        f"{torch.get_num_threads()} threads, best of {args.repeats}"
+        f"Qwen3-0.6B-sized state dict, {args.dtype}, {memory['copy']['out_bytes'] / gb:.2f} GB, "
+        f"{torch.get_num_threads()} threads, best of {args.repeats} interleaved rounds"
     )
     print(
         f"| {'method':<48} | {'output GB':>9} | {'copied GB':>9} | {'seconds':>7} | {'GB/s':>6} "
         f"| {'x copy':>6} | {'peak extra GB':>13} |"
     )
     print(f"|{'-' * 50}|{'-' * 11}|{'-' * 11}|{'-' * 9}|{'-' * 8}|{'-' * 8}|{'-' * 15}|")
-    for description, r in rows:
-        bw = r["out_bytes"] / r["seconds"]
+    for method, (description, _) in methods.items():
+        m, t = memory[method], seconds[method]
+        bw = m["out_bytes"] / t
         print(
-            f"| {description:<48} | {r['out_bytes'] / gb:>9.3f} | {r['copied'] / gb:>9.3f} "
-            f"| {r['seconds']:>7.3f} | {bw / gb:>6.2f} | {bw / copy_bw:>6.2f} "
-            f"| {r['peak_extra'] / gb:>13.3f} |"
+            f"| {description:<48} | {m['out_bytes'] / gb:>9.3f} | {m['copied'] / gb:>9.3f} "
+            f"| {t:>7.3f} | {bw / gb:>6.2f} | {bw / copy_bw:>6.2f} "
+            f"| {m['peak_extra'] / gb:>13.3f} |"
         )
 
 
