@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import CommConfig, DebugConfig, TORCH_DTYPE_MAP
@@ -273,10 +274,15 @@ class TitanEngine(BaseEngine):
         grad_ctx = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_ctx, self.train_context():
             if self.pp_schedule is None:
+                model = self.model_parts[0]
                 for i, mb in enumerate(units):
-                    scaled = loss_term(self.model_parts[0](mb["input_ids"]), mb, i)
+                    scaled = loss_term(model(mb["input_ids"]), mb, i)
                     if loss_fn is not None and not forward_only:
+                        # FSDP reduces (and reshards) gradients after every backward unless
+                        # told otherwise; reduce once, after the last microbatch.
+                        _set_gradient_sync(model, i == len(units) - 1)
                         scaled.backward()
+                _set_gradient_sync(model, True)
             else:
                 self._pipeline_steps(groups, units, loss_term, forward_only)
         loss_term.fill(out)
@@ -407,6 +413,11 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
                 f"batch[{key!r}] has shape {tuple(value.shape)}; dim 1 must equal the "
                 f"sequence length {seq} of input_ids"
             )
+
+
+def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
 
 
 class _LossTerm:
