@@ -105,7 +105,8 @@ class AdditionTask:
         return self.config.max_digits + 2
 
     def reward(self, problem: AdditionProblem, response_ids: Sequence[int]) -> float:
-        """Reward of one sampled response (rules in the module docstring).
+        """Reward of one sampled response in the task's own tokenizer (rules in the module
+        docstring).
 
         Args:
             problem: the prompt's problem.
@@ -114,12 +115,16 @@ class AdditionTask:
         Returns:
             ``1.0``, ``config.partial_credit`` or ``0.0``.
         """
-        text = self._answer_text(response_ids)
-        if text is None:
+        return self.score_text(problem, self._answer_text(response_ids))
+
+    def score_text(self, problem: AdditionProblem, answer: str | None) -> float:
+        """Reward of a decoded answer: the text before ``<eos>``, or None if the response
+        never emitted ``<eos>``. Lets an app score responses of any tokenizer."""
+        if answer is None:
             return 0.0
-        if text == problem.answer:
+        if answer == problem.answer:
             return 1.0
-        if text and all(char.isdigit() for char in text):
+        if answer and all(char.isdigit() for char in answer):
             return self.config.partial_credit
         return 0.0
 
@@ -131,14 +136,23 @@ class AdditionTask:
         Raises:
             ValueError: if the two sequences differ in length or are empty.
         """
-        if len(problems) != len(responses) or not problems:
+        return self.accuracy_text(problems, [self._answer_text(ids) for ids in responses])
+
+    def accuracy_text(
+        self, problems: Sequence[AdditionProblem], answers: Sequence[str | None]
+    ) -> float:
+        """:meth:`accuracy` of decoded answers (see :meth:`score_text`).
+
+        Raises:
+            ValueError: if the two sequences differ in length or are empty.
+        """
+        if len(problems) != len(answers) or not problems:
             raise ValueError(
                 f"accuracy needs as many responses as problems, and at least one; got "
-                f"{len(responses)} responses for {len(problems)} problems"
+                f"{len(answers)} responses for {len(problems)} problems"
             )
         correct = sum(
-            self._answer_text(ids) == problem.answer
-            for problem, ids in zip(problems, responses, strict=True)
+            answer == problem.answer for problem, answer in zip(problems, answers, strict=True)
         )
         return correct / len(problems)
 

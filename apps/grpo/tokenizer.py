@@ -58,3 +58,43 @@ def save_tokenizer(directory: str | Path) -> Path:
         unk_token=UNK_TOKEN,
     ).save_pretrained(directory)
     return directory / "tokenizer.json"
+
+
+class CheckpointTokenizer:
+    """The tokenizer stored with an HF checkpoint, as the apps use it.
+
+    Loads ``transformers.AutoTokenizer`` from the checkpoint directory, so the character
+    tokenizer of the embedded demo and a real model's tokenizer (e.g. ``Qwen/Qwen3-0.6B``'s)
+    take the same path.
+
+    Raises:
+        ValueError: the tokenizer defines no ``eos_token_id`` (a response could never end).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {str(path)!r} has no eos_token; set one")
+        self.eos_id: int = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_id: int = self.eos_id if pad is None else pad
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt ids with the tokenizer's special tokens (``<bos>`` for the demo's)."""
+        return self.tokenizer(text)["input_ids"]
+
+    def encode_answer(self, text: str) -> list[int]:
+        """Response ids of ``text`` followed by ``<eos>`` (what a correct sample looks like)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
+
+    def answer_text(self, response_ids: list[int]) -> str | None:
+        """Decoded text before the first ``<eos>``; None if the response has no ``<eos>``.
+
+        Special tokens are kept, so a stray one inside the answer makes it wrong.
+        """
+        if self.eos_id not in response_ids:
+            return None
+        cut = response_ids[: response_ids.index(self.eos_id)]
+        return self.tokenizer.decode(cut, skip_special_tokens=False)

@@ -7,6 +7,7 @@ from forge_ext.losses.grpo import (
     grpo_loss,
     grpo_loss_and_metrics,
     grpo_metrics,
+    k3_kl,
     token_logprobs,
     valid_token_count,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "grpo_loss",
     "grpo_loss_and_metrics",
     "grpo_metrics",
+    "k3_kl",
     "token_logprobs",
     "valid_token_count",
 ]

@@ -70,6 +70,28 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return compute_logprobs(logits, labels)
 
 
+def k3_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token k3 estimate of ``KL(pi || pi_ref)`` from samples of ``pi``.
+
+    ``k3 = pi_ref/pi - log(pi_ref/pi) - 1`` (Schulman, "Approximating KL divergence", 2020;
+    DeepSeekMath eq. 4), always >= 0; the log-ratio is clamped to ``+-MAX_LOG_RATIO`` first.
+
+    Args:
+        logprobs: ``[batch, seq]`` log-probs of the sampled tokens under ``pi``.
+        ref_logprobs: ``[batch, seq]`` the same tokens under ``pi_ref``.
+        mask: ``[batch, seq]`` bool, True on scored tokens; other positions are 0 in the
+            result whatever the inputs hold there (even inf/NaN).
+
+    Returns:
+        ``[batch, seq]`` per-token estimates (differentiable w.r.t. ``logprobs``).
+    """
+    log_ratio = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
 def valid_token_count(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Number of valid (trained) tokens in a microbatch: ``(mb["labels"] != -100).sum()``.
 
@@ -186,10 +208,7 @@ def grpo_loss_and_metrics(
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
 
     if kl_coef != 0.0:
-        ref_logprobs = _require(mb, "ref_logprobs", (batch, seq))
-        ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, zeros)
-        ref_log_ratio = ref_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
     else:
         kl = zeros
 

@@ -1,0 +1,194 @@
+"""The GRPO app's typed config, validated in the controller before any process is spawned.
+
+YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented example)::
+
+    output_dir, seed
+    model:     {hf_path}                      one checkpoint for trainer, reference, generator
+    task:      AdditionTask.Config            the embedded verifiable task
+    grpo:      {prompts_per_step, group_size}
+    loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef
+    loop:      forge_ext.loop.LoopConfig      steps, eval_every, save_every, max_policy_age
+    trainer:   engine mapping                 (forge_ext.engine.config)
+    reference: engine mapping or null         (null requires loss.kl_coef: 0)
+    generator: GeneratorConfig
+    weights:   WeightsConfig                  transport of push_weights / fetch
+    procs:     {env, trainer, reference, generator}  processes and environment per role
+    metrics:   MetricsConfig
+    debug:     {fail_at_step}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from apps.grpo.task import AdditionTask
+from forge_ext.actors.generator import GeneratorConfig
+from forge_ext.actors.reference import data_parallel_size
+from forge_ext.actors.trainer import world_size_of
+from forge_ext.config import from_mapping, load_yaml
+from forge_ext.engine import engine_config_from_mapping
+from forge_ext.losses.grpo import GRPOLoss
+from forge_ext.loop import LoopConfig
+from forge_ext.metrics import MetricsConfig
+from forge_ext.weights.publish import WeightsConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    hf_path: str
+    """HF checkpoint directory (config.json + safetensors + tokenizer): the warm-start of the
+    demo, or e.g. a downloaded ``Qwen/Qwen3-0.6B``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOSection:
+    prompts_per_step: int = 8
+    """Distinct training prompts per step."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within each group."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.group_size < 2:
+            raise ValueError(
+                f"grpo.prompts_per_step={self.prompts_per_step} must be >= 1 and "
+                f"grpo.group_size={self.group_size} >= 2 (a group of one has no advantage)"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences trained on per step."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(kw_only=True, slots=True)
+class RoleProcs:
+    num_procs: int | None = None
+    """Processes of this role's mesh (default: the product of its parallelism degrees; the
+    generator always has one, vLLM spawns its own tensor-parallel workers)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of this role's procs, e.g. ``{CUDA_VISIBLE_DEVICES: "4,5"}`` to give each
+    role its own GPUs on one node. Roles with an ``env`` are spawned one after another."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ProcsSection:
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of every process, set in the controller before anything is spawned
+    (e.g. ``OMP_NUM_THREADS: "1"`` on a small CPU, see :func:`forge_ext.config.apply_env`)."""
+    trainer: RoleProcs = field(default_factory=RoleProcs)
+    reference: RoleProcs = field(default_factory=RoleProcs)
+    generator: RoleProcs = field(default_factory=RoleProcs)
+
+    def __post_init__(self) -> None:
+        if self.generator.num_procs not in (None, 1):
+            raise ValueError(
+                f"procs.generator.num_procs={self.generator.num_procs}: the generator runs in "
+                "one process (use generator.vllm.tensor_parallel_size for more GPUs)"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugSection:
+    fail_at_step: int | None = None
+    """Fault injection: at this (1-based) step the trainer's ``train_step`` raises mid-step
+    (the batch's advantages are NaN, so the engine's gradient-norm check raises
+    ``FloatingPointError`` after backward, before the optimizer step). For testing that a
+    crash stops every proc and that a rerun resumes from the last checkpoint."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSection:
+    greedy: bool = True
+    """Held-out accuracy with greedy decoding (false: one sample at the sampling settings)."""
+    batch_size: int = 256
+    """Held-out prompts per ``generate`` call."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    output_dir: str
+    """Run folder: checkpoints (``trainer.dump_folder``), metrics, TensorBoard, plot."""
+    model: ModelSection
+    loop: LoopConfig
+    trainer: dict[str, Any]
+    generator: GeneratorConfig
+    seed: int = 0
+    """Seeds prompt order and sampling (per step, so a resumed run samples the same way)."""
+    task: AdditionTask.Config = field(default_factory=AdditionTask.Config)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
+    reference: dict[str, Any] | None = None
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    procs: ProcsSection = field(default_factory=ProcsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    metrics: MetricsConfig | None = None
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    def loss_spec(self) -> dict[str, Any]:
+        """The trainer's ``loss`` argument (:func:`forge_ext.engine.losses.build_loss`)."""
+        return {"name": "grpo", "clip_eps_low": self.loss.clip_eps_low,
+                "clip_eps_high": self.loss.clip_eps_high, "kl_coef": self.loss.kl_coef}
+
+    def validate(self, *, check_model: bool = True) -> None:
+        """Cross-section checks; with ``check_model`` also the engine sections, which read
+        ``model.hf_path``'s config.json (so the checkpoint must exist).
+
+        Raises:
+            ValueError: naming the fields that disagree and the fix.
+        """
+        if self.loss.kl_coef != 0 and self.reference is None:
+            raise ValueError(
+                f"loss.kl_coef={self.loss.kl_coef} needs a reference model; set the "
+                "reference: section or loss.kl_coef=0"
+            )
+        if self.loop.save_every and not self.trainer.get("checkpoint", {}).get("enable"):
+            raise ValueError(
+                f"loop.save_every={self.loop.save_every} needs trainer.checkpoint.enable=true"
+            )
+        if self.debug.fail_at_step is not None and self.debug.fail_at_step < 1:
+            raise ValueError(f"debug.fail_at_step={self.debug.fail_at_step} must be >= 1")
+        if not check_model:
+            return
+        sections = [("trainer", self.trainer, self.procs.trainer.num_procs)]
+        if self.reference is not None:
+            sections.append(("reference", self.reference, self.procs.reference.num_procs))
+        for name, mapping, num_procs in sections:
+            try:
+                engine = engine_config_from_mapping(mapping)
+            except (ValueError, FileNotFoundError) as e:
+                raise type(e)(f"{name}: {e}") from None
+            dp = data_parallel_size(engine, world_size_of(engine, num_procs))
+            global_batch = engine.training.local_batch_size * dp
+            if global_batch != self.grpo.batch_size:
+                raise ValueError(
+                    f"{name}.training.local_batch_size={engine.training.local_batch_size} x "
+                    f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
+                    f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
+                )
+        gen = self.generator.sampling.max_new_tokens
+        longest = _longest_prompt_tokens(self.task) + gen
+        seq_len = engine_config_from_mapping(self.trainer).training.seq_len
+        if longest > seq_len:
+            raise ValueError(
+                f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
+                f"generator.sampling.max_new_tokens={gen}); raise the seq_len"
+            )
+
+
+def _longest_prompt_tokens(task: AdditionTask.Config) -> int:
+    # <bos> a + b = with max_digits-digit operands (character tokenizer); other tokenizers
+    # use no more tokens than characters for digits.
+    return 1 + 2 * task.max_digits + 2
+
+
+def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True) -> GRPOConfig:
+    """Read, override, resolve and validate a GRPO YAML config (see the module docstring).
+
+    Raises:
+        ValueError: unknown keys (named), wrong types, or a failed :meth:`GRPOConfig.validate`.
+    """
+    config = from_mapping(GRPOConfig, load_yaml(path, overrides))
+    config.validate(check_model=check_model)
+    return config
+

@@ -1,0 +1,342 @@
+"""GRPO on real Monarch actors: ``python -m apps.grpo.main --config configs/<name>.yaml [k=v ...]``.
+
+The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
+
+- ``setup``: torchstore, then the ``RLTrainer`` (GRPO loss, ``push_weights``), the
+  ``ReferenceModel`` (unless ``reference: null``) and the ``Generator``, spawned
+  concurrently, each tracked so that teardown stops it.
+- ``build_rollouts``: ``grpo.prompts_per_step`` prompts of the task, ``grpo.group_size``
+  samples each, rewards (exact answer), group-normalised advantages, reference log-probs.
+- ``train_step``: the rollouts go through the replay buffer (which drops any older than
+  ``loop.max_policy_age``) into the trainer's ``train_step``.
+- ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
+  ``Generator.update_weights(N)`` (torchstore).
+- ``evaluate``: held-out accuracy (greedy by default) through the generator.
+
+Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
+in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
+held-out accuracy before and after GRPO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
+import torch
+
+from apps.grpo.config import GRPOConfig, load_config
+from apps.grpo.episode import Episode, pack_episodes
+from apps.grpo.task import AdditionProblem, AdditionTask
+from apps.grpo.tokenizer import CheckpointTokenizer
+from forge_ext.config import apply_env, scoped_env
+from forge_ext.generation import Completion
+from forge_ext.losses.grpo import compute_group_advantages, k3_kl
+from forge_ext.loop import RLLoop
+from forge_ext.metrics import MetricsConfig
+from forge_ext.replay_buffer import ReplayBuffer
+
+
+class PromptStream:
+    """Training problems in a reshuffled order each epoch, addressed by position, so that a
+    resumed run continues with exactly the prompts an uninterrupted run would have used."""
+
+    def __init__(self, problems: list[AdditionProblem], seed: int) -> None:
+        if not problems:
+            raise ValueError("task.num_train must be >= 1 to train")
+        self.problems = problems
+        self.seed = seed
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[AdditionProblem]:
+        """The next ``count`` problems."""
+        out = []
+        for position in range(self.position, self.position + count):
+            epoch, index = divmod(position, len(self.problems))
+            out.append(self.problems[self._order(epoch)[index]])
+        self.position += count
+        return out
+
+
+@dataclass
+class Rollouts:
+    """One step's samples: ``group_size`` consecutive episodes per prompt."""
+
+    problems: list[AdditionProblem]
+    episodes: list[Episode]
+    rewards: list[float]
+    correct: list[bool]
+    generator_version: int
+    seconds: dict[str, float]
+
+
+class GRPOApp(RLLoop):
+    """The GRPO job on actors (module docstring)."""
+
+    def __init__(self, config: GRPOConfig) -> None:
+        metrics = config.metrics or MetricsConfig(log_dir=config.output_dir)
+        super().__init__(config.loop, metrics)
+        self.config = config
+        self.task = AdditionTask(config.task)
+        self.tok = CheckpointTokenizer(config.model.hf_path)
+        self.prompts = PromptStream(self.task.train_problems, config.seed)
+        self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
+            ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
+        )
+        self.trainer = self.reference = self.generator = None
+        self.bar = None
+
+    # ---- setup and state -----------------------------------------------------------------
+    async def setup(self) -> None:
+        import torchstore as ts
+
+        from forge_ext.actors import spawn_trainer
+        from forge_ext.actors.generator import spawn_generator
+        from forge_ext.actors.reference import spawn_reference
+        from forge_ext.compat.torchstore_monarch import initialize_store
+
+        c = self.config
+        apply_env(c.procs.env)
+        self.write(f"spawning actors (trainer, {'reference, ' if c.reference else ''}generator)")
+        await initialize_store()
+        self.track("torchstore", ts.shutdown)
+        c.generator.key_prefix = c.weights.key_prefix
+
+        async def trainer():
+            self.trainer = await spawn_trainer(
+                c.trainer, loss=c.loss_spec(), num_procs=c.procs.trainer.num_procs,
+                weights=asdict(c.weights),
+            )
+            self.track("trainer", self.trainer.stop)
+
+        async def reference():
+            self.reference = await spawn_reference(
+                c.reference, num_procs=c.procs.reference.num_procs
+            )
+            self.track("reference", self.reference.stop)
+
+        async def generator():
+            self.generator = await spawn_generator(
+                c.generator, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id
+            )
+            self.track("generator", self.generator.stop)
+
+        roles = [(trainer, c.procs.trainer), (generator, c.procs.generator)]
+        if c.reference is not None:
+            roles.append((reference, c.procs.reference))
+        if any(role.env for _, role in roles):
+            # Procs read the environment when they start, after the spawning call returns:
+            # roles with their own environment are spawned one at a time.
+            for spawn, role in roles:
+                with scoped_env(role.env):
+                    await spawn()
+            return
+        results = await asyncio.gather(*(spawn() for spawn, _ in roles), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def load_checkpoint(self) -> int:
+        if not self.config.trainer.get("checkpoint", {}).get("enable"):
+            return 0
+        return await self.trainer.load_checkpoint()
+
+    def fast_forward(self, step: int) -> None:
+        from tqdm import tqdm
+
+        self.prompts.position = step * self.config.grpo.prompts_per_step
+        self.bar = tqdm(
+            total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
+            dynamic_ncols=True,
+        )
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    # ---- one step ------------------------------------------------------------------------
+    async def build_rollouts(self, step: int) -> Rollouts:
+        c, tok = self.config, self.tok
+        problems = self.prompts.take(c.grpo.prompts_per_step)
+        start = time.perf_counter()
+        completions: list[Completion] = await self.generator.generate(
+            [tok.encode_prompt(p.prompt) for p in problems], c.grpo.group_size,
+            seed=c.seed * 1_000_003 + step,
+        )
+        seconds = {"generate": time.perf_counter() - start}
+        group = c.grpo.group_size
+        answers = [tok.answer_text(x.response_ids) for x in completions]
+        rewards = [self.task.score_text(problems[i // group], a) for i, a in enumerate(answers)]
+        correct = [a == problems[i // group].answer for i, a in enumerate(answers)]
+        advantages = compute_group_advantages(torch.tensor(rewards), group).tolist()
+        episodes = [
+            Episode(
+                prompt_ids=x.prompt_ids, response_ids=x.response_ids,
+                generator_logprobs=x.logprobs, advantage=a, reward=r,
+                policy_version=x.policy_version,
+            )
+            for x, a, r in zip(completions, advantages, rewards)
+        ]
+        if self.reference is not None:
+            start = time.perf_counter()
+            packed = pack_episodes(episodes, pad_id=tok.pad_id)
+            ref = await self.reference.logprobs(packed)
+            for row, ep in enumerate(episodes):
+                first = len(ep.prompt_ids) - 1
+                ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
+            seconds["reference"] = time.perf_counter() - start
+        return Rollouts(
+            problems=problems, episodes=episodes, rewards=rewards, correct=correct,
+            generator_version=completions[0].policy_version, seconds=seconds,
+        )
+
+    async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
+        from forge_ext.actors.reference import data_parallel_size, split_for_data_parallel
+
+        c = self.config
+        for episode in rollouts.episodes:
+            self.buffer.add(episode)
+        batch = self.buffer.sample(self.trainer_version, c.grpo.batch_size)
+        if batch is None:
+            raise RuntimeError(
+                f"the replay buffer holds {len(self.buffer)} episodes within "
+                f"loop.max_policy_age={c.loop.max_policy_age} of policy version "
+                f"{self.trainer_version}, fewer than the {c.grpo.batch_size} a step trains on"
+            )
+        packed = pack_episodes(batch, pad_id=self.tok.pad_id)
+        if c.debug.fail_at_step == step + 1:
+            packed["advantages"].fill_(math.nan)  # debug.fail_at_step: see DebugSection
+        dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
+        start = time.perf_counter()
+        result = await self.trainer.train_step(
+            *split_for_data_parallel(packed, dp), return_metrics=True
+        )
+        seconds = {**rollouts.seconds, "train": time.perf_counter() - start}
+        metrics = {
+            "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
+            "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
+            "rollout/finished": sum(ep.response_ids[-1] == self.tok.eos_id for ep in batch)
+            / len(batch),
+            "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
+            "generator_version": rollouts.generator_version,
+            "loss": result["loss"],
+            "grad_norm": result["grad_norm"],
+            "lr": result["lr"],
+            **{f"time/{k}": v for k, v in seconds.items()},
+        }
+        if "ref_logprobs" in packed:
+            mask = packed["labels"] != -100
+            kl = k3_kl(packed["generator_logprobs"], packed["ref_logprobs"], mask)
+            metrics["kl"] = float(kl.sum() / mask.sum())
+        return metrics
+
+    async def push_weights(self, version: int) -> None:
+        await self.trainer.push_weights(version)
+
+    async def fetch_weights(self, version: int) -> None:
+        await self.generator.update_weights(version)
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        c, tok = self.config, self.tok
+        problems = self.task.eval_problems
+        answers: list[str | None] = []
+        size = c.eval.batch_size
+        for lo in range(0, len(problems), size):
+            chunk = problems[lo : lo + size]
+            completions = await self.generator.generate(
+                [tok.encode_prompt(p.prompt) for p in chunk], 1, greedy=c.eval.greedy,
+                seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
+            )
+            answers += [tok.answer_text(x.response_ids) for x in completions]
+        return {
+            "eval/accuracy": self.task.accuracy_text(problems, answers),
+            "eval/num_prompts": len(problems),
+        }
+
+    async def save_checkpoint(self, step: int) -> None:
+        await self.trainer.save_checkpoint(step)
+
+    # ---- output --------------------------------------------------------------------------
+    def log_line(self, step: int, m: dict[str, float]) -> str | None:
+        if self.bar is not None and "loss" in m:
+            self.bar.update(1)
+        parts = [f"step {step:>3}/{self.loop.steps}"]
+        if "reward/mean" in m:
+            parts += [
+                f"reward {m['reward/mean']:.3f}",
+                f"acc {m['rollout/accuracy']:.3f}",
+                f"loss {m['loss']:+.4f}",
+            ]
+            if "kl" in m:
+                parts.append(f"kl {m['kl']:.4f}")
+            parts.append(f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])})")
+            times = " ".join(
+                f"{k} {m['time/' + k]:.2f}s"
+                for k in ("generate", "reference", "train", "push", "fetch") if f"time/{k}" in m
+            )
+            parts.append(times)
+        if "eval/accuracy" in m:
+            parts.append(
+                f"held-out acc {m['eval/accuracy']:.1%} ({int(m['eval/num_prompts'])} prompts)"
+            )
+        return " | ".join(parts)
+
+    def plot_spec(self) -> dict[str, Any]:
+        return {"plot_keys": ["reward/mean", "eval/accuracy"], "title": "GRPO: reward and held-out accuracy"}
+
+    def on_finish(self, completed: bool) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        evals = self.metrics.series("eval/accuracy")
+        if not completed or not evals:
+            return
+        (first_step, before), (last_step, after) = evals[0], evals[-1]
+        n = len(self.task.eval_problems)
+        how = "greedy" if self.config.eval.greedy else "sampled"
+        print(
+            f"held-out accuracy on {n} prompts ({how}): step {first_step} (start) {before:.1%} "
+            f"-> step {last_step} (GRPO) {after:.1%} ({100 * (after - before):+.1f} points)"
+        )
+        log_dir = self.metrics.log_dir
+        if self.metrics.config.plot:
+            print(f"plot: {log_dir / self.metrics.config.plot}")
+        if self.metrics.config.tensorboard:
+            print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loop.steps=5")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    path, overrides = parse_args(argv)
+    config = load_config(path, overrides)
+    try:
+        asyncio.run(GRPOApp(config).run())
+    except KeyboardInterrupt:
+        print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
+              "resume from the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Metric logging for apps: TensorBoard event files, a JSON-lines history, and a PNG plot.
+
+One :class:`MetricLogger` per run, in the controller. ``log(step, {"reward/mean": ...})``
+writes every scalar to TensorBoard (``<log_dir>/tensorboard``) and appends one line to
+``<log_dir>/metrics.jsonl``. On resume, :meth:`MetricLogger.open` keeps the history up to
+the resumed step and drops later lines (those steps are about to be redone), so the history
+and the final plot show each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """YAML ``metrics:`` section."""
+
+    log_dir: str
+    """Folder of ``metrics.jsonl``, ``tensorboard/`` and the plot."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (``tensorboard --logdir <log_dir>/tensorboard``)."""
+    plot: str | None = "progress.png"
+    """File name (in ``log_dir``) of the PNG plot written on close; null disables it."""
+
+
+class MetricLogger:
+    """Scalar metrics per step: TensorBoard, ``metrics.jsonl``, in-memory history, PNG plot.
+
+    Example::
+
+        logger = MetricLogger(MetricsConfig(log_dir="outputs/run"))
+        logger.open(resume_step=0)
+        logger.log(1, {"reward/mean": 0.4, "loss": 0.1})
+        logger.close(plot_keys=["reward/mean", "eval/accuracy"])
+    """
+
+    def __init__(self, config: MetricsConfig) -> None:
+        self.config = config
+        self.log_dir = Path(config.log_dir)
+        self.history: list[dict[str, float]] = []
+        self._writer = None
+        self._jsonl = None
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.log_dir / "metrics.jsonl"
+
+    def open(self, resume_step: int = 0) -> None:
+        """Create the folder, reload the history up to ``resume_step``, open the writers."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.history = []
+        if self.jsonl_path.exists():
+            with open(self.jsonl_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            self.history = [row for row in rows if row["step"] <= resume_step]
+        with open(self.jsonl_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.history)
+        self._jsonl = open(self.jsonl_path, "a")
+        if self.config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events after resume_step from earlier runs' files.
+            self._writer = SummaryWriter(
+                str(self.log_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record scalar ``metrics`` at ``step`` (NaN values are written as null)."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        if self._jsonl is not None:
+            safe = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            self._jsonl.write(json.dumps(safe) + "\n")
+            self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, float(value), step)
+            self._writer.flush()
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """``(step, value)`` pairs of ``key`` in step order (skipping nulls)."""
+        return [
+            (row["step"], row[key]) for row in self.history
+            if row.get(key) is not None and not math.isnan(row[key])
+        ]
+
+    def close(self, plot_keys: Sequence[str] = (), title: str = "") -> Path | None:
+        """Close the writers; with ``plot_keys`` and ``config.plot`` set, write the plot.
+
+        Returns:
+            The plot's path, or None if none was written.
+        """
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not plot_keys or not self.config.plot:
+            return None
+        return plot_series(
+            {key: self.series(key) for key in plot_keys}, self.log_dir / self.config.plot, title
+        )
+
+
+def plot_series(
+    series: Mapping[str, Sequence[tuple[int, float]]], path: str | os.PathLike, title: str = ""
+) -> Path | None:
+    """Plot each ``(step, value)`` series on one set of axes and save a PNG.
+
+    Returns:
+        ``path``, or None if every series is empty.
+    """
+    if not any(series.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, points in series.items():
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if len(points) < 30 else None, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

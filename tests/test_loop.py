@@ -1,0 +1,141 @@
+"""The RL loop template (forge_ext.loop.RLLoop) with fake hooks: step order, resume, the
+weight-sync gate, and teardown on success, on an exception and on cancellation (Ctrl-C)."""
+
+import asyncio
+import json
+
+import pytest
+
+from forge_ext.loop import LoopConfig, RLLoop
+from forge_ext.metrics import MetricsConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+class FakeJob(RLLoop):
+    """Records what the loop asks for; the generator serves whatever was last fetched."""
+
+    def __init__(self, tmp_path, *, steps=5, resume_at=0, max_policy_age=0, fail_in=None,
+                 fetch_delay=0.0, **loop):
+        super().__init__(
+            LoopConfig(steps=steps, max_policy_age=max_policy_age, **loop),
+            MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot=None),
+        )
+        self.resume_at, self.fail_in, self.fetch_delay = resume_at, fail_in, fetch_delay
+        self.events: list[tuple] = []
+        self.served = -1
+        self.stopped: list[str] = []
+
+    async def setup(self):
+        for name in ("store", "trainer", "generator"):
+            self.track(name, lambda name=name: self.record_stop(name))
+
+    async def record_stop(self, name):
+        self.stopped.append(name)
+
+    async def load_checkpoint(self):
+        return self.resume_at
+
+    def fast_forward(self, step):
+        self.events.append(("fast_forward", step))
+
+    async def build_rollouts(self, step):
+        if self.fail_in == "rollouts":
+            raise RuntimeError("generator died")
+        self.events.append(("rollouts", step, self.trainer_version, self.served))
+        return {"served": self.served}
+
+    async def train_step(self, step, rollouts):
+        if self.fail_in == "train" and step == 2:
+            raise FloatingPointError("injected")
+        self.events.append(("train", step))
+        return {"reward/mean": step / 10, "sampled_version": rollouts["served"]}
+
+    async def push_weights(self, version):
+        await asyncio.sleep(0)
+        self.events.append(("push", version))
+
+    async def fetch_weights(self, version):
+        await asyncio.sleep(self.fetch_delay)
+        self.served = version
+
+    async def evaluate(self, step):
+        self.events.append(("eval", step))
+        return {"eval/accuracy": step / 100}
+
+    async def save_checkpoint(self, step):
+        self.events.append(("save", step))
+
+    def write(self, line):
+        pass
+
+
+def kinds(events, kind):
+    return [e[1] for e in events if e[0] == kind]
+
+
+async def test_steps_run_in_order_and_resume_from_the_checkpoint_step(tmp_path):
+    job = FakeJob(tmp_path, steps=5, resume_at=2, eval_every=2, save_every=2)
+    await job.run()
+    assert job.events[0] == ("fast_forward", 2)
+    assert kinds(job.events, "rollouts") == [2, 3, 4]
+    assert kinds(job.events, "train") == [2, 3, 4]
+    assert kinds(job.events, "eval") == [2, 4, 5]  # baseline, periodic, last
+    assert kinds(job.events, "save") == [4, 5]  # periodic, last
+    assert kinds(job.events, "push") == [2, 3, 4, 5]  # start-up sync of the resumed weights
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4, 5]
+    assert [r.get("policy_version") for r in rows[1:]] == [3, 4, 5]
+
+
+async def test_on_policy_gate_samples_every_step_with_the_trainer_weights(tmp_path):
+    job = FakeJob(tmp_path, steps=4, max_policy_age=0, fetch_delay=0.01)
+    await job.run()
+    for _, step, trainer_version, served in (e for e in job.events if e[0] == "rollouts"):
+        assert served == trainer_version == step
+
+
+async def test_gate_lets_the_generator_lag_by_at_most_max_policy_age(tmp_path):
+    job = FakeJob(tmp_path, steps=6, max_policy_age=1, fetch_delay=0.05)
+    await job.run()
+    lags = [t - s for _, _, t, s in (e for e in job.events if e[0] == "rollouts")]
+    assert max(lags) == 1, lags  # weight sync overlapped with the next rollouts
+    assert min(lags) >= 0
+
+
+async def test_exception_stops_everything_in_reverse_order_and_propagates(tmp_path):
+    job = FakeJob(tmp_path, steps=5, fail_in="train", save_every=1)
+    with pytest.raises(FloatingPointError, match="injected"):
+        await job.run()
+    assert job.stopped == ["generator", "trainer", "store"]
+    assert kinds(job.events, "save") == [1, 2]  # steps 0 and 1 committed, step 2 failed
+    assert job.metrics._jsonl is None  # loggers closed
+
+
+async def test_cancellation_like_ctrl_c_stops_everything(tmp_path):
+    job = FakeJob(tmp_path, steps=1000, fetch_delay=0.001)
+    task = asyncio.create_task(job.run())
+    while len(kinds(job.events, "train")) < 3:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert job.stopped == ["generator", "trainer", "store"]
+
+
+async def test_a_failing_stop_does_not_prevent_the_others(tmp_path):
+    job = FakeJob(tmp_path, steps=1, fail_in="rollouts")
+
+    async def broken():
+        raise RuntimeError("mesh already gone")
+
+    async def setup():
+        job.track("store", lambda: job.record_stop("store"))
+        job.track("broken", broken)
+        job.track("generator", lambda: job.record_stop("generator"))
+
+    job.setup = setup
+    with pytest.raises(RuntimeError, match="generator died"):
+        await job.run()
+    assert job.stopped == ["generator", "store"]
+
