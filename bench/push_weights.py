@@ -1,0 +1,302 @@
+"""Weight-push benchmark: ``WeightsPublisher`` transports versus plain torchstore, side by side.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.push_weights                      # ~55 MB, ~300 MB, ~1 GB
+    .venv/bin/python -m bench.push_weights --hidden 1024 1536   # ~1.7 GB, ~3.5 GB
+    .venv/bin/python -m bench.push_weights --chunk-mb 32 --reps 5
+
+For each model size, the same fp32 tensors (a Qwen3-shaped decoder: 28 layers of
+q/k/v/o/q_norm/k_norm/gate/up/down/2 layernorms, vocab 32000, embeddings + final norm +
+untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by, in rotating order:
+
+- ``per-param``: torchforge's seed, one awaited ``ts.put`` per parameter (the baseline);
+- ``put_state_dict``: one ``ts.put_state_dict`` of the same tensors (the raw ceiling the
+  issue compares against);
+- ``direct`` and ``dcp``: ``WeightsPublisher.publish`` (commit record and retention included,
+  ``dcp`` writing under ``--dcp-dir``).
+
+Effective GB/s = model bytes / wall seconds of the push, median over ``--reps`` runs after
+one warm-up run; keys and files are deleted between runs (not timed). Wall time depends on
+what else runs on the machine, so the CPU seconds the push cost (this process plus its child
+procs, i.e. the storage volume; from /proc) are reported too, as GB per CPU-second: on a
+shared or loaded machine that column is the stable one (the load average is printed). A second table times the read side:
+``ts.get_state_dict`` versus ``fetch_weights`` for both transports, each checked for exact
+equality with the pushed tensors. One torchstore storage volume in its own proc, Monarch RPC
+unless torchstore reports RDMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+import torchstore as ts
+from torchstore.transport.buffers import rdma_available
+
+from forge_ext.compat.torchstore_monarch import initialize_store
+from forge_ext.weights import publish as weights_publish
+from forge_ext.weights.fetch import fetch_weights
+
+LAYERS, VOCAB, HEAD_DIM = 28, 32000, 128
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and its live children (the
+    Monarch procs torchstore spawned, the storage volume among them)."""
+    me = os.getpid()
+    with open(f"/proc/{me}/task/{me}/children") as f:
+        pids = [me, *map(int, f.read().split())]
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / CLOCK_TICKS
+
+
+class Timer:
+    """Wall and process-tree CPU seconds of a block."""
+
+    def __enter__(self) -> Timer:
+        self.wall, self.cpu = time.perf_counter(), tree_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = tree_cpu_seconds() - self.cpu
+
+
+def decoder_state_dict(hidden: int) -> dict[str, torch.Tensor]:
+    """Qwen3-style HF names/shapes (heads = hidden / 64, kv heads = heads / 2, ffn = 3 x)."""
+    heads = max(1, hidden // 64)
+    kv_heads = max(1, heads // 2)
+    inter = 3 * hidden
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    sd = {"model.embed_tokens.weight": randn(VOCAB, hidden)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = randn(heads * HEAD_DIM, hidden)
+        sd[p + "self_attn.k_proj.weight"] = randn(kv_heads * HEAD_DIM, hidden)
+        sd[p + "self_attn.v_proj.weight"] = randn(kv_heads * HEAD_DIM, hidden)
+        sd[p + "self_attn.o_proj.weight"] = randn(hidden, heads * HEAD_DIM)
+        sd[p + "self_attn.q_norm.weight"] = randn(HEAD_DIM)
+        sd[p + "self_attn.k_norm.weight"] = randn(HEAD_DIM)
+        sd[p + "mlp.gate_proj.weight"] = randn(inter, hidden)
+        sd[p + "mlp.up_proj.weight"] = randn(inter, hidden)
+        sd[p + "mlp.down_proj.weight"] = randn(hidden, inter)
+        sd[p + "input_layernorm.weight"] = randn(hidden)
+        sd[p + "post_attention_layernorm.weight"] = randn(hidden)
+    sd["model.norm.weight"] = randn(hidden)
+    sd["lm_head.weight"] = randn(VOCAB, hidden)
+    return sd
+
+
+async def delete_prefix(prefix: str) -> None:
+    client = await ts.client()
+    for key in await client.keys(prefix):
+        await ts.delete(key)
+
+
+class Bench:
+    def __init__(self, sd: dict[str, torch.Tensor], chunk_mb: int, dcp_dir: str) -> None:
+        self.sd = sd
+        self.chunk_mb = chunk_mb
+        self.dcp_dir = dcp_dir
+        self.run = 0
+
+    def _publisher(self, transport: str, prefix: str) -> weights_publish.WeightsPublisher:
+        config = weights_publish.WeightsConfig(
+            transport=transport,
+            dcp_path=os.path.join(self.dcp_dir, prefix),
+            key_prefix=prefix,
+            chunk_mb=self.chunk_mb,
+        )
+        return weights_publish.WeightsPublisher(config)
+
+    # Push methods: store self.sd under `prefix`.
+    async def per_param(self, prefix: str) -> None:
+        for name, tensor in self.sd.items():
+            await ts.put(f"{prefix}.{name}", tensor)
+
+    async def put_state_dict(self, prefix: str) -> None:
+        await ts.put_state_dict(self.sd, prefix)
+
+    async def direct(self, prefix: str) -> None:
+        await self._publisher("direct", prefix).publish(self.sd, 0)
+
+    async def dcp(self, prefix: str) -> None:
+        await self._publisher("dcp", prefix).publish(self.sd, 0)
+
+    async def cleanup(self, prefix: str) -> None:
+        if prefix.startswith("put_state_dict"):
+            # put_state_dict keys are "<prefix>/<name>": no '.'-boundary prefix lists them.
+            for name in [*self.sd, "MAPPING"]:
+                await ts.delete(f"{prefix}/{name}")
+        else:
+            await delete_prefix(prefix)
+        shutil.rmtree(os.path.join(self.dcp_dir, prefix), ignore_errors=True)
+
+    async def fetch(self, method: str, prefix: str) -> Timer:
+        with Timer() as timer:
+            if method == "get_state_dict":
+                got = await ts.get_state_dict(prefix)
+            else:
+                got = await fetch_weights(0, key_prefix=prefix)
+        assert list(got) == list(self.sd), method
+        assert all(torch.equal(got[n], t) for n, t in self.sd.items()), method
+        return timer
+
+
+Medians = dict[str, tuple[float, float]]  # method -> (wall seconds, CPU seconds)
+
+
+def medians(timers: dict[str, list[Timer]]) -> Medians:
+    return {
+        m: (statistics.median(t.wall for t in ts_), statistics.median(t.cpu for t in ts_))
+        for m, ts_ in timers.items()
+    }
+
+
+async def measure(
+    methods: dict[str, Callable[[str], Awaitable[None]]], bench: Bench, reps: int
+) -> Medians:
+    """Median seconds per method after one untimed warm-up round; the order rotates each
+    repetition. (The first pushes into a fresh storage volume run several times slower while
+    its process grows its heap; a trainer pushing every step sees the warm numbers.)"""
+    timers: dict[str, list[Timer]] = {m: [] for m in methods}
+    names = list(methods)
+    for rep in range(-1, reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            bench.run += 1
+            prefix = f"{name}_{bench.run}"
+            with Timer() as timer:
+                await methods[name](prefix)
+            if rep >= 0:
+                timers[name].append(timer)
+            await bench.cleanup(prefix)
+    return medians(timers)
+
+
+async def measure_fetch(bench: Bench, reps: int) -> Medians:
+    """Median seconds of the read side; each version is pushed once, read ``reps`` times."""
+    prefixes = {"get_state_dict": "put_state_dict_fetch", "direct": "direct_fetch", "dcp": "dcp_fetch"}
+    await ts.put_state_dict(bench.sd, prefixes["get_state_dict"])
+    await bench.direct(prefixes["direct"])
+    await bench.dcp(prefixes["dcp"])
+    timers: dict[str, list[Timer]] = {m: [] for m in prefixes}
+    for _ in range(reps):
+        for method, prefix in prefixes.items():
+            timers[method].append(await bench.fetch(method, prefix))
+    for prefix in prefixes.values():
+        await bench.cleanup(prefix)
+    return medians(timers)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def rows_for(
+    nbytes: int, tensors: int, result: Medians, ratios: list[tuple[str, str]]
+) -> tuple[list[str], list[str]]:
+    """A row of wall GB/s and a row of GB per CPU-second, each ending with the rate ratios
+    ``a / b`` for each pair in ``ratios``."""
+    rows = []
+    for index in (0, 1):  # wall, CPU
+        rate = {m: nbytes / result[m][index] / 1e9 for m in result}
+        rows.append([
+            f"{nbytes / 1e6:.0f}", str(tensors), *(f"{rate[m]:.3f}" for m in result),
+            *(f"{rate[a] / rate[b]:.2f}x" for a, b in ratios),
+        ])
+    return rows[0], rows[1]
+
+
+async def main(args: argparse.Namespace) -> None:
+    await initialize_store()
+    dcp_dir = args.dcp_dir or tempfile.mkdtemp(prefix="push_weights_")
+    print(
+        f"torchstore transport: {'RDMA' if rdma_available() else 'Monarch RPC'}; "
+        f"direct chunk_mb={args.chunk_mb}, {weights_publish.MAX_INFLIGHT_PUTS} puts in flight; "
+        f"dcp under {dcp_dir}; {args.reps} reps (median); {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    push_methods = ["per-param", "put_state_dict", "direct", "dcp"]
+    push_ratios = [("direct", "per-param"), ("dcp", "per-param"), ("direct", "put_state_dict")]
+    fetch_ratios = [("direct", "get_state_dict"), ("dcp", "get_state_dict")]
+    tables: dict[str, list[list[str]]] = {"push": [], "push_cpu": [], "fetch": [], "fetch_cpu": []}
+    try:
+        for hidden in args.hidden:
+            sd = decoder_state_dict(hidden)
+            nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+            bench = Bench(sd, args.chunk_mb, dcp_dir)
+            methods = dict(zip(push_methods, [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]))
+            push = await measure(methods, bench, args.reps)
+            print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
+                f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in push.items()), flush=True)
+            wall, cpu = rows_for(nbytes, len(sd), push, push_ratios)
+            tables["push"].append(wall)
+            tables["push_cpu"].append(cpu)
+            if not args.no_fetch:
+                fetch = await measure_fetch(bench, args.reps)
+                print(f"fetch {nbytes / 1e6:.0f} MB: " + ", ".join(
+                    f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in fetch.items()), flush=True)
+                wall, cpu = rows_for(nbytes, len(sd), fetch, fetch_ratios)
+                tables["fetch"].append(wall)
+                tables["fetch_cpu"].append(cpu)
+            del sd, bench
+    finally:
+        if not args.dcp_dir:
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+        await ts.shutdown()
+    push_header = ["MB", "tensors", *push_methods, *(f"{a}/{b}" for a, b in push_ratios)]
+    fetch_header = [
+        "MB", "tensors", "get_state_dict", "fetch direct", "fetch dcp",
+        *(f"{a}/{b}" for a, b in fetch_ratios),
+    ]
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print("\nPush, effective GB/s (model bytes / wall seconds):")
+    print(table(push_header, tables["push"]))
+    print("\nPush, GB per CPU-second (this process + storage volume):")
+    print(table(push_header, tables["push_cpu"]))
+    if tables["fetch"]:
+        print("\nFetch to the controller, effective GB/s:")
+        print(table(fetch_header, tables["fetch"]))
+        print("\nFetch, GB per CPU-second:")
+        print(table(fetch_header, tables["fetch_cpu"]))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--hidden", type=int, nargs="+", default=[128, 384, 768],
+        help="decoder hidden sizes, one model each (128: 55 MB, 384: 296 MB, 768: 990 MB, "
+        "1024: 1.7 GB, 1536: 3.5 GB)",
+    )
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=int, default=weights_publish.WeightsConfig().chunk_mb)
+    parser.add_argument("--dcp-dir", default=None, help="default: a temporary folder")
+    parser.add_argument("--no-fetch", action="store_true", help="skip the read-side table")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
