@@ -32,7 +32,8 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
     """Read a YAML config, apply ``key=value`` overrides, resolve interpolations.
 
     Args:
-        path: the YAML file.
+        path: the YAML file. A top-level ``base: <file>`` (relative to it) names a config it
+            extends: the base is loaded first and this file merged over it.
         overrides: dotted ``key=value`` strings (OmegaConf dotlist syntax, values parsed as
             YAML: ``loop.steps=5``, ``model.hf_path=/ckpt/Qwen3-0.6B``, ``reference=null``).
 
@@ -44,17 +45,28 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
         ValueError: an override without ``=``, or an interpolation that does not resolve
             (the message names the key).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must be key=value, e.g. loop.steps=5")
     try:
-        config = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        config = OmegaConf.merge(_load_with_base(Path(path)), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
+    """Load ``path``; if it has a top-level ``base: other.yaml`` (relative to ``path``), load
+    that first and merge ``path`` over it, so a variant states only what it changes."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ValueError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    config = OmegaConf.load(path)
+    base = config.pop("base", None)
+    if base is None:
+        return config
+    return OmegaConf.merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
 
 
 def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:

@@ -6,6 +6,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     model:     {hf_path}                      one checkpoint for trainer, reference, generator
     task:      AdditionTask.Config            the embedded verifiable task
     grpo:      {prompts_per_step, group_size}
+    prompt:    {template, chat_template}      how a problem is shown to the model
     loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef
     loop:      forge_ext.loop.LoopConfig      steps, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
@@ -59,6 +60,25 @@ class GRPOSection:
     def batch_size(self) -> int:
         """Sequences trained on per step."""
         return self.prompts_per_step * self.group_size
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptSection:
+    template: str = "{a}+{b}="
+    """Prompt text of a problem, formatted with its operands ``a`` and ``b`` (the default is
+    the format the warm-start learned)."""
+    chat_template: bool = False
+    """Wrap the prompt in the checkpoint tokenizer's chat template as a user turn (for
+    instruction-tuned checkpoints such as Qwen3-0.6B); answers are compared after stripping
+    surrounding white space."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.template.format(a=12, b=345)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"prompt.template={self.template!r} must format with only {{a}} and {{b}}: {e}"
+            ) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +137,7 @@ class GRPOConfig:
     """Seeds prompt order and sampling (per step, so a resumed run samples the same way)."""
     task: AdditionTask.Config = field(default_factory=AdditionTask.Config)
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    prompt: PromptSection = field(default_factory=PromptSection)
     loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
     reference: dict[str, Any] | None = None
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -166,20 +187,6 @@ class GRPOConfig:
                     f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
                     f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
                 )
-        gen = self.generator.sampling.max_new_tokens
-        longest = _longest_prompt_tokens(self.task) + gen
-        seq_len = engine_config_from_mapping(self.trainer).training.seq_len
-        if longest > seq_len:
-            raise ValueError(
-                f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
-                f"generator.sampling.max_new_tokens={gen}); raise the seq_len"
-            )
-
-
-def _longest_prompt_tokens(task: AdditionTask.Config) -> int:
-    # <bos> a + b = with max_digits-digit operands (character tokenizer); other tokenizers
-    # use no more tokens than characters for digits.
-    return 1 + 2 * task.max_digits + 2
 
 
 def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True) -> GRPOConfig:

@@ -97,6 +97,26 @@ class GRPOApp(RLLoop):
         )
         self.trainer = self.reference = self.generator = None
         self.bar = None
+        self.eval_prompts = [self.prompt_ids(p) for p in self.task.eval_problems]
+        widest = 10**config.task.max_digits - 1
+        longest = len(self.prompt_ids(AdditionProblem(widest, widest)))
+        longest += config.generator.sampling.max_new_tokens
+        seq_len = config.trainer.get("training", {}).get("seq_len")
+        if seq_len is not None and longest > seq_len:
+            raise ValueError(
+                f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
+                f"generator.sampling.max_new_tokens); raise trainer.training.seq_len"
+            )
+
+    def prompt_ids(self, problem: AdditionProblem) -> list[int]:
+        prompt = self.config.prompt
+        text = prompt.template.format(a=problem.a, b=problem.b)
+        return self.tok.encode_prompt(text, chat_template=prompt.chat_template)
+
+    def answer(self, response_ids: list[int]) -> str | None:
+        """The answer text of a response (None without ``<eos>``)."""
+        text = self.tok.answer_text(response_ids)
+        return text.strip() if text is not None and self.config.prompt.chat_template else text
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
@@ -174,12 +194,12 @@ class GRPOApp(RLLoop):
         problems = self.prompts.take(c.grpo.prompts_per_step)
         start = time.perf_counter()
         completions: list[Completion] = await self.generator.generate(
-            [tok.encode_prompt(p.prompt) for p in problems], c.grpo.group_size,
+            [self.prompt_ids(p) for p in problems], c.grpo.group_size,
             seed=c.seed * 1_000_003 + step,
         )
         seconds = {"generate": time.perf_counter() - start}
         group = c.grpo.group_size
-        answers = [tok.answer_text(x.response_ids) for x in completions]
+        answers = [self.answer(x.response_ids) for x in completions]
         rewards = [self.task.score_text(problems[i // group], a) for i, a in enumerate(answers)]
         correct = [a == problems[i // group].answer for i, a in enumerate(answers)]
         advantages = compute_group_advantages(torch.tensor(rewards), group).tolist()
@@ -251,20 +271,18 @@ class GRPOApp(RLLoop):
         await self.generator.update_weights(version)
 
     async def evaluate(self, step: int) -> dict[str, float]:
-        c, tok = self.config, self.tok
-        problems = self.task.eval_problems
+        c = self.config
         answers: list[str | None] = []
         size = c.eval.batch_size
-        for lo in range(0, len(problems), size):
-            chunk = problems[lo : lo + size]
+        for lo in range(0, len(self.eval_prompts), size):
             completions = await self.generator.generate(
-                [tok.encode_prompt(p.prompt) for p in chunk], 1, greedy=c.eval.greedy,
+                self.eval_prompts[lo : lo + size], 1, greedy=c.eval.greedy,
                 seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
             )
-            answers += [tok.answer_text(x.response_ids) for x in completions]
+            answers += [self.answer(x.response_ids) for x in completions]
         return {
-            "eval/accuracy": self.task.accuracy_text(problems, answers),
-            "eval/num_prompts": len(problems),
+            "eval/accuracy": self.task.accuracy_text(self.task.eval_problems, answers),
+            "eval/num_prompts": len(answers),
         }
 
     async def save_checkpoint(self, step: int) -> None:

@@ -81,9 +81,20 @@ class CheckpointTokenizer:
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = self.eos_id if pad is None else pad
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Prompt ids with the tokenizer's special tokens (``<bos>`` for the demo's)."""
-        return self.tokenizer(text)["input_ids"]
+    def encode_prompt(self, text: str, chat_template: bool = False) -> list[int]:
+        """Prompt ids with the tokenizer's special tokens (``<bos>`` for the demo's).
+
+        With ``chat_template``, ``text`` becomes a user turn of the tokenizer's chat template
+        followed by the assistant prompt (thinking disabled where the template supports it,
+        e.g. Qwen3's), for instruction-tuned checkpoints.
+        """
+        if not chat_template:
+            return self.tokenizer(text)["input_ids"]
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            enable_thinking=False,
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def encode_answer(self, text: str) -> list[int]:
         """Response ids of ``text`` followed by ``<eos>`` (what a correct sample looks like)."""

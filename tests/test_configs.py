@@ -1,0 +1,140 @@
+"""Every YAML in configs/ loads and validates into the typed config of its app (GPU configs
+as they validate on a GPU machine); config errors name the offending key."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from apps.grpo.config import GRPOConfig, load_config
+from apps.sft.main import SFTConfig
+from forge_ext.config import from_mapping, load_yaml
+from forge_ext.loop import LoopConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+# Architecture fields of the hub's Qwen3 config.json files (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B):
+# validation reads only config.json, so no weights are needed.
+QWEN3 = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+}
+
+
+def write_qwen3_config(directory: Path, size: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, **QWEN3[size],
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    """An HF checkpoint shaped like the demo's warm-start (architecture of sft_cpu_demo.yaml)."""
+    from apps.grpo.tokenizer import VOCAB_SIZE, save_tokenizer
+    from forge_ext.hf_checkpoint import init_hf_checkpoint
+
+    sft = load_yaml(CONFIGS / "sft_cpu_demo.yaml")
+    root = tmp_path_factory.mktemp("demo")
+    save_tokenizer(root / "tok")
+    fields = {"vocab_size": VOCAB_SIZE, "eos_token_id": 2, **sft["init"]["architecture"]}
+    return str(init_hf_checkpoint(root / "ckpt", "qwen3", fields, seed=0, tokenizer_from=root / "tok"))
+
+
+def all_configs():
+    return sorted(p.name for p in CONFIGS.glob("*.yaml"))
+
+
+def test_configs_exist_for_demo_gpu_and_pp_ga():
+    names = all_configs()
+    assert {"sft_cpu_demo.yaml", "grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml",
+            "grpo_qwen3_0.6b_gpu.yaml", "grpo_qwen3_1.7b_gpu.yaml"} <= set(names)
+
+
+@pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml"])
+def test_cpu_grpo_configs_validate(name, demo_checkpoint):
+    config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
+    assert isinstance(config, GRPOConfig)
+    assert config.trainer["model"]["hf_path"] == demo_checkpoint  # interpolated
+    assert config.generator.hf_path == demo_checkpoint
+    assert config.reference["model"]["hf_path"] == demo_checkpoint
+
+
+def test_pp_ga_variant_overrides_only_the_trainer_split(demo_checkpoint):
+    config = load_config(str(CONFIGS / "grpo_cpu_pp_ga.yaml"), [f"model.hf_path={demo_checkpoint}"])
+    assert config.trainer["parallelism"]["pipeline_parallel_degree"] == 2
+    assert config.trainer["training"]["gradient_accumulation_steps"] == 4
+    assert config.output_dir == "outputs/demo/grpo_pp_ga"
+    assert config.trainer["dump_folder"] == "outputs/demo/grpo_pp_ga"  # interpolated after merge
+
+
+@pytest.mark.parametrize("size", ["0.6b", "1.7b"])
+def test_gpu_configs_validate_as_on_a_gpu_machine(size, tmp_path, monkeypatch):
+    # FSDP and bf16 are GPU-only settings: validate as the controller of a GPU node would.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = write_qwen3_config(tmp_path / f"Qwen3-{size}", size)
+    config = load_config(str(CONFIGS / f"grpo_qwen3_{size}_gpu.yaml"), [f"model.hf_path={path}"])
+    assert config.generator.backend == "vllm"
+    assert config.trainer["parallelism"]["data_parallel_shard_degree"] == 4
+    assert config.prompt.chat_template
+    assert config.procs.trainer.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_sft_config_validates_and_shares_the_demo_task():
+    sft = from_mapping(SFTConfig, load_yaml(CONFIGS / "sft_cpu_demo.yaml"))
+    grpo = load_yaml(CONFIGS / "grpo_cpu_demo.yaml")
+    assert grpo["model"]["hf_path"] == sft.output_dir  # GRPO starts from the warm-start
+    assert grpo["task"] == load_yaml(CONFIGS / "sft_cpu_demo.yaml")["task"]  # same held-out set
+
+
+def test_unknown_keys_are_named_with_their_path():
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match=r"unknown key 'loop\.stpes'"):
+        load_config(path, ["loop.stpes=3"], check_model=False)
+    with pytest.raises(ValueError, match=r"unknown key 'generator\.sampling\.temprature'"):
+        load_config(path, ["generator.sampling.temprature=0.5"], check_model=False)
+
+
+def test_unknown_engine_keys_are_named_with_their_section(demo_checkpoint):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match=r"reference: .*trainer\.training\.foo"):
+        load_config(path, [f"model.hf_path={demo_checkpoint}", "reference.training.foo=1"])
+
+
+def test_wrong_types_and_values_name_the_field():
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match="loop.steps"):
+        load_config(path, ["loop.steps=many"], check_model=False)
+    with pytest.raises(ValueError, match="loop.max_policy_age=-1"):
+        LoopConfig(steps=3, max_policy_age=-1)
+
+
+def test_overrides_reach_interpolated_fields():
+    raw = load_yaml(CONFIGS / "grpo_cpu_demo.yaml", ["output_dir=/runs/x", "loop.steps=7"])
+    assert raw["trainer"]["dump_folder"] == "/runs/x"
+    assert raw["metrics"]["log_dir"] == "/runs/x"
+    assert raw["trainer"]["training"]["steps"] == 7
+
+
+def test_cross_section_checks(demo_checkpoint):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    model = f"model.hf_path={demo_checkpoint}"
+    with pytest.raises(ValueError, match="loss.kl_coef=0.01 needs a reference"):
+        load_config(path, [model, "reference=null"])
+    with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=64 x 1 .* = 128"):
+        load_config(path, [model, "grpo.prompts_per_step=16"])
+    with pytest.raises(ValueError, match="needs trainer.checkpoint.enable=true"):
+        load_config(path, [model, "trainer.checkpoint.enable=false"])
+    with pytest.raises(ValueError, match="must format with only"):
+        load_config(path, [model, "prompt.template='{x}+{b}'"])
+
+
+def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])
