@@ -21,5 +21,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m apps.grpo.main --config configs/grpo_cpu_demo.yaml
 
+bench: $(STAMP)
+	$(PY) -m bench.train_step
+	$(PY) -m bench.pipeline
+	$(PY) -m bench.push_weights
+	$(PY) -m bench.convert
+
 clean:
 	rm -rf $(VENV)
