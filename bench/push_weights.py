@@ -8,16 +8,16 @@ Run from the repository root::
 
 For each model size, the same fp32 tensors (a Qwen3-shaped decoder: 28 layers of
 q/k/v/o/q_norm/k_norm/gate/up/down/2 layernorms, vocab 32000, embeddings + final norm +
-untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by, in rotating order:
+untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by:
 
 - ``per-param``: torchforge's seed, one awaited ``ts.put`` per parameter (the baseline);
 - ``put_state_dict``: one ``ts.put_state_dict`` of the same tensors (the raw ceiling the
   issue compares against);
-- ``direct`` and ``dcp``: ``WeightsPublisher.publish`` (commit record and retention included,
-  ``dcp`` writing under ``--dcp-dir``).
+- ``direct`` and ``dcp``: ``WeightsPublisher.publish`` (preflight check and commit record
+  included, ``dcp`` writing under ``--dcp-dir``).
 
 Effective GB/s = model bytes / wall seconds of the push, median over ``--reps`` runs after
-one warm-up run; keys and files are deleted between runs (not timed). Wall time depends on
+one warm-up run of the same method; keys and files are deleted between runs (not timed). Wall time depends on
 what else runs on the machine, so the CPU seconds the push cost (this process plus its child
 procs, i.e. the storage volume; from /proc) are reported too, as GB per CPU-second: on a
 shared or loaded machine that column is the stable one (the load average is printed). A second table times the read side:
@@ -176,17 +176,18 @@ def medians(timers: dict[str, list[Timer]]) -> Medians:
 async def measure(
     methods: dict[str, Callable[[str], Awaitable[None]]], bench: Bench, reps: int
 ) -> Medians:
-    """Median seconds per method after one untimed warm-up round; the order rotates each
-    repetition. (The first pushes into a fresh storage volume run several times slower while
-    its process grows its heap; a trainer pushing every step sees the warm numbers.)"""
+    """Median wall and CPU seconds per method: one method at a time, one untimed warm-up run
+    then ``reps`` timed runs. Why not interleaved: the storage volume's allocator state left
+    by one method (e.g. 311 differently sized tensors, freed) slows the next one's first
+    pushes, by up to 1.5x in CPU; a trainer pushing every step only ever sees its own
+    pattern, as measured here."""
     timers: dict[str, list[Timer]] = {m: [] for m in methods}
-    names = list(methods)
-    for rep in range(-1, reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+    for name, push in methods.items():
+        for rep in range(-1, reps):
             bench.run += 1
             prefix = f"{name}_{bench.run}"
             with Timer() as timer:
-                await methods[name](prefix)
+                await push(prefix)
             if rep >= 0:
                 timers[name].append(timer)
             await bench.cleanup(prefix)

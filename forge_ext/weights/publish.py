@@ -67,6 +67,7 @@ from forge_ext.weights.fetch import (
     align,
     chunk_key,
     commit_key,
+    copy_bytes,
 )
 
 torchstore_monarch.apply()
@@ -586,7 +587,11 @@ async def _put_stream(
             if a < z:  # a and z fall on element boundaries: blocks start ALIGN-aligned
                 item = block.dtype.itemsize
                 elements = slice((a - block.stream_offset) // item, (z - block.stream_offset) // item)
-                chunk[a - lo : z - lo].view(block.dtype).copy_(block.source[elements])
+                source = block.source[elements]
+                if source.device.type == "cpu" and source.dtype == block.dtype:
+                    copy_bytes(chunk[a - lo : z - lo], source.view(torch.uint8))
+                else:  # a cast or a device-to-host copy
+                    chunk[a - lo : z - lo].view(block.dtype).copy_(source)
         tasks.append(asyncio.create_task(put(index, chunk)))
     await asyncio.gather(*tasks)
     if errors:
