@@ -6,7 +6,7 @@ import copy
 import pytest
 import pytest_asyncio
 import torch
-from conftest import make_lm_batch
+from conftest import make_lm_batch, random_state_dict
 
 from forge_ext.actors import spawn_trainer
 
@@ -22,10 +22,11 @@ TRAINER = {
 PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
 
 
-def trainer_config(dp: int, **extra):
+def trainer_config(dp: int, fsdp: bool = False, **extra):
     c = copy.deepcopy(TRAINER)
     c["training"]["local_batch_size"] = GLOBAL_BATCH // dp
-    c["parallelism"] = {"data_parallel_replicate_degree": dp}
+    key = "data_parallel_shard_degree" if fsdp else "data_parallel_replicate_degree"
+    c["parallelism"] = {key: dp}
     c.update(extra)
     return c
 
@@ -42,27 +43,36 @@ async def trainers(tmp_path_factory):
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
     dp1 = await spawn_trainer(trainer_config(1, **ckpt))
     dp2 = await spawn_trainer(trainer_config(2))
-    yield {"dp1": dp1, "dp2": dp2, "ckpt": ckpt}
-    await dp1.stop()
-    await dp2.stop()
+    fsdp2 = await spawn_trainer(trainer_config(2, fsdp=True))
+    yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "ckpt": ckpt}
+    for handle in (dp1, dp2, fsdp2):
+        await handle.stop()
 
 
-async def test_dp2_equals_dp1_and_loss_falls(trainers):
-    dp1, dp2 = trainers["dp1"], trainers["dp2"]
-    w1, w2 = await dp1.get_hf_state_dict(), await dp2.get_hf_state_dict()
-    assert all(torch.equal(w1[k], w2[k]) for k in w1), "same seed must give same init"
+async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
+    """Same global batch: DP=1, DP=2 by replication and DP=2 by FSDP (sharded parameters)
+    give the same losses and weights step after step."""
+    dp1 = trainers["dp1"]
+    others = {"replicate": trainers["dp2"], "fsdp": trainers["fsdp2"]}
+    weights = random_state_dict(await dp1.get_hf_state_dict(), seed=4, std=0.05)
+    for handle in (dp1, *others.values()):
+        await handle.load_hf_state_dict(weights)
     batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=0, ignore_prefix=PREFIX)
-    losses1, losses2 = [], []
+    losses = {"dp1": [], "replicate": [], "fsdp": []}
     for _ in range(10):
-        losses1.append(await dp1.train_step(*split(batch, 1)))
-        losses2.append(await dp2.train_step(*split(batch, 2)))
-    assert losses1[-1] < 0.8 * losses1[0], losses1
-    for a, b in zip(losses1, losses2):
-        assert b == pytest.approx(a, rel=1e-4)
-    w1, w2 = await dp1.get_hf_state_dict(), await dp2.get_hf_state_dict()
-    for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+        losses["dp1"].append(await dp1.train_step(*split(batch, 1)))
+        for name, handle in others.items():
+            losses[name].append(await handle.train_step(*split(batch, 2)))
+    assert losses["dp1"][-1] < 0.8 * losses["dp1"][0], losses["dp1"]
+    w1 = await dp1.get_hf_state_dict()
+    for name, handle in others.items():
+        for a, b in zip(losses["dp1"], losses[name]):
+            assert b == pytest.approx(a, rel=1e-4), name
+        w = await handle.get_hf_state_dict()
+        for k in w1:
+            torch.testing.assert_close(w[k], w1[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
     # Every DP rank reports the same reduced loss (a mean, not a per-rank SUM).
+    dp2 = others["replicate"]
     values = await dp2.actor.train_step.call(*split(batch, 2))
     assert len(set(values.values())) == 1
     assert await dp2.get_policy_version() == 11

@@ -349,26 +349,27 @@ class TrainerHandle:
 
 
 def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
-    """Processes the trainer needs: the product of parallel degrees.
+    """Processes the trainer needs: the product of parallel degrees, where
+    ``data_parallel_shard_degree=-1`` (torchtitan's default) takes whatever ``num_procs``
+    leaves.
 
     Raises:
-        ValueError: if ``data_parallel_replicate_degree`` is -1 (auto) and ``num_procs`` is
-            not given, or ``num_procs`` disagrees with explicit degrees.
+        ValueError: ``num_procs`` disagrees with explicit degrees.
     """
     par = config.parallelism
-    others = (
-        max(par.data_parallel_shard_degree, 1) * par.context_parallel_degree
-        * par.tensor_parallel_degree * par.pipeline_parallel_degree
+    fixed = (
+        par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+        * par.context_parallel_degree * par.tensor_parallel_degree
+        * par.pipeline_parallel_degree
     )
-    if par.data_parallel_replicate_degree == -1:
-        return num_procs if num_procs is not None else others
-    world = par.data_parallel_replicate_degree * others
-    if num_procs is not None and num_procs != world:
+    if num_procs is None:
+        return fixed
+    if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):
         raise ValueError(
-            f"num_procs={num_procs} but the parallelism degrees multiply to {world}; "
+            f"num_procs={num_procs} does not match the parallelism degrees (product {fixed}); "
             "change trainer.parallelism or num_procs"
         )
-    return world
+    return num_procs
 
 
 async def spawn_trainer(

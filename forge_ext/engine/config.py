@@ -19,8 +19,10 @@ name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``.
 
 CPU-safe defaults (applied only to fields the mapping leaves unset, when no accelerator is
 present; see shared FINDINGS): ``training.mixed_precision_param=float32`` (bf16 matmuls are ~20x
-slower on CPU), ``parallelism.spmd_backend=partial_dtensor``, data parallelism by replication
-(``data_parallel_shard_degree=1``). Always: ``training.disable_cuda_graphs=true``.
+slower on CPU) and ``parallelism.spmd_backend=partial_dtensor``. Data parallelism follows
+torchtitan's defaults (FSDP over all ranks: ``data_parallel_shard_degree=-1``); replication
+(``data_parallel_replicate_degree``) and HSDP work too, on gloo as on NCCL. Always:
+``training.disable_cuda_graphs=true``.
 """
 
 from __future__ import annotations
@@ -225,12 +227,6 @@ class EngineConfig:
                 f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
                 "model.attn_backend=sdpa on a machine without CUDA"
             )
-        if not torch.cuda.is_available() and self.parallelism.data_parallel_shard_degree > 1:
-            raise ValueError(
-                "parallelism.data_parallel_shard_degree="
-                f"{self.parallelism.data_parallel_shard_degree} (FSDP) is not supported on "
-                "gloo; use parallelism.data_parallel_replicate_degree on CPU"
-            )
 
 
 def _validate_pipeline_config(config: "EngineConfig", spec) -> None:
@@ -272,15 +268,10 @@ def _defaults(raw: dict[str, Any]) -> None:
     training.setdefault("mixed_precision_param", "float32")
     par = raw.setdefault("parallelism", {})
     par.setdefault("spmd_backend", "partial_dtensor")
-    par.setdefault("data_parallel_shard_degree", 1)
-    par.setdefault("data_parallel_replicate_degree", -1)
 
 
 def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> EngineConfig:
     """Build and validate an :class:`EngineConfig` from a nested mapping (YAML ``trainer:``).
-
-    ``parallelism.data_parallel_replicate_degree: -1`` means "whatever the world size leaves";
-    the engine resolves it once the world size is known.
 
     Raises:
         ValueError: an unknown key (named with its full path, e.g. ``trainer.training.foo``),

@@ -60,12 +60,6 @@ class TitanEngine(BaseEngine):
         titan_utils.device_module.set_device(self.device)
         world_size = dist_utils.init_distributed(CommConfig(), base_folder=config.dump_folder)
         par = config.parallelism
-        if par.data_parallel_replicate_degree == -1:
-            others = (
-                max(par.data_parallel_shard_degree, 1) * par.context_parallel_degree
-                * par.tensor_parallel_degree * par.pipeline_parallel_degree
-            )
-            par.data_parallel_replicate_degree = max(world_size // others, 1)
         try:
             self.parallel_dims = ParallelDims.from_config(par, world_size)
         except AssertionError as e:
@@ -168,6 +162,8 @@ class TitanEngine(BaseEngine):
                 self.model_spec.parallelize_fn(model, training=config.training, **common)
             ]
         for part in parts:
+            if self.device.type == "cpu":
+                _force_sum_reduction(part)
             part.to_empty(device=self.device)
             with torch.no_grad():
                 part.init_weights(buffer_device=None)
@@ -413,6 +409,19 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
                 f"batch[{key!r}] has shape {tuple(value.shape)}; dim 1 must equal the "
                 f"sequence length {seq} of input_ids"
             )
+
+
+def _force_sum_reduction(model: torch.nn.Module) -> None:
+    """Make FSDP reduce gradients with plain SUM collectives.
+
+    torchtitan disables FSDP's gradient division (the loss is already normalised by the
+    global weight), yet FSDP still issues ``ReduceOp.PREMUL_SUM``, which gloo lacks
+    (``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo``). With a divide factor of 1 a
+    plain SUM is the same reduction.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
