@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-import weakref  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -55,6 +54,7 @@ from forge_ext.engine import (  # noqa: E402
     cross_entropy_loss,
     valid_tokens,
 )
+from bench.memory import SavedActivations  # noqa: E402
 from forge_ext.engine.distributed import init_single_process_env  # noqa: E402
 from forge_ext.engine.models import build_model_spec  # noqa: E402
 
@@ -146,63 +146,6 @@ class BusyTimer:
         return self.forward + self.backward + self.loss
 
 
-class SavedActivations:
-    """Peak bytes of tensors autograd saves for backward, while they are alive.
-
-    Each saved tensor is packed into a holder whose death (autograd releasing the saved
-    variable after that node's backward, or the graph being dropped) a ``weakref.finalize``
-    turns into a decrement. Storages count once however many saved tensors view them.
-    Weights are excluded: storages of the (sharded) parameters, and any saved parameter or
-    view of one -- the engine wraps the model in FSDP even on a one-rank mesh, and FSDP's
-    unsharded parameters (re-gathered for forward and backward) are what the linears save.
-    """
-
-    class _Holder:
-        __slots__ = ("tensor", "__weakref__")
-
-        def __init__(self, tensor):
-            self.tensor = tensor
-
-    def __init__(self, params):
-        self.param_ptrs = {self._storage(p)[0] for p in params}
-        self.refs: dict[int, list[int]] = {}
-        self.live = self.peak = 0
-
-    @staticmethod
-    def _storage(t: torch.Tensor) -> tuple[int, int]:
-        s = _local(t).untyped_storage()
-        return s.data_ptr(), s.nbytes()
-
-    def _pack(self, t: torch.Tensor):
-        ptr, nbytes = self._storage(t)
-        holder = self._Holder(t)
-        weight = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-        if weight or ptr in self.param_ptrs or nbytes == 0:
-            return holder
-        entry = self.refs.setdefault(ptr, [0, nbytes])
-        entry[0] += 1
-        if entry[0] == 1:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(holder, self._release, ptr)
-        return holder
-
-    def _release(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.refs[ptr]
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the tensor itself otherwise)."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -279,7 +222,7 @@ class RunBench:
             self._train_step()
             torch.cuda.synchronize()
             return {"kind": "cuda", "peak_allocated": torch.cuda.max_memory_allocated()}
-        with SavedActivations(self.engine.parameters()) as tracker:
+        with SavedActivations() as tracker:
             self._train_step()
         return {"kind": "cpu", "saved_activations": tracker.peak,
                 "model_state": model_state_bytes(self.engine),
