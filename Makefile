@@ -19,6 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
+	$(PY) -m apps.sft.main --config configs/sft_cpu_demo.yaml
 	$(PY) -m apps.grpo.main --config configs/grpo_cpu_demo.yaml
 
 bench: $(STAMP)

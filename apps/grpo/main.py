@@ -300,7 +300,7 @@ class GRPOApp(RLLoop):
                 f"loss {m['loss']:+.4f}",
             ]
             if "kl" in m:
-                parts.append(f"kl {m['kl']:.4f}")
+                parts.append(f"kl {max(m['kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
             parts.append(f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])})")
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
@@ -324,11 +324,12 @@ class GRPOApp(RLLoop):
         if not completed or not evals:
             return
         (first_step, before), (last_step, after) = evals[0], evals[-1]
-        n = len(self.task.eval_problems)
+        start = "warm-start" if first_step == 0 else f"step {first_step}"
         how = "greedy" if self.config.eval.greedy else "sampled"
         print(
-            f"held-out accuracy on {n} prompts ({how}): step {first_step} (start) {before:.1%} "
-            f"-> step {last_step} (GRPO) {after:.1%} ({100 * (after - before):+.1f} points)"
+            f"held-out accuracy ({len(self.task.eval_problems)} prompts, {how}): {start} "
+            f"{before:.1%} | after GRPO (step {last_step}) {after:.1%} | "
+            f"{100 * (after - before):+.1f} points"
         )
         log_dir = self.metrics.log_dir
         if self.metrics.config.plot:

@@ -27,7 +27,7 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import VOCAB_SIZE, CheckpointTokenizer, save_tokenizer
-from forge_ext.config import from_mapping, load_yaml
+from forge_ext.config import apply_env, from_mapping, load_yaml
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.metrics import MetricLogger, MetricsConfig
@@ -71,6 +71,9 @@ class SFTConfig:
     task: AdditionTask.Config = field(default_factory=AdditionTask.Config)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
+    :func:`forge_ext.config.apply_env`)."""
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
@@ -143,6 +146,7 @@ def run(config: SFTConfig) -> float | None:
     if config.skip_if_exists and is_hf_checkpoint(out):
         print(f"warm-start: checkpoint {out} exists, skipping (skip_if_exists=false retrains)")
         return None
+    apply_env(config.env)
     task = AdditionTask(config.task)
     ensure_init_checkpoint(config)
     engine_config = engine_config_from_mapping(config.trainer)
