@@ -127,7 +127,7 @@ def test_cross_section_checks(demo_checkpoint):
     model = f"model.hf_path={demo_checkpoint}"
     with pytest.raises(ValueError, match="loss.kl_coef=0.01 needs a reference"):
         load_config(path, [model, "reference=null"])
-    with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=64 x 1 .* = 128"):
+    with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=512 x 1 .* = 128"):
         load_config(path, [model, "grpo.prompts_per_step=16"])
     with pytest.raises(ValueError, match="needs trainer.checkpoint.enable=true"):
         load_config(path, [model, "trainer.checkpoint.enable=false"])

@@ -82,7 +82,9 @@ def overrides(checkpoint, output_dir, *extra):
         "grpo.prompts_per_step=2", "grpo.group_size=4",
         "trainer.training.local_batch_size=8", "reference.training.local_batch_size=8",
         "trainer.optimizer.lr=1e-3",
-        "loop.steps=4", "loop.eval_every=2", "loop.save_every=3", *extra,
+        "loop.steps=4", "loop.eval_every=2", "loop.save_every=3",
+        "procs.env={}",  # leave the test process's thread settings alone
+        *extra,
     ]
 
 
