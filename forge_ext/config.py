@@ -69,6 +69,17 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     return OmegaConf.merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
 
 
+def parse_cli(argv: Sequence[str] | None = None, description: str = "") -> tuple[str, list[str]]:
+    """``--config PATH [key=value ...]`` from the command line: ``(path, overrides)``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loop.steps=5")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
 def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:
     """Build the dataclass ``cls`` from a nested mapping, strictly.
 

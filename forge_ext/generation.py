@@ -93,6 +93,13 @@ class HFSampler:
             hf_path, dtype=getattr(torch, dtype)
         ).to(device)
         self.model.eval()
+        # Forget the checkpoint's sampling defaults (generation_config.json, e.g. Qwen3's
+        # top_k=20, temperature=0.6): transformers fills unset generate() options from them.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        )
         self.device = torch.device(device)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id

@@ -113,6 +113,8 @@ def test_wrong_types_and_values_name_the_field():
         load_config(path, ["loop.steps=many"], check_model=False)
     with pytest.raises(ValueError, match="loop.max_policy_age=-1"):
         LoopConfig(steps=3, max_policy_age=-1)
+    with pytest.raises(ValueError, match="eval.stop_at_accuracy needs eval.every"):
+        from_mapping(SFTConfig, load_yaml(CONFIGS / "sft_cpu_demo.yaml", ["eval.every=0"]))
 
 
 def test_overrides_reach_interpolated_fields():

@@ -139,3 +139,21 @@ async def test_a_failing_stop_does_not_prevent_the_others(tmp_path):
         await job.run()
     assert job.stopped == ["generator", "store"]
 
+
+
+async def test_metric_history_resumes_at_the_checkpoint_step(tmp_path):
+    from forge_ext.metrics import MetricLogger
+
+    logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot="p.png"))
+    logger.open()
+    for step in range(6):
+        logger.log(step, {"reward/mean": step / 10, "eval/accuracy": float("nan")})
+    logger.close()
+    # A crash after step 5; the last checkpoint is step 3: steps 4 and 5 will be redone.
+    logger = MetricLogger(logger.config)
+    logger.open(resume_step=3)
+    logger.log(4, {"reward/mean": 0.9})
+    assert logger.series("reward/mean") == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.9)]
+    assert logger.series("eval/accuracy") == []  # NaN is stored as null and skipped
+    assert logger.close(plot_keys=["reward/mean"]) == tmp_path / "p.png"
+    assert (tmp_path / "p.png").stat().st_size > 0

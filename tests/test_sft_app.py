@@ -74,3 +74,15 @@ def test_existing_checkpoint_is_kept(trained, capsys):
     assert run(config) is None
     assert "exists, skipping" in capsys.readouterr().out
     assert (Path(config.output_dir) / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_training_stops_once_validation_accuracy_reaches_the_target(tmp_path, capsys):
+    import json
+
+    config = tiny_config(tmp_path, steps=30, **{"eval.every": 5, "eval.stop_at_accuracy": 0.0})
+    run(config)
+    assert "step 5: reached eval.stop_at_accuracy=0.0, stopping" in capsys.readouterr().out
+    rows = [json.loads(line) for line in open(Path(config.metrics.log_dir) / "metrics.jsonl")]
+    assert max(r["step"] for r in rows if "sft/loss" in r) == 5
+    assert [r["step"] for r in rows if "validation/accuracy" in r] == [5]
+    assert (Path(config.output_dir) / "model.safetensors").is_file()

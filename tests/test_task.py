@@ -130,6 +130,16 @@ def test_partial_credit_only_for_well_formed_wrong_answers():
     assert task.reward(problem, [EOS_ID]) == 0.0
 
 
+def test_reversed_answers_are_scored_against_the_reversed_sum():
+    task = small_task(reverse_answer=True, partial_credit=0.1)
+    problem = AdditionProblem(12, 345)
+    assert task.expected(problem) == "753"
+    assert task.reward(problem, digits("753") + [EOS_ID]) == 1.0
+    assert task.reward(problem, digits("357") + [EOS_ID]) == 0.1  # well-formed, wrong order
+    assert task.score_text(problem, "753") == 1.0 and task.score_text(problem, None) == 0.0
+    assert task.accuracy_text([problem, AdditionProblem(5, 5)], ["753", "10"]) == 0.5
+
+
 def test_accuracy_counts_exact_answers_and_ignores_partial_credit():
     task = small_task(partial_credit=0.1)
     problems = [AdditionProblem(1, 2), AdditionProblem(10, 5), AdditionProblem(0, 0)]

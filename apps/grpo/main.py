@@ -20,7 +20,6 @@ held-out accuracy before and after GRPO.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import random
@@ -36,7 +35,7 @@ from apps.grpo.config import GRPOConfig, load_config
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import CheckpointTokenizer
-from forge_ext.config import apply_env, scoped_env
+from forge_ext.config import apply_env, parse_cli, scoped_env
 from forge_ext.generation import Completion
 from forge_ext.losses.grpo import compute_group_advantages, k3_kl
 from forge_ext.loop import RLLoop
@@ -201,7 +200,7 @@ class GRPOApp(RLLoop):
         group = c.grpo.group_size
         answers = [self.answer(x.response_ids) for x in completions]
         rewards = [self.task.score_text(problems[i // group], a) for i, a in enumerate(answers)]
-        correct = [a == problems[i // group].answer for i, a in enumerate(answers)]
+        correct = [a == self.task.expected(problems[i // group]) for i, a in enumerate(answers)]
         advantages = compute_group_advantages(torch.tensor(rewards), group).tolist()
         episodes = [
             Episode(
@@ -338,16 +337,8 @@ class GRPOApp(RLLoop):
             print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loop.steps=5")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
-
-
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_args(argv)
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
     config = load_config(path, overrides)
     try:
         asyncio.run(GRPOApp(config).run())

@@ -62,6 +62,13 @@ class AdditionTask:
         partial_credit: float = 0.0
         """Reward for a wrong but well-formed answer (digits then ``<eos>``); 0 disables."""
 
+        reverse_answer: bool = False
+        """The expected answer lists the sum's digits least significant first (``12+345=`` ->
+        ``753``). Each digit then depends only on the operands' digits at that position and the
+        carry out of the digit just written, which small transformers learn far more easily
+        and more gradually than the usual order (Lee et al. 2023, "Teaching Arithmetic to Small
+        Transformers", section 4)."""
+
         def __post_init__(self) -> None:
             if self.max_digits < 1:
                 raise ValueError(f"AdditionTask.Config.max_digits={self.max_digits} must be >= 1")
@@ -104,6 +111,11 @@ class AdditionTask:
         """Longest correct response in tokens: ``max_digits + 1`` digits and ``<eos>``."""
         return self.config.max_digits + 2
 
+    def expected(self, problem: AdditionProblem) -> str:
+        """The correct response text (without ``<eos>``): ``problem.answer``, reversed when
+        ``config.reverse_answer``."""
+        return problem.answer[::-1] if self.config.reverse_answer else problem.answer
+
     def reward(self, problem: AdditionProblem, response_ids: Sequence[int]) -> float:
         """Reward of one sampled response in the task's own tokenizer (rules in the module
         docstring).
@@ -122,7 +134,7 @@ class AdditionTask:
         never emitted ``<eos>``. Lets an app score responses of any tokenizer."""
         if answer is None:
             return 0.0
-        if answer == problem.answer:
+        if answer == self.expected(problem):
             return 1.0
         if answer and all(char.isdigit() for char in answer):
             return self.config.partial_credit
@@ -152,7 +164,8 @@ class AdditionTask:
                 f"{len(answers)} responses for {len(problems)} problems"
             )
         correct = sum(
-            answer == problem.answer for problem, answer in zip(problems, answers, strict=True)
+            answer == self.expected(problem)
+            for problem, answer in zip(problems, answers, strict=True)
         )
         return correct / len(problems)
 

@@ -14,7 +14,6 @@ the task's tokenizer is written there first, so the engine loads it through the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -27,7 +26,7 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import VOCAB_SIZE, CheckpointTokenizer, save_tokenizer
-from forge_ext.config import apply_env, from_mapping, load_yaml
+from forge_ext.config import apply_env, from_mapping, load_yaml, parse_cli
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.metrics import MetricLogger, MetricsConfig
@@ -49,9 +48,20 @@ class InitConfig:
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     every: int = 0
-    """Steps between held-out evaluations during training (0: only the final one)."""
+    """Steps between validation evaluations during training (0: only the final held-out one)."""
+    num_validation: int = 200
+    """Training problems whose greedy accuracy is the validation metric (the held-out set is
+    never used to decide anything)."""
+    stop_at_accuracy: float | None = None
+    """Stop once the validation accuracy reaches this (needs ``every``): a warm-start that is
+    partly right whatever the seed or the machine's numerics, rather than after a fixed number
+    of steps (addition is learnt abruptly, at a step that varies with the seed)."""
     max_new_tokens: int | None = None
     """Longest greedy answer; default: the task's longest correct answer."""
+
+    def __post_init__(self) -> None:
+        if self.stop_at_accuracy is not None and not self.every:
+            raise ValueError("eval.stop_at_accuracy needs eval.every > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,14 +86,6 @@ class SFTConfig:
     :func:`forge_ext.config.apply_env`)."""
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.training.steps=50")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
-
-
 def ensure_init_checkpoint(config: SFTConfig) -> None:
     """Write a random model (and the task tokenizer) to ``init.hf_path`` unless a checkpoint
     is there already."""
@@ -104,13 +106,13 @@ def ensure_init_checkpoint(config: SFTConfig) -> None:
 
 
 def sft_batch(
-    problems: list[AdditionProblem], tok: CheckpointTokenizer
+    problems: list[AdditionProblem], task: AdditionTask, tok: CheckpointTokenizer
 ) -> dict[str, Any]:
     """``input_ids``/``labels`` ``[B, S]`` for ``prompt answer <eos>`` rows, labels only on the
     answer and ``<eos>`` (the same alignment GRPO trains on, see :mod:`apps.grpo.episode`)."""
     rows = []
     for problem in problems:
-        answer = tok.encode_answer(problem.answer)
+        answer = tok.encode_answer(task.expected(problem))
         rows.append(Episode(
             prompt_ids=tok.encode_prompt(problem.prompt), response_ids=answer,
             generator_logprobs=[0.0] * len(answer), advantage=0.0, policy_version=0,
@@ -119,11 +121,11 @@ def sft_batch(
     return {"input_ids": packed["input_ids"], "labels": packed["labels"]}
 
 
-def heldout_accuracy(
-    sampler: HFSampler, task: AdditionTask, tok: CheckpointTokenizer, max_new_tokens: int
+def greedy_accuracy(
+    sampler: HFSampler, task: AdditionTask, problems: list[AdditionProblem],
+    tok: CheckpointTokenizer, max_new_tokens: int,
 ) -> float:
-    """Greedy accuracy on the task's held-out problems, in [0, 1]."""
-    problems = task.eval_problems
+    """Greedy accuracy on ``problems``, in [0, 1]."""
     completions = sampler.generate(
         [tok.encode_prompt(p.prompt) for p in problems], 1,
         SamplingConfig(max_new_tokens=max_new_tokens), greedy=True,
@@ -132,7 +134,8 @@ def heldout_accuracy(
 
 
 def run(config: SFTConfig) -> float | None:
-    """Train, save and evaluate (see the module docstring).
+    """Train (until ``trainer.training.steps`` or ``eval.stop_at_accuracy``), save and
+    evaluate on the held-out problems (see the module docstring).
 
     Returns:
         The saved checkpoint's held-out accuracy, or None when skipped.
@@ -159,38 +162,46 @@ def run(config: SFTConfig) -> float | None:
     if logger:
         logger.open()
 
-    def evaluate(step: int) -> float:
+    validation = task.train_problems[: config.eval.num_validation]
+
+    def validate(step: int) -> float:
         sampler.load_hf_state_dict(_full(engine.hf_state_dict()))
-        accuracy = heldout_accuracy(sampler, task, tok, max_new_tokens)
+        accuracy = greedy_accuracy(sampler, task, validation, tok, max_new_tokens)
         if logger:
-            logger.log(step, {"eval/accuracy": accuracy})
+            logger.log(step, {"validation/accuracy": accuracy})
         return accuracy
 
     rng = random.Random(config.seed)
     steps, batch_size = engine_config.training.steps, engine_config.training.local_batch_size
     start = time.perf_counter()
+    step = 0
     bar = tqdm(range(1, steps + 1), desc="warm-start (SFT)", unit="step", file=sys.stdout)
     for step in bar:
-        batch = sft_batch([rng.choice(task.train_problems) for _ in range(batch_size)], tok)
+        batch = sft_batch([rng.choice(task.train_problems) for _ in range(batch_size)], task, tok)
         metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         if logger:
             logger.log(step, {"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]})
         if config.eval.every and step % config.eval.every == 0 and step < steps:
-            bar.write(f"step {step}: held-out accuracy {evaluate(step):.1%}")
+            accuracy = validate(step)
+            bar.write(f"step {step}: validation accuracy {accuracy:.1%}")
+            target = config.eval.stop_at_accuracy
+            if target is not None and accuracy >= target:
+                bar.write(f"step {step}: reached eval.stop_at_accuracy={target}, stopping")
+                break
     bar.close()
 
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
     save_hf_checkpoint(out, engine.hf_state_dict(), hf_config, tokenizer_from=config.init.hf_path)
     # Evaluate the checkpoint as written, through the path the GRPO app loads it by.
     saved = HFSampler(str(out), eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    accuracy = heldout_accuracy(saved, task, tok, max_new_tokens)
+    accuracy = greedy_accuracy(saved, task, task.eval_problems, tok, max_new_tokens)
     if logger:
-        logger.log(steps, {"eval/accuracy": accuracy})
-        logger.close(plot_keys=["eval/accuracy"], title="warm-start")
+        logger.log(step, {"eval/accuracy": accuracy})
+        logger.close(plot_keys=["validation/accuracy", "eval/accuracy"], title="warm-start")
     engine.close()
     print(
-        f"warm-start: {steps} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
+        f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
         f"{accuracy:.1%} on {len(task.eval_problems)} prompts (greedy); checkpoint {out}"
     )
     return accuracy
@@ -201,7 +212,7 @@ def _full(state_dict: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_args(argv)
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
     run(from_mapping(SFTConfig, load_yaml(path, overrides)))
 
 
