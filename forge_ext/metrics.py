@@ -90,8 +90,12 @@ class MetricLogger:
             if row.get(key) is not None and not math.isnan(row[key])
         ]
 
-    def close(self, plot_keys: Sequence[str] = (), title: str = "") -> Path | None:
-        """Close the writers; with ``plot_keys`` and ``config.plot`` set, write the plot.
+    def close(
+        self, plot_keys: Sequence[str] = (), title: str = "",
+        labels: Mapping[str, str] | None = None,
+    ) -> Path | None:
+        """Close the writers; with ``plot_keys`` and ``config.plot`` set, write the plot
+        (``labels``: legend text per key, default the key).
 
         Returns:
             The plot's path, or None if none was written.
@@ -104,8 +108,10 @@ class MetricLogger:
             self._writer = None
         if not plot_keys or not self.config.plot:
             return None
+        labels = labels or {}
         return plot_series(
-            {key: self.series(key) for key in plot_keys}, self.log_dir / self.config.plot, title
+            {labels.get(key, key): self.series(key) for key in plot_keys},
+            self.log_dir / self.config.plot, title,
         )
 
 

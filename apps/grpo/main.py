@@ -313,7 +313,15 @@ class GRPOApp(RLLoop):
         return " | ".join(parts)
 
     def plot_spec(self) -> dict[str, Any]:
-        return {"plot_keys": ["reward/mean", "eval/accuracy"], "title": "GRPO: reward and held-out accuracy"}
+        how = "greedy" if self.config.eval.greedy else "sampled"
+        return {
+            "plot_keys": ["reward/mean", "eval/accuracy"],
+            "labels": {
+                "reward/mean": "reward (training rollouts, sampled)",
+                "eval/accuracy": f"held-out accuracy ({len(self.task.eval_problems)} prompts, {how})",
+            },
+            "title": "GRPO",
+        }
 
     def on_finish(self, completed: bool) -> None:
         if self.bar is not None:
