@@ -131,7 +131,6 @@ class GRPOApp(RLLoop):
         self.write(f"spawning actors (trainer, {'reference, ' if c.reference else ''}generator)")
         await initialize_store()
         self.track("torchstore", ts.shutdown)
-        c.generator.key_prefix = c.weights.key_prefix
 
         async def trainer():
             self.trainer = await spawn_trainer(
@@ -148,7 +147,8 @@ class GRPOApp(RLLoop):
 
         async def generator():
             self.generator = await spawn_generator(
-                c.generator, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id
+                c.generator, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
+                key_prefix=c.weights.key_prefix,
             )
             self.track("generator", self.generator.stop)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,17 +93,19 @@ def ensure_init_checkpoint(config: SFTConfig) -> None:
     path = Path(config.init.hf_path)
     if is_hf_checkpoint(path):
         return
-    tokenizer_dir = path.with_name(f".{path.name}.tokenizer")
-    save_tokenizer(tokenizer_dir)
-    tok = CheckpointTokenizer(tokenizer_dir)
-    fields = {
-        "vocab_size": VOCAB_SIZE,
-        "bos_token_id": tok.tokenizer.bos_token_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-        **config.init.architecture,
-    }
-    init_hf_checkpoint(path, config.init.model_type, fields, seed=config.seed, tokenizer_from=tokenizer_dir)
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        save_tokenizer(tokenizer_dir)
+        tok = CheckpointTokenizer(tokenizer_dir)
+        fields = {
+            "vocab_size": VOCAB_SIZE,
+            "bos_token_id": tok.tokenizer.bos_token_id,
+            "eos_token_id": tok.eos_id,
+            "pad_token_id": tok.pad_id,
+            **config.init.architecture,
+        }
+        init_hf_checkpoint(
+            path, config.init.model_type, fields, seed=config.seed, tokenizer_from=tokenizer_dir
+        )
 
 
 def sft_batch(

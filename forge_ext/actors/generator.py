@@ -23,6 +23,7 @@ from typing import Any, Literal
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 
 from forge_ext.generation import Completion, HFSampler, SamplingConfig, VLLMSampler
+from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,8 +42,6 @@ class GeneratorConfig:
     vllm: dict[str, Any] = field(default_factory=dict)
     """Extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``gpu_memory_utilization``,
     ``dtype``, ...)."""
-    key_prefix: str = "policy_weights"
-    """torchstore key prefix of the published weights (``weights.key_prefix``)."""
 
     def check_backend(self) -> None:
         """Raise ValueError if ``backend: vllm`` but vllm is not importable."""
@@ -57,10 +56,13 @@ class Generator(Actor):
     """Samples completions with the current weights; one process (vLLM spawns its own
     tensor-parallel workers)."""
 
-    def __init__(self, config: dict[str, Any], eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(
+        self, config: dict[str, Any], eos_token_id: int, pad_token_id: int, key_prefix: str
+    ) -> None:
         self.config = GeneratorConfig(**{**config, "sampling": SamplingConfig(**config["sampling"])})
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        self.key_prefix = key_prefix
         self.policy_version = 0
         self.sampler: HFSampler | VLLMSampler | None = None
 
@@ -101,7 +103,7 @@ class Generator(Actor):
         from forge_ext.weights.fetch import fetch_weights
 
         start = time.perf_counter()
-        state_dict = await fetch_weights(policy_version, key_prefix=self.config.key_prefix)
+        state_dict = await fetch_weights(policy_version, key_prefix=self.key_prefix)
         fetched = time.perf_counter()
         self.sampler.load_hf_state_dict(state_dict)
         self.policy_version = policy_version
@@ -140,9 +142,13 @@ class GeneratorHandle:
 
 
 async def spawn_generator(
-    config: GeneratorConfig, *, eos_token_id: int, pad_token_id: int, name: str = "generator"
+    config: GeneratorConfig, *, eos_token_id: int, pad_token_id: int,
+    key_prefix: str = DEFAULT_KEY_PREFIX, name: str = "generator",
 ) -> GeneratorHandle:
     """Check the backend, spawn one proc, load the model there.
+
+    Args:
+        key_prefix: torchstore prefix the trainer publishes under (``weights.key_prefix``).
 
     Raises:
         ValueError: ``backend: vllm`` without vllm installed (before anything is spawned).
@@ -150,7 +156,7 @@ async def spawn_generator(
     config.check_backend()
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
-        actor = procs.spawn(name, Generator, asdict(config), eos_token_id, pad_token_id)
+        actor = procs.spawn(name, Generator, asdict(config), eos_token_id, pad_token_id, key_prefix)
         await actor.setup.call_one()
     except BaseException:
         await procs.stop()
