@@ -16,7 +16,12 @@ torchforge's GRPO ``main``::
         weight-sync gate             generator version >= trainer version - max_policy_age
         log, periodic evaluate, periodic save_checkpoint (last step always saved)
     finally: cancel in-flight syncs, close loggers, stop every tracked actor and proc mesh
-             in reverse order -- also on an exception and on Ctrl-C (task cancellation)
+             in reverse order -- also on an exception and on Ctrl-C
+
+Ctrl-C (SIGINT) once: the run stops at the next step boundary and raises KeyboardInterrupt
+after teardown; twice: the awaited call is cancelled at once (teardown still runs). Why not
+rely on asyncio's own SIGINT handling (it cancels the main task): a cancellation that arrives
+while the task awaits a Monarch endpoint call was seen to be swallowed, and the run went on.
 
 With ``max_policy_age: 0`` the gate waits for every sync before the next rollouts (fully
 on-policy). With ``max_policy_age: k > 0`` rollouts may come from weights up to ``k``
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
@@ -76,6 +82,8 @@ class RLLoop(ABC):
         self._stop: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
         self._push: asyncio.Task | None = None
         self._sync: asyncio.Task | None = None
+        self._interrupts = 0
+        self._main_task: asyncio.Task | None = None
 
     # ---- hooks -------------------------------------------------------------------------
     @abstractmethod
@@ -139,6 +147,7 @@ class RLLoop(ABC):
     async def run(self) -> None:
         """Run the whole job (module docstring). Re-raises the first error after teardown."""
         completed = False
+        sigint = self._install_sigint_handler()
         try:
             await self.setup()
             self.step = self.trainer_version = await self.load_checkpoint()
@@ -149,9 +158,12 @@ class RLLoop(ABC):
             await self._gate()
             self._log(self.step, await self.evaluate(self.step))
             while self.step < self.loop.steps:
+                self._raise_if_interrupted()
                 await self._run_step()
             completed = True
         finally:
+            if sigint:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
             await self._teardown()
             self.on_finish(completed)
 
@@ -177,6 +189,29 @@ class RLLoop(ABC):
         if (self.loop.save_every and self.step % self.loop.save_every == 0) or last:
             await self._drain()
             await self.save_checkpoint(self.step)
+
+    # ---- Ctrl-C ------------------------------------------------------------------------
+    def _install_sigint_handler(self) -> bool:
+        """Route SIGINT to :meth:`interrupt`; False where signals cannot be handled (not
+        the main thread, or no signal support)."""
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.interrupt)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return False
+        self._main_task = asyncio.current_task()
+        return True
+
+    def interrupt(self) -> None:
+        """First call: stop at the next step boundary; second: cancel the awaited call."""
+        self._interrupts += 1
+        if self._interrupts == 1:
+            self.write("interrupt: stopping after this step (Ctrl-C again to stop now)")
+        elif self._main_task is not None:
+            self._main_task.cancel()
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupts:
+            raise KeyboardInterrupt(f"interrupted before step {self.step + 1}")
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.log(step, metrics)

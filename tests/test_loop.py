@@ -157,3 +157,20 @@ async def test_metric_history_resumes_at_the_checkpoint_step(tmp_path):
     assert logger.series("eval/accuracy") == []  # NaN is stored as null and skipped
     assert logger.close(plot_keys=["reward/mean"]) == tmp_path / "p.png"
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path):
+    job = FakeJob(tmp_path, steps=10, save_every=1)
+    original = job.train_step
+
+    async def train_step(step, rollouts):
+        if step == 2:
+            job.interrupt()  # what SIGINT calls, arriving in the middle of step 3
+        return await original(step, rollouts)
+
+    job.train_step = train_step
+    with pytest.raises(KeyboardInterrupt, match="before step 4"):
+        await job.run()
+    assert kinds(job.events, "train") == [0, 1, 2]  # step 3 (index 2) completed and saved
+    assert kinds(job.events, "save") == [1, 2, 3]
+    assert job.stopped == ["generator", "trainer", "store"]
