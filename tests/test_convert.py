@@ -545,3 +545,24 @@ def test_model_config_reads_hf_config_objects_dicts_and_config_json(family, tmp_
 def test_model_config_rejects_unsupported_model_types():
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_rank_holding_only_vocab_padding_gets_zero_rows():
+    """Vocab 16 padded to 64 over TP=2: rank 1's 32 embedding rows are all padding."""
+    from transformers import Qwen3Config
+
+    from forge_ext.weights.convert import ModelConfig, hf_to_vllm
+
+    hf = Qwen3Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                     tie_word_embeddings=False)
+    from transformers import Qwen3ForCausalLM
+
+    sd = Qwen3ForCausalLM(hf).state_dict()
+    config = ModelConfig.from_hf(hf)
+    rank0 = hf_to_vllm(sd, config, tp_size=2, tp_rank=0)
+    rank1 = hf_to_vllm(sd, config, tp_size=2, tp_rank=1)
+    emb = "model.embed_tokens.weight"
+    assert rank0[emb].shape == rank1[emb].shape == (32, 32)
+    assert torch.equal(rank0[emb][:16], sd[emb]) and not rank0[emb][16:].any()
+    assert not rank1[emb].any() and not rank1["lm_head.weight"].any()

@@ -176,3 +176,27 @@ def test_bad_batch_is_rejected_and_engine_stays_usable(reference_weights):
         assert torch.equal(before[k], after[k])
     metrics = engine.train_batch(good, cross_entropy_loss, valid_tokens)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and engine.step == 1
+
+
+def test_hf_checkpoint_saved_by_transformers_loads_with_equal_logits(tmp_path):
+    """A directory written by ``save_pretrained`` (rope_theta under rope_parameters in
+    transformers 5) loads through ``model.flavor: hf`` and reproduces transformers' logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from forge_ext.engine.models import SMALL_FLAVORS
+
+    init_single_process_env()
+    torch.manual_seed(0)
+    hf_model = Qwen3ForCausalLM(
+        Qwen3Config(**SMALL_FLAVORS["qwen3"]["tiny"], attn_implementation="sdpa")
+    ).float().eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.normal_(0, 0.2)
+    hf_model.save_pretrained(tmp_path)
+    engine = TitanEngine({"model": {"flavor": "hf", "hf_path": str(tmp_path)},
+                          "training": {"local_batch_size": 2, "seq_len": 64}})
+    batch = make_lm_batch(2, 16, 256, seed=9)
+    with torch.no_grad():
+        expected = hf_model(batch["input_ids"]).logits
+    torch.testing.assert_close(engine.forward_batch(batch), expected, rtol=1e-4, atol=1e-4)

@@ -91,7 +91,8 @@ def decoder_config_from_hf(name: str, hf: dict[str, Any], attn_backend: str = "f
         name: ``"qwen3"`` or ``"llama3"``.
         hf: ``config.json`` mapping (``hidden_size``, ``num_hidden_layers``,
             ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
-            ``vocab_size``, ``rope_theta``, ``max_position_embeddings``, ``rms_norm_eps``,
+            ``vocab_size``, ``rope_theta`` (or ``rope_parameters.rope_theta``),
+            ``max_position_embeddings``, ``rms_norm_eps``,
             ``tie_word_embeddings``, and for qwen3 ``head_dim``).
 
     Raises:
@@ -104,8 +105,12 @@ def decoder_config_from_hf(name: str, hf: dict[str, Any], attn_backend: str = "f
     head_dim = hf.get("head_dim") or dim // n_heads
     tied = bool(hf.get("tie_word_embeddings", False))
     eps = hf.get("rms_norm_eps", 1e-6)
+    # transformers 5 writes rope_theta inside rope_parameters; older configs at the top level.
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
+    if theta is None:
+        raise KeyError("config.json has neither rope_theta nor rope_parameters.rope_theta")
     rope = CosSinRoPE.Config(
-        dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=float(hf["rope_theta"])
+        dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=float(theta)
     )
     norm_init = {"weight": titan_qwen3._NORM_INIT["weight"]}
     if name == "qwen3":

@@ -541,7 +541,8 @@ def _vocab_shard(weight: torch.Tensor, vocab_size: int, rows: int, tp_rank: int)
         return weight
     real = max(0, min(vocab_size - start, rows))
     shard = weight.new_empty((rows, *weight.shape[1:]))
-    shard[:real].copy_(weight.narrow(0, start, real))
+    if real:  # a rank may hold padding only (small vocab, large TP)
+        shard[:real].copy_(weight.narrow(0, start, real))
     shard[real:].zero_()
     return shard
 
