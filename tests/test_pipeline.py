@@ -9,8 +9,12 @@ import pytest_asyncio
 import torch
 from conftest import make_lm_batch, random_state_dict
 
+import torchstore as ts
+
 from forge_ext.actors import spawn_trainer
+from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.engine import engine_config_from_mapping
+from forge_ext.weights.fetch import fetch_weights
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -44,9 +48,11 @@ def split(batch, dp):
 async def meshes(tmp_path_factory):
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"},
             "dump_folder": str(tmp_path_factory.mktemp("pp"))}
+    weights = {"transport": "dcp", "dcp_path": str(tmp_path_factory.mktemp("pp_dcp")),
+               "key_prefix": "pp2"}
     handles = {
         "pp1": await spawn_trainer(config()),
-        "pp2": await spawn_trainer(config(pp=2, **ckpt)),
+        "pp2": await spawn_trainer(config(pp=2, **ckpt), weights=weights),
         "pp2dp2": await spawn_trainer(config(pp=2, dp=2, schedule="Interleaved1F1B")),
     }
     weights = random_state_dict(await handles["pp1"].get_hf_state_dict(), seed=3)
@@ -101,6 +107,17 @@ async def test_eval_and_forward_under_pipeline_equal_no_pipeline(meshes):
     assert losses[0] is None and losses[1] == pytest.approx(ref_loss, rel=1e-5)
 
 
+async def test_pipeline_accepts_batches_of_different_lengths(meshes):
+    """Schedules fix shapes at their first step; the engine pads to training.seq_len, so a
+    shorter batch later gives the same loss as without PP."""
+    for seq in (32, 20):
+        batch = make_lm_batch(BATCH, seq, 256, seed=seq, ignore_prefix=[p % seq for p in PREFIX])
+        ref = await meshes["pp1"].eval_step(*split(batch, 1))
+        assert await meshes["pp2"].eval_step(*split(batch, 1)) == pytest.approx(ref, rel=1e-5)
+        logits = await meshes["pp2"].forward(*split(batch, 1))
+        assert logits.shape == (BATCH, seq, 256)
+
+
 async def test_pipeline_checkpoint_restores_exactly(meshes):
     pp2 = meshes["pp2"]
     batches = [make_lm_batch(BATCH, 32, 256, seed=s, ignore_prefix=PREFIX) for s in (13, 14)]
@@ -113,6 +130,23 @@ async def test_pipeline_checkpoint_restores_exactly(meshes):
     assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
     w_again = await pp2.get_hf_state_dict()
     assert all(torch.equal(w_first[k], w_again[k]) for k in w_first)
+
+
+async def test_pipeline_trainer_pushes_complete_weights_with_dcp(meshes):
+    """Each PP stage publishes its own tensors; the DCP version holds all of them."""
+    await initialize_store()
+    try:
+        pp2 = meshes["pp2"]
+        await pp2.push_weights(100)
+        fetched = await fetch_weights(100, key_prefix="pp2")
+        expected = await pp2.get_hf_state_dict()
+        assert set(fetched) == set(expected)
+        for k in expected:
+            assert torch.equal(fetched[k], expected[k]), k
+    finally:
+        await ts.shutdown()
+    with pytest.raises(ValueError, match="use weights.transport=dcp"):
+        await spawn_trainer(config(pp=2), weights={"transport": "direct"})
 
 
 @pytest.mark.parametrize(

@@ -166,15 +166,11 @@ class RLTrainer(Actor):
             ``{"policy_version", "bytes", "seconds", "rdma"}`` for this rank.
 
         Raises:
-            ValueError: under pipeline parallelism (each stage holds different tensors; not
-                supported yet).
+            Under pipeline parallelism each stage publishes its own tensors, which needs
+            ``weights.transport: dcp`` (checked by :func:`spawn_trainer` before spawning).
             forge_ext.weights.publish.WeightsPublishError: the push failed on some rank; the
                 version stays absent and earlier ones are untouched.
         """
-        if self.engine.parallel_dims.pp_enabled:
-            raise ValueError(
-                "push_weights with parallelism.pipeline_parallel_degree > 1 is not supported"
-            )
         if self.publisher is None:
             self.publisher = WeightsPublisher(self.weights_config)
         version = self.engine.step if policy_version is None else policy_version
@@ -395,9 +391,15 @@ async def spawn_trainer(
     config = engine_config_from_mapping(trainer)
     build_loss(**(loss or {"name": "cross_entropy"}))
     try:
-        WeightsConfig(**(weights or {}))
+        weights_config = WeightsConfig(**(weights or {}))
     except TypeError as e:
         raise ValueError(f"weights: {e}") from None
+    if config.pp_degree > 1 and weights and weights_config.transport != "dcp":
+        raise ValueError(
+            f"weights.transport={weights_config.transport!r} needs the same tensors on every "
+            "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
+            "parallelism.pipeline_parallel_degree > 1"
+        )
     n = world_size_of(config, num_procs)
     procs = this_host().spawn_procs(per_host={"procs": n})
     try:

@@ -36,6 +36,7 @@ from forge_ext.engine.base import (
     split_batch,
 )
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.engine.models import build_model_spec
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,10 @@ class TitanEngine(BaseEngine):
         if loss_fn is not None and loss_weight_fn is None:
             raise ValueError("loss_weight_fn is required with loss_fn")
         microbatches = [self._to_device(mb) for mb in data_iterator]
+        seq_len = microbatches[0]["input_ids"].shape[1] if microbatches else 0
+        if self.pp_schedule is not None:
+            # Schedules fix activation shapes at their first step: pad to training.seq_len.
+            microbatches = [_pad_to(mb, self.config.training.seq_len) for mb in microbatches]
         # Under PP each microbatch is one schedule.step over its PP microbatches; the loss
         # weights belong to the PP microbatches, which are the units the loss sees.
         groups = (
@@ -282,6 +287,11 @@ class TitanEngine(BaseEngine):
             else:
                 self._pipeline_steps(groups, units, loss_term, forward_only)
         loss_term.fill(out)
+        if self.pp_schedule is not None:
+            out.mb_outputs = [
+                o[:, :seq_len] if torch.is_tensor(o) and o.dim() >= 2 else o
+                for o in out.mb_outputs
+            ]
         if loss_fn is not None:
             # Only ranks holding the last PP stage computed losses; others report None.
             local = sum(loss_term.scaled.values(), torch.zeros((), device=self.device))
@@ -409,6 +419,23 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
                 f"batch[{key!r}] has shape {tuple(value.shape)}; dim 1 must equal the "
                 f"sequence length {seq} of input_ids"
             )
+
+
+def _pad_to(mb: Batch, seq_len: int) -> Batch:
+    """Right-pad every ``[b, S, ...]`` tensor of ``mb`` to ``seq_len`` along dim 1: labels
+    with ``IGNORE_INDEX`` (no loss), everything else with zeros. Causal attention keeps the
+    padded tail from changing any earlier position."""
+    pad = seq_len - mb["input_ids"].shape[1]
+    if pad <= 0:
+        return mb
+    out = {}
+    for key, value in mb.items():
+        if value.dim() >= 2:
+            fill = IGNORE_INDEX if key == "labels" else 0
+            shape = (value.shape[0], pad, *value.shape[2:])
+            value = torch.cat([value, value.new_full(shape, fill)], dim=1)
+        out[key] = value
+    return out
 
 
 def _force_sum_reduction(model: torch.nn.Module) -> None:

@@ -500,7 +500,9 @@ def _dcp_record(rank0: dict[str, Any], version: int, dcp_dir: str) -> dict[str, 
         "transport": "dcp",
         "checkpoint_id": dcp_dir,
         "metadata": rank0["metadata"],
-        "names": rank0["names"],
+        # Every tensor DCP saved, from any rank: under pipeline parallelism each stage
+        # publishes its own names, and the collective save merges them.
+        "names": list(rank0["metadata"].state_dict_metadata),
     }
 
 
