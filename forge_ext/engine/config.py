@@ -28,8 +28,6 @@ torchtitan's defaults (FSDP over all ranks: ``data_parallel_shard_degree=-1``); 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -44,6 +42,8 @@ from torchtitan.components.optimizer import (
 from torchtitan.config import CompileConfig, ParallelismConfig
 from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from forge_ext.config import check_keys
 
 
 @dataclass(kw_only=True, slots=True)
@@ -278,7 +278,7 @@ def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> Engi
             a value of the wrong type, or a failed :meth:`EngineConfig.validate` check.
     """
     raw = copy.deepcopy(dict(mapping or {}))
-    _check_keys(EngineConfig, raw, "trainer")
+    check_keys(EngineConfig, raw, "trainer")
     _defaults(raw)
     try:
         config = dacite.from_dict(
@@ -288,20 +288,3 @@ def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> Engi
         raise ValueError(f"trainer.{e.field_path}: {e}") from None
     config.validate()
     return config
-
-
-def _check_keys(cls: type, mapping: Mapping[str, Any], path: str) -> None:
-    """Raise ValueError naming ``path.key`` for each key that is not a field of ``cls``."""
-    if not isinstance(mapping, Mapping):
-        raise ValueError(f"{path} must be a mapping, got {type(mapping).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(mapping) - names)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join(f'{path}.{k}' for k in unknown)}; "
-            f"accepted keys of {path}: {sorted(names)}"
-        )
-    for key, value in mapping.items():
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
-            _check_keys(hints[key], value, f"{path}.{key}")
