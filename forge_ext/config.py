@@ -97,7 +97,16 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = ""
     try:
         return dacite.from_dict(cls, mapping, config=dacite.Config(strict=True, cast=[tuple]))
     except (dacite.WrongTypeError, dacite.MissingValueError) as e:
-        raise ValueError(f"{_join(path, e.field_path)}: {e}") from None
+        raise ValueError(f"{_join(path, e.field_path)}: {_describe(e)}") from None
+
+
+def _describe(error: Exception) -> str:
+    """dacite's message, with the allowed values spelled out for ``Literal`` fields."""
+    hint = getattr(error, "field_type", None)
+    if isinstance(error, dacite.WrongTypeError) and typing.get_origin(hint) is typing.Literal:
+        allowed = ", ".join(repr(v) for v in typing.get_args(hint))
+        return f"{error.value!r} is not one of {allowed}"
+    return str(error)
 
 
 def check_keys(cls: type, mapping: Any, path: str = "") -> None:

@@ -20,6 +20,8 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +173,14 @@ class GRPOConfig:
             raise ValueError(f"debug.fail_at_step={self.debug.fail_at_step} must be >= 1")
         if not check_model:
             return
+        hf_path = self.model.hf_path
+        if hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
+            raise FileNotFoundError(
+                f"model.hf_path={hf_path!r} has no config.json. For the demo, write the "
+                "warm-start first: python -m apps.sft.main --config configs/sft_cpu_demo.yaml "
+                "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
+                "directory"
+            )
         sections = [("trainer", self.trainer, self.procs.trainer.num_procs)]
         if self.reference is not None:
             sections.append(("reference", self.reference, self.procs.reference.num_procs))

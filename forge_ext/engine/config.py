@@ -31,7 +31,6 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-import dacite
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
@@ -43,7 +42,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig
 from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-from forge_ext.config import check_keys
+from forge_ext.config import check_keys, from_mapping
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,11 +279,6 @@ def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> Engi
     raw = copy.deepcopy(dict(mapping or {}))
     check_keys(EngineConfig, raw, "trainer")
     _defaults(raw)
-    try:
-        config = dacite.from_dict(
-            EngineConfig, raw, config=dacite.Config(strict=True, cast=[tuple])
-        )
-    except (dacite.WrongTypeError, dacite.MissingValueError) as e:
-        raise ValueError(f"trainer.{e.field_path}: {e}") from None
+    config = from_mapping(EngineConfig, raw, "trainer")
     config.validate()
     return config
