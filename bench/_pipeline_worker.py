@@ -49,12 +49,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from forge_ext.engine import (  # noqa: E402
-    IGNORE_INDEX,
     TitanEngine,
     cross_entropy_loss,
     valid_tokens,
 )
-from bench.memory import SavedActivations  # noqa: E402
+from bench.common import SavedActivations, make_batch  # noqa: E402
 from forge_ext.engine.distributed import init_single_process_env  # noqa: E402
 from forge_ext.engine.models import build_model_spec  # noqa: E402
 
@@ -76,15 +75,6 @@ def run_mapping(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
             "pipeline_parallel_schedule": run["schedule"],
         }
     return mapping
-
-
-def make_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """A causal-LM batch: ``input_ids [B, S]``, shifted ``labels [B, S]`` (last one ignored)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels}
 
 
 def write_random_weights(mapping: dict[str, Any], seed: int) -> None:

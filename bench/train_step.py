@@ -84,7 +84,7 @@ from forge_ext.engine import (  # noqa: E402
     engine_config_from_mapping,
     valid_tokens,
 )
-from bench.memory import SavedActivations  # noqa: E402
+from bench.common import SavedActivations, make_batch  # noqa: E402
 from forge_ext.engine.distributed import free_port, init_single_process_env  # noqa: E402
 from forge_ext.engine.models import build_model_spec  # noqa: E402
 
@@ -105,15 +105,6 @@ def trainer_mapping(args: argparse.Namespace, ga: int) -> dict[str, Any]:
         "optimizer": {"lr": 1e-4},
         "seed": args.seed,
     }
-
-
-def make_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """A causal-LM batch: ``input_ids [B, S]``, shifted ``labels [B, S]`` (last one ignored)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels}
 
 
 def vocab_size(engine: TitanEngine) -> int:

@@ -173,15 +173,17 @@ class RLTrainer(Actor):
         """
         if self.publisher is None:
             self.publisher = WeightsPublisher(self.weights_config)
+            self.hf_buffer_names = self._hf_buffer_names()
         version = self.engine.step if policy_version is None else policy_version
         state_dict = self.engine.hf_state_dict()
         result = await self.publisher.publish(
-            state_dict, version, exclude_from_cast=self._hf_buffer_names()
+            state_dict, version, exclude_from_cast=self.hf_buffer_names
         )
         return {"policy_version": version, "bytes": result.bytes_written,
                 "seconds": result.seconds, "rdma": result.rdma}
 
     def _hf_buffer_names(self) -> set[str]:
+        """HF names of the buffers in the state dict (they keep their dtype when cast)."""
         titan_sd = self.engine.model_state_dict()
         buffers = {
             name for part in self.engine.model_parts for name, _ in part.named_buffers()

@@ -1,10 +1,22 @@
-"""Memory measurement shared by the benchmarks."""
+"""Helpers shared by the benchmarks: a causal-LM batch and saved-activation memory."""
 
 from __future__ import annotations
 
 import weakref
 
 import torch
+
+from forge_ext.engine import IGNORE_INDEX
+
+
+
+def make_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """A causal-LM batch: ``input_ids [B, S]``, shifted ``labels [B, S]`` (last one ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels}
 
 
 class SavedActivations:
