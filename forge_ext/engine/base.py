@@ -94,7 +94,8 @@ class BaseEngine(ABC):
         """Validate ``batch`` and split it into this engine's microbatches."""
 
     @abstractmethod
-    def optimizer_zero_grad(self) -> None: ...
+    def optimizer_zero_grad(self) -> None:
+        """Zero the gradients of all model parts (never called per microbatch)."""
 
     @abstractmethod
     def optimizer_step(self) -> float:
@@ -105,10 +106,12 @@ class BaseEngine(ABC):
         """Step the LR scheduler; return the learning rate of the next optimizer step."""
 
     @abstractmethod
-    def current_lr(self) -> float: ...
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
 
     @abstractmethod
-    def save_checkpoint(self, step: int) -> None: ...
+    def save_checkpoint(self, step: int) -> None:
+        """Save the full training state (model, optimizer, LR scheduler, step) for ``step``."""
 
     @abstractmethod
     def load_checkpoint(self, step: int | None = None) -> int:
