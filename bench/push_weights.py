@@ -17,10 +17,14 @@ untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by:
   included, ``dcp`` writing under ``--dcp-dir``).
 
 Effective GB/s = model bytes / wall seconds of the push, median over ``--reps`` runs after
-one warm-up run of the same method; keys and files are deleted between runs (not timed). Wall time depends on
-what else runs on the machine, so the CPU seconds the push cost (this process plus its child
-procs, i.e. the storage volume; from /proc) are reported too, as GB per CPU-second: on a
-shared or loaded machine that column is the stable one (the load average is printed). A second table times the read side:
+one warm-up run of the same method; keys and files are deleted between runs (not timed).
+Each method gets a torchstore of its own (a fresh storage volume proc), as in a trainer that
+only ever pushes one way: a volume whose allocator served another method's pattern (e.g. 311
+differently sized tensors, freed) slows the next method's pushes by up to 1.5x. Wall time
+depends on what else runs on the machine, so the CPU seconds the push cost (this process
+plus its child procs, i.e. the storage volume; from /proc) are reported too, as GB per
+CPU-second: on a shared or loaded machine that column is the stable one (the load average
+is printed). A second table times the read side:
 ``ts.get_state_dict`` versus ``fetch_weights`` for both transports, each checked for exact
 equality with the pushed tensors. One torchstore storage volume in its own proc, Monarch RPC
 unless torchstore reports RDMA.
@@ -30,15 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 import torchstore as ts
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
 from forge_ext.compat.torchstore_monarch import initialize_store
@@ -107,18 +113,24 @@ def decoder_state_dict(hidden: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-async def delete_prefix(prefix: str) -> None:
-    client = await ts.client()
-    for key in await client.keys(prefix):
-        await ts.delete(key)
-
-
 class Bench:
     def __init__(self, sd: dict[str, torch.Tensor], chunk_mb: int, dcp_dir: str) -> None:
         self.sd = sd
         self.chunk_mb = chunk_mb
         self.dcp_dir = dcp_dir
         self.run = 0
+        self.store = DEFAULT_TORCHSTORE_NAME  # the store the methods use
+
+    @contextlib.asynccontextmanager
+    async def fresh_store(self, name: str) -> AsyncIterator[None]:
+        """Run the methods against a new torchstore (its own storage volume proc)."""
+        self.run += 1
+        self.store = f"bench_{name}_{self.run}"
+        await initialize_store(store_name=self.store)
+        try:
+            yield
+        finally:
+            await ts.shutdown(self.store)
 
     def _publisher(self, transport: str, prefix: str) -> weights_publish.WeightsPublisher:
         config = weights_publish.WeightsConfig(
@@ -127,15 +139,15 @@ class Bench:
             key_prefix=prefix,
             chunk_mb=self.chunk_mb,
         )
-        return weights_publish.WeightsPublisher(config)
+        return weights_publish.WeightsPublisher(config, store_name=self.store)
 
     # Push methods: store self.sd under `prefix`.
     async def per_param(self, prefix: str) -> None:
         for name, tensor in self.sd.items():
-            await ts.put(f"{prefix}.{name}", tensor)
+            await ts.put(f"{prefix}.{name}", tensor, store_name=self.store)
 
     async def put_state_dict(self, prefix: str) -> None:
-        await ts.put_state_dict(self.sd, prefix)
+        await ts.put_state_dict(self.sd, prefix, store_name=self.store)
 
     async def direct(self, prefix: str) -> None:
         await self._publisher("direct", prefix).publish(self.sd, 0)
@@ -147,17 +159,19 @@ class Bench:
         if prefix.startswith("put_state_dict"):
             # put_state_dict keys are "<prefix>/<name>": no '.'-boundary prefix lists them.
             for name in [*self.sd, "MAPPING"]:
-                await ts.delete(f"{prefix}/{name}")
+                await ts.delete(f"{prefix}/{name}", store_name=self.store)
         else:
-            await delete_prefix(prefix)
+            client = await ts.client(self.store)
+            for key in await client.keys(prefix):
+                await ts.delete(key, store_name=self.store)
         shutil.rmtree(os.path.join(self.dcp_dir, prefix), ignore_errors=True)
 
     async def fetch(self, method: str, prefix: str) -> Timer:
         with Timer() as timer:
             if method == "get_state_dict":
-                got = await ts.get_state_dict(prefix)
+                got = await ts.get_state_dict(prefix, store_name=self.store)
             else:
-                got = await fetch_weights(0, key_prefix=prefix)
+                got = await fetch_weights(0, key_prefix=prefix, store_name=self.store)
         assert list(got) == list(self.sd), method
         assert all(torch.equal(got[n], t) for n, t in self.sd.items()), method
         return timer
@@ -176,36 +190,36 @@ def medians(timers: dict[str, list[Timer]]) -> Medians:
 async def measure(
     methods: dict[str, Callable[[str], Awaitable[None]]], bench: Bench, reps: int
 ) -> Medians:
-    """Median wall and CPU seconds per method: one method at a time, one untimed warm-up run
-    then ``reps`` timed runs. Why not interleaved: the storage volume's allocator state left
-    by one method (e.g. 311 differently sized tensors, freed) slows the next one's first
-    pushes, by up to 1.5x in CPU; a trainer pushing every step only ever sees its own
-    pattern, as measured here."""
+    """Median wall and CPU seconds per method: one method at a time, each in a fresh store,
+    one untimed warm-up run then ``reps`` timed runs. Why not interleaved: the storage
+    volume's allocator state left by one method slows the next one (see the module
+    docstring); a trainer pushing every step only ever sees its own pattern."""
     timers: dict[str, list[Timer]] = {m: [] for m in methods}
     for name, push in methods.items():
-        for rep in range(-1, reps):
-            bench.run += 1
-            prefix = f"{name}_{bench.run}"
-            with Timer() as timer:
-                await push(prefix)
-            if rep >= 0:
-                timers[name].append(timer)
-            await bench.cleanup(prefix)
+        async with bench.fresh_store(name):
+            for rep in range(-1, reps):
+                prefix = f"{name}_{rep + 1}"
+                with Timer() as timer:
+                    await push(prefix)
+                if rep >= 0:
+                    timers[name].append(timer)
+                await bench.cleanup(prefix)
     return medians(timers)
 
 
 async def measure_fetch(bench: Bench, reps: int) -> Medians:
     """Median seconds of the read side; each version is pushed once, read ``reps`` times."""
     prefixes = {"get_state_dict": "put_state_dict_fetch", "direct": "direct_fetch", "dcp": "dcp_fetch"}
-    await ts.put_state_dict(bench.sd, prefixes["get_state_dict"])
-    await bench.direct(prefixes["direct"])
-    await bench.dcp(prefixes["dcp"])
-    timers: dict[str, list[Timer]] = {m: [] for m in prefixes}
-    for _ in range(reps):
-        for method, prefix in prefixes.items():
-            timers[method].append(await bench.fetch(method, prefix))
-    for prefix in prefixes.values():
-        await bench.cleanup(prefix)
+    async with bench.fresh_store("fetch"):
+        await bench.put_state_dict(prefixes["get_state_dict"])
+        await bench.direct(prefixes["direct"])
+        await bench.dcp(prefixes["dcp"])
+        timers: dict[str, list[Timer]] = {m: [] for m in prefixes}
+        for _ in range(reps):
+            for method, prefix in prefixes.items():
+                timers[method].append(await bench.fetch(method, prefix))
+        for prefix in prefixes.values():
+            await bench.cleanup(prefix)
     return medians(timers)
 
 
@@ -231,7 +245,6 @@ def rows_for(
 
 
 async def main(args: argparse.Namespace) -> None:
-    await initialize_store()
     dcp_dir = args.dcp_dir or tempfile.mkdtemp(prefix="push_weights_")
     print(
         f"torchstore transport: {'RDMA' if rdma_available() else 'Monarch RPC'}; "
@@ -267,7 +280,6 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         if not args.dcp_dir:
             shutil.rmtree(dcp_dir, ignore_errors=True)
-        await ts.shutdown()
     push_header = ["MB", "tensors", *push_methods, *(f"{a}/{b}" for a, b in push_ratios)]
     fetch_header = [
         "MB", "tensors", "get_state_dict", "fetch direct", "fetch dcp",

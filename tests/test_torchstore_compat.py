@@ -11,7 +11,9 @@ import pytest_asyncio
 import torch
 import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
-from torchstore.controller import Controller
+from torchstore.client import LocalClient
+from torchstore.controller import Controller, ObjectType
+from torchstore.transport import Request
 
 from forge_ext.compat import torchstore_monarch
 
@@ -33,8 +35,16 @@ class StoreReader(Actor):
         )
 
     @endpoint
+    async def put_is_patched(self) -> bool:
+        return LocalClient.put is torchstore_monarch._put
+
+    @endpoint
     async def get_state_dict(self, key: str) -> dict[str, torch.Tensor]:
         return await ts.get_state_dict(key)
+
+    @endpoint
+    async def get(self, key: str) -> object:
+        return await ts.get(key)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -83,9 +93,35 @@ async def test_reader_on_a_spawned_proc_gets_the_same_state_dict(store):
     try:
         reader = procs.spawn("store_reader", StoreReader)
         assert await reader.controller_is_patched.call_one()
+        assert await reader.put_is_patched.call_one()
         _assert_exactly_equal(await reader.get_state_dict.call_one("compat/remote"), sd)
     finally:
         await procs.stop()
+
+
+async def test_the_controller_index_update_carries_no_payload():
+    payload = bytes(range(256)) * 4
+    update = torchstore_monarch.index_update(Request.from_any(payload))
+    assert update.objects is None and update.tensor_val is None
+    assert ObjectType.from_request(update) is ObjectType.OBJECT  # all the controller reads
+
+
+async def test_objects_round_trip_through_the_patched_put(store):
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    record = {"version": 3, "names": ["a", "b"], "dtype": torch.bfloat16}
+    await ts.put("compat/objects.payload", payload)
+    await ts.put("compat/objects.record", record)
+    assert await ts.exists("compat/objects.payload")
+    assert await ts.get("compat/objects.payload") == payload
+    assert await ts.get("compat/objects.record") == record
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        reader = procs.spawn("object_reader", StoreReader)
+        assert await reader.get.call_one("compat/objects.payload") == payload
+    finally:
+        await procs.stop()
+    await ts.delete("compat/objects.payload")
+    assert not await ts.exists("compat/objects.payload")
 
 
 async def test_shutdown_then_initialize_gives_an_empty_store(store):

@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import fetch as weights_fetch
@@ -205,6 +206,39 @@ async def test_dtype_cast_skips_excluded_and_non_floating_tensors(store, tmp_pat
     assert want["model.rotary_emb.inv_freq"].dtype == torch.float64
     assert want["model.position_ids"].dtype == torch.int64
     assert_same_tensors(await weights_fetch.fetch_weights(1, key_prefix=prefix), want)
+
+
+async def test_direct_chunks_tile_the_stream_and_go_as_bytes_over_rpc(store, tmp_path):
+    prefix = "chunk_form"
+    await make_publisher("direct", tmp_path, prefix).publish(decoder_state_dict(), 0)
+    record = await weights_fetch.fetch_commit_record(
+        0, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME
+    )
+    count = len(await (await ts.client()).keys(f"{prefix}.v0.r0"))
+    chunks = [await ts.get(weights_fetch.chunk_key(prefix, 0, 0, i)) for i in range(count)]
+    # Over Monarch RPC (no RDMA here) each chunk is an immutable bytes object: Monarch sends
+    # it without the copies a tensor's storage takes (see weights.publish._pack_chunk).
+    assert all(isinstance(chunk, bytes) for chunk in chunks)
+    assert all(len(chunk) == record["chunk_bytes"] for chunk in chunks[:-1])
+    # The chunks concatenate to the stream: each tensor's bytes at its recorded offset.
+    stream = b"".join(chunks)
+    for name, tensor in decoder_state_dict().items():
+        (piece,) = record["tensors"][name]["pieces"]
+        offset, nbytes = piece[1], tensor.numel() * tensor.element_size()
+        assert stream[offset : offset + nbytes] == tensor.numpy().tobytes(), name
+
+
+async def test_fetched_tensors_own_their_memory(store, tmp_path):
+    # Chunks arrive as immutable bytes objects: a fetched tensor must be a copy of its bytes,
+    # not a view into a chunk, so that the caller may write into it.
+    prefix = "owned"
+    await make_publisher("direct", tmp_path, prefix).publish(decoder_state_dict(), 0)
+    first = await weights_fetch.fetch_weights(0, key_prefix=prefix)
+    for name, tensor in first.items():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+        tensor.zero_()
+    again = await weights_fetch.fetch_weights(0, key_prefix=prefix)
+    assert_same_tensors(again, decoder_state_dict())
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

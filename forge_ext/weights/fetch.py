@@ -7,9 +7,10 @@ only at ``.``-separated boundaries, see ``torchstore/storage_utils/trie.py``):
 - ``{key_prefix}.v{N}.commit``: the commit record, written last, by rank 0 of the publishing
   group, after every rank stored its part. A version without it does not exist for readers.
 - ``direct`` only: ``{key_prefix}.v{N}.r{rank}.c{i}``: chunk ``i`` of rank ``rank``'s byte
-  stream, a ``uint8`` tensor of at most ``chunk_bytes``. The stream is the concatenation of the
-  rank's tensors (each a DTensor's local shard or a whole tensor), each starting at a multiple
-  of :data:`ALIGN` bytes.
+  stream, at most ``chunk_bytes`` long: ``bytes`` over Monarch RPC, a ``uint8`` tensor over
+  RDMA (see ``forge_ext.weights.publish._pack_chunk``). The stream is the concatenation of
+  the rank's tensors (each a DTensor's local shard or a whole tensor), each starting at a
+  multiple of :data:`ALIGN` bytes.
 - ``dcp`` only: the commit record holds the ``torch.distributed.checkpoint`` id (a folder) and
   its :class:`~torch.distributed.checkpoint.metadata.Metadata`.
 
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torchstore as ts
@@ -81,6 +83,17 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     (trainer ranks, generators, storage volumes) those threads wait for each other: measured
     5-20x slower per chunk than one memcpy on the project's 2-core CPU hosts."""
     dst.numpy()[:] = src.numpy()
+
+
+def chunk_tensor(payload: bytes | torch.Tensor) -> torch.Tensor:
+    """A ``uint8`` tensor view of a chunk read back from torchstore (see
+    ``forge_ext.weights.publish._pack_chunk``). Read-only: copy out of it, never write into
+    it (a ``bytes`` object is immutable)."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    with warnings.catch_warnings():  # "The given buffer is not writable": we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +161,7 @@ async def fetch_weights(
         store_name: the torchstore instance.
 
     Returns:
-        ``{name: tensor}``. With ``direct``, tensors stored whole may be views into a
-        received chunk (``clone()`` one before putting it into torchstore yourself).
+        ``{name: tensor}``, contiguous CPU tensors that own their memory.
 
     Raises:
         WeightsVersionNotFoundError: ``version`` has no commit record.
@@ -197,18 +209,17 @@ async def _fetch_direct(
 
     async def get_chunk(rank: int, index: int) -> torch.Tensor:
         async with limit:
-            return await ts.get(chunk_key(key_prefix, version, rank, index), store_name=store_name)
+            key = chunk_key(key_prefix, version, rank, index)
+            return chunk_tensor(await ts.get(key, store_name=store_name))
 
     order = sorted(needed)
     chunks = dict(zip(order, await asyncio.gather(*(get_chunk(r, i) for r, i in order))))
 
     def piece_bytes(piece: Piece, nbytes: int) -> torch.Tensor:
-        indices = chunk_range(piece, nbytes)
-        if len(indices) == 1:  # zero-copy view into the received chunk
-            lo = piece.stream_offset - indices[0] * chunk_bytes
-            return chunks[(piece.rank, indices[0])][lo : lo + nbytes]
+        # Always a copy: chunks may be immutable bytes, and a result that owns its memory
+        # can be modified or put back into torchstore by the caller.
         out = torch.empty(nbytes, dtype=torch.uint8)
-        for i in indices:
+        for i in chunk_range(piece, nbytes):
             chunk = chunks[(piece.rank, i)]
             lo = max(piece.stream_offset, i * chunk_bytes)
             hi = min(piece.stream_offset + nbytes, i * chunk_bytes + chunk.numel())
