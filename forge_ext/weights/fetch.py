@@ -24,6 +24,7 @@ import asyncio
 import math
 import re
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -182,71 +183,51 @@ async def fetch_weights(
 async def _fetch_direct(
     record: Mapping[str, Any], wanted: list[str], key_prefix: str, store_name: str
 ) -> dict[str, torch.Tensor]:
+    """Allocate the result, then get the chunks (a few in flight) and copy each one's bytes
+    to where they belong as it arrives, so that received chunks are freed as we go (peak
+    memory: the result plus the chunks in flight)."""
     chunk_bytes: int = record["chunk_bytes"]
     tensors: Mapping[str, dict[str, Any]] = record["tensors"]
     version: int = record["version"]
 
-    def chunk_range(piece: Piece, nbytes: int) -> range:
-        first = piece.stream_offset // chunk_bytes
-        last = (piece.stream_offset + max(nbytes, 1) - 1) // chunk_bytes
-        return range(first, last + 1)
-
-    plan: list[tuple[str, torch.dtype, tuple[int, ...], list[tuple[Piece, int]]]] = []
-    needed: set[tuple[int, int]] = set()
+    result: dict[str, torch.Tensor] = {}
+    # (rank, chunk index) -> [(destination uint8 tensor, offset in it, stream offset, bytes)]
+    copies: dict[tuple[int, int], list[tuple[torch.Tensor, int, int, int]]] = defaultdict(list)
+    # Pieces of tensors stored in several pieces (DTensor shards): placed once complete.
+    staged: list[tuple[torch.Tensor, torch.Tensor, Piece]] = []
     for name in wanted:
         meta = tensors[name]
-        dtype, item = meta["dtype"], meta["dtype"].itemsize
-        pieces = []
-        for raw in meta["pieces"]:
-            piece = Piece(*raw)
-            nbytes = math.prod(piece.local_shape) * item
-            pieces.append((piece, nbytes))
-            if nbytes:
-                needed.update((piece.rank, i) for i in chunk_range(piece, nbytes))
-        plan.append((name, dtype, tuple(meta["shape"]), pieces))
+        full = torch.empty(tuple(meta["shape"]), dtype=meta["dtype"])
+        result[name] = full
+        pieces = [Piece(*raw) for raw in meta["pieces"]]
+        for piece in pieces:
+            nbytes = math.prod(piece.local_shape) * full.element_size()
+            if nbytes == 0:
+                continue
+            if len(pieces) == 1:  # the piece is the whole tensor: copy straight into it
+                destination = full.view(-1).view(torch.uint8)
+            else:
+                destination = torch.empty(nbytes, dtype=torch.uint8)
+                staged.append((full, destination, piece))
+            start, stop = piece.stream_offset, piece.stream_offset + nbytes
+            for index in range(start // chunk_bytes, (stop - 1) // chunk_bytes + 1):
+                lo, hi = max(start, index * chunk_bytes), min(stop, (index + 1) * chunk_bytes)
+                copies[(piece.rank, index)].append((destination, lo - start, lo, hi - lo))
 
     limit = asyncio.Semaphore(MAX_INFLIGHT_GETS)
 
-    async def get_chunk(rank: int, index: int) -> torch.Tensor:
+    async def get_and_scatter(rank: int, index: int) -> None:
         async with limit:
             key = chunk_key(key_prefix, version, rank, index)
-            return chunk_tensor(await ts.get(key, store_name=store_name))
+            chunk = chunk_tensor(await ts.get(key, store_name=store_name))
+        base = index * chunk_bytes
+        for destination, offset, lo, nbytes in copies[(rank, index)]:
+            copy_bytes(destination[offset : offset + nbytes], chunk[lo - base : lo - base + nbytes])
 
-    order = sorted(needed)
-    chunks = dict(zip(order, await asyncio.gather(*(get_chunk(r, i) for r, i in order))))
-
-    def piece_bytes(piece: Piece, nbytes: int) -> torch.Tensor:
-        # Always a copy: chunks may be immutable bytes, and a result that owns its memory
-        # can be modified or put back into torchstore by the caller.
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        for i in chunk_range(piece, nbytes):
-            chunk = chunks[(piece.rank, i)]
-            lo = max(piece.stream_offset, i * chunk_bytes)
-            hi = min(piece.stream_offset + nbytes, i * chunk_bytes + chunk.numel())
-            copy_bytes(
-                out[lo - piece.stream_offset : hi - piece.stream_offset],
-                chunk[lo - i * chunk_bytes : hi - i * chunk_bytes],
-            )
-        return out
-
-    result: dict[str, torch.Tensor] = {}
-    for name, dtype, shape, pieces in plan:
-        local = [
-            (piece, piece_bytes(piece, nbytes).view(dtype).view(piece.local_shape))
-            if nbytes
-            else (piece, torch.empty(piece.local_shape, dtype=dtype))
-            for piece, nbytes in pieces
-        ]
-        if len(local) == 1 and local[0][0].local_shape == shape:
-            result[name] = local[0][1]
-            continue
-        full = torch.empty(shape, dtype=dtype)
-        for piece, block in local:
-            index = tuple(
-                slice(o, o + n) for o, n in zip(piece.global_offset, piece.local_shape)
-            )
-            full[index] = block
-        result[name] = full
+    await asyncio.gather(*(get_and_scatter(rank, index) for rank, index in sorted(copies)))
+    for full, destination, piece in staged:
+        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local_shape))
+        full[index] = destination.view(full.dtype).view(piece.local_shape)
     return result
 
 
