@@ -35,15 +35,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 import torchstore as ts
+from monarch.actor import this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
@@ -123,14 +127,17 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def fresh_store(self, name: str) -> AsyncIterator[None]:
-        """Run the methods against a new torchstore (its own storage volume proc)."""
+        """Run the methods against a new torchstore whose storage volume gets a proc of its
+        own, stopped afterwards."""
         self.run += 1
         self.store = f"bench_{name}_{self.run}"
-        await initialize_store(store_name=self.store)
+        procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
+            await initialize_store(store_name=self.store, mesh=procs)
             yield
         finally:
             await ts.shutdown(self.store)
+            await procs.stop()
 
     def _publisher(self, transport: str, prefix: str) -> weights_publish.WeightsPublisher:
         config = weights_publish.WeightsConfig(
@@ -244,46 +251,71 @@ def rows_for(
     return rows[0], rows[1]
 
 
-async def main(args: argparse.Namespace) -> None:
+PUSH_METHODS = ["per-param", "put_state_dict", "direct", "dcp"]
+PUSH_RATIOS = [("direct", "per-param"), ("dcp", "per-param"), ("direct", "put_state_dict")]
+FETCH_RATIOS = [("direct", "get_state_dict"), ("dcp", "get_state_dict")]
+
+
+async def measure_size(args: argparse.Namespace, hidden: int) -> dict[str, list[list[str]]]:
+    """Rows of the four tables for one model size."""
     dcp_dir = args.dcp_dir or tempfile.mkdtemp(prefix="push_weights_")
-    print(
-        f"torchstore transport: {'RDMA' if rdma_available() else 'Monarch RPC'}; "
-        f"direct chunk_mb={args.chunk_mb}, {weights_publish.MAX_INFLIGHT_PUTS} puts in flight; "
-        f"dcp under {dcp_dir}; {args.reps} reps (median); {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}",
-        flush=True,
-    )
-    push_methods = ["per-param", "put_state_dict", "direct", "dcp"]
-    push_ratios = [("direct", "per-param"), ("dcp", "per-param"), ("direct", "put_state_dict")]
-    fetch_ratios = [("direct", "get_state_dict"), ("dcp", "get_state_dict")]
-    tables: dict[str, list[list[str]]] = {"push": [], "push_cpu": [], "fetch": [], "fetch_cpu": []}
+    rows: dict[str, list[list[str]]] = {"push": [], "push_cpu": [], "fetch": [], "fetch_cpu": []}
     try:
-        for hidden in args.hidden:
-            sd = decoder_state_dict(hidden)
-            nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-            bench = Bench(sd, args.chunk_mb, dcp_dir)
-            methods = dict(zip(push_methods, [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]))
-            push = await measure(methods, bench, args.reps)
-            print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
-                f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in push.items()), flush=True)
-            wall, cpu = rows_for(nbytes, len(sd), push, push_ratios)
-            tables["push"].append(wall)
-            tables["push_cpu"].append(cpu)
-            if not args.no_fetch:
-                fetch = await measure_fetch(bench, args.reps)
-                print(f"fetch {nbytes / 1e6:.0f} MB: " + ", ".join(
-                    f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in fetch.items()), flush=True)
-                wall, cpu = rows_for(nbytes, len(sd), fetch, fetch_ratios)
-                tables["fetch"].append(wall)
-                tables["fetch_cpu"].append(cpu)
-            del sd, bench
+        sd = decoder_state_dict(hidden)
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        bench = Bench(sd, args.chunk_mb, dcp_dir)
+        methods = dict(zip(PUSH_METHODS, [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]))
+        push = await measure(methods, bench, args.reps)
+        print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
+            f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in push.items()), flush=True)
+        wall, cpu = rows_for(nbytes, len(sd), push, PUSH_RATIOS)
+        rows["push"].append(wall)
+        rows["push_cpu"].append(cpu)
+        if not args.no_fetch:
+            fetch = await measure_fetch(bench, args.reps)
+            print(f"fetch {nbytes / 1e6:.0f} MB: " + ", ".join(
+                f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in fetch.items()), flush=True)
+            wall, cpu = rows_for(nbytes, len(sd), fetch, FETCH_RATIOS)
+            rows["fetch"].append(wall)
+            rows["fetch_cpu"].append(cpu)
     finally:
         if not args.dcp_dir:
             shutil.rmtree(dcp_dir, ignore_errors=True)
-    push_header = ["MB", "tensors", *push_methods, *(f"{a}/{b}" for a, b in push_ratios)]
+    return rows
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.rows_to is not None:  # a child run: one size, rows to a file
+        (hidden,) = args.hidden
+        with open(args.rows_to, "w") as f:
+            json.dump(asyncio.run(measure_size(args, hidden)), f)
+        return
+    print(
+        f"torchstore transport: {'RDMA' if rdma_available() else 'Monarch RPC'}; "
+        f"direct chunk_mb={args.chunk_mb}, {weights_publish.MAX_INFLIGHT_PUTS} puts in flight; "
+        f"{args.reps} reps (median); {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}; each model size in a process of its own",
+        flush=True,
+    )
+    # Why a process per size: the controller's heap after a larger or smaller model makes
+    # every method slower (measured up to 2x at 1.2 GB after the 60 and 346 MB runs).
+    tables: dict[str, list[list[str]]] = {"push": [], "push_cpu": [], "fetch": [], "fetch_cpu": []}
+    for hidden in args.hidden:
+        with tempfile.NamedTemporaryFile(suffix=".json") as rows_file:
+            command = [
+                sys.executable, "-m", "bench.push_weights", "--hidden", str(hidden),
+                "--reps", str(args.reps), "--chunk-mb", str(args.chunk_mb),
+                "--rows-to", rows_file.name,
+                *(["--dcp-dir", args.dcp_dir] if args.dcp_dir else []),
+                *(["--no-fetch"] if args.no_fetch else []),
+            ]
+            subprocess.run(command, check=True)
+            for name, rows in json.load(rows_file).items():
+                tables[name] += rows
+    push_header = ["MB", "tensors", *PUSH_METHODS, *(f"{a}/{b}" for a, b in PUSH_RATIOS)]
     fetch_header = [
         "MB", "tensors", "get_state_dict", "fetch direct", "fetch dcp",
-        *(f"{a}/{b}" for a, b in fetch_ratios),
+        *(f"{a}/{b}" for a, b in FETCH_RATIOS),
     ]
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     print("\nPush, effective GB/s (model bytes / wall seconds):")
@@ -308,8 +340,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-mb", type=int, default=weights_publish.WeightsConfig().chunk_mb)
     parser.add_argument("--dcp-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--no-fetch", action="store_true", help="skip the read-side table")
+    parser.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)  # child runs
     return parser.parse_args()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    main(parse_args())
