@@ -170,3 +170,67 @@ def scoped_env(env: Mapping[str, Any]):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+RUN_CONFIG_FILE = "run_config.yaml"
+
+
+def record_run_config(
+    output_dir: str | Path, config: Any, *, may_change: Sequence[str] = ()
+) -> Path:
+    """Keep the resolved config of the run in ``<output_dir>/run_config.yaml``.
+
+    A rerun in the same ``output_dir`` resumes that run (its checkpoints, its metrics), so it
+    must be the same run: if the file exists, every key must match except those under a
+    dotted prefix in ``may_change`` (e.g. ``loop.steps`` to extend a run), and the file is
+    then rewritten with the new values. The file is replaced atomically.
+
+    Args:
+        output_dir: the run folder (created if missing).
+        config: the run's config, a dataclass instance or a mapping of plain values.
+        may_change: dotted key prefixes that may differ on resume.
+
+    Returns:
+        The path of the record.
+
+    Raises:
+        ValueError: naming each differing key (``seed: 0 -> 1``) and the fix.
+    """
+    mapping = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    folder = Path(output_dir)
+    path = folder / RUN_CONFIG_FILE
+    if path.exists():
+        previous = _flatten(OmegaConf.to_container(OmegaConf.load(path)))
+        current = _flatten(OmegaConf.to_container(OmegaConf.create(mapping)))
+        changed = [
+            f"{key}: {previous.get(key, '<unset>')!r} -> {current.get(key, '<unset>')!r}"
+            for key in sorted(set(previous) | set(current))
+            if previous.get(key) != current.get(key)
+            and not any(key == p or key.startswith(p + ".") for p in may_change)
+        ]
+        if changed:
+            allowed = ", ".join(may_change) or "nothing"
+            raise ValueError(
+                f"output_dir={str(output_dir)!r} holds a run started with another config "
+                f"({'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). A rerun "
+                "in the same output_dir resumes that run, so only these may change: "
+                f"{allowed}. Use a new output_dir (e.g. output_dir={folder}_2) or delete "
+                f"{folder} to start over."
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text(OmegaConf.to_yaml(OmegaConf.create(mapping)))
+    staged.replace(path)
+    return path
+
+
+def _flatten(mapping: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    if not isinstance(mapping, Mapping):
+        return {prefix: mapping}
+    if not mapping and prefix:
+        return {prefix: {}}
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        flat.update(_flatten(value, _join(prefix, str(key))))
+    return flat

@@ -3,8 +3,9 @@
 One :class:`MetricLogger` per run, in the controller. ``log(step, {"reward/mean": ...})``
 writes every scalar to TensorBoard (``<log_dir>/tensorboard``) and appends one line to
 ``<log_dir>/metrics.jsonl``. On resume, :meth:`MetricLogger.open` keeps the history up to
-the resumed step and drops later lines (those steps are about to be redone), so the history
-and the final plot show each step once.
+the resumed step and drops later lines (those steps are about to be redone). Lines of the same
+step merge, later values winning (a resumed run logs the held-out evaluation of its first step
+again), so the history and the final plot show each step once.
 """
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ class MetricLogger:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.history = []
         if self.jsonl_path.exists():
+            by_step: dict[int, dict[str, float]] = {}
             with open(self.jsonl_path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            self.history = [row for row in rows if row["step"] <= resume_step]
+                for line in f:
+                    if line.strip():
+                        row = json.loads(line)
+                        by_step.setdefault(row["step"], {}).update(row)
+            self.history = [row for step, row in sorted(by_step.items()) if step <= resume_step]
         with open(self.jsonl_path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in self.history)
         self._jsonl = open(self.jsonl_path, "a")
@@ -71,17 +76,25 @@ class MetricLogger:
             )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record scalar ``metrics`` at ``step`` (NaN values are written as null)."""
+        """Record scalar ``metrics`` at ``step`` (NaN values are written as null); logging a
+        step again updates its values."""
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self.history.append(row)
+        self._merge(row)
         if self._jsonl is not None:
-            safe = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-            self._jsonl.write(json.dumps(safe) + "\n")
+            self._jsonl.write(json.dumps(_nan_to_null(row)) + "\n")
             self._jsonl.flush()
         if self._writer is not None:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, float(value), step)
             self._writer.flush()
+
+    def _merge(self, row: dict[str, float]) -> None:
+        """Append ``row`` to the history, or update the last row if it has the same step
+        (a run logs steps in order)."""
+        if self.history and self.history[-1]["step"] == row["step"]:
+            self.history[-1].update(row)
+        else:
+            self.history.append(dict(row))
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """``(step, value)`` pairs of ``key`` in step order (skipping nulls)."""
@@ -103,6 +116,11 @@ class MetricLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+            # Rewrite the lines compacted: one per step (see the module docstring).
+            staged = self.jsonl_path.with_name(self.jsonl_path.name + ".tmp")
+            with open(staged, "w") as f:
+                f.writelines(json.dumps(_nan_to_null(row)) + "\n" for row in self.history)
+            staged.replace(self.jsonl_path)
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -113,6 +131,10 @@ class MetricLogger:
             {labels.get(key, key): self.series(key) for key in plot_keys},
             self.log_dir / self.config.plot, title,
         )
+
+
+def _nan_to_null(row: Mapping[str, float]) -> dict[str, float | None]:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
 
 
 def plot_series(

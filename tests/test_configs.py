@@ -9,7 +9,7 @@ import torch
 
 from apps.grpo.config import GRPOConfig, load_config
 from apps.sft.main import SFTConfig
-from forge_ext.config import from_mapping, load_yaml
+from forge_ext.config import from_mapping, load_yaml, record_run_config
 from forge_ext.loop import LoopConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -140,3 +140,22 @@ def test_cross_section_checks(demo_checkpoint):
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])
+
+
+def test_run_config_is_recorded_and_a_rerun_may_change_only_the_allowed_keys(tmp_path):
+    run = {"seed": 0, "loop": {"steps": 10, "eval_every": 5}, "optimizer": {"lr": 1e-3}}
+    path = record_run_config(tmp_path / "run", run, may_change=["loop.steps"])
+    assert load_yaml(path) == run
+    record_run_config(tmp_path / "run", run, may_change=["loop.steps"])  # the same run
+    longer = {**run, "loop": {"steps": 20, "eval_every": 5}}
+    record_run_config(tmp_path / "run", longer, may_change=["loop.steps"])
+    assert load_yaml(path)["loop"]["steps"] == 20
+
+    other = {**longer, "seed": 1, "optimizer": {"lr": 2e-3}}
+    with pytest.raises(ValueError) as error:
+        record_run_config(tmp_path / "run", other, may_change=["loop.steps"])
+    message = str(error.value)
+    assert "seed: 0 -> 1" in message and "optimizer.lr: 0.001 -> 0.002" in message
+    assert "loop.steps" not in message.split("(")[1].split(")")[0]  # an allowed change
+    assert "Use a new output_dir" in message
+    assert load_yaml(path) == longer  # a refused rerun leaves the record alone

@@ -149,6 +149,15 @@ async def test_crash_mid_step_stops_every_proc_and_keeps_the_last_checkpoint(cra
     assert os.path.isfile(os.path.join(output_dir, "checkpoints", "step-3", ".metadata"))
 
 
+async def test_rerun_with_another_seed_is_refused_before_anything_is_spawned(
+    crashed_run, checkpoint
+):
+    _, output_dir, _ = crashed_run
+    config = load_config(DEMO, overrides(checkpoint, output_dir, "seed=1"))
+    with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1; trainer.seed: 0 -> 1\)"):
+        RecordingApp(config)  # the app is refused before it can spawn anything
+
+
 async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, checkpoint):
     crashed, output_dir, _ = crashed_run
     app = RecordingApp(load_config(DEMO, overrides(checkpoint, output_dir)))
@@ -157,6 +166,7 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     trainer_version, rollouts = app.rollouts[3]
     assert trainer_version == 3 and rollouts.generator_version == 3
     rows = history(output_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # step 3's re-evaluation merged
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     final = rows[-1]
     assert final["step"] == 4 and final["policy_version"] == 4 and "eval/accuracy" in final

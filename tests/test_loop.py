@@ -159,6 +159,31 @@ async def test_metric_history_resumes_at_the_checkpoint_step(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+async def test_logging_a_step_again_updates_it_and_the_file_keeps_one_line_per_step(tmp_path):
+    import json
+
+    from forge_ext.metrics import MetricLogger
+
+    config = MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot=None)
+    logger = MetricLogger(config)
+    logger.open()
+    logger.log(0, {"eval/accuracy": 0.2})
+    logger.log(1, {"reward/mean": 0.5, "eval/accuracy": 0.3})
+    logger.close()
+    # A rerun resumed at step 1 (the last checkpoint) evaluates step 1 again.
+    logger = MetricLogger(config)
+    logger.open(resume_step=1)
+    logger.log(1, {"eval/accuracy": 0.4})
+    assert logger.series("eval/accuracy") == [(0, 0.2), (1, 0.4)]
+    assert logger.series("reward/mean") == [(1, 0.5)]
+    logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows == [
+        {"step": 0, "eval/accuracy": 0.2},
+        {"step": 1, "reward/mean": 0.5, "eval/accuracy": 0.4},
+    ]
+
+
 async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path):
     job = FakeJob(tmp_path, steps=10, save_every=1)
     original = job.train_step

@@ -15,7 +15,9 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
 
 Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
 in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
-held-out accuracy before and after GRPO.
+held-out accuracy before and after GRPO. ``<output_dir>/run_config.yaml`` records the
+resolved config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must
+match it except for :data:`MAY_CHANGE_ON_RESUME`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ from apps.grpo.config import GRPOConfig, load_config
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import CheckpointTokenizer
-from forge_ext.config import apply_env, parse_cli, scoped_env
+from forge_ext.config import apply_env, parse_cli, record_run_config, scoped_env
 from forge_ext.generation import Completion
 from forge_ext.losses.grpo import compute_group_advantages, k3_kl
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
+
+
+# Config keys (dotted prefixes) that may differ when a run is resumed in its output_dir: how
+# long it runs and how often it evaluates and saves, evaluation batching, logging, process
+# environment, fault injection. Everything else (seed, task, model, optimizer, ...) defines
+# the run, and a rerun with another value is refused (forge_ext.config.record_run_config).
+MAY_CHANGE_ON_RESUME = (
+    "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
+    "eval.batch_size", "metrics", "procs", "debug",
+)
 
 
 class PromptStream:
@@ -87,6 +99,8 @@ class GRPOApp(RLLoop):
     def __init__(self, config: GRPOConfig) -> None:
         metrics = config.metrics or MetricsConfig(log_dir=config.output_dir)
         super().__init__(config.loop, metrics)
+        # Before anything is spawned: a rerun in output_dir resumes the run recorded there.
+        record_run_config(config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME)
         self.config = config
         self.task = AdditionTask(config.task)
         self.tok = CheckpointTokenizer(config.model.hf_path)
@@ -347,9 +361,12 @@ class GRPOApp(RLLoop):
 
 def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0])
-    config = load_config(path, overrides)
     try:
-        asyncio.run(GRPOApp(config).run())
+        app = GRPOApp(load_config(path, overrides))
+    except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
+        sys.exit(f"config error: {e}")
+    try:
+        asyncio.run(app.run())
     except KeyboardInterrupt:
         print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
               "resume from the last checkpoint", file=sys.stderr)

@@ -216,7 +216,11 @@ def _full(state_dict: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0])
-    run(from_mapping(SFTConfig, load_yaml(path, overrides)))
+    try:
+        config = from_mapping(SFTConfig, load_yaml(path, overrides))
+    except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
+        sys.exit(f"config error: {e}")
+    run(config)
 
 
 if __name__ == "__main__":
