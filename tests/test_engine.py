@@ -90,6 +90,35 @@ def test_step_loss_is_the_full_batch_token_mean(reference_weights):
     assert set(metrics) == {"loss", "grad_norm", "lr", "num_tokens", "tokens_per_second"}
 
 
+def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights):
+    from forge_ext.losses.grpo import GRPOLoss, grpo_metrics, token_logprobs, valid_token_count
+
+    batch = make_lm_batch(8, 32, 256, seed=5, ignore_prefix=PREFIX)
+    reference = build(reference_weights)
+    logits = reference.forward_batch(batch)
+    g = torch.Generator().manual_seed(5)
+    logprobs = token_logprobs(logits, batch["labels"])
+    batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
+    batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
+    batch["advantages"] = torch.randn(8, generator=g)
+    expected = grpo_metrics(logits, batch, clip_eps_high=0.28, kl_coef=0.1)
+    loss_fn = GRPOLoss(GRPOLoss.Config(clip_eps_high=0.28, kl_coef=0.1))
+    for k in (1, 4):
+        engine = build(reference_weights, gradient_accumulation_steps=k)
+        out = engine.forward_backward_batch(engine.microbatches(batch), loss_fn, valid_token_count)
+        assert set(out.metrics) == {"kl", "ratio_mean", "clip_fraction"}
+        for name, value in out.metrics.items():
+            assert value == pytest.approx(expected[name], rel=1e-5), (k, name)
+        assert out.loss == pytest.approx(expected["loss"], rel=1e-5)
+        if k == 4:  # a mean of the microbatch means is a different number
+            means = [loss_fn(logits[i : i + 2], {n: t[i : i + 2] for n, t in batch.items()})[1]
+                     for i in range(0, 8, 2)]
+            naive = sum(float(m["kl"]) for m in means) / 4
+            assert abs(naive - out.metrics["kl"]) > 1e-2 * abs(out.metrics["kl"])
+    metrics = build(reference_weights).train_batch(batch, loss_fn, valid_token_count)
+    assert metrics["loss/kl"] == pytest.approx(expected["kl"], rel=1e-5)
+
+
 def test_eval_batch_does_not_depend_on_microbatches(reference_weights):
     batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
     losses = [

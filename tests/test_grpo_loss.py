@@ -237,24 +237,17 @@ def test_group_advantages_reject_bad_shapes_and_allow_group_of_one():
         compute_group_advantages(torch.ones(6), group_size=0)
 
 
-def test_grpo_loss_object_returns_loss_and_token_weighted_metrics():
+def test_grpo_loss_object_returns_the_loss_and_its_token_mean_metrics():
+    # Weighting these across microbatches and ranks is the engine's job (test_engine).
     logits, mb = random_batch(seed=3, batch=4)
-    mb["labels"][0, :] = -100
-    mb["labels"][0, 1] = 2  # unequal counts, so a plain mean of means would differ
     loss_fn = GRPOLoss(GRPOLoss.Config(clip_eps_high=0.28, kl_coef=0.1))
-    parts = [slice(0, 1), slice(1, 4)]
-    for p in parts:
-        sub = {k: v[p] for k, v in mb.items()}
-        torch.testing.assert_close(
-            loss_fn(logits[p], sub), grpo_loss(logits[p], sub, clip_eps_high=0.28, kl_coef=0.1)
-        )
-
-    popped = loss_fn.pop_metrics()
+    loss, metrics = loss_fn(logits, mb)
+    torch.testing.assert_close(loss, grpo_loss(logits, mb, clip_eps_high=0.28, kl_coef=0.1))
     expected = grpo_metrics(logits, mb, clip_eps_high=0.28, kl_coef=0.1)
-    assert popped.keys() == expected.keys()
-    for name in expected:
-        assert popped[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
-    assert loss_fn.pop_metrics() == {}  # reset after pop
+    assert set(metrics) == set(GRPOLoss.metric_names) == {"kl", "ratio_mean", "clip_fraction"}
+    for name, value in metrics.items():
+        assert not value.requires_grad, name
+        assert float(value) == pytest.approx(expected[name], rel=1e-6), name
 
 
 def test_grpo_loss_config_rejects_invalid_values():
@@ -270,7 +263,7 @@ def test_engine_builds_grpo_from_a_loss_config():
     loss_fn, loss_weight_fn = build_loss(name="grpo", kl_coef=0.0, clip_eps_high=0.28)
     logits, mb = random_batch(seed=4)
     torch.testing.assert_close(
-        loss_fn(logits, mb), grpo_loss(logits, mb, kl_coef=0.0, clip_eps_high=0.28)
+        loss_fn(logits, mb)[0], grpo_loss(logits, mb, kl_coef=0.0, clip_eps_high=0.28)
     )
     assert int(loss_weight_fn(mb)) == int((mb["labels"] != -100).sum())
     with pytest.raises(ValueError, match="grpo"):

@@ -89,6 +89,34 @@ async def test_pipeline_equals_no_pipeline(meshes, name, dp):
     await ref.load_hf_state_dict(weights)
 
 
+async def test_loss_metrics_under_pipeline_are_the_full_batch_token_means():
+    # A fresh PP trainer: its first forward-backward step runs the schedule's shape
+    # inference, which calls the loss on placeholder activations; that call must not count.
+    from forge_ext.losses.grpo import grpo_metrics, token_logprobs
+
+    loss = {"name": "grpo", "kl_coef": 0.1}
+    trainer = await spawn_trainer(config(pp=2), loss=loss)
+    try:
+        batch = make_lm_batch(BATCH, 32, 256, seed=13, ignore_prefix=PREFIX)
+        inputs, targets = split(batch, 1)
+        logits = await trainer.forward(inputs)
+        g = torch.Generator().manual_seed(13)
+        logprobs = token_logprobs(logits, batch["labels"])
+        extra = {
+            "generator_logprobs": logprobs + 0.3 * torch.randn(logprobs.shape, generator=g),
+            "ref_logprobs": logprobs + 0.2 * torch.randn(logprobs.shape, generator=g),
+            "advantages": torch.randn(BATCH, generator=g),
+        }
+        targets[0].update(extra)
+        fb = await trainer.forward_backward(inputs, targets)
+        expected = grpo_metrics(logits, {**batch, **extra}, kl_coef=0.1)
+        assert fb["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        for name in ("kl", "ratio_mean", "clip_fraction"):
+            assert fb[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    finally:
+        await trainer.stop()
+
+
 async def test_eval_and_forward_under_pipeline_equal_no_pipeline(meshes):
     batch = make_lm_batch(BATCH, 32, 256, seed=12, ignore_prefix=PREFIX)
     for name, dp in (("pp2", 1), ("pp2dp2", 2)):

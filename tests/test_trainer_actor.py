@@ -136,3 +136,34 @@ async def test_bad_config_fails_before_spawn():
         await spawn_trainer({"model": {"flavor": "nope"}})
     with pytest.raises(ValueError, match="loss.name='mse'"):
         await spawn_trainer(TRAINER, loss={"name": "mse"})
+
+
+async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_ranks():
+    from forge_ext.losses.grpo import grpo_metrics, token_logprobs
+
+    loss = {"name": "grpo", "kl_coef": 0.1, "clip_eps_high": 0.28}
+    trainer = await spawn_trainer(trainer_config(2), loss=loss)
+    try:
+        # Rank 0's rows carry far fewer valid tokens than rank 1's: a mean of the two ranks'
+        # means would differ from the token mean over the whole batch.
+        prefix = [60, 58, 61, 59, 0, 3, 1, 2]
+        batch = make_lm_batch(GLOBAL_BATCH, 64, 256, seed=5, ignore_prefix=prefix)
+        g = torch.Generator().manual_seed(6)
+        inputs, targets = split(batch, 2)
+        logits = await trainer.forward(inputs)  # before the step: what the loss sees
+        logprobs = token_logprobs(logits, batch["labels"])
+        batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
+        batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
+        batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=g)
+        for key in ("generator_logprobs", "ref_logprobs", "advantages"):
+            for target, part in zip(targets, batch[key].chunk(2)):
+                target[key] = part
+
+        result = await trainer.train_step(inputs, targets, return_metrics=True)
+        expected = grpo_metrics(logits, batch, kl_coef=0.1, clip_eps_high=0.28)
+        for name in ("kl", "ratio_mean", "clip_fraction"):
+            assert result[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+        assert 0 < result["loss/clip_fraction"] < 1  # the comparison is not vacuous
+    finally:
+        await trainer.stop()

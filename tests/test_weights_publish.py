@@ -309,6 +309,42 @@ async def test_retention_deletes_only_old_versions_this_publisher_created(
         assert sorted(os.listdir(dcp_path)) == ["1-notes", "2", "3"]
 
 
+async def test_a_restarted_dcp_publisher_replaces_only_the_folders_it_left(store, tmp_path):
+    # A trainer that crashed and resumes from its checkpoint publishes that version again,
+    # into a new store (the old one went with the old processes) and the same dcp_path.
+    prefix = "restarted"
+    await make_publisher("dcp", tmp_path, prefix).publish(decoder_state_dict(seed=1), 3)
+    restarted_store = "restarted_store"
+    await initialize_store(store_name=restarted_store)
+    try:
+        config = weights_publish.WeightsConfig(
+            transport="dcp", dcp_path=str(tmp_path / "weights"), key_prefix=prefix
+        )
+        restarted = weights_publish.WeightsPublisher(config, store_name=restarted_store)
+        await restarted.publish(decoder_state_dict(seed=2), 3)
+        got = await weights_fetch.fetch_weights(3, key_prefix=prefix, store_name=restarted_store)
+        assert_same_tensors(got, decoder_state_dict(seed=2))
+
+        # A folder it did not create is refused: no marker, or another key_prefix's marker.
+        (tmp_path / "weights" / "4").mkdir()
+        with pytest.raises(weights_publish.WeightsPublishError, match="4 already exists"):
+            await restarted.publish(decoder_state_dict(), 4)
+        other = weights_publish.WeightsPublisher(
+            weights_publish.WeightsConfig(
+                transport="dcp", dcp_path=str(tmp_path / "weights"), key_prefix="someone_else"
+            ),
+            store_name=restarted_store,
+        )
+        with pytest.raises(weights_publish.WeightsPublishError, match="3 already exists"):
+            await other.publish(decoder_state_dict(), 3)
+        assert_same_tensors(
+            await weights_fetch.fetch_weights(3, key_prefix=prefix, store_name=restarted_store),
+            decoder_state_dict(seed=2),
+        )
+    finally:
+        await ts.shutdown(restarted_store)
+
+
 async def test_publishing_a_version_twice_is_rejected(store, tmp_path):
     publisher = make_publisher("direct", tmp_path, "twice")
     await publisher.publish(decoder_state_dict(), 4)

@@ -269,6 +269,9 @@ class GRPOApp(RLLoop):
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
+            # The GRPO loss's own token means (kl to the reference, importance ratio, clip
+            # fraction), from the trainer: loss/kl, loss/ratio_mean, loss/clip_fraction.
+            **{k: v for k, v in result.items() if k.startswith("loss/")},
             **{f"time/{k}": v for k, v in seconds.items()},
         }
         if "ref_logprobs" in packed:

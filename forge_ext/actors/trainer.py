@@ -87,7 +87,10 @@ class RLTrainer(Actor):
         Returns:
             The step's loss (weighted mean over all ranks' valid tokens, the same on every
             rank), or with ``return_metrics`` a dict with ``loss``, ``grad_norm``, ``lr``,
-            ``num_tokens``, ``tokens_per_second``, ``policy_version``.
+            ``num_tokens``, ``tokens_per_second``, ``policy_version``, plus the loss's own
+            metrics as ``loss/<name>`` (GRPO: ``loss/kl``, ``loss/ratio_mean``,
+            ``loss/clip_fraction``; means over the global batch's valid tokens, before the
+            update).
 
         Raises:
             ValueError: ``inputs``/``targets`` lengths differ from each other or from the DP
@@ -105,13 +108,15 @@ class RLTrainer(Actor):
         """Accumulate gradients of this batch's mean loss (tinker style; no zero_grad here).
 
         Returns:
-            ``{"loss": weighted mean loss, "num_tokens": global weight}``.
+            ``{"loss": weighted mean loss, "num_tokens": global weight}`` plus the loss
+            function's metrics as ``loss/<name>`` (as in :meth:`train_step`).
         """
         batch = self._local_batch(inputs, targets)
         out = self.engine.forward_backward_batch(
             self.engine.microbatches(batch), self.loss_fn, self.loss_weight_fn
         )
-        return {"loss": out.loss, "num_tokens": out.global_weight}
+        metrics = {f"loss/{name}": value for name, value in out.metrics.items()}
+        return {"loss": out.loss, "num_tokens": out.global_weight, **metrics}
 
     @endpoint
     async def optim_step(self) -> dict[str, float]:

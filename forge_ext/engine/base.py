@@ -24,8 +24,11 @@ from typing import Any
 import torch
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
-"""``loss_fn(logits [b, S, V], microbatch) -> scalar``: the microbatch's *mean* loss."""
+LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+"""``loss_fn(logits [b, S, V], microbatch) -> scalar``: the microbatch's *mean* loss; or
+``-> (scalar, metrics)`` with ``metrics`` a dict of 0-dim tensors, each a mean over the same
+unit as the loss (e.g. valid tokens), which the engine combines like the loss (see
+:attr:`ForwardBackwardOutputs.metrics`)."""
 LossWeightFn = Callable[[Batch], torch.Tensor | int | float]
 """``loss_weight_fn(microbatch) -> scalar``: the microbatch's weight, e.g. its valid tokens."""
 
@@ -43,12 +46,17 @@ class ForwardBackwardOutputs:
             function and on PP ranks without the last stage (they hold no loss). A weighted
             mean, never a sum logged as a mean.
         global_weight: ``sum_i w_i`` over all microbatches and data-parallel ranks.
+        metrics: the loss function's metrics (when it returns ``(loss, metrics)``), each
+            weighted like the loss: ``sum_i w_i * m_i / sum_i w_i`` over all microbatches of
+            all data-parallel ranks (NaN if the weights sum to 0); empty otherwise and on PP
+            ranks without the last stage. Microbatches of weight 0 contribute nothing.
     """
 
     mb_outputs: list[Any] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     loss: float | None = None
     global_weight: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def split_batch(batch: Batch, num_microbatches: int) -> list[Batch]:
@@ -125,7 +133,9 @@ class BaseEngine(ABC):
         Returns:
             ``loss`` (weighted mean over the global batch), ``grad_norm`` (pre-clip),
             ``lr`` (used by this step), ``num_tokens`` (global weight, e.g. valid tokens),
-            ``tokens_per_second`` (this rank's ``input_ids.numel()`` / step seconds).
+            ``tokens_per_second`` (this rank's ``input_ids.numel()`` / step seconds), and the
+            loss function's metrics, if any, as ``loss/<name>`` (see
+            :attr:`ForwardBackwardOutputs.metrics`; measured before this step's update).
         """
         start = time.perf_counter()
         microbatches = self.microbatches(batch)
@@ -141,6 +151,7 @@ class BaseEngine(ABC):
             "lr": lr,
             "num_tokens": out.global_weight,
             "tokens_per_second": batch["input_ids"].numel() / seconds,
+            **{f"loss/{name}": value for name, value in out.metrics.items()},
         }
 
     @torch.no_grad()

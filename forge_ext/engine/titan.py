@@ -267,7 +267,7 @@ class TitanEngine(BaseEngine):
                 for mb in units
             ]
             # Known before any backward: the step's loss is normalised once, globally.
-            global_weight = self._dp_sum(torch.stack(weights).sum())
+            global_weight = self.dp_sum(torch.stack(weights).sum())
             out.global_weight = float(global_weight)
         loss_term = _LossTerm(
             loss_fn, weights, global_weight, output_post_hook, keep_outputs=return_outputs
@@ -293,10 +293,15 @@ class TitanEngine(BaseEngine):
                 for o in out.mb_outputs
             ]
         if loss_fn is not None:
-            # Only ranks holding the last PP stage computed losses; others report None.
-            local = sum(loss_term.scaled.values(), torch.zeros((), device=self.device))
-            total = float(self._dp_sum(local))
-            out.loss = total if self.pp_has_last_stage else None
+            # Only ranks holding the last PP stage computed losses; others report None. One
+            # collective (and one host sync) for the loss and the loss function's metrics.
+            names, local = loss_term.weighted_sums()
+            totals = self.dp_sum(local).tolist()
+            out.loss = totals[0] if self.pp_has_last_stage else None
+            out.metrics = {
+                name: total / out.global_weight if out.global_weight else math.nan
+                for name, total in zip(names, totals[1:])
+            }
         return out
 
     def _pipeline_steps(
@@ -324,7 +329,10 @@ class TitanEngine(BaseEngine):
             offset += n
         self._pp_loss.term, self._pp_loss.units = None, []
 
-    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+    def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over this rank's data-parallel group (a collective: every rank of
+        the group must call it); ``x`` itself when there is one DP rank. ``x`` must be on
+        ``self.device``."""
         if self.dp_mesh is None or self.dp_mesh.size() == 1:
             return x
         x = x.clone()
@@ -471,6 +479,7 @@ class _LossTerm:
         self.post_hook, self.keep_outputs = post_hook, keep_outputs
         self.scaled: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.metrics: dict[int, dict[str, torch.Tensor]] = {}
         self.outputs: dict[int, Any] = {}
 
     def __call__(self, logits: torch.Tensor, mb: Batch, index: int) -> torch.Tensor:
@@ -480,11 +489,28 @@ class _LossTerm:
         if self.loss_fn is None:
             return logits.sum() * 0.0
         loss = self.loss_fn(logits, mb)
+        if isinstance(loss, tuple):  # (loss, metrics): see base.LossFn
+            loss, metrics = loss
+            self.metrics[index] = {name: m.detach() for name, m in metrics.items()}
         self.losses[index] = loss.detach()
         # Zero-weight microbatches still run backward (keeps DP collectives in step).
         scaled = loss * self.weights[index] / self.global_weight.clamp(min=1e-12)
         self.scaled[index] = scaled.detach()
         return scaled
+
+    def weighted_sums(self) -> tuple[list[str], torch.Tensor]:
+        """Metric names and a vector ``[sum_i scaled_i, sum_i w_i * m_i for each name]`` of
+        this rank's microbatches (zero-weight microbatches add nothing, even NaN)."""
+        device = self.global_weight.device
+        names = sorted({name for metrics in self.metrics.values() for name in metrics})
+        sums = [sum(self.scaled.values(), torch.zeros((), device=device))]
+        for name in names:
+            total = torch.zeros((), device=device)
+            for index, metrics in self.metrics.items():
+                w = self.weights[index]
+                total = total + torch.where(w > 0, w * metrics[name].float(), 0.0)
+            sums.append(total)
+        return names, torch.stack(sums)
 
     def fill(self, out: ForwardBackwardOutputs) -> None:
         out.mb_outputs = [self.outputs[i] for i in sorted(self.outputs)]

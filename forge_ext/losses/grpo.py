@@ -279,14 +279,19 @@ def grpo_metrics(
 
 
 class GRPOLoss:
-    """Callable GRPO loss built from a :class:`GRPOLoss.Config`; also accumulates metrics.
+    """Callable GRPO loss built from a :class:`GRPOLoss.Config`, for the engine.
 
     ``loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.0))`` satisfies the engine's
-    ``loss_fn(logits, mb) -> scalar`` contract (see :func:`grpo_loss`). Each call also adds
-    its token-weighted metrics to a running sum, so metrics come out without a second forward
-    pass: call :meth:`pop_metrics` after a train step to read and reset them. Every call counts
-    (eval calls too), so pop before and after a step if the same instance is used for both.
+    ``loss_fn(logits, mb) -> (loss, metrics)`` contract (``forge_ext.engine.base.LossFn``):
+    ``loss`` as :func:`grpo_loss`, ``metrics`` the token means ``kl``, ``ratio_mean`` and
+    ``clip_fraction`` of :func:`grpo_loss_and_metrics`, which the engine weights by valid
+    tokens (``valid_token_count``, the loss's own weight) across microbatches and
+    data-parallel ranks and returns as ``loss/<name>``. Stateless: a repeated call (PP shape
+    inference) changes nothing.
     """
+
+    metric_names = ("kl", "ratio_mean", "clip_fraction")
+    """The metrics a call returns with the loss (token means, see grpo_loss_and_metrics)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -311,10 +316,10 @@ class GRPOLoss:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        # Token-weighted sums kept as tensors, so a call never forces a device sync.
-        self._sums: dict[str, torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, metrics = grpo_loss_and_metrics(
             logits,
             mb,
@@ -322,30 +327,7 @@ class GRPOLoss:
             clip_eps_high=self.config.clip_eps_high,
             kl_coef=self.config.kl_coef,
         )
-        n = metrics.pop("num_valid_tokens")
-        for name, mean in metrics.items():
-            weighted = torch.nan_to_num(mean) * n  # an empty microbatch adds 0, not NaN
-            self._sums[name] = self._sums.get(name, 0.0) + weighted
-        self._sums["num_valid_tokens"] = self._sums.get("num_valid_tokens", 0.0) + n
-        return loss
-
-    def pop_metrics(self) -> dict[str, float]:
-        """Token-weighted means of the metrics over all calls since the last pop, then reset.
-
-        Returns:
-            ``{"loss", "kl", "ratio_mean", "clip_fraction", "num_valid_tokens"}`` (means are
-            NaN if no valid token was seen), or ``{}`` if there was no call. Across
-            data-parallel ranks, combine as ``sum(mean * num_valid_tokens) /
-            sum(num_valid_tokens)``, never as a plain mean of means.
-        """
-        sums = {name: float(total) for name, total in self._sums.items()}
-        self._sums = {}
-        if not sums:
-            return {}
-        n = sums.pop("num_valid_tokens")
-        out = {name: total / n if n > 0 else math.nan for name, total in sums.items()}
-        out["num_valid_tokens"] = n
-        return out
+        return loss, {name: metrics[name] for name in self.metric_names}
 
 
 def build(**config: float) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:

@@ -22,7 +22,8 @@ group's rank 0; each "exchange" is one ``all_gather_object`` of a small status, 
 every rank takes the same decision (so a failure on one rank never leaves others hanging in
 a later collective, and every rank raises the same ``WeightsPublishError``).
 0. Rank 0 checks that the version is new (and, for dcp, creates ``<dcp_path>/<version>``,
-   refusing an existing folder); every rank checks its input. Exchange.
+   refusing an existing folder unless an earlier process of this publisher left it, see
+   ``_create_version_dir``); every rank checks its input. Exchange.
 1. Every rank writes its part (direct: its chunks; dcp: the collective ``dcp.save``).
    Exchange: an error, or (direct) a manifest of the pieces written.
    If any rank failed, each rank deletes the keys it wrote (dcp: rank 0 deletes the folder
@@ -39,6 +40,7 @@ a later collective, and every rank raises the same ``WeightsPublishError``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -76,6 +78,8 @@ torchstore_monarch.apply()
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("direct", "dcp")
+# File in each <dcp_path>/<version> folder a publisher creates, naming its key_prefix.
+DCP_MARKER = ".forge_ext_weights.json"
 # Chunk puts in flight per rank: enough to overlap one chunk's copy with others' sends while
 # bounding the extra host memory to MAX_INFLIGHT_PUTS * chunk_mb.
 MAX_INFLIGHT_PUTS = 4
@@ -91,7 +95,9 @@ class WeightsConfig:
         transport: ``"direct"`` (torchstore puts) or ``"dcp"`` (DCP files + a torchstore
             handle).
         dcp_path: folder that receives ``<dcp_path>/<policy_version>``; required for dcp. Must
-            be on a filesystem the readers can see.
+            be on a filesystem the readers can see, and not shared by two runs publishing
+            under the same ``key_prefix`` at once (a restarted run replaces the version
+            folders it left, recognised by their marker file).
         keep_versions: committed versions kept; older ones this publisher created are deleted.
         dtype: generator dtype, e.g. ``"bfloat16"``; floating-point tensors are cast to it
             before publishing (except names passed as ``exclude_from_cast``). None keeps dtypes.
@@ -293,7 +299,7 @@ class WeightsPublisher:
             if group.rank == 0:
                 await self._check_new_version(version)
                 if dcp_dir is not None:
-                    _create_new_dir(dcp_dir)
+                    _create_version_dir(dcp_dir, self.config.key_prefix)
                     created_dir = True
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below
             error = e
@@ -482,16 +488,39 @@ def _check_values(state_dict: Mapping[str, Any]) -> None:
             raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor")
 
 
-def _create_new_dir(path: str) -> None:
-    """Create ``path``; refuse one that exists, since retention will delete it later."""
+def _create_version_dir(path: str, key_prefix: str) -> None:
+    """Create ``path`` with a marker naming its creator (:data:`DCP_MARKER`).
+
+    A folder that exists already is refused (retention will delete it later), unless its
+    marker says a publisher with this ``key_prefix`` created it: then it is the leftover of an
+    earlier process of this run (a trainer that crashed and resumes from its checkpoint
+    publishes the checkpoint's version again), whose commit record went with that process's
+    store (the caller has checked the version is not committed), and it is replaced."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.mkdir(path)
     except FileExistsError:
-        raise FileExistsError(
-            f"{path} already exists and was not created by this publisher; remove it or set "
-            "weights.dcp_path to a fresh folder"
-        ) from None
+        if _marker_prefix(path) != key_prefix:
+            raise FileExistsError(
+                f"{path} already exists and was not created by a publisher with "
+                f"weights.key_prefix={key_prefix!r}; remove it or set weights.dcp_path to a "
+                "fresh folder"
+            ) from None
+        logger.info("replacing %s, left by an earlier process of this publisher", path)
+        shutil.rmtree(path)
+        os.mkdir(path)
+    with open(os.path.join(path, DCP_MARKER), "w") as f:
+        json.dump({"format": FORMAT, "key_prefix": key_prefix}, f)
+
+
+def _marker_prefix(path: str) -> str | None:
+    """The key_prefix in ``path``'s marker, or None without a readable marker."""
+    try:
+        with open(os.path.join(path, DCP_MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker.get("key_prefix") if marker.get("format") == FORMAT else None
 
 
 def _dcp_record(rank0: dict[str, Any], version: int, dcp_dir: str) -> dict[str, Any]:
