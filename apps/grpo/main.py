@@ -39,7 +39,7 @@ from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import CheckpointTokenizer
 from forge_ext.config import apply_env, parse_cli, record_run_config, scoped_env
 from forge_ext.generation import Completion
-from forge_ext.losses.grpo import compute_group_advantages, k3_kl
+from forge_ext.losses.grpo import compute_group_advantages
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
@@ -274,10 +274,6 @@ class GRPOApp(RLLoop):
             **{k: v for k, v in result.items() if k.startswith("loss/")},
             **{f"time/{k}": v for k, v in seconds.items()},
         }
-        if "ref_logprobs" in packed:
-            mask = packed["labels"] != -100
-            kl = k3_kl(packed["generator_logprobs"], packed["ref_logprobs"], mask)
-            metrics["kl"] = float(kl.sum() / mask.sum())
         return metrics
 
     async def push_weights(self, version: int) -> None:
@@ -315,8 +311,8 @@ class GRPOApp(RLLoop):
                 f"acc {m['rollout/accuracy']:.3f}",
                 f"loss {m['loss']:+.4f}",
             ]
-            if "kl" in m:
-                parts.append(f"kl {max(m['kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
+            if self.reference is not None:
+                parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
             parts.append(f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])})")
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
