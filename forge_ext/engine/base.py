@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+LossMetrics = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, LossMetrics]"]
 """``loss_fn(logits [b, S, V], microbatch) -> scalar``: the microbatch's *mean* loss; or
 ``-> (scalar, metrics)`` with ``metrics`` a dict of 0-dim tensors, each a mean over the same
 unit as the loss (e.g. valid tokens), which the engine combines like the loss (see

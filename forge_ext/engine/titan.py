@@ -267,7 +267,7 @@ class TitanEngine(BaseEngine):
                 for mb in units
             ]
             # Known before any backward: the step's loss is normalised once, globally.
-            global_weight = self.dp_sum(torch.stack(weights).sum())
+            global_weight = self._dp_sum(torch.stack(weights).sum())
             out.global_weight = float(global_weight)
         loss_term = _LossTerm(
             loss_fn, weights, global_weight, output_post_hook, keep_outputs=return_outputs
@@ -296,7 +296,7 @@ class TitanEngine(BaseEngine):
             # Only ranks holding the last PP stage computed losses; others report None. One
             # collective (and one host sync) for the loss and the loss function's metrics.
             names, local = loss_term.weighted_sums()
-            totals = self.dp_sum(local).tolist()
+            totals = self._dp_sum(local).tolist()
             out.loss = totals[0] if self.pp_has_last_stage else None
             out.metrics = {
                 name: total / out.global_weight if out.global_weight else math.nan
@@ -329,7 +329,7 @@ class TitanEngine(BaseEngine):
             offset += n
         self._pp_loss.term, self._pp_loss.units = None, []
 
-    def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over this rank's data-parallel group (a collective: every rank of
         the group must call it); ``x`` itself when there is one DP rank. ``x`` must be on
         ``self.device``."""

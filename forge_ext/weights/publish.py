@@ -12,7 +12,8 @@ Two transports, chosen by ``WeightsConfig.transport``:
   ms, and messages much larger than ~16 MB are slower per byte, so fixed-size chunks of
   owned memory win (see ``bench/push_weights.py``). Torchstore moves each chunk over Monarch
   RDMA (as a ``uint8`` tensor) when ``torchstore.transport.buffers.rdma_available()``, over
-  RPC (as a ``bytearray``, which Monarch pickles ~2x faster than a tensor) otherwise.
+  RPC otherwise (as ``bytes``, which Monarch sends without the copies a tensor takes; see
+  ``_pack_chunk``).
 - ``dcp``: ``torch.distributed.checkpoint.save`` into ``<dcp_path>/<version>`` (every rank
   writes its shards; DCP de-duplicates replicas), then rank 0 puts a handle (checkpoint id,
   DCP metadata, names) as the commit record. Readers need the folder on a shared filesystem.
