@@ -163,6 +163,22 @@ def test_checkpoint_round_trip(reference_weights, tmp_path):
     assert got["grad_norm"] == expected["grad_norm"]
 
 
+def test_only_the_newest_keep_latest_k_checkpoints_remain(reference_weights, tmp_path):
+    import os
+
+    cfg = config()
+    cfg.update(checkpoint={"enable": True, "folder": "ckpt", "keep_latest_k": 2},
+               dump_folder=str(tmp_path))
+    engine = TitanEngine(cfg)
+    batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
+    for _ in range(4):
+        engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+        engine.save_checkpoint(engine.step)
+    engine.close()  # waits for torchtitan's background purge
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-3", "step-4"]
+    assert TitanEngine(cfg).load_checkpoint() == 4
+
+
 @pytest.mark.parametrize(
     "mapping, message",
     [

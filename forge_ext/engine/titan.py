@@ -118,6 +118,10 @@ class TitanEngine(BaseEngine):
         # The engine has no dataloader (callers feed batches); a None entry would be saved
         # and then demanded on load.
         getattr(self.checkpointer, "states", {}).pop("dataloader", None)
+        # The caller decides when to save (save_checkpoint(step)), so every step it passes
+        # must pass torchtitan's interval check; its regular save path then also applies
+        # checkpoint.keep_latest_k and checkpoint.async_mode.
+        self.checkpointer.interval = 1
         if config.model.hf_path:
             self.load_hf_weights(config.model.hf_path)
 
@@ -379,7 +383,8 @@ class TitanEngine(BaseEngine):
         """
         if not self.checkpointer.enable:
             raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
-        self.checkpointer.save(step, last_step=True)
+        # Not last_step=True: torchtitan's last-step save skips the keep_latest_k purge.
+        self.checkpointer.save(step)
 
     def load_checkpoint(self, step: int | None = None) -> int:
         """Restore ``step`` (the latest complete one when None); return the step restored,
