@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import dacite
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -42,8 +43,8 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: an override without ``=``, or an interpolation that does not resolve
-            (the message names the key).
+        ValueError: an override without ``=``, invalid YAML (the message names the file and
+            the line), or an interpolation that does not resolve (the message names the key).
     """
     for item in overrides:
         if "=" not in item:
@@ -51,7 +52,7 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
     try:
         config = OmegaConf.merge(_load_with_base(Path(path)), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(config, resolve=True)
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, yaml.YAMLError) as e:  # YAML syntax: a file or an override
         raise ValueError(f"{path}: {e}") from None
 
 
@@ -101,11 +102,20 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = ""
 
 
 def _describe(error: Exception) -> str:
-    """dacite's message, with the allowed values spelled out for ``Literal`` fields."""
+    """What is wrong with the value (the caller prefixes the field's path): the allowed
+    values of a ``Literal`` field, the expected type otherwise."""
     hint = getattr(error, "field_type", None)
-    if isinstance(error, dacite.WrongTypeError) and typing.get_origin(hint) is typing.Literal:
-        allowed = ", ".join(repr(v) for v in typing.get_args(hint))
-        return f"{error.value!r} is not one of {allowed}"
+    if isinstance(error, dacite.WrongTypeError):
+        if typing.get_origin(hint) is typing.Literal:
+            allowed = ", ".join(repr(v) for v in typing.get_args(hint))
+            return f"{error.value!r} is not one of {allowed}"
+        expected = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        if dataclasses.is_dataclass(hint):
+            fields = ", ".join(f.name for f in dataclasses.fields(hint))
+            return f"{error.value!r} must be a mapping with keys among: {fields}"
+        return f"{error.value!r} is not a valid {expected}"
+    if isinstance(error, dacite.MissingValueError):
+        return "is required"
     return str(error)
 
 

@@ -185,10 +185,7 @@ class GRPOConfig:
         if self.reference is not None:
             sections.append(("reference", self.reference, self.procs.reference.num_procs))
         for name, mapping, num_procs in sections:
-            try:
-                engine = engine_config_from_mapping(mapping)
-            except (ValueError, FileNotFoundError) as e:
-                raise type(e)(f"{name}: {e}") from None
+            engine = engine_config_from_mapping(mapping, section=name)
             dp = data_parallel_size(engine, world_size_of(engine, num_procs))
             global_batch = engine.training.local_batch_size * dp
             if global_batch != self.grpo.batch_size:

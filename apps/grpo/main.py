@@ -99,7 +99,9 @@ class GRPOApp(RLLoop):
     def __init__(self, config: GRPOConfig) -> None:
         metrics = config.metrics or MetricsConfig(log_dir=config.output_dir)
         super().__init__(config.loop, metrics)
-        # Before anything is spawned: a rerun in output_dir resumes the run recorded there.
+        # Before anything is spawned: what this environment lacks (vllm), and whether a
+        # rerun in output_dir matches the run recorded there (it resumes that run).
+        config.generator.check_backend()
         record_run_config(config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME)
         self.config = config
         self.task = AdditionTask(config.task)

@@ -220,6 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
+    from forge_ext.engine import engine_config_from_mapping
+
+    ensure_init_checkpoint(config)  # the trainer: section reads its config.json
+    try:
+        engine_config_from_mapping(config.trainer)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"config error: {e}")
     run(config)
 
 

@@ -269,16 +269,26 @@ def _defaults(raw: dict[str, Any]) -> None:
     par.setdefault("spmd_backend", "partial_dtensor")
 
 
-def engine_config_from_mapping(mapping: Mapping[str, Any] | None = None) -> EngineConfig:
+def engine_config_from_mapping(
+    mapping: Mapping[str, Any] | None = None, section: str = "trainer"
+) -> EngineConfig:
     """Build and validate an :class:`EngineConfig` from a nested mapping (YAML ``trainer:``).
 
+    Args:
+        section: the YAML section the mapping came from, for error messages.
+
     Raises:
-        ValueError: an unknown key (named with its full path, e.g. ``trainer.training.foo``),
-            a value of the wrong type, or a failed :meth:`EngineConfig.validate` check.
+        ValueError: an unknown key or a value of the wrong type (named with its full path,
+            e.g. ``trainer.training.foo``), or a failed :meth:`EngineConfig.validate` check
+            (prefixed ``trainer: ``).
+        FileNotFoundError: ``model.hf_path`` without a config.json (prefixed the same way).
     """
     raw = copy.deepcopy(dict(mapping or {}))
-    check_keys(EngineConfig, raw, "trainer")
+    check_keys(EngineConfig, raw, section)
     _defaults(raw)
-    config = from_mapping(EngineConfig, raw, "trainer")
-    config.validate()
+    config = from_mapping(EngineConfig, raw, section)
+    try:
+        config.validate()
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{section}: {e}") from None
     return config
