@@ -186,7 +186,7 @@ RUN_CONFIG_FILE = "run_config.yaml"
 
 
 def record_run_config(
-    output_dir: str | Path, config: Any, *, may_change: Sequence[str] = ()
+    output_dir: str | Path, config: Any, *, may_change: Sequence[str] = (), check: bool = True
 ) -> Path:
     """Keep the resolved config of the run in ``<output_dir>/run_config.yaml``.
 
@@ -199,6 +199,7 @@ def record_run_config(
         output_dir: the run folder (created if missing).
         config: the run's config, a dataclass instance or a mapping of plain values.
         may_change: dotted key prefixes that may differ on resume.
+        check: False overwrites an existing record without comparing (a run that starts over).
 
     Returns:
         The path of the record.
@@ -209,21 +210,15 @@ def record_run_config(
     mapping = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     folder = Path(output_dir)
     path = folder / RUN_CONFIG_FILE
-    if path.exists():
-        previous = _flatten(OmegaConf.to_container(OmegaConf.load(path)))
-        current = _flatten(OmegaConf.to_container(OmegaConf.create(mapping)))
-        changed = [
-            f"{key}: {previous.get(key, '<unset>')!r} -> {current.get(key, '<unset>')!r}"
-            for key in sorted(set(previous) | set(current))
-            if previous.get(key) != current.get(key)
-            and not any(key == p or key.startswith(p + ".") for p in may_change)
-        ]
+    if check and path.exists():
+        changed = config_changes(OmegaConf.load(path), mapping, may_change=may_change)
         if changed:
             allowed = ", ".join(may_change) or "nothing"
             raise ValueError(
                 f"output_dir={str(output_dir)!r} holds a run started with another config "
                 f"({'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). A rerun "
-                "in the same output_dir resumes that run, so only these may change: "
+                "in the same output_dir continues from what that run left there, so only "
+                "these may change: "
                 f"{allowed}. Use a new output_dir (e.g. output_dir={folder}_2) or delete "
                 f"{folder} to start over."
             )
@@ -232,6 +227,28 @@ def record_run_config(
     staged.write_text(OmegaConf.to_yaml(OmegaConf.create(mapping)))
     staged.replace(path)
     return path
+
+
+def config_changes(
+    previous: Any, current: Any, *, may_change: Sequence[str] = ()
+) -> list[str]:
+    """``["seed: 0 -> 1", "task.max_digits: 2 -> 3"]``: the leaves (dotted keys) whose values
+    differ between two configs (mappings, OmegaConf objects or dataclass instances), except
+    keys under a prefix in ``may_change``."""
+    before, after = _flatten(_plain(previous)), _flatten(_plain(current))
+    return [
+        f"{key}: {before.get(key, '<unset>')!r} -> {after.get(key, '<unset>')!r}"
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key)
+        and not any(key == p or key.startswith(p + ".") for p in may_change)
+    ]
+
+
+def _plain(config: Any) -> Any:
+    """Plain containers of YAML values from a dataclass, OmegaConf object or mapping."""
+    if dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)
+    return OmegaConf.to_container(OmegaConf.create(config))
 
 
 def _flatten(mapping: Any, prefix: str = "") -> dict[str, Any]:

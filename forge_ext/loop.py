@@ -18,8 +18,9 @@ torchforge's GRPO ``main``::
     finally: cancel in-flight syncs, close loggers, stop every tracked actor and proc mesh
              in reverse order -- also on an exception and on Ctrl-C
 
-Ctrl-C (SIGINT) once: the run stops at the next step boundary and raises KeyboardInterrupt
-after teardown; twice: the awaited call is cancelled at once (teardown still runs). Why not
+Ctrl-C (SIGINT) once: the run stops at the next step boundary, saves a checkpoint there if
+checkpoints are on (``save_every > 0``) and that step has none yet, and raises
+KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown still runs). Why not
 rely on asyncio's own SIGINT handling (it cancels the main task): a cancellation that arrives
 while the task awaits a Monarch endpoint call was seen to be swallowed, and the run went on.
 
@@ -83,6 +84,7 @@ class RLLoop(ABC):
         self._push: asyncio.Task | None = None
         self._sync: asyncio.Task | None = None
         self._interrupts = 0
+        self._saved_step: int | None = None  # the last step save_checkpoint was called for
         self._main_task: asyncio.Task | None = None
 
     # ---- hooks -------------------------------------------------------------------------
@@ -152,12 +154,20 @@ class RLLoop(ABC):
             await self.setup()
             self.step = self.trainer_version = await self.load_checkpoint()
             if self.step:
+                self._saved_step = self.step
                 self.write(f"resumed from the checkpoint of step {self.step}")
+                if self.step >= self.loop.steps:
+                    self.write(
+                        f"step {self.step} >= loop.steps={self.loop.steps}: nothing to train, "
+                        "evaluating only (raise loop.steps to continue the run)"
+                    )
             self.fast_forward(self.step)
             self.metrics.open(resume_step=self.step)
             await self._gate()
             self._log(self.step, await self.evaluate(self.step))
             while self.step < self.loop.steps:
+                if self._interrupts:
+                    await self._save_before_stopping()
                 self._raise_if_interrupted()
                 await self._run_step()
             completed = True
@@ -189,6 +199,15 @@ class RLLoop(ABC):
         if (self.loop.save_every and self.step % self.loop.save_every == 0) or last:
             await self._drain()
             await self.save_checkpoint(self.step)
+            self._saved_step = self.step
+
+    async def _save_before_stopping(self) -> None:
+        """On a graceful interrupt: keep the steps done since the last checkpoint."""
+        if self.loop.save_every and self.step > 0 and self._saved_step != self.step:
+            await self._drain()
+            await self.save_checkpoint(self.step)
+            self._saved_step = self.step
+            self.write(f"saved the checkpoint of step {self.step}")
 
     # ---- Ctrl-C ------------------------------------------------------------------------
     def _install_sigint_handler(self) -> bool:

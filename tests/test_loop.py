@@ -199,3 +199,19 @@ async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path):
     assert kinds(job.events, "train") == [0, 1, 2]  # step 3 (index 2) completed and saved
     assert kinds(job.events, "save") == [1, 2, 3]
     assert job.stopped == ["generator", "trainer", "store"]
+
+
+@pytest.mark.parametrize(("save_every", "saves"), [(10, [3]), (0, [])])
+async def test_ctrl_c_saves_the_steps_done_since_the_last_checkpoint(tmp_path, save_every, saves):
+    job = FakeJob(tmp_path, steps=20, save_every=save_every)
+    original = job.train_step
+
+    async def train_step(step, rollouts):
+        if step == 2:
+            job.interrupt()
+        return await original(step, rollouts)
+
+    job.train_step = train_step
+    with pytest.raises(KeyboardInterrupt, match="before step 4"):
+        await job.run()
+    assert kinds(job.events, "save") == saves  # save_every=0: checkpoints are off

@@ -76,6 +76,15 @@ def test_existing_checkpoint_is_kept(trained, capsys):
     assert (Path(config.output_dir) / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_existing_checkpoint_from_another_config_is_refused(trained):
+    config, _ = trained
+    tmp_path = Path(config.output_dir).parent
+    other = tiny_config(tmp_path, seed=3)
+    with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 3; trainer.seed: 0 -> 3\)"):
+        run(other)
+    assert run(tiny_config(tmp_path, **{"metrics.tensorboard": "true"})) is None  # may change
+
+
 def test_training_stops_once_validation_accuracy_reaches_the_target(tmp_path, capsys):
     import json
 

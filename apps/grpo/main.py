@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import sys
 import time
@@ -37,7 +38,9 @@ from apps.grpo.config import GRPOConfig, load_config
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import CheckpointTokenizer
-from forge_ext.config import apply_env, parse_cli, record_run_config, scoped_env
+from forge_ext.config import (
+    RUN_CONFIG_FILE, apply_env, config_changes, parse_cli, record_run_config, scoped_env,
+)
 from forge_ext.generation import Completion
 from forge_ext.losses.grpo import compute_group_advantages
 from forge_ext.loop import RLLoop
@@ -103,6 +106,7 @@ class GRPOApp(RLLoop):
         # rerun in output_dir matches the run recorded there (it resumes that run).
         config.generator.check_backend()
         record_run_config(config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME)
+        _warn_if_task_differs_from_warm_start(config)
         self.config = config
         self.task = AdditionTask(config.task)
         self.tok = CheckpointTokenizer(config.model.hf_path)
@@ -358,6 +362,26 @@ class GRPOApp(RLLoop):
             print(f"plot: {log_dir / self.metrics.config.plot}")
         if self.metrics.config.tensorboard:
             print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
+
+
+def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
+    """A warm-start written by apps.sft records its config; GRPO on another task (more
+    digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
+    from omegaconf import OmegaConf
+
+    record = os.path.join(config.model.hf_path, RUN_CONFIG_FILE)
+    if not os.path.isfile(record):
+        return
+    warm_task = OmegaConf.load(record).get("task")
+    if warm_task is None:
+        return
+    changes = config_changes(warm_task, config.task, may_change=("num_eval", "partial_credit"))
+    if changes:
+        print(
+            f"warning: task differs from the task model.hf_path={config.model.hf_path} was "
+            f"trained on ({'; '.join('task.' + c for c in changes)})",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

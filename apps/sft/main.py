@@ -3,8 +3,10 @@
 Trains a causal LM on ``prompt -> answer <eos>`` of the embedded addition task (loss on the
 answer tokens only) with the engine in this process, then writes an HF checkpoint directory
 (``config.json`` + ``model.safetensors`` + tokenizer) to ``output_dir``, evaluates it on the
-held-out prompts with greedy decoding, and exits. With ``skip_if_exists: true`` (default) an
-existing checkpoint in ``output_dir`` is kept and nothing runs.
+held-out prompts with greedy decoding, and exits, recording its config in
+``<output_dir>/run_config.yaml``. With ``skip_if_exists: true`` (default) an existing
+checkpoint in ``output_dir`` is kept and nothing runs, if it was written with the same config
+(except :data:`MAY_CHANGE_ON_SKIP`); otherwise the run is refused, naming what differs.
 
 Starting point: ``init.hf_path``. If that directory holds no checkpoint, a randomly
 initialised ``transformers`` model with ``init.architecture`` (HF ``config.json`` fields) and
@@ -27,7 +29,7 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import VOCAB_SIZE, CheckpointTokenizer, save_tokenizer
-from forge_ext.config import apply_env, from_mapping, load_yaml, parse_cli
+from forge_ext.config import apply_env, from_mapping, load_yaml, parse_cli, record_run_config
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.metrics import MetricLogger, MetricsConfig
@@ -65,6 +67,10 @@ class EvalConfig:
             raise ValueError("eval.stop_at_accuracy needs eval.every > 0")
 
 
+# Keys that may differ from the run that wrote an existing warm-start, which is then kept.
+MAY_CHANGE_ON_SKIP = ("skip_if_exists", "metrics", "env")
+
+
 @dataclass(kw_only=True, slots=True)
 class SFTConfig:
     """The SFT app's config (YAML top level)."""
@@ -85,6 +91,19 @@ class SFTConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
     :func:`forge_ext.config.apply_env`)."""
+
+
+def kept_checkpoint(config: SFTConfig) -> bool:
+    """True if ``skip_if_exists`` keeps a checkpoint already in ``output_dir``.
+
+    Raises:
+        ValueError: that checkpoint was written with another config (names what differs).
+    """
+    out = Path(config.output_dir)
+    if not (config.skip_if_exists and is_hf_checkpoint(out)):
+        return False
+    record_run_config(out, config, may_change=MAY_CHANGE_ON_SKIP)
+    return True
 
 
 def ensure_init_checkpoint(config: SFTConfig) -> None:
@@ -149,7 +168,7 @@ def run(config: SFTConfig) -> float | None:
     from forge_ext.engine.distributed import init_single_process_env
 
     out = Path(config.output_dir)
-    if config.skip_if_exists and is_hf_checkpoint(out):
+    if kept_checkpoint(config):
         print(f"warm-start: checkpoint {out} exists, skipping (skip_if_exists=false retrains)")
         return None
     apply_env(config.env)
@@ -196,6 +215,7 @@ def run(config: SFTConfig) -> float | None:
 
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
     save_hf_checkpoint(out, engine.hf_state_dict(), hf_config, tokenizer_from=config.init.hf_path)
+    record_run_config(out, config, check=False)  # what wrote this checkpoint
     # Evaluate the checkpoint as written, through the path the GRPO app loads it by.
     saved = HFSampler(str(out), eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     accuracy = greedy_accuracy(saved, task, task.eval_problems, tok, max_new_tokens)
@@ -218,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0])
     try:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
+        kept_checkpoint(config)  # a kept checkpoint must come from the same config
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     from forge_ext.engine import engine_config_from_mapping
