@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.push_weights                      # ~55 MB, ~300 MB, ~1 GB
-    .venv/bin/python -m bench.push_weights --hidden 1024 1536   # ~1.7 GB, ~3.5 GB
+    .venv/bin/python -m bench.push_weights                      # 60 MB, 346 MB, 1.19 GB
+    .venv/bin/python -m bench.push_weights --hidden 1024 1536   # 2.0 GB, 4.4 GB
     .venv/bin/python -m bench.push_weights --chunk-mb 32 --reps 5
 
 For each model size, the same fp32 tensors (a Qwen3-shaped decoder: 28 layers of
@@ -333,8 +333,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--hidden", type=int, nargs="+", default=[128, 384, 768],
-        help="decoder hidden sizes, one model each (128: 55 MB, 384: 296 MB, 768: 990 MB, "
-        "1024: 1.7 GB, 1536: 3.5 GB)",
+        help="decoder hidden sizes, one model each (fp32: 128: 60 MB, 384: 346 MB, 768: 1.19 GB, "
+        "1024: 2.0 GB, 1536: 4.4 GB)",
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-mb", type=int, default=weights_publish.WeightsConfig().chunk_mb)

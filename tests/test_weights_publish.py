@@ -345,6 +345,21 @@ async def test_a_restarted_dcp_publisher_replaces_only_the_folders_it_left(store
         await ts.shutdown(restarted_store)
 
 
+@pytest.mark.parametrize(
+    ("state_dict", "message"),
+    [
+        ({}, "state_dict is empty"),
+        ({"w": torch.empty(3, device="meta")}, r"state_dict\['w'\] is on the meta device"),
+        ({"w": [1.0]}, r"state_dict\['w'\] is a list, not a tensor"),
+    ],
+)
+async def test_bad_state_dicts_are_rejected_naming_the_tensor(store, tmp_path, state_dict, message):
+    publisher = make_publisher("direct", tmp_path, "bad_input")
+    with pytest.raises(weights_publish.WeightsPublishError, match=message):
+        await publisher.publish(state_dict, 0)
+    assert await weights_fetch.committed_versions(key_prefix="bad_input") == []
+
+
 async def test_publishing_a_version_twice_is_rejected(store, tmp_path):
     publisher = make_publisher("direct", tmp_path, "twice")
     await publisher.publish(decoder_state_dict(), 4)

@@ -484,9 +484,16 @@ class WeightsPublisher:
 
 
 def _check_values(state_dict: Mapping[str, Any]) -> None:
+    if not state_dict:
+        raise ValueError("state_dict is empty: there are no weights to publish")
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(value).__name__}, not a tensor")
+        if value.device.type == "meta":
+            raise ValueError(
+                f"state_dict[{name!r}] is on the meta device (no data): materialise the model "
+                "(e.g. load its weights) before publishing"
+            )
 
 
 def _create_version_dir(path: str, key_prefix: str) -> None:
