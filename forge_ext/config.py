@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -156,8 +157,6 @@ def apply_env(env: Mapping[str, Any]) -> None:
     process's torch intra-op threads: on a small shared CPU one thread per process avoids
     OpenMP threads spinning against each other (10x slower steps were measured with 2
     threads per process on a loaded 2-core machine)."""
-    import os
-
     import torch
 
     os.environ.update({k: str(v) for k, v in env.items()})
@@ -168,8 +167,6 @@ def apply_env(env: Mapping[str, Any]) -> None:
 @contextlib.contextmanager
 def scoped_env(env: Mapping[str, Any]):
     """Set ``env`` in ``os.environ`` for the duration of the block, then restore it."""
-    import os
-
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:
@@ -211,7 +208,7 @@ def record_run_config(
     folder = Path(output_dir)
     path = folder / RUN_CONFIG_FILE
     if check and path.exists():
-        changed = config_changes(OmegaConf.load(path), mapping, may_change=may_change)
+        changed = config_changes(_load_record(path), mapping, may_change=may_change)
         if changed:
             allowed = ", ".join(may_change) or "nothing"
             raise ValueError(
@@ -229,19 +226,52 @@ def record_run_config(
     return path
 
 
+def _load_record(path: Path) -> Any:
+    """A run record written by :func:`record_run_config`.
+
+    Raises:
+        ValueError: the file is not a YAML mapping (corrupt, empty, hand-edited).
+    """
+    try:
+        record = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        record = e
+    if not isinstance(record, Mapping) or not record:
+        raise ValueError(
+            f"{path} is not a readable run record ({record!r}); delete it to record this run's "
+            "config, or restore it"
+        )
+    return record
+
+
+_UNSET = "<unset>"
+
+
 def config_changes(
     previous: Any, current: Any, *, may_change: Sequence[str] = ()
 ) -> list[str]:
     """``["seed: 0 -> 1", "task.max_digits: 2 -> 3"]``: the leaves (dotted keys) whose values
     differ between two configs (mappings, OmegaConf objects or dataclass instances), except
-    keys under a prefix in ``may_change``."""
+    keys under a prefix in ``may_change``. Two strings naming the same path (``run`` and
+    ``/abs/run`` from the working directory) are equal; ``True`` and ``1`` are not."""
     before, after = _flatten(_plain(previous)), _flatten(_plain(current))
     return [
-        f"{key}: {before.get(key, '<unset>')!r} -> {after.get(key, '<unset>')!r}"
+        f"{key}: {before.get(key, _UNSET)!r} -> {after.get(key, _UNSET)!r}"
         for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key)
+        if not _same(before.get(key, _UNSET), after.get(key, _UNSET))
         and not any(key == p or key.startswith(p + ".") for p in may_change)
     ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if a == b:
+        return True
+    return (
+        isinstance(a, str) and isinstance(b, str) and _UNSET not in (a, b)
+        and os.path.abspath(a) == os.path.abspath(b)
+    )
 
 
 def _plain(config: Any) -> Any:

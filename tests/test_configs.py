@@ -159,3 +159,33 @@ def test_run_config_is_recorded_and_a_rerun_may_change_only_the_allowed_keys(tmp
     assert "loop.steps" not in message.split("(")[1].split(")")[0]  # an allowed change
     assert "Use a new output_dir" in message
     assert load_yaml(path) == longer  # a refused rerun leaves the record alone
+
+
+def test_run_record_treats_one_folder_named_two_ways_as_the_same(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = {"output_dir": "run", "dump_folder": "run/ckpt"}
+    record_run_config("run", run)
+    same = {"output_dir": str(tmp_path / "run"), "dump_folder": str(tmp_path / "run" / "ckpt")}
+    record_run_config(tmp_path / "run", same)
+    with pytest.raises(ValueError, match="output_dir: .* -> 'elsewhere'"):
+        record_run_config("run", {**same, "output_dir": "elsewhere"})
+
+
+@pytest.mark.parametrize("text", ["seed: [1\n", "", "- a list\n"])
+def test_an_unreadable_run_record_is_a_clear_error(tmp_path, text):
+    (tmp_path / "run_config.yaml").write_text(text)
+    with pytest.raises(ValueError, match="is not a readable run record"):
+        record_run_config(tmp_path, {"seed": 0})
+
+
+def test_grpo_compares_configs_only_when_there_is_a_checkpoint_to_resume(demo_checkpoint, tmp_path):
+    from apps.grpo.main import _has_trainer_checkpoint
+
+    out = tmp_path / "run"
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                         [f"model.hf_path={demo_checkpoint}", f"output_dir={out}"])
+    assert not _has_trainer_checkpoint(config)
+    (out / "checkpoints" / "step-5").mkdir(parents=True)
+    assert not _has_trainer_checkpoint(config)  # incomplete: no .metadata yet
+    (out / "checkpoints" / "step-5" / ".metadata").write_text("")
+    assert _has_trainer_checkpoint(config)

@@ -198,6 +198,18 @@ def test_kl_coef_zero_does_not_need_ref_logprobs():
         grpo_loss(logits, mb, kl_coef=0.04)
 
 
+def test_kl_is_measured_without_a_penalty_when_kl_coef_is_zero():
+    logits, mb = random_batch(seed=5)
+    with_penalty = grpo_metrics(logits, mb, kl_coef=0.1)
+    without = grpo_metrics(logits, mb, kl_coef=0.0)
+    assert without["kl"] == pytest.approx(with_penalty["kl"]) and without["kl"] > 0
+    # ... and it adds nothing to the loss or its gradient.
+    torch.testing.assert_close(
+        grpo_loss(logits, mb, kl_coef=0.0),
+        grpo_loss(logits, {k: v for k, v in mb.items() if k != "ref_logprobs"}, kl_coef=0.0),
+    )
+
+
 def test_bad_microbatch_is_rejected_with_the_field_name():
     logits, mb = hand_case()
     with pytest.raises(ValueError, match="advantages"):

@@ -228,6 +228,21 @@ async def test_direct_chunks_tile_the_stream_and_go_as_bytes_over_rpc(store, tmp
         assert stream[offset : offset + nbytes] == tensor.numpy().tobytes(), name
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_strided_and_expanded_tensors_publish_exactly(store, tmp_path, transport):
+    g = torch.Generator().manual_seed(4)
+    sd = {
+        "every_other_byte": torch.arange(40, dtype=torch.uint8)[::2],
+        "column": torch.randn(64, 6, generator=g)[:, 1],
+        "expanded": torch.randn(3, generator=g).expand(5, 3),
+        "transposed_bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16).t(),
+        "every_other_bool": (torch.randn(9, generator=g) > 0)[::2],
+    }
+    prefix = f"strided_{transport}"
+    await make_publisher(transport, tmp_path, prefix).publish(sd, 0)
+    assert_same_tensors(await weights_fetch.fetch_weights(0, key_prefix=prefix), sd)
+
+
 async def test_fetched_tensors_own_their_memory(store, tmp_path):
     # Chunks arrive as immutable bytes objects: a fetched tensor must be a copy of its bytes,
     # not a view into a chunk, so that the caller may write into it.
@@ -309,38 +324,42 @@ async def test_retention_deletes_only_old_versions_this_publisher_created(
         assert sorted(os.listdir(dcp_path)) == ["1-notes", "2", "3"]
 
 
-async def test_a_restarted_dcp_publisher_replaces_only_the_folders_it_left(store, tmp_path):
+async def test_a_restarted_dcp_publisher_replaces_only_the_folders_its_run_left(
+    store, tmp_path
+):
     # A trainer that crashed and resumes from its checkpoint publishes that version again,
     # into a new store (the old one went with the old processes) and the same dcp_path.
-    prefix = "restarted"
-    await make_publisher("dcp", tmp_path, prefix).publish(decoder_state_dict(seed=1), 3)
+    prefix, weights_dir = "restarted", str(tmp_path / "weights")
+
+    def publisher(run_id, store_name, key_prefix=prefix):
+        config = weights_publish.WeightsConfig(
+            transport="dcp", dcp_path=weights_dir, key_prefix=key_prefix, run_id=run_id
+        )
+        return weights_publish.WeightsPublisher(config, store_name=store_name)
+
+    await publisher("run-a", DEFAULT_TORCHSTORE_NAME).publish(decoder_state_dict(seed=1), 3)
     restarted_store = "restarted_store"
     await initialize_store(store_name=restarted_store)
     try:
-        config = weights_publish.WeightsConfig(
-            transport="dcp", dcp_path=str(tmp_path / "weights"), key_prefix=prefix
-        )
-        restarted = weights_publish.WeightsPublisher(config, store_name=restarted_store)
-        await restarted.publish(decoder_state_dict(seed=2), 3)
-        got = await weights_fetch.fetch_weights(3, key_prefix=prefix, store_name=restarted_store)
-        assert_same_tensors(got, decoder_state_dict(seed=2))
-
-        # A folder it did not create is refused: no marker, or another key_prefix's marker.
+        # Not this run's folder: another run_id, no run_id, another key_prefix; nor a folder
+        # without a marker.
+        for other in (
+            publisher("run-b", restarted_store), publisher(None, restarted_store),
+            publisher("run-a", restarted_store, key_prefix="someone_else"),
+        ):
+            with pytest.raises(weights_publish.WeightsPublishError, match="3 already exists"):
+                await other.publish(decoder_state_dict(), 3)
         (tmp_path / "weights" / "4").mkdir()
         with pytest.raises(weights_publish.WeightsPublishError, match="4 already exists"):
-            await restarted.publish(decoder_state_dict(), 4)
-        other = weights_publish.WeightsPublisher(
-            weights_publish.WeightsConfig(
-                transport="dcp", dcp_path=str(tmp_path / "weights"), key_prefix="someone_else"
-            ),
-            store_name=restarted_store,
+            await publisher("run-a", restarted_store).publish(decoder_state_dict(), 4)
+        assert_same_tensors(  # the first run's version 3 is intact
+            await weights_fetch.fetch_weights(3, key_prefix=prefix), decoder_state_dict(seed=1)
         )
-        with pytest.raises(weights_publish.WeightsPublishError, match="3 already exists"):
-            await other.publish(decoder_state_dict(), 3)
-        assert_same_tensors(
-            await weights_fetch.fetch_weights(3, key_prefix=prefix, store_name=restarted_store),
-            decoder_state_dict(seed=2),
-        )
+
+        # The same run, restarted: its leftover folder is replaced.
+        await publisher("run-a", restarted_store).publish(decoder_state_dict(seed=2), 3)
+        got = await weights_fetch.fetch_weights(3, key_prefix=prefix, store_name=restarted_store)
+        assert_same_tensors(got, decoder_state_dict(seed=2))
     finally:
         await ts.shutdown(restarted_store)
 

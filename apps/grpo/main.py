@@ -29,6 +29,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
@@ -105,7 +106,10 @@ class GRPOApp(RLLoop):
         # Before anything is spawned: what this environment lacks (vllm), and whether a
         # rerun in output_dir matches the run recorded there (it resumes that run).
         config.generator.check_backend()
-        record_run_config(config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME)
+        record_run_config(
+            config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME,
+            check=_has_trainer_checkpoint(config),  # with nothing to resume, start over
+        )
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
         self.task = AdditionTask(config.task)
@@ -153,9 +157,11 @@ class GRPOApp(RLLoop):
         self.track("torchstore", ts.shutdown)
 
         async def trainer():
+            # A restarted run may replace the DCP weight folders its crashed process left.
+            run_id = c.weights.run_id or os.path.abspath(c.output_dir)
             self.trainer = await spawn_trainer(
                 c.trainer, loss=c.loss_spec(), num_procs=c.procs.trainer.num_procs,
-                weights=asdict(c.weights),
+                weights={**asdict(c.weights), "run_id": run_id},
             )
             self.track("trainer", self.trainer.stop)
 
@@ -364,6 +370,17 @@ class GRPOApp(RLLoop):
             print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
 
 
+def _has_trainer_checkpoint(config: GRPOConfig) -> bool:
+    """Whether the trainer would resume from a checkpoint (a complete ``step-N`` folder)."""
+    from forge_ext.engine import engine_config_from_mapping
+
+    engine = engine_config_from_mapping(config.trainer)
+    if not engine.checkpoint.enable:
+        return False
+    folder = Path(engine.dump_folder) / engine.checkpoint.folder
+    return any((step / ".metadata").is_file() for step in folder.glob("step-*"))
+
+
 def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
     """A warm-start written by apps.sft records its config; GRPO on another task (more
     digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
@@ -372,7 +389,10 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
     record = os.path.join(config.model.hf_path, RUN_CONFIG_FILE)
     if not os.path.isfile(record):
         return
-    warm_task = OmegaConf.load(record).get("task")
+    try:
+        warm_task = OmegaConf.load(record).get("task")
+    except Exception:  # noqa: BLE001 - a best-effort warning; the record is not ours
+        return
     if warm_task is None:
         return
     changes = config_changes(warm_task, config.task, may_change=("num_eval", "partial_credit"))

@@ -29,7 +29,9 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import VOCAB_SIZE, CheckpointTokenizer, save_tokenizer
-from forge_ext.config import apply_env, from_mapping, load_yaml, parse_cli, record_run_config
+from forge_ext.config import (
+    RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
+)
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.metrics import MetricLogger, MetricsConfig
@@ -102,7 +104,8 @@ def kept_checkpoint(config: SFTConfig) -> bool:
     out = Path(config.output_dir)
     if not (config.skip_if_exists and is_hf_checkpoint(out)):
         return False
-    record_run_config(out, config, may_change=MAY_CHANGE_ON_SKIP)
+    if (out / RUN_CONFIG_FILE).exists():  # a checkpoint without one predates the records
+        record_run_config(out, config, may_change=MAY_CHANGE_ON_SKIP)
     return True
 
 
@@ -238,16 +241,18 @@ def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0])
     try:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
-        kept_checkpoint(config)  # a kept checkpoint must come from the same config
+        kept = kept_checkpoint(config)  # a kept checkpoint must come from the same config
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
-    from forge_ext.engine import engine_config_from_mapping
+    if not kept:
+        from forge_ext.engine import engine_config_from_mapping
 
-    ensure_init_checkpoint(config)  # the trainer: section reads its config.json
-    try:
-        engine_config_from_mapping(config.trainer)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"config error: {e}")
+        apply_env(config.env)
+        ensure_init_checkpoint(config)  # the trainer: section reads its config.json
+        try:
+            engine_config_from_mapping(config.trainer)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"config error: {e}")
     run(config)
 
 

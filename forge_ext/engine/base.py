@@ -29,7 +29,8 @@ LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, Los
 """``loss_fn(logits [b, S, V], microbatch) -> scalar``: the microbatch's *mean* loss; or
 ``-> (scalar, metrics)`` with ``metrics`` a dict of 0-dim tensors, each a mean over the same
 unit as the loss (e.g. valid tokens), which the engine combines like the loss (see
-:attr:`ForwardBackwardOutputs.metrics`)."""
+:attr:`ForwardBackwardOutputs.metrics`). The metric names must be the same on every call and
+every rank (the engine reduces them in one collective)."""
 LossWeightFn = Callable[[Batch], torch.Tensor | int | float]
 """``loss_weight_fn(microbatch) -> scalar``: the microbatch's weight, e.g. its valid tokens."""
 

@@ -496,6 +496,12 @@ class _LossTerm:
         loss = self.loss_fn(logits, mb)
         if isinstance(loss, tuple):  # (loss, metrics): see base.LossFn
             loss, metrics = loss
+            known = next(iter(self.metrics.values()), metrics)
+            if set(metrics) != set(known):
+                raise ValueError(
+                    f"loss_fn returned metrics {sorted(metrics)} for microbatch {index} but "
+                    f"{sorted(known)} before; it must return the same names on every call"
+                )
             self.metrics[index] = {name: m.detach() for name, m in metrics.items()}
         self.losses[index] = loss.detach()
         # Zero-weight microbatches still run backward (keeps DP collectives in step).

@@ -179,7 +179,8 @@ def grpo_loss_and_metrics(
         detached tensors, each a mean over valid tokens (NaN when there are none):
 
         - ``loss``: the loss value;
-        - ``kl``: mean k3 KL to the reference (0 when ``kl_coef == 0``);
+        - ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even
+          when ``kl_coef == 0``);
         - ``ratio_mean``: mean importance ratio ``pi_theta / pi_gen``;
         - ``clip_fraction``: fraction of tokens where the clip binds (ratio below
           ``1 - eps_low`` with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token
@@ -209,10 +210,16 @@ def grpo_loss_and_metrics(
 
     if kl_coef != 0.0:
         kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
+        objective = surrogate - kl_coef * kl
     else:
-        kl = zeros
+        objective = surrogate
+        if "ref_logprobs" in mb:  # no penalty, but the KL is still worth logging
+            with torch.no_grad():
+                kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
+        else:
+            kl = zeros
 
-    token_loss = torch.where(mask, -(surrogate - kl_coef * kl), zeros)
+    token_loss = torch.where(mask, -objective, zeros)
     loss = token_loss.sum() / num_valid.clamp(min=1.0)
 
     # Tensor ops only (no .item()), so computing metrics never forces a device sync.

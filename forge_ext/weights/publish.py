@@ -23,7 +23,7 @@ group's rank 0; each "exchange" is one ``all_gather_object`` of a small status, 
 every rank takes the same decision (so a failure on one rank never leaves others hanging in
 a later collective, and every rank raises the same ``WeightsPublishError``).
 0. Rank 0 checks that the version is new (and, for dcp, creates ``<dcp_path>/<version>``,
-   refusing an existing folder unless an earlier process of this publisher left it, see
+   refusing an existing folder unless an earlier process of the same run left it, see
    ``_create_version_dir``); every rank checks its input. Exchange.
 1. Every rank writes its part (direct: its chunks; dcp: the collective ``dcp.save``).
    Exchange: an error, or (direct) a manifest of the pieces written.
@@ -79,7 +79,7 @@ torchstore_monarch.apply()
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("direct", "dcp")
-# File in each <dcp_path>/<version> folder a publisher creates, naming its key_prefix.
+# File in each <dcp_path>/<version> folder a publisher creates, naming its run (run_id).
 DCP_MARKER = ".forge_ext_weights.json"
 # Chunk puts in flight per rank: enough to overlap one chunk's copy with others' sends while
 # bounding the extra host memory to MAX_INFLIGHT_PUTS * chunk_mb.
@@ -96,14 +96,16 @@ class WeightsConfig:
         transport: ``"direct"`` (torchstore puts) or ``"dcp"`` (DCP files + a torchstore
             handle).
         dcp_path: folder that receives ``<dcp_path>/<policy_version>``; required for dcp. Must
-            be on a filesystem the readers can see, and not shared by two runs publishing
-            under the same ``key_prefix`` at once (a restarted run replaces the version
-            folders it left, recognised by their marker file).
+            be on a filesystem the readers can see.
         keep_versions: committed versions kept; older ones this publisher created are deleted.
         dtype: generator dtype, e.g. ``"bfloat16"``; floating-point tensors are cast to it
             before publishing (except names passed as ``exclude_from_cast``). None keeps dtypes.
         key_prefix: torchstore key prefix; readers pass the same to ``fetch_weights``.
         chunk_mb: size of the chunks ``direct`` puts (MiB).
+        run_id: identifies the run across restarts (the GRPO app uses its absolute
+            ``output_dir``). With dcp, a folder ``<dcp_path>/<version>`` that an earlier
+            process of the same run left (it crashed; the resumed trainer publishes the
+            checkpoint's version again) is replaced; None never replaces an existing folder.
     """
 
     transport: str = "direct"
@@ -112,6 +114,7 @@ class WeightsConfig:
     dtype: str | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
     chunk_mb: int = 16
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,6 +146,8 @@ class WeightsConfig:
             self.chunk_mb < 1
         ):
             raise ValueError(f"weights.chunk_mb={self.chunk_mb!r} must be an int >= 1")
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
+            raise ValueError(f"weights.run_id={self.run_id!r} must be None or a non-empty string")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -300,7 +305,7 @@ class WeightsPublisher:
             if group.rank == 0:
                 await self._check_new_version(version)
                 if dcp_dir is not None:
-                    _create_version_dir(dcp_dir, self.config.key_prefix)
+                    _create_version_dir(dcp_dir, self._marker())
                     created_dir = True
         except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below
             error = e
@@ -364,6 +369,11 @@ class WeightsPublisher:
         )
 
     # -- steps --------------------------------------------------------------------------
+    def _marker(self) -> dict[str, Any]:
+        """What this publisher writes into the version folders it creates (DCP_MARKER)."""
+        c = self.config
+        return {"format": FORMAT, "key_prefix": c.key_prefix, "run_id": c.run_id}
+
 
     def _dcp_dir(self, version: int) -> str:
         return os.path.join(os.path.abspath(self.config.dcp_path), str(version))
@@ -496,39 +506,37 @@ def _check_values(state_dict: Mapping[str, Any]) -> None:
             )
 
 
-def _create_version_dir(path: str, key_prefix: str) -> None:
-    """Create ``path`` with a marker naming its creator (:data:`DCP_MARKER`).
+def _create_version_dir(path: str, marker: dict[str, Any]) -> None:
+    """Create ``path`` holding ``marker`` (:data:`DCP_MARKER`: format, key_prefix, run_id).
 
-    A folder that exists already is refused (retention will delete it later), unless its
-    marker says a publisher with this ``key_prefix`` created it: then it is the leftover of an
-    earlier process of this run (a trainer that crashed and resumes from its checkpoint
-    publishes the checkpoint's version again), whose commit record went with that process's
-    store (the caller has checked the version is not committed), and it is replaced."""
+    A folder that exists already is refused (retention will delete it later), unless it holds
+    the same marker with a run_id: then an earlier process of this run left it (a trainer
+    that crashed and resumes from its checkpoint publishes the checkpoint's version again;
+    the caller has checked that the version is not committed in this run's store), and it is
+    replaced."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.mkdir(path)
     except FileExistsError:
-        if _marker_prefix(path) != key_prefix:
+        if marker["run_id"] is None or _read_marker(path) != marker:
             raise FileExistsError(
-                f"{path} already exists and was not created by a publisher with "
-                f"weights.key_prefix={key_prefix!r}; remove it or set weights.dcp_path to a "
-                "fresh folder"
+                f"{path} already exists and this run did not create it (weights.run_id="
+                f"{marker['run_id']!r}); remove it or set weights.dcp_path to a fresh folder"
             ) from None
-        logger.info("replacing %s, left by an earlier process of this publisher", path)
+        logger.info("replacing %s, left by an earlier process of this run", path)
         shutil.rmtree(path)
         os.mkdir(path)
     with open(os.path.join(path, DCP_MARKER), "w") as f:
-        json.dump({"format": FORMAT, "key_prefix": key_prefix}, f)
+        json.dump(marker, f)
 
 
-def _marker_prefix(path: str) -> str | None:
-    """The key_prefix in ``path``'s marker, or None without a readable marker."""
+def _read_marker(path: str) -> dict[str, Any] | None:
+    """The marker in ``path``, or None without a readable one."""
     try:
         with open(os.path.join(path, DCP_MARKER)) as f:
-            marker = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
         return None
-    return marker.get("key_prefix") if marker.get("format") == FORMAT else None
 
 
 def _dcp_record(rank0: dict[str, Any], version: int, dcp_dir: str) -> dict[str, Any]:
@@ -664,7 +672,8 @@ def _chunk_parts(blocks: list[_Block], first: int, lo: int, hi: int) -> list[mem
         source = block.source[(a - block.stream_offset) // item : (z - block.stream_offset) // item]
         if source.device.type != "cpu" or source.dtype != block.dtype:
             source = source.to(device="cpu", dtype=block.dtype)
-        parts.append(memoryview(source.view(torch.uint8).numpy()))
+        # A strided view (e.g. of an expanded or sliced tensor) has no flat bytes to share.
+        parts.append(memoryview(source.contiguous().view(torch.uint8).numpy()))
         at = z
     if hi > at:
         parts.append(memoryview(bytes(hi - at)))
