@@ -242,46 +242,26 @@ def grpo_loss_and_metrics(
     return loss, metrics
 
 
-def grpo_loss(
-    logits: torch.Tensor,
-    mb: Mapping[str, torch.Tensor],
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    kl_coef: float = 0.04,
-) -> torch.Tensor:
+def grpo_loss(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: float) -> torch.Tensor:
     """The GRPO loss alone: a 0-dim tensor, mean over the microbatch's valid tokens.
 
-    See :func:`grpo_loss_and_metrics` for arguments, the formula and errors.
+    ``coefs``: ``clip_eps_low``, ``clip_eps_high``, ``kl_coef``; see
+    :func:`grpo_loss_and_metrics` for them, the formula and errors.
     """
-    loss, _ = grpo_loss_and_metrics(
-        logits, mb, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef
-    )
-    return loss
+    return grpo_loss_and_metrics(logits, mb, **coefs)[0]
 
 
 def grpo_metrics(
-    logits: torch.Tensor,
-    mb: Mapping[str, torch.Tensor],
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    kl_coef: float = 0.04,
+    logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: float
 ) -> dict[str, float]:
     """GRPO metrics for one microbatch as Python floats, computed without autograd.
 
-    Keys and meaning as in :func:`grpo_loss_and_metrics`. Means are over valid tokens; to
-    combine microbatches or ranks, weight each by ``num_valid_tokens`` (sum the products and
-    the counts, then divide), never average the means.
+    Keys, meaning and ``coefs`` as in :func:`grpo_loss_and_metrics`. Means are over valid
+    tokens; to combine microbatches or ranks, weight each by ``num_valid_tokens`` (sum the
+    products and the counts, then divide), never average the means.
     """
     with torch.no_grad():
-        _, metrics = grpo_loss_and_metrics(
-            logits,
-            mb,
-            clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high,
-            kl_coef=kl_coef,
-        )
+        _, metrics = grpo_loss_and_metrics(logits, mb, **coefs)
     return {name: float(value) for name, value in metrics.items()}
 
 
@@ -327,12 +307,10 @@ class GRPOLoss:
     def __call__(
         self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c = self.config
         loss, metrics = grpo_loss_and_metrics(
-            logits,
-            mb,
-            clip_eps_low=self.config.clip_eps_low,
-            clip_eps_high=self.config.clip_eps_high,
-            kl_coef=self.config.kl_coef,
+            logits, mb, clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high,
+            kl_coef=c.kl_coef,
         )
         return loss, {name: metrics[name] for name in self.metric_names}
 
