@@ -204,7 +204,7 @@ def record_run_config(
     Raises:
         ValueError: naming each differing key (``seed: 0 -> 1``) and the fix.
     """
-    mapping = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    mapping = _plain(config)
     folder = Path(output_dir)
     path = folder / RUN_CONFIG_FILE
     if check and path.exists():
@@ -215,9 +215,8 @@ def record_run_config(
                 f"output_dir={str(output_dir)!r} holds a run started with another config "
                 f"({'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). A rerun "
                 "in the same output_dir continues from what that run left there, so only "
-                "these may change: "
-                f"{allowed}. Use a new output_dir (e.g. output_dir={folder}_2) or delete "
-                f"{folder} to start over."
+                f"these may change: {allowed}. Use a new output_dir (e.g. "
+                f"output_dir={folder}_2) or delete {folder} to start over."
             )
     folder.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(path.name + ".tmp")
