@@ -264,7 +264,8 @@ async def measure_size(args: argparse.Namespace, hidden: int) -> dict[str, list[
         sd = decoder_state_dict(hidden)
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         bench = Bench(sd, args.chunk_mb, dcp_dir)
-        methods = dict(zip(PUSH_METHODS, [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]))
+        pushes = [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]
+        methods = dict(zip(PUSH_METHODS, pushes))
         push = await measure(methods, bench, args.reps)
         print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
             f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in push.items()), flush=True)

@@ -20,9 +20,10 @@ torchforge's GRPO ``main``::
 
 Ctrl-C (SIGINT) once: the run stops at the next step boundary, saves a checkpoint there if
 checkpoints are on (``save_every > 0``) and that step has none yet, and raises
-KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown still runs). Why not
-rely on asyncio's own SIGINT handling (it cancels the main task): a cancellation that arrives
-while the task awaits a Monarch endpoint call was seen to be swallowed, and the run went on.
+KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown
+still runs). Why not rely on asyncio's own SIGINT handling (it cancels the main task): a
+cancellation that arrives while the task awaits a Monarch endpoint call was seen to be
+swallowed, and the run went on.
 
 With ``max_policy_age: 0`` the gate waits for every sync before the next rollouts (fully
 on-policy). With ``max_policy_age: k > 0`` rollouts may come from weights up to ``k``
