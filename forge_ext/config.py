@@ -182,31 +182,42 @@ def scoped_env(env: Mapping[str, Any]):
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
+# Key of the record holding the working directory that its relative paths are relative to.
+WORKING_DIR_KEY = "working_dir"
+
+
 def record_run_config(
-    output_dir: str | Path, config: Any, *, may_change: Sequence[str] = (), check: bool = True
+    output_dir: str | Path, config: Any, *, may_change: Sequence[str] = (), check: bool = True,
+    rerun: str = "resumes that run",
 ) -> Path:
     """Keep the resolved config of the run in ``<output_dir>/run_config.yaml``.
 
     A rerun in the same ``output_dir`` resumes that run (its checkpoints, its metrics), so it
     must be the same run: if the file exists, every key must match except those under a
     dotted prefix in ``may_change`` (e.g. ``loop.steps`` to extend a run), and the file is
-    then rewritten with the new values. The file is replaced atomically.
+    then rewritten with the new values. Relative paths are compared as the absolute paths
+    they named from each run's working directory (recorded as ``working_dir``). The file is
+    replaced atomically.
 
     Args:
         output_dir: the run folder (created if missing).
         config: the run's config, a dataclass instance or a mapping of plain values.
         may_change: dotted key prefixes that may differ on resume.
         check: False overwrites an existing record without comparing (a run that starts over).
+        rerun: what a rerun in ``output_dir`` does, for the error message.
 
     Returns:
         The path of the record.
 
     Raises:
-        ValueError: naming each differing key (``seed: 0 -> 1``) and the fix.
+        ValueError: naming each differing key (``seed: 0 -> 1``) and the fix; or
+            ``output_dir`` is a file; or the existing record is unreadable.
     """
-    mapping = _plain(config)
+    mapping = {**_plain(config), WORKING_DIR_KEY: os.getcwd()}
     folder = Path(output_dir)
     path = folder / RUN_CONFIG_FILE
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"output_dir={str(output_dir)!r} is a file; it must be a folder")
     if check and path.exists():
         changed = config_changes(_load_record(path), mapping, may_change=may_change)
         if changed:
@@ -214,9 +225,9 @@ def record_run_config(
             raise ValueError(
                 f"output_dir={str(output_dir)!r} holds a run started with another config "
                 f"({'; '.join(changed[:8])}{'; ...' if len(changed) > 8 else ''}). A rerun "
-                "in the same output_dir continues from what that run left there, so only "
-                f"these may change: {allowed}. Use a new output_dir (e.g. "
-                f"output_dir={folder}_2) or delete {folder} to start over."
+                f"in the same output_dir {rerun}, so only these may change: {allowed}. Use "
+                f"a new output_dir (e.g. output_dir={folder}_2) or delete {folder} to start "
+                "over."
             )
     folder.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(path.name + ".tmp")
@@ -233,12 +244,14 @@ def _load_record(path: Path) -> Any:
     """
     try:
         record = OmegaConf.to_container(OmegaConf.load(path))
+        problem = None if isinstance(record, Mapping) and record else "not a YAML mapping"
     except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        record = e
-    if not isinstance(record, Mapping) or not record:
+        problem = f"{type(e).__name__}: {e}".replace("\n", " ")
+    if problem:
         raise ValueError(
-            f"{path} is not a readable run record ({record!r}); delete it to record this run's "
-            "config, or restore it"
+            f"{path} is not a readable run record ({problem}). Restore it, or use a new "
+            "output_dir: without its record, this run's checkpoints could be resumed with "
+            "another config"
         )
     return record
 
@@ -252,24 +265,27 @@ def config_changes(
     """``["seed: 0 -> 1", "task.max_digits: 2 -> 3"]``: the leaves (dotted keys) whose values
     differ between two configs (mappings, OmegaConf objects or dataclass instances), except
     keys under a prefix in ``may_change``. Two strings naming the same path (``run`` and
-    ``/abs/run`` from the working directory) are equal; ``True`` and ``1`` are not."""
+    ``/abs/run``) are equal, each taken from its config's ``working_dir`` (default: the
+    current one); ``True`` and ``1`` are not."""
     before, after = _flatten(_plain(previous)), _flatten(_plain(current))
+    dirs = [str(c.pop(WORKING_DIR_KEY, os.getcwd())) for c in (before, after)]
     return [
         f"{key}: {before.get(key, _UNSET)!r} -> {after.get(key, _UNSET)!r}"
         for key in sorted(set(before) | set(after))
-        if not _same(before.get(key, _UNSET), after.get(key, _UNSET))
+        if not _same(before.get(key, _UNSET), after.get(key, _UNSET), *dirs)
         and not any(key == p or key.startswith(p + ".") for p in may_change)
     ]
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, dir_a: str, dir_b: str) -> bool:
+    """Equal values; strings also when they name the same path from their working dirs."""
     if isinstance(a, bool) != isinstance(b, bool):
         return False
     if a == b:
         return True
     return (
         isinstance(a, str) and isinstance(b, str) and _UNSET not in (a, b)
-        and os.path.abspath(a) == os.path.abspath(b)
+        and os.path.normpath(os.path.join(dir_a, a)) == os.path.normpath(os.path.join(dir_b, b))
     )
 
 

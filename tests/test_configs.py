@@ -2,6 +2,7 @@
 as they validate on a GPU machine); config errors name the offending key."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
 def test_run_config_is_recorded_and_a_rerun_may_change_only_the_allowed_keys(tmp_path):
     run = {"seed": 0, "loop": {"steps": 10, "eval_every": 5}, "optimizer": {"lr": 1e-3}}
     path = record_run_config(tmp_path / "run", run, may_change=["loop.steps"])
-    assert load_yaml(path) == run
+    assert load_yaml(path) == {**run, "working_dir": os.getcwd()}
     record_run_config(tmp_path / "run", run, may_change=["loop.steps"])  # the same run
     longer = {**run, "loop": {"steps": 20, "eval_every": 5}}
     record_run_config(tmp_path / "run", longer, may_change=["loop.steps"])
@@ -158,17 +159,27 @@ def test_run_config_is_recorded_and_a_rerun_may_change_only_the_allowed_keys(tmp
     assert "seed: 0 -> 1" in message and "optimizer.lr: 0.001 -> 0.002" in message
     assert "loop.steps" not in message.split("(")[1].split(")")[0]  # an allowed change
     assert "Use a new output_dir" in message
-    assert load_yaml(path) == longer  # a refused rerun leaves the record alone
+    assert load_yaml(path)["seed"] == 0  # a refused rerun leaves the record alone
 
 
 def test_run_record_treats_one_folder_named_two_ways_as_the_same(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path)
-    run = {"output_dir": "run", "dump_folder": "run/ckpt"}
+    run = {"output_dir": "run", "model": "ckpt/warm"}
     record_run_config("run", run)
-    same = {"output_dir": str(tmp_path / "run"), "dump_folder": str(tmp_path / "run" / "ckpt")}
+    # Absolute spellings, and relative ones from another working directory.
+    same = {"output_dir": str(tmp_path / "run"), "model": str(tmp_path / "ckpt" / "warm")}
     record_run_config(tmp_path / "run", same)
-    with pytest.raises(ValueError, match="output_dir: .* -> 'elsewhere'"):
-        record_run_config("run", {**same, "output_dir": "elsewhere"})
+    monkeypatch.chdir(tmp_path / "sub")
+    record_run_config("../run", {"output_dir": "../run", "model": "../ckpt/warm"})
+    with pytest.raises(ValueError, match="model: '../ckpt/warm' -> 'ckpt/warm'"):
+        record_run_config("../run", {"output_dir": "../run", "model": "ckpt/warm"})
+
+
+def test_a_file_is_not_an_output_dir(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file; it must be a folder"):
+        record_run_config(tmp_path / "file", {"seed": 0})
 
 
 @pytest.mark.parametrize("text", ["seed: [1\n", "", "- a list\n"])
@@ -178,14 +189,33 @@ def test_an_unreadable_run_record_is_a_clear_error(tmp_path, text):
         record_run_config(tmp_path, {"seed": 0})
 
 
-def test_grpo_compares_configs_only_when_there_is_a_checkpoint_to_resume(demo_checkpoint, tmp_path):
-    from apps.grpo.main import _has_trainer_checkpoint
+def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_path):
+    from apps.grpo.main import latest_checkpoint_step
 
     out = tmp_path / "run"
     config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
                          [f"model.hf_path={demo_checkpoint}", f"output_dir={out}"])
-    assert not _has_trainer_checkpoint(config)
-    (out / "checkpoints" / "step-5").mkdir(parents=True)
-    assert not _has_trainer_checkpoint(config)  # incomplete: no .metadata yet
+    assert latest_checkpoint_step(config) == 0
+    for step in (5, 10):
+        (out / "checkpoints" / f"step-{step}").mkdir(parents=True)
     (out / "checkpoints" / "step-5" / ".metadata").write_text("")
-    assert _has_trainer_checkpoint(config)
+    assert latest_checkpoint_step(config) == 5  # step-10 is incomplete: no .metadata yet
+
+
+def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
+    import shutil
+
+    from apps.grpo.main import GRPOApp
+
+    out, weights = tmp_path / "run", tmp_path / "weights"
+    shutil.copytree(demo_checkpoint, weights)
+    overrides = [f"model.hf_path={weights}", f"output_dir={out}", "loop.steps=8", "procs.env={}"]
+    GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))  # records the run
+    (out / "checkpoints" / "step-6").mkdir(parents=True)
+    (out / "checkpoints" / "step-6" / ".metadata").write_text("")
+    with pytest.raises(ValueError, match="checkpoint of step 6 > loop.steps=5"):
+        GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*overrides, "loop.steps=5"]))
+    safetensors = weights / "model.safetensors"
+    safetensors.write_bytes(safetensors.read_bytes())  # rewritten in place: a new mtime
+    with pytest.raises(ValueError, match=r"model_files\.model\.safetensors: "):
+        GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))

@@ -53,6 +53,9 @@ from forge_ext.replay_buffer import ReplayBuffer
 # long it runs and how often it evaluates and saves, evaluation batching, logging, process
 # environment, fault injection. Everything else (seed, task, model, optimizer, ...) defines
 # the run, and a rerun with another value is refused (forge_ext.config.record_run_config).
+# A new loop.steps also re-derives the LR schedule (warm-up and decay are laid out over
+# trainer.training.steps), so an extended run is not the run it would have been had it been
+# started with the new length.
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "debug",
@@ -106,9 +109,19 @@ class GRPOApp(RLLoop):
         # Before anything is spawned: what this environment lacks (vllm), and whether a
         # rerun in output_dir matches the run recorded there (it resumes that run).
         config.generator.check_backend()
+        resume_step = latest_checkpoint_step(config)
+        if resume_step > config.loop.steps:
+            raise ValueError(
+                f"output_dir={config.output_dir!r} holds a checkpoint of step {resume_step} > "
+                f"loop.steps={config.loop.steps}; set loop.steps >= {resume_step} or use a new "
+                "output_dir"
+            )
+        # The record also names the checkpoint files behind model.hf_path (the reference and
+        # the generator load them): rewritten weights at the same path are another run.
+        record = {**asdict(config), "model_files": _file_fingerprints(config.model.hf_path)}
         record_run_config(
-            config.output_dir, config, may_change=MAY_CHANGE_ON_RESUME,
-            check=_has_trainer_checkpoint(config),  # with nothing to resume, start over
+            config.output_dir, record, may_change=MAY_CHANGE_ON_RESUME,
+            check=resume_step > 0,  # with nothing to resume, start over
         )
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
@@ -370,15 +383,32 @@ class GRPOApp(RLLoop):
             print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
 
 
-def _has_trainer_checkpoint(config: GRPOConfig) -> bool:
-    """Whether the trainer would resume from a checkpoint (a complete ``step-N`` folder)."""
+def latest_checkpoint_step(config: GRPOConfig) -> int:
+    """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
+    folder (with ``.metadata``), 0 if none or checkpoints are off."""
     from forge_ext.engine import engine_config_from_mapping
 
     engine = engine_config_from_mapping(config.trainer)
     if not engine.checkpoint.enable:
-        return False
+        return 0
     folder = Path(engine.dump_folder) / engine.checkpoint.folder
-    return any((step / ".metadata").is_file() for step in folder.glob("step-*"))
+    steps = [
+        int(step.name.split("-", 1)[1]) for step in folder.glob("step-*")
+        if step.name.split("-", 1)[1].isdigit() and (step / ".metadata").is_file()
+    ]
+    return max(steps, default=0)
+
+
+def _file_fingerprints(hf_path: str) -> dict[str, str]:
+    """``{file: "<bytes> bytes, modified <time>"}`` of a checkpoint's config and weights."""
+    folder = Path(hf_path)
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    return {
+        f.name: f"{f.stat().st_size} bytes, modified "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(f.stat().st_mtime))}"
+        f".{f.stat().st_mtime_ns % 10**9:09d}"
+        for f in files if f.is_file()
+    }
 
 
 def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
@@ -412,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"config error: {e}")
     try:
         asyncio.run(app.run())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
         print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
               "resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)

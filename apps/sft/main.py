@@ -105,7 +105,9 @@ def kept_checkpoint(config: SFTConfig) -> bool:
     if not (config.skip_if_exists and is_hf_checkpoint(out)):
         return False
     if (out / RUN_CONFIG_FILE).exists():  # a checkpoint without one predates the records
-        record_run_config(out, config, may_change=MAY_CHANGE_ON_SKIP)
+        record_run_config(
+            out, config, may_change=MAY_CHANGE_ON_SKIP, rerun="keeps the checkpoint there"
+        )
     return True
 
 
