@@ -266,13 +266,16 @@ def config_changes(
     differ between two configs (mappings, OmegaConf objects or dataclass instances), except
     keys under a prefix in ``may_change``. Two strings naming the same path (``run`` and
     ``/abs/run``) are equal, each taken from its config's ``working_dir`` (default: the
-    current one); ``True`` and ``1`` are not."""
+    current one); ``True`` and ``1`` are not. Keys absent from ``previous`` are not compared
+    (fields newer than a record)."""
     before, after = _flatten(_plain(previous)), _flatten(_plain(current))
     dirs = [str(c.pop(WORKING_DIR_KEY, os.getcwd())) for c in (before, after)]
+    # Only the previous config's leaves: a leaf it lacks is a field newer than its record (a
+    # section that became a mapping shows as its own leaf changing, e.g. None -> <unset>).
     return [
-        f"{key}: {before.get(key, _UNSET)!r} -> {after.get(key, _UNSET)!r}"
-        for key in sorted(set(before) | set(after))
-        if not _same(before.get(key, _UNSET), after.get(key, _UNSET), *dirs)
+        f"{key}: {before[key]!r} -> {after.get(key, _UNSET)!r}"
+        for key in sorted(before)
+        if not _same(before[key], after.get(key, _UNSET), *dirs)
         and not any(key == p or key.startswith(p + ".") for p in may_change)
     ]
 
