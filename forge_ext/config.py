@@ -219,7 +219,7 @@ def record_run_config(
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"output_dir={str(output_dir)!r} is a file; it must be a folder")
     if check and path.exists():
-        changed = config_changes(_load_record(path), mapping, may_change=may_change)
+        changed = config_changes(load_run_record(path), mapping, may_change=may_change)
         if changed:
             allowed = ", ".join(may_change) or "nothing"
             raise ValueError(
@@ -236,8 +236,8 @@ def record_run_config(
     return path
 
 
-def _load_record(path: Path) -> Any:
-    """A run record written by :func:`record_run_config`.
+def load_run_record(path: str | Path) -> dict[str, Any]:
+    """A run record written by :func:`record_run_config`, as plain containers.
 
     Raises:
         ValueError: the file is not a YAML mapping (corrupt, empty, hand-edited).

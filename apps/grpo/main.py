@@ -40,7 +40,8 @@ from apps.grpo.episode import Episode, pack_episodes
 from apps.grpo.task import AdditionProblem, AdditionTask
 from apps.grpo.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
-    RUN_CONFIG_FILE, apply_env, config_changes, parse_cli, record_run_config, scoped_env,
+    RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
+    scoped_env,
 )
 from forge_ext.generation import Completion
 from forge_ext.losses.grpo import compute_group_advantages
@@ -400,28 +401,22 @@ def latest_checkpoint_step(config: GRPOConfig) -> int:
 
 
 def _file_fingerprints(hf_path: str) -> dict[str, str]:
-    """``{file: "<bytes> bytes, modified <time>"}`` of a checkpoint's config and weights."""
+    """``{file: "<size> bytes, mtime_ns <ns>"}`` of a checkpoint's config and weights."""
     folder = Path(hf_path)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    stats = {f.name: f.stat() for f in [folder / "config.json", *folder.glob("*.safetensors")]
+             if f.is_file()}
     return {
-        f.name: f"{f.stat().st_size} bytes, modified "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(f.stat().st_mtime))}"
-        f".{f.stat().st_mtime_ns % 10**9:09d}"
-        for f in files if f.is_file()
+        name: f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}" for name, st in sorted(stats.items())
     }
 
 
 def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
     """A warm-start written by apps.sft records its config; GRPO on another task (more
     digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
-    from omegaconf import OmegaConf
-
-    record = os.path.join(config.model.hf_path, RUN_CONFIG_FILE)
-    if not os.path.isfile(record):
-        return
+    record = Path(config.model.hf_path) / RUN_CONFIG_FILE
     try:
-        warm_task = OmegaConf.load(record).get("task")
-    except Exception:  # noqa: BLE001 - a best-effort warning; the record is not ours
+        warm_task = load_run_record(record).get("task") if record.is_file() else None
+    except ValueError:  # an unreadable record: this warning is best effort
         return
     if warm_task is None:
         return
