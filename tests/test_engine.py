@@ -119,16 +119,17 @@ def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights)
     assert metrics["loss/kl"] == pytest.approx(expected["kl"], rel=1e-5)
 
 
-def test_eval_batch_does_not_depend_on_microbatches(reference_weights):
+def test_eval_batch_is_the_token_mean_cross_entropy_at_any_split(reference_weights):
     batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
-    losses = [
-        build(reference_weights, gradient_accumulation_steps=k).eval_batch(
-            batch, cross_entropy_loss, valid_tokens
-        )
-        for k in (1, 2, 4, 8)
-    ]
-    for loss in losses[1:]:
-        assert loss == pytest.approx(losses[0], rel=1e-5)
+    # Reference: one cross entropy over every valid token of the batch, from the logits.
+    logits = build(reference_weights).forward_batch(batch)
+    reference = float(torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    ))
+    for k in (1, 2, 4, 8):
+        engine = build(reference_weights, gradient_accumulation_steps=k)
+        loss = engine.eval_batch(batch, cross_entropy_loss, valid_tokens)
+        assert loss == pytest.approx(reference, rel=1e-5), k
 
 
 def test_forward_batch_does_not_depend_on_microbatches(reference_weights):
@@ -144,23 +145,32 @@ def test_forward_batch_does_not_depend_on_microbatches(reference_weights):
 
 
 def test_checkpoint_round_trip(reference_weights, tmp_path):
+    """A fresh engine loaded from step 2 takes step 3 exactly as the uninterrupted run did:
+    same loss and grad norm (weights), same LR (scheduler state) and the same updated weights
+    (Adam's moments, which only show in the update)."""
     ckpt = {"enable": True, "folder": "ckpt"}
     batches = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in range(4)]
-    cfg = config(microbatch_size=4)
+    # Few training steps: the linear LR decay moves the LR by 1/6 per step.
+    cfg = config(microbatch_size=4, steps=6)
     cfg.update(checkpoint=ckpt, dump_folder=str(tmp_path))
     first = TitanEngine(cfg)
     first.load_model_state_dict(reference_weights)
     for b in batches[:2]:
         first.train_batch(b, cross_entropy_loss, valid_tokens)
     first.save_checkpoint(first.step)
-    expected = first.train_batch(batches[2], cross_entropy_loss, valid_tokens)
+    expected = [first.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
+    expected_weights = weights(first)
 
     fresh = TitanEngine(cfg)
     assert fresh.load_checkpoint() == 2
-    got = fresh.train_batch(batches[2], cross_entropy_loss, valid_tokens)
-    assert got["loss"] == expected["loss"]
-    assert got["lr"] == expected["lr"]
-    assert got["grad_norm"] == expected["grad_norm"]
+    got = [fresh.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
+    for g, e in zip(got, expected):
+        for key in ("loss", "grad_norm", "lr"):
+            assert g[key] == e[key], key
+    assert len({cfg["optimizer"]["lr"], expected[0]["lr"], expected[1]["lr"]}) == 3  # LR moves
+    got_weights = weights(fresh)
+    for k in expected_weights:
+        assert torch.equal(got_weights[k], expected_weights[k]), k
 
 
 def test_only_the_newest_keep_latest_k_checkpoints_remain(reference_weights, tmp_path):
@@ -223,25 +233,43 @@ def test_bad_batch_is_rejected_and_engine_stays_usable(reference_weights):
     assert torch.isfinite(torch.tensor(metrics["loss"])) and engine.step == 1
 
 
-def test_hf_checkpoint_saved_by_transformers_loads_with_equal_logits(tmp_path):
-    """A directory written by ``save_pretrained`` (rope_theta under rope_parameters in
-    transformers 5) loads through ``model.flavor: hf`` and reproduces transformers' logits."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# Every config.json field the loader reads, none at the value a default would give: the
+# tiny flavor's defaults (rope_theta 10000, rms_norm_eps 1e-6, head_dim = hidden / heads,
+# 2 KV heads) would otherwise hide a field that is read wrong or not at all.
+HF_ARCH = dict(
+    vocab_size=192, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=20, max_position_embeddings=128,
+    rms_norm_eps=0.3, tie_word_embeddings=False,
+)
 
-    from forge_ext.engine.models import SMALL_FLAVORS
+
+@pytest.mark.parametrize("rope_theta_at", ["rope_parameters", "top_level"])
+def test_hf_checkpoint_saved_by_transformers_loads_with_equal_logits(tmp_path, rope_theta_at):
+    """A directory written by ``save_pretrained`` loads through ``model.flavor: hf`` and
+    reproduces transformers' logits. transformers 5 writes ``rope_theta`` under
+    ``rope_parameters``; older checkpoints have it at the top level of config.json."""
+    import json
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     init_single_process_env()
     torch.manual_seed(0)
-    hf_model = Qwen3ForCausalLM(
-        Qwen3Config(**SMALL_FLAVORS["qwen3"]["tiny"], attn_implementation="sdpa")
-    ).float().eval()
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.normal_(0, 0.2)
+    hf_model = Qwen3ForCausalLM(Qwen3Config(
+        **HF_ARCH, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+        attn_implementation="sdpa",
+    )).float().eval()
+    with torch.no_grad():  # norm weights near 1: attention far from uniform, RoPE matters
+        for name, p in hf_model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
     hf_model.save_pretrained(tmp_path)
+    if rope_theta_at == "top_level":
+        path = tmp_path / "config.json"
+        hf_config = json.loads(path.read_text())
+        hf_config["rope_theta"] = hf_config.pop("rope_parameters")["rope_theta"]
+        path.write_text(json.dumps(hf_config))
     engine = TitanEngine({"model": {"flavor": "hf", "hf_path": str(tmp_path)},
                           "training": {"local_batch_size": 2, "seq_len": 64}})
-    batch = make_lm_batch(2, 16, 256, seed=9)
+    batch = make_lm_batch(2, 48, HF_ARCH["vocab_size"], seed=9)
     with torch.no_grad():
         expected = hf_model(batch["input_ids"]).logits
     torch.testing.assert_close(engine.forward_batch(batch), expected, rtol=1e-4, atol=1e-4)
