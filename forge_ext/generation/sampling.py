@@ -1,7 +1,7 @@
-"""Sampling backends for the ``Generator`` actor: ``transformers`` on any device (default),
-vLLM on GPUs when it imports.
+"""The ``transformers`` sampling backend of the ``Generator`` actor, and what every backend
+shares: :class:`SamplingConfig`, :class:`Completion` and how a response ends.
 
-Both return, for each sampled token, its log-probability under the *policy*, i.e.
+Every backend returns, for each sampled token, its log-probability under the *policy*, i.e.
 ``log_softmax`` of the model's raw logits, before temperature and top-p. That is the
 ``pi_old`` of GRPO's importance ratio ``pi_theta / pi_old`` (the trainer computes
 ``pi_theta`` from raw logits too), so with ``temperature=1, top_p=1`` sampling and scoring use
@@ -12,11 +12,17 @@ policies; keep ``temperature: 1.0`` for on-policy GRPO.
 A batch of prompts of different lengths is left-padded with an attention mask;
 ``transformers`` derives position ids from the mask (``GenerationMixin
 ._prepare_position_ids_for_generation``), so each row is computed as if unpadded.
+
+A response ends at the first of the checkpoint's *stop ids*: every id its
+``generation_config.json`` lists as ``eos_token_id`` (Qwen3 declares two) plus the
+tokenizer's ``eos_token`` (see :func:`stop_token_ids`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +39,7 @@ class SamplingConfig:
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1.0 disables it."""
     max_new_tokens: int = 16
-    """Longest response in tokens; a response that hits it unfinished gets no ``<eos>``."""
+    """Longest response in tokens; a response that hits it unfinished ends with no stop id."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -55,11 +61,11 @@ class Completion:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    """Sampled ids up to and including the first ``<eos>`` (none after it)."""
+    """Sampled ids up to and including the first stop id (none after it)."""
     logprobs: list[float]
     """``[len(response_ids)]`` log-probs (nats) under the policy's raw logits."""
     finished: bool
-    """True if the response ends with ``<eos>`` (False: cut at ``max_new_tokens``)."""
+    """True if the response ends with a stop id (False: cut at ``max_new_tokens``)."""
     policy_version: int
     """Version of the weights that sampled it."""
 
@@ -73,19 +79,61 @@ def _fork_rng(seed: int | None):
     return stack
 
 
+def as_stop_ids(stop_token_ids: int | Sequence[int]) -> tuple[int, ...]:
+    """``stop_token_ids`` as a non-empty tuple of distinct ints, in order.
+
+    Raises:
+        ValueError: when empty or not ints.
+    """
+    ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be one or more token ids")
+    return tuple(dict.fromkeys(ids))
+
+
+def stop_token_ids(hf_path: str | os.PathLike, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """Every id that ends a response of the checkpoint in ``hf_path``: the
+    ``eos_token_id`` of its ``generation_config.json`` (an int or a list; Qwen3 lists
+    ``<|im_end|>`` and ``<|endoftext|>``), else of its ``config.json``, then the tokenizer's
+    ``eos_token_id``.
+
+    Raises:
+        ValueError: the checkpoint declares no end id and the tokenizer has none.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(hf_path, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            declared = json.load(f).get("eos_token_id")
+        if declared is not None:
+            ids.extend([declared] if isinstance(declared, int) else declared)
+            break
+    if tokenizer_eos_id is not None:
+        ids.append(tokenizer_eos_id)
+    if not ids:
+        raise ValueError(
+            f"{os.fspath(hf_path)!r} declares no eos_token_id (generation_config.json, "
+            "config.json) and its tokenizer has no eos_token: a response could never end"
+        )
+    return as_stop_ids(ids)
+
+
 class HFSampler:
     """``transformers`` ``AutoModelForCausalLM`` sampling with KV cache (``generate``).
 
     Args:
         hf_path: an HF checkpoint directory (``config.json`` + safetensors).
-        eos_token_id: the id that ends a response; pad_token_id: the id used to pad.
+        stop_token_ids: every id that ends a response (:func:`stop_token_ids`); an int is
+            one id. pad_token_id: the id used to pad.
         dtype: torch dtype name of the model (``float32`` on CPU).
         device: ``cpu`` or e.g. ``cuda``.
     """
 
     def __init__(
-        self, hf_path: str, *, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
-        device: str = "cpu",
+        self, hf_path: str, *, stop_token_ids: int | Sequence[int], pad_token_id: int,
+        dtype: str = "float32", device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -98,10 +146,10 @@ class HFSampler:
         from transformers import GenerationConfig
 
         self.model.generation_config = GenerationConfig(
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id
+            eos_token_id=list(as_stop_ids(stop_token_ids)), pad_token_id=pad_token_id
         )
         self.device = torch.device(device)
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
@@ -145,7 +193,7 @@ class HFSampler:
             top_p=None if greedy else sampling.top_p,
             top_k=None,
             max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=list(self.stop_token_ids),
             pad_token_id=self.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,
@@ -161,8 +209,8 @@ class HFSampler:
         logits = torch.stack(out.logits, dim=1).float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, sampled[..., None])[..., 0]
         return [
-            _completion(rows[i], sampled[i].tolist(), logprobs[i].tolist(), self.eos_token_id,
-                        policy_version)
+            make_completion(rows[i], sampled[i].tolist(), logprobs[i].tolist(),
+                            self.stop_token_ids, policy_version)
             for i in range(len(rows))
         ]
 
@@ -184,109 +232,18 @@ class HFSampler:
                 params[name].copy_(value)
 
 
-def _completion(prompt, ids, logprobs, eos_token_id, policy_version) -> Completion:
-    finished = eos_token_id in ids
-    length = ids.index(eos_token_id) + 1 if finished else len(ids)
+def make_completion(
+    prompt: Sequence[int], ids: Sequence[int], logprobs: Sequence[float],
+    stop_ids: tuple[int, ...], policy_version: int,
+) -> Completion:
+    """A :class:`Completion` of ``ids`` cut after the first stop id (padding a backend
+    sampled after it is dropped); ``finished`` when there is one."""
+    ids, logprobs = list(ids), list(logprobs)
+    end = next((i for i, token in enumerate(ids) if token in stop_ids), None)
+    finished = end is not None
+    length = end + 1 if finished else len(ids)
+    prompt = list(prompt)
     return Completion(
         prompt_ids=prompt, response_ids=ids[:length], logprobs=logprobs[:length],
         finished=finished, policy_version=policy_version,
     )
-
-
-class VLLMSampler:
-    """vLLM sampling (GPU). Weights arrive in HF layout and are converted on each vLLM worker
-    with :func:`forge_ext.weights.convert.hf_to_vllm` for that worker's tensor-parallel rank,
-    then copied into vLLM's fused parameters.
-
-    Args:
-        hf_path: HF checkpoint directory vLLM starts from.
-        eos_token_id: the id that ends a response.
-        engine_args: extra ``vllm.LLM`` arguments (``tensor_parallel_size``,
-            ``gpu_memory_utilization``, ``dtype``, ...).
-
-    Raises:
-        ImportError: vllm is not installed (install the GPU extra; see README).
-    """
-
-    def __init__(self, hf_path: str, *, eos_token_id: int, engine_args: Mapping[str, Any]) -> None:
-        import vllm  # noqa: F401  (GPU-only optional dependency)
-
-        self.hf_path = hf_path
-        self.eos_token_id = eos_token_id
-        # logprobs_mode="raw_logprobs": log-probs of the raw logits (see module docstring).
-        self.llm = vllm.LLM(
-            model=hf_path, logprobs_mode="raw_logprobs", **{"enforce_eager": True, **engine_args}
-        )
-
-    def generate(
-        self, prompts, n, sampling: SamplingConfig, *, greedy=False, seed=None, policy_version=0
-    ) -> list[Completion]:
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(
-            n=n,
-            temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            seed=seed,
-            stop_token_ids=[self.eos_token_id],
-        )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params)
-        completions = []
-        for prompt, output in zip(prompts, outputs):
-            for sample in output.outputs:
-                ids = list(sample.token_ids)
-                logprobs = [step[tok].logprob for step, tok in zip(sample.logprobs, ids)]
-                completions.append(
-                    _completion(list(prompt), ids, logprobs, self.eos_token_id, policy_version)
-                )
-        return completions
-
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Convert and load on every vLLM worker (``LLM.collective_rpc``)."""
-        config_path = self.hf_path
-        self.llm.collective_rpc(_load_vllm_worker_weights, args=(dict(state_dict), config_path))
-        self.llm.reset_prefix_cache()
-
-
-def _load_vllm_worker_weights(worker: Any, state_dict: dict, config_path: str) -> None:
-    """Runs inside each vLLM worker: convert for this worker's TP rank and copy in."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    model = worker.model_runner.model
-    copy_vllm_weights(
-        model, state_dict, config_path,
-        tp_size=get_tensor_model_parallel_world_size(),
-        tp_rank=get_tensor_model_parallel_rank(),
-    )
-
-
-@torch.no_grad()
-def copy_vllm_weights(
-    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], model_config: Any, *,
-    tp_size: int, tp_rank: int,
-) -> None:
-    """Convert HF-layout weights to the vLLM layout of ``tp_rank`` and copy them into
-    ``model``'s parameters of the same names.
-
-    Args:
-        model: a module whose ``named_parameters()`` use vLLM names and per-rank shapes.
-        state_dict: HF-layout tensors (full, unsharded).
-        model_config: anything :func:`forge_ext.weights.convert.hf_to_vllm` accepts.
-
-    Raises:
-        KeyError: a converted tensor has no parameter of that name; ValueError: shapes differ.
-    """
-    from forge_ext.weights.convert import iter_hf_to_vllm
-
-    params = dict(model.named_parameters())
-    for name, tensor in iter_hf_to_vllm(state_dict, model_config, tp_size=tp_size, tp_rank=tp_rank):
-        if name not in params:
-            raise KeyError(f"vLLM model has no parameter {name!r}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(
-                f"{name}: converted shape {tuple(tensor.shape)} != vLLM parameter shape "
-                f"{tuple(params[name].shape)}"
-            )
-        params[name].copy_(tensor.to(params[name].device, params[name].dtype))

@@ -70,6 +70,7 @@ except ImportError:  # a torch build without torch.distributed
 __all__ = [
     "VOCAB_PADDING_SIZE",
     "ModelConfig",
+    "check_tensor_parallel",
     "hf_to_vllm",
     "iter_hf_to_vllm",
     "iter_vllm_to_hf",
@@ -406,6 +407,19 @@ def _as_config(model_config: Any) -> ModelConfig:
     return (
         model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_hf(model_config)
     )
+
+
+def check_tensor_parallel(model_config: Any, tp_size: int) -> None:
+    """Check that vLLM can shard this model over ``tp_size`` ranks.
+
+    Args:
+        model_config: as for :func:`hf_to_vllm`.
+
+    Raises:
+        ValueError: naming each size ``tp_size`` does not divide (attention heads, KV heads,
+            intermediate_size, padded vocabulary).
+    """
+    _TensorParallelPlan.build(_as_config(model_config), tp_size)
 
 
 def _check_rank(tp_rank: int | None, tp_size: int) -> None:

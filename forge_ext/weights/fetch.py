@@ -25,7 +25,7 @@ import math
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,12 @@ DEFAULT_KEY_PREFIX = "policy_weights"
 ALIGN = 64
 # Concurrent torchstore gets per fetch: several messages in flight hide per-call latency.
 MAX_INFLIGHT_GETS = 8
+
+
+#: ``allocate`` of :func:`fetch_weights`: ``{name: (shape, dtype)}`` -> ``{name: tensor}``.
+Allocator = Callable[
+    [Mapping[str, tuple[tuple[int, ...], torch.dtype]]], Mapping[str, torch.Tensor]
+]
 
 
 class WeightsVersionNotFoundError(KeyError):
@@ -147,6 +153,7 @@ async def fetch_weights(
     *,
     key_prefix: str = DEFAULT_KEY_PREFIX,
     store_name: str = DEFAULT_TORCHSTORE_NAME,
+    allocate: Allocator | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fetch published policy weights (HF layout, as published) onto this process's CPU.
 
@@ -160,9 +167,14 @@ async def fetch_weights(
             DCP byte ranges (``dcp``) holding these tensors are read.
         key_prefix: ``WeightsConfig.key_prefix`` of the publisher.
         store_name: the torchstore instance.
+        allocate: where the result goes: called once with ``{name: (shape, dtype)}`` of every
+            tensor fetched, returns a contiguous CPU tensor per name (e.g. views of a
+            reused shared-memory buffer, :mod:`forge_ext.weights.shared_buffer`); default:
+            fresh tensors.
 
     Returns:
-        ``{name: tensor}``, contiguous CPU tensors that own their memory.
+        ``{name: tensor}``, contiguous CPU tensors: those ``allocate`` returned, or fresh ones
+        that own their memory.
 
     Raises:
         WeightsVersionNotFoundError: ``version`` has no commit record.
@@ -173,32 +185,55 @@ async def fetch_weights(
     missing = sorted(set(wanted) - set(record["names"]))
     if missing:
         raise KeyError(f"policy_version={version} has no tensors named {missing[:5]}")
+    specs = {name: _spec(record, name) for name in wanted}
+    result = dict((allocate or _allocate_fresh)(specs))
+    for name, (shape, dtype) in specs.items():
+        tensor = result.get(name)
+        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype or not (
+            tensor.is_contiguous() and tensor.device.type == "cpu"
+        ):
+            raise ValueError(
+                f"allocate returned no contiguous CPU tensor of shape {shape} and {dtype} for "
+                f"{name!r}"
+            )
     if record["transport"] == "direct":
-        return await _fetch_direct(record, wanted, key_prefix, store_name)
+        await _fetch_direct(record, result, key_prefix, store_name)
+        return result
     if record["transport"] == "dcp":
-        return await asyncio.to_thread(_load_dcp, record, wanted)
+        await asyncio.to_thread(_load_dcp, record, result)
+        return result
     raise ValueError(f"unknown transport {record['transport']!r} in commit record")
 
 
+def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    if record["transport"] == "dcp":
+        meta = record["metadata"].state_dict_metadata[name]
+        return tuple(meta.size), meta.properties.dtype
+    meta = record["tensors"][name]
+    return tuple(meta["shape"]), meta["dtype"]
+
+
+def _allocate_fresh(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
+    return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+
+
 async def _fetch_direct(
-    record: Mapping[str, Any], wanted: list[str], key_prefix: str, store_name: str
-) -> dict[str, torch.Tensor]:
-    """Allocate the result, then get the chunks (a few in flight) and copy each one's bytes
-    to where they belong as it arrives, so that received chunks are freed as we go (peak
-    memory: the result plus the chunks in flight)."""
+    record: Mapping[str, Any], result: Mapping[str, torch.Tensor], key_prefix: str,
+    store_name: str,
+) -> None:
+    """Get the chunks (a few in flight) and copy each one's bytes into ``result`` as it
+    arrives, so that received chunks are freed as we go (peak memory: the result plus the
+    chunks in flight)."""
     chunk_bytes: int = record["chunk_bytes"]
     tensors: Mapping[str, dict[str, Any]] = record["tensors"]
     version: int = record["version"]
 
-    result: dict[str, torch.Tensor] = {}
     # (rank, chunk index) -> [(destination uint8 tensor, offset in it, stream offset, bytes)]
     copies: dict[tuple[int, int], list[tuple[torch.Tensor, int, int, int]]] = defaultdict(list)
     # Pieces of tensors stored in several pieces (DTensor shards): placed once complete.
     staged: list[tuple[torch.Tensor, torch.Tensor, Piece]] = []
-    for name in wanted:
+    for name, full in result.items():
         meta = tensors[name]
-        full = torch.empty(tuple(meta["shape"]), dtype=meta["dtype"])
-        result[name] = full
         pieces = [Piece(*raw) for raw in meta["pieces"]]
         for piece in pieces:
             nbytes = math.prod(piece.local_shape) * full.element_size()
@@ -228,20 +263,10 @@ async def _fetch_direct(
     for full, destination, piece in staged:
         index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local_shape))
         full[index] = destination.view(full.dtype).view(piece.local_shape)
-    return result
 
 
-def _load_dcp(record: Mapping[str, Any], wanted: list[str]) -> dict[str, torch.Tensor]:
-    metadata = record["metadata"]
-    state_dict = {
-        name: torch.empty(
-            tuple(metadata.state_dict_metadata[name].size),
-            dtype=metadata.state_dict_metadata[name].properties.dtype,
-        )
-        for name in wanted
-    }
+def _load_dcp(record: Mapping[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
     # no_dist: this reader loads alone even if its process is part of a process group.
     with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state_dict, checkpoint_id=record["checkpoint_id"], no_dist=True)
-    return state_dict

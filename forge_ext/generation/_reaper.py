@@ -1,0 +1,65 @@
+"""Watchdog that kills a process's helper processes once that process is gone.
+
+Why: ``vllm.LLM`` starts an engine-core process and worker processes that outlive the process
+that started them when it is killed (``SIGKILL``, e.g. an out-of-memory kill, or Monarch
+stopping the generator's proc): each vLLM worker holds a copy of the model, so orphans pile
+up. The owner starts this script with a pipe on its standard input
+(:func:`forge_ext.generation.vllm_sampler.start_reaper`); the pipe reaches end-of-file when
+the owner exits for any reason, and the script then kills the listed processes and removes
+the listed files.
+
+Run as a file (``python _reaper.py``), not as a module: it imports nothing of forge_ext (or
+torch), so it starts in milliseconds.
+
+Usage: ``python _reaper.py [--unlink GLOB ...] PID:CREATE_TIME ...`` (``CREATE_TIME`` as
+``psutil.Process.create_time()``, so that a reused pid is never killed).
+"""
+
+import glob
+import os
+import sys
+
+import psutil
+
+GRACE_SECONDS = 5.0
+
+
+def main(argv: list[str]) -> None:
+    unlink, targets = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--unlink":
+            unlink.append(next(args))
+        else:
+            pid, created = arg.split(":")
+            targets.append((int(pid), float(created)))
+    sys.stdin.buffer.read()  # returns at end-of-file: the owner has exited or let go
+    processes = []
+    for pid, created in targets:
+        try:
+            process = psutil.Process(pid)
+            if abs(process.create_time() - created) < 1e-3:
+                processes.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=GRACE_SECONDS)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for pattern in unlink:
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

