@@ -126,9 +126,8 @@ class RLTrainer(Actor):
             ``{"grad_norm", "lr" (used by this step), "policy_version"}``.
         """
         lr = self.engine.current_lr()
-        grad_norm = self.engine.optimizer_step()
+        grad_norm = self.engine.optimizer_step()  # zeroes the gradients it applied
         self.engine.lr_scheduler_step()
-        self.engine.optimizer_zero_grad()
         return {"grad_norm": grad_norm, "lr": lr, "policy_version": self.engine.step}
 
     @endpoint

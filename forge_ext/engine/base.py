@@ -109,7 +109,9 @@ class BaseEngine(ABC):
 
     @abstractmethod
     def optimizer_step(self) -> float:
-        """Clip gradients to ``training.max_norm`` and step; return the pre-clip grad norm."""
+        """Clip gradients to ``training.max_norm``, step, then zero the gradients the step
+        consumed (the next ``forward_backward_batch`` accumulates from zero); return the
+        pre-clip grad norm."""
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:

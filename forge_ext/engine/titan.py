@@ -362,6 +362,9 @@ class TitanEngine(BaseEngine):
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm} at step {self.step + 1}")
         self.optimizers.step()
+        # The step consumed these gradients: whatever verb comes next (forward_backward,
+        # train_batch), its accumulation must start from zero, never re-apply this batch.
+        self.optimizer_zero_grad()
         self.step += 1
         return grad_norm
 

@@ -112,8 +112,9 @@ def compute_group_advantages(
 
     DeepSeekMath (arXiv:2402.03300) section 4.1.2, outcome supervision. ``std`` is the
     population standard deviation (divide by ``group_size``), as torchtitan's
-    ``AdvantageEstimator`` uses (``statistics.pstdev``): a group whose rewards are all equal
-    gets advantage 0 for every member, and ``group_size == 1`` is allowed (all zeros).
+    ``AdvantageEstimator`` uses (``statistics.pstdev``), computed in float64. A group whose
+    rewards are all equal gets exactly 0 for every member, whatever their magnitude and dtype,
+    and ``group_size == 1`` is allowed (all zeros).
 
     Args:
         rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
@@ -135,11 +136,18 @@ def compute_group_advantages(
             f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
             f"multiple of group_size={group_size}"
         )
-    grouped = rewards.float() if not rewards.is_floating_point() else rewards
-    grouped = grouped.view(-1, group_size)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    # float64 keeps the mean's rounding residue far below any real spread; a group with no
+    # spread at all is set to 0 exactly, because even in float64 mean(r, ..., r) can differ
+    # from r by one ulp, and dividing that residue by (0 + eps) gives a large advantage
+    # (eight fp32 copies of 0.35 gave +0.029 each).
+    grouped = rewards.to(torch.float64).view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, unbiased=False, keepdim=True)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    advantages = (grouped - mean) / (std + eps)
+    no_spread = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    advantages = advantages.masked_fill(no_spread, 0.0)
+    return advantages.view(-1).to(out_dtype)
 
 
 def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:

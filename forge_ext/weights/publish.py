@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torchstore as ts
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -86,6 +87,10 @@ DCP_MARKER = ".forge_ext_weights.json"
 MAX_INFLIGHT_PUTS = 4
 
 ProgressHook = Callable[[int, int], None]
+# What a failing transport raises. DCP reports any failure inside dcp.save (on any rank) as
+# CheckpointException, which derives from BaseException, not Exception: an ``except
+# Exception`` around the write would let it escape the exchange and the cleanup.
+TRANSPORT_ERRORS = (Exception, CheckpointException)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -288,8 +293,10 @@ class WeightsPublisher:
             PublishResult for this rank.
 
         Raises:
-            WeightsPublishError: on every rank, if any rank failed; ``policy_version`` is then
-                absent and earlier versions are untouched.
+            WeightsPublishError: on every rank, if any rank failed, whatever the transport
+                raised (including DCP's ``CheckpointException``, a ``BaseException``);
+                ``policy_version`` is then absent (its chunks or DCP folder removed), earlier
+                versions are untouched, and the same version may be published again.
         """
         start = time.perf_counter()
         group, version = self._group, policy_version
@@ -311,7 +318,7 @@ class WeightsPublisher:
             error = e
         try:
             _raise_if_any_failed(group.all_gather(_status(error)), what, error)
-        except Exception:
+        except BaseException:
             if created_dir:
                 shutil.rmtree(dcp_dir, ignore_errors=True)
             raise
@@ -328,8 +335,14 @@ class WeightsPublisher:
             else:
                 written, manifest = self._write_dcp(state_dict, dcp_dir, exclude, on_progress)
             error = None
-        except Exception as e:  # noqa: BLE001
+        except TRANSPORT_ERRORS as e:  # noqa: BLE001 - every rank must reach the exchange
             error = e
+        except BaseException:
+            # Interrupted (Ctrl-C, task cancelled): no exchange, but leave nothing behind.
+            await self._delete_keys(stored)
+            if created_dir:
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+            raise
         statuses = group.all_gather(_status(error, **manifest))
 
         # Phase 2: rank 0 writes the commit record; all learn whether that worked.
@@ -342,7 +355,7 @@ class WeightsPublisher:
                 record = _dcp_record(statuses[0], version, dcp_dir)
             committing = True
             await self._commit(record, version)
-        except Exception:
+        except BaseException:
             if committing and group.rank == 0:  # a failed put may still have stored it
                 stored.append(commit_key(self.config.key_prefix, version))
             await self._delete_keys(stored)
