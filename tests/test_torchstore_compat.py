@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
-from monarch.actor import Actor, endpoint, this_host
+from monarch.actor import Actor, endpoint, get_or_spawn_controller, this_host
 from torchstore.client import LocalClient
 from torchstore.controller import Controller, ObjectType
 from torchstore.transport import Request
@@ -45,6 +45,27 @@ class StoreReader(Actor):
     @endpoint
     async def get(self, key: str) -> object:
         return await ts.get(key)
+
+
+class RecordingController(Controller):
+    """torchstore's Controller that also records every index update it receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.received: list[tuple[str, Request]] = []
+
+    @endpoint
+    async def notify_put(self, key: str, request: Request, storage_volume_id: str) -> None:
+        self.received.append((key, request))
+        await Controller.notify_put._method(self, key, request, storage_volume_id)
+
+    @endpoint
+    async def received_updates(self) -> list[dict]:
+        return [
+            {"key": key, "objects": request.objects, "tensor_val": request.tensor_val,
+             "is_object": request.is_object}
+            for key, request in self.received
+        ]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -104,6 +125,27 @@ async def test_the_controller_index_update_carries_no_payload():
     update = torchstore_monarch.index_update(Request.from_any(payload))
     assert update.objects is None and update.tensor_val is None
     assert ObjectType.from_request(update) is ObjectType.OBJECT  # all the controller reads
+
+
+async def test_the_controller_receives_puts_without_their_payload(store):
+    """What reaches the controller's ``notify_put`` over Monarch RPC for an object put and a
+    tensor put: the key and the kind, never the value."""
+    name = "compat_recording"
+    # A controller registered under this store name first is the one torchstore uses.
+    controller = await get_or_spawn_controller(name, RecordingController)
+    await torchstore_monarch.initialize_store(store_name=name)
+    try:
+        payload = bytes(range(256)) * 64
+        await ts.put("compat/recorded.payload", payload, store_name=name)
+        await ts.put("compat/recorded.tensor", torch.arange(10.0), store_name=name)
+        assert await ts.get("compat/recorded.payload", store_name=name) == payload
+        updates = await controller.received_updates.call_one()
+    finally:
+        await ts.shutdown(name)
+    assert [u["key"] for u in updates] == ["compat/recorded.payload", "compat/recorded.tensor"]
+    assert [u["is_object"] for u in updates] == [True, False]
+    for update in updates:
+        assert update["objects"] is None and update["tensor_val"] is None, update["key"]
 
 
 async def test_objects_round_trip_through_the_patched_put(store):
