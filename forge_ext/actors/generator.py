@@ -166,8 +166,9 @@ class Generator(Actor):
         """Load the model from ``hf_path``.
 
         Returns:
-            ``{"policy_version": 0, "pids": [...]}``: the pids of the helper processes the
-            backend started (vLLM's), for the controller to check that none outlives it.
+            ``{"policy_version": 0, "pid", "pids"}``: this process's pid and ``(pid, create
+            time)`` of the helper processes the backend started (vLLM's), for the controller
+            to check that none outlives it.
         """
         c = self.config
         if c.backend == "vllm":
@@ -181,7 +182,7 @@ class Generator(Actor):
                 c.hf_path, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
                 dtype=c.dtype, device=c.device,
             )
-        return {"policy_version": self.policy_version, "pids": _child_pids()}
+        return {"policy_version": self.policy_version, "pid": os.getpid(), "pids": _child_pids()}
 
     @endpoint
     async def generate(
@@ -240,21 +241,38 @@ def _child_pids() -> list[tuple[int, float]]:
     return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
 
 
-def kill_leftovers(pids: list[tuple[int, float]]) -> list[int]:
-    """Kill the processes among ``pids`` (``(pid, create time)``, as ``setup`` returns them)
-    that are still alive, and return their pids."""
+def alive_processes(pids: list[tuple[int, float]]):
+    """The ``psutil.Process`` of each ``(pid, create time)`` that still runs (a zombie, dead
+    but not yet reaped by its parent, does not count)."""
     import psutil
 
     alive = []
     for pid, created in pids:
         try:
             process = psutil.Process(pid)
-            if abs(process.create_time() - created) < 1e-3:
-                process.kill()
-                alive.append(pid)
+            if abs(process.create_time() - created) < 1e-3 and (
+                process.status() != psutil.STATUS_ZOMBIE
+            ):
+                alive.append(process)
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def kill_leftovers(pids: list[tuple[int, float]], timeout: float = 5.0) -> list[int]:
+    """Kill the processes among ``pids`` (``(pid, create time)``, as ``setup`` returns them)
+    that are still alive, wait up to ``timeout`` seconds for them to go, and return their
+    pids."""
+    import psutil
+
+    alive = alive_processes(pids)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [p.pid for p in alive]
 
 
 @dataclass
@@ -264,6 +282,8 @@ class GeneratorHandle:
     actor: Generator
     procs: ProcMesh
     config: GeneratorConfig
+    owner_pid: int = 0
+    """The generator proc's pid."""
     pids: list[tuple[int, float]] = field(default_factory=list)
     """The backend's helper processes (same host), killed by :meth:`stop` if still alive."""
 
@@ -313,4 +333,6 @@ async def spawn_generator(
     except BaseException:
         await procs.stop()
         raise
-    return GeneratorHandle(actor=actor, procs=procs, config=config, pids=info["pids"])
+    return GeneratorHandle(
+        actor=actor, procs=procs, config=config, owner_pid=info["pid"], pids=info["pids"]
+    )

@@ -22,6 +22,7 @@ process, which must not ``fork``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -69,21 +70,54 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = 
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
-def start_reaper(unlink: Sequence[str] = ()) -> subprocess.Popen:
-    """Start :mod:`forge_ext.generation._reaper` for every current child process of this one:
-    it kills them, and removes the files matching the ``unlink`` globs, when this process
-    exits (however it exits) or closes the returned process's standard input."""
+def start_reaper(pids: Sequence[int], unlink: Sequence[str] = ()) -> subprocess.Popen:
+    """Start :mod:`forge_ext.generation._reaper` for ``pids`` (and their children): it kills
+    them, and removes the files matching the ``unlink`` globs, when this process exits
+    (however it exits) or closes the returned process's standard input."""
     import psutil
 
-    children = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    targets = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            for p in [process, *process.children(recursive=True)]:
+                targets.append(f"{p.pid}:{p.create_time()}")
+        except psutil.NoSuchProcess:
+            pass
     script = os.path.join(os.path.dirname(__file__), "_reaper.py")
     args = [a for pattern in unlink for a in ("--unlink", pattern)]
     # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
     # before it has done its work.
     return subprocess.Popen(
-        [sys.executable, script, *args, *children], stdin=subprocess.PIPE,
+        [sys.executable, script, *args, *targets], stdin=subprocess.PIPE,
         start_new_session=True,
     )
+
+
+def _new_children(before: set[int]) -> list[int]:
+    """Child processes started since ``before`` (pids), less multiprocessing's resource
+    tracker, which is shared by everything in this process."""
+    import psutil
+
+    new = []
+    for p in psutil.Process().children():
+        try:
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                new.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return new
+
+
+_samplers = itertools.count()  # tells the shared buffers of samplers in one process apart
+_DEFAULTS_SET: dict[str, str] = {}  # environment variables this module set, and their values
+
+
+def _set_default_env(name: str, value: str) -> None:
+    """Set ``name`` unless the user set it (a value this module set earlier, for another
+    sampler in the same process, is replaced)."""
+    if name not in os.environ or os.environ[name] == _DEFAULTS_SET.get(name):
+        os.environ[name] = _DEFAULTS_SET[name] = value
 
 
 def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, Any]:
@@ -123,22 +157,28 @@ class VLLMSampler:
         args = engine_args_for(engine_args, dtype=dtype)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if not torch.cuda.is_available():
-            os.environ.setdefault(
+            _set_default_env(
                 "VLLM_CPU_OMP_THREADS_BIND",
                 cpu_thread_binding(int(args.get("tensor_parallel_size", 1))),
             )
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            _set_default_env("VLLM_CPU_KVCACHE_SPACE", "1")
         import vllm
 
         self.hf_path = hf_path
         self.stop_token_ids = as_stop_ids(stop_token_ids)
-        self.buffer = SharedTensorBuffer("vllm_weights")
+        self.buffer = SharedTensorBuffer(f"vllm_weights.{next(_samplers)}")
+        import psutil
+
+        before = {p.pid for p in psutil.Process().children()}
         # skip_tokenizer_init: prompts arrive as token ids and responses leave as token ids.
         self.llm = vllm.LLM(
             model=hf_path, worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
         )
-        self.reaper = start_reaper(unlink=[os.path.join(SHM_DIR, f"{PREFIX}-*-{os.getpid()}-*")])
+        self.reaper = start_reaper(
+            _new_children(before),
+            unlink=[os.path.join(SHM_DIR, f"{PREFIX}-{self.buffer.tag}-{os.getpid()}-*")],
+        )
 
     def generate(
         self,

