@@ -10,20 +10,30 @@ or ``hf`` with ``model.hf_path`` pointing at a Hugging Face checkpoint directory
 The small flavors are written as HF ``config.json`` fields so that one converter
 (:func:`decoder_config_from_hf`) serves both, and the HF checkpoint written for a small flavor
 loads into ``transformers`` unchanged.
+
+RoPE from ``config.json`` (``rope_parameters``, or the older ``rope_scaling``): the
+frequencies and the cos/sin scale come from ``transformers``' own functions
+(``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``) and are applied in HF's rotate-half
+layout (:class:`HFRoPE`), so the engine's logits equal ``transformers``' for ``default``,
+``linear``, ``yarn`` and ``llama3``. ``dynamic`` (and other types) are refused before any
+process is spawned (see :func:`rope_from_hf`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 # Small flavors, as HF config.json fields (Qwen3Config / LlamaConfig names).
@@ -57,6 +67,149 @@ _TITAN_REGISTRIES = {
 }
 
 ATTN_BACKENDS = ("sdpa", "flex", "varlen")
+
+# config.json ``model_type`` of the checkpoints each model.name reads. torchtitan 0.3.0 has no
+# Qwen2 model (q/k/v biases, no q/k norm), so Qwen2/Qwen2.5 checkpoints are refused.
+HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
+
+# RoPE types whose frequencies do not depend on the sequence length, so one table computed
+# by transformers' ROPE_INIT_FUNCTIONS serves every position (see HFRoPE).
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+class HFRoPE(CosSinRoPE):
+    """Rotate-half RoPE with inverse frequencies and a cos/sin scale computed by transformers.
+
+    The cache is ``cat(cos(t * f) * a, sin(t * f) * a)`` for positions ``t < max_seq_len``,
+    ``f = inv_freq`` (``[head_dim / 2]``) and ``a = attention_factor``: exactly what
+    ``transformers``' ``*RotaryEmbedding.forward`` computes (e.g.
+    ``transformers/models/qwen3/modeling_qwen3.py``, ``Qwen3RotaryEmbedding``; yarn's
+    ``attention_factor`` scales both cos and sin, so q.k scales by its square), laid out as
+    torchtitan's :class:`CosSinRoPE` cache (``[max_seq_len, 2 * head_dim]``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        rope_type: str = "default"
+        """The checkpoint's ``rope_parameters.rope_type`` (for messages and signatures)."""
+        inv_freq: tuple[float, ...] = ()
+        """``[head_dim / 2]`` inverse frequencies (radians per position), fp32 values."""
+        attention_factor: float = 1.0
+        """Scale applied to cos and sin (yarn's mscale; 1 for the other types)."""
+
+    def _precompute_cache(self) -> torch.Tensor:
+        cfg = self.config
+        inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+        if inv_freq.numel() * 2 != cfg.dim:
+            raise ValueError(
+                f"HFRoPE has {inv_freq.numel()} frequencies for head_dim {cfg.dim}"
+            )
+        positions = torch.arange(cfg.max_seq_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return torch.cat(
+            [emb.cos() * cfg.attention_factor, emb.sin() * cfg.attention_factor], dim=-1
+        )
+
+
+def rope_from_hf(name: str, hf: dict[str, Any]) -> CosSinRoPE.Config:
+    """The RoPE config of a checkpoint's ``config.json`` (HF rotate-half layout).
+
+    ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older configs) are normalised by
+    the checkpoint's own ``transformers`` config class, and the frequencies come from
+    ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``, so they are the ones
+    ``transformers`` (and vLLM) use. ``default`` gives torchtitan's :class:`CosSinRoPE`
+    (the same table); ``linear``, ``yarn`` and ``llama3`` give :class:`HFRoPE`.
+
+    Args:
+        name: ``model.name`` (``qwen3`` or ``llama3``).
+        hf: ``config.json`` mapping.
+
+    Raises:
+        ValueError: naming the ``config.json`` field, for RoPE the engine cannot reproduce:
+            ``dynamic`` (frequencies recomputed from each batch's length in transformers, a
+            fixed scaled table in vLLM: trainer and generator would disagree), ``longrope``
+            and other types, ``partial_rotary_factor`` < 1, per-layer-type RoPE.
+    """
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    config = AutoConfig.for_model(HF_MODEL_TYPES[name], **fields)
+    params = dict(config.rope_parameters or {})
+    field = "rope_parameters" if "rope_parameters" in hf else (
+        "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    )
+    rope_type = params.get("rope_type")
+    if not isinstance(rope_type, str):
+        raise ValueError(
+            f"model.hf_path config.json {field}={params!r} sets RoPE per layer type, which the "
+            "engine does not support; use a checkpoint with one rope_parameters dict"
+        )
+    if rope_type not in STATIC_ROPE_TYPES:
+        why = (
+            "transformers recomputes its frequencies from each batch's sequence length while "
+            "vLLM uses one table scaled for the longest, so trainer and generator would disagree"
+            if rope_type == "dynamic" else "the engine has no implementation of it"
+        )
+        raise ValueError(
+            f"model.hf_path config.json {field}.rope_type={rope_type!r} is not supported "
+            f"({why}); supported: {list(STATIC_ROPE_TYPES)}. Use a checkpoint without it, or "
+            f"set {field} to one of those in config.json if the model was trained that way"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"model.hf_path config.json {field}.partial_rotary_factor="
+            f"{params['partial_rotary_factor']} is not supported: the engine rotates the "
+            "whole head_dim"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    max_seq_len = config.max_position_embeddings
+    if rope_type == "default":
+        return CosSinRoPE.Config(
+            dim=head_dim, max_seq_len=max_seq_len, theta=float(params["rope_theta"])
+        )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return HFRoPE.Config(
+        dim=head_dim, max_seq_len=max_seq_len, theta=float(params["rope_theta"]),
+        rope_type=rope_type, inv_freq=tuple(inv_freq.float().tolist()),
+        attention_factor=float(attention_factor),
+    )
+
+
+class Llama3HFStateDictAdapter(Llama3StateDictAdapter):
+    """torchtitan's Llama-3 HF adapter, exact for the RoPE the model is built with.
+
+    HF stores ``q_proj``/``k_proj`` rows for rotate-half RoPE (the first and second half of
+    each head are the rotated pairs). torchtitan's :class:`ComplexRoPE` pairs adjacent
+    dimensions, so torchtitan's adapter permutes those rows (``_permute`` /
+    ``_reverse_permute``, HF's conversion script). A model built with :class:`CosSinRoPE`
+    (or :class:`HFRoPE`; the ``hf`` and small flavors) rotates halves like HF and takes the
+    rows as they are.
+
+    Raises:
+        ValueError: a model whose RoPE is neither (at construction).
+    """
+
+    def __init__(self, model_config, hf_assets_path: str | None):
+        super().__init__(model_config, hf_assets_path)
+        rope = model_config.layers[0].attention.rope
+        if not isinstance(rope, (CosSinRoPE.Config, ComplexRoPE.Config)):
+            raise ValueError(
+                f"llama3 HF conversion supports CosSinRoPE and ComplexRoPE, not "
+                f"{type(rope).__qualname__}"
+            )
+        self.rotate_half = isinstance(rope, CosSinRoPE.Config)
+
+    def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return w if self.rotate_half else super()._permute(w, n_heads_arg, dim1, dim2)
+
+    def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return w if self.rotate_half else super()._reverse_permute(w, n_heads_arg, dim1, dim2)
+
+    def _validate_hf_rope_config(self, expected_rope_cls: type) -> None:
+        expected = CosSinRoPE.Config if self.rotate_half else ComplexRoPE.Config
+        super()._validate_hf_rope_config(expected)
 
 
 def known_flavors(name: str) -> list[str]:
@@ -93,10 +246,12 @@ def decoder_config_from_hf(name: str, hf: dict[str, Any], attn_backend: str = "f
             ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
             ``vocab_size``, ``rope_theta`` (or ``rope_parameters.rope_theta``),
             ``max_position_embeddings``, ``rms_norm_eps``,
-            ``tie_word_embeddings``, and for qwen3 ``head_dim``).
+            ``tie_word_embeddings``, ``head_dim`` (default ``hidden_size / num_attention_heads``),
+            ``rope_parameters`` / ``rope_scaling`` (see :func:`rope_from_hf`)).
 
     Raises:
         KeyError: naming a required field missing from ``hf``.
+        ValueError: RoPE the engine cannot reproduce (see :func:`rope_from_hf`).
     """
     dim = hf["hidden_size"]
     vocab = hf["vocab_size"]
@@ -109,9 +264,9 @@ def decoder_config_from_hf(name: str, hf: dict[str, Any], attn_backend: str = "f
     theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
     if theta is None:
         raise KeyError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    rope = CosSinRoPE.Config(
-        dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=float(theta)
-    )
+    if name not in _TITAN_REGISTRIES:
+        raise ValueError(f"model.name={name!r} must be one of {sorted(_TITAN_REGISTRIES)}")
+    rope = rope_from_hf(name, hf)
     norm_init = {"weight": titan_qwen3._NORM_INIT["weight"]}
     if name == "qwen3":
         layers = titan_qwen3._build_qwen3_layers(
@@ -130,9 +285,18 @@ def decoder_config_from_hf(name: str, hf: dict[str, Any], attn_backend: str = "f
             n_layers=hf["num_hidden_layers"], dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
             hidden_dim=hf["intermediate_size"], rope=rope, fuse_qkv=True, attn_backend=attn_backend,
         )
-        for layer in layers:
+        for layer_id, layer in enumerate(layers):
             layer.attention_norm = replace(layer.attention_norm, eps=eps)
             layer.ffn_norm = replace(layer.ffn_norm, eps=eps)
+            if head_dim != dim // n_heads:
+                # torchtitan's llama3 builder derives head_dim = dim / n_heads; a config.json
+                # head_dim (LlamaConfig.head_dim) overrides it, as in transformers.
+                layer.attention = make_gqa_config(
+                    dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                    wqkv_param_init=titan_llama3._LINEAR_INIT,
+                    wo_param_init=titan_llama3._depth_init(layer_id),
+                    inner_attention=layer.attention.inner_attention, fuse_qkv=True, rope=rope,
+                )
         model_cls = titan_llama3.Llama3Model
         linear_init = titan_llama3._LINEAR_INIT
     else:
@@ -157,6 +321,23 @@ def hf_config_for(name: str, flavor: str, hf_path: str | None) -> dict[str, Any]
     return SMALL_FLAVORS.get(name, {}).get(flavor)
 
 
+def check_hf_model_type(name: str, hf: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another architecture than ``model.name``.
+
+    Raises:
+        ValueError: naming ``config.json`` ``model_type`` and the ``model.name`` it needs.
+    """
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type != HF_MODEL_TYPES[name]:
+        supported = ", ".join(f"{t!r} (model.name: {n})" for n, t in HF_MODEL_TYPES.items())
+        raise ValueError(
+            f"model.hf_path config.json model_type={model_type!r} cannot be loaded as "
+            f"model.name={name!r}; the engine reads model_type {supported}"
+            + (" (torchtitan 0.3.0 has no Qwen2 model: q/k/v biases, no q/k norm)"
+               if model_type == "qwen2" else "")
+        )
+
+
 def build_model_spec(
     name: str, flavor: str, *, hf_path: str | None = None, attn_backend: str = "sdpa"
 ) -> ModelSpec:
@@ -169,7 +350,8 @@ def build_model_spec(
 
     Raises:
         ValueError: unknown ``model.name``, ``model.flavor`` or ``model.attn_backend``
-            (the message lists the accepted values).
+            (the message lists the accepted values); a ``model.hf_path`` checkpoint of
+            another ``model_type``; RoPE the engine cannot reproduce (:func:`rope_from_hf`).
     """
     if name not in _TITAN_REGISTRIES:
         raise ValueError(f"model.name={name!r} must be one of {sorted(_TITAN_REGISTRIES)}")
@@ -181,6 +363,8 @@ def build_model_spec(
             f"model.flavor={flavor!r} is not a {name} flavor; choose one of "
             f"{known_flavors(name)} (or 'hf' with model.hf_path)"
         )
+    if hf_path:
+        check_hf_model_type(name, read_hf_config(hf_path))
     hf = hf_config_for(name, flavor, hf_path)
     titan_backend = "flex" if attn_backend == "sdpa" else attn_backend
     if hf is None:
@@ -189,6 +373,8 @@ def build_model_spec(
         spec = registry(next(iter(titan_flavors)), attn_backend=titan_backend)
         spec.flavor = flavor
         spec.model = decoder_config_from_hf(name, hf, titan_backend)
+    if name == "llama3":
+        spec.state_dict_adapter = Llama3HFStateDictAdapter
     if attn_backend == "sdpa":
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
