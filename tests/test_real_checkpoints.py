@@ -216,6 +216,41 @@ def test_llama3_tiny_flavor_loads_an_hf_checkpoint(tmp_path):
     engine.close()
 
 
+LLAMA32_1B = dict(
+    REAL["llama3.2_1b"][2], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16
+)  # the hub config.json (only written, never built)
+
+
+@pytest.mark.parametrize(
+    ("name", "flavor", "fields", "message"),
+    [
+        ("qwen3", "tiny", dict(SMALL_FLAVORS["qwen3"]["tiny"], rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+         r"RoPE frequencies differ \(config.json rope_type='yarn'\)"),
+        ("qwen3", "tiny", dict(SMALL_FLAVORS["qwen3"]["tiny"], rms_norm_eps=1e-5),
+         "rms_norm_eps 1e-06 != 1e-05"),
+        ("llama3", "tiny", dict(SMALL_FLAVORS["llama3"]["tiny"], intermediate_size=128),
+         "parameter shapes differ"),
+        # torchtitan's Llama-3 "1B" flavor has llama3 RoPE factor 8; Llama-3.2-1B's is 32.
+        ("llama3", "1B", LLAMA32_1B, r"RoPE frequencies differ \(config.json rope_type='llama3'\)"),
+    ],
+)
+def test_a_flavor_that_does_not_match_the_checkpoint_is_refused(
+    tmp_path, name, flavor, fields, message
+):
+    from forge_ext.hf_checkpoint import hf_config_dict
+
+    model_type = {"qwen3": "qwen3", "llama3": "llama"}[name]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(model_type, fields)))
+    with pytest.raises(
+        ValueError, match=rf"^trainer: model.flavor='{flavor}' does not match model.hf_path "
+        rf"config.json: {message}.* Use model.flavor=hf"
+    ):
+        engine_config_from_mapping({"model": {"name": name, "flavor": flavor,
+                                              "hf_path": str(tmp_path)}})
+    engine_config_from_mapping({"model": {"name": name, "flavor": "hf", "hf_path": str(tmp_path)}})
+
+
 @pytest.mark.parametrize(
     ("rope", "message"),
     [

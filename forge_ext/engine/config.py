@@ -53,7 +53,9 @@ class ModelConfig:
     """A torchtitan registry flavor, a small forge_ext flavor (``tiny``, ``small``), or ``hf``."""
     hf_path: str | None = None
     """HF checkpoint directory (config.json + safetensors). With ``flavor: hf`` the
-    architecture comes from its config.json; when set, weights are loaded from it."""
+    architecture comes from its config.json; when set, weights are loaded from it, and any
+    other flavor must describe the same model as its config.json (shapes, norm eps, RoPE),
+    checked before spawning."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
 

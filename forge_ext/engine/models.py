@@ -338,6 +338,58 @@ def check_hf_model_type(name: str, hf: dict[str, Any]) -> None:
         )
 
 
+def rope_frequencies(rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([head_dim / 2] radians per position, [head_dim / 2] cos/sin amplitude)`` of a RoPE
+    config, read from the table its module builds (ComplexRoPE or CosSinRoPE layout)."""
+    with torch.device("cpu"):
+        table = replace(rope, max_seq_len=2).build().cache[1]
+    if table.is_complex():
+        return table.angle(), table.abs()
+    half = rope.dim // 2
+    cos, sin = table[:half], table[rope.dim : rope.dim + half]
+    return torch.atan2(sin, cos), torch.hypot(cos, sin)
+
+
+def check_flavor_matches_checkpoint(flavor: str, built: Any, from_checkpoint: Any) -> None:
+    """Refuse ``model.flavor`` (not ``hf``) with a ``model.hf_path`` whose ``config.json``
+    describes another model: other parameter shapes, norm eps or RoPE (e.g. a flavor without
+    RoPE scaling for a checkpoint with yarn, or torchtitan's Llama-3 ``1B`` with its llama3
+    factor 8 for Llama-3.2-1B's factor 32). Only the weights would come from the checkpoint,
+    so logits would silently differ from transformers'.
+
+    Raises:
+        ValueError: naming the first difference and the fix (``model.flavor: hf``).
+    """
+    def shapes(config):
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in config.build().state_dict().items()}
+
+    problems = []
+    a, b = shapes(built), shapes(from_checkpoint)
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()))[:2]
+        problems.append(f"parameter shapes differ ({diff})")
+    if bool(getattr(built, "enable_weight_tying", False)) != bool(
+        getattr(from_checkpoint, "enable_weight_tying", False)
+    ):
+        problems.append("tie_word_embeddings differs")
+    if built.norm.eps != from_checkpoint.norm.eps:
+        problems.append(f"rms_norm_eps {built.norm.eps} != {from_checkpoint.norm.eps}")
+    (f1, a1), (f2, a2) = (rope_frequencies(m.layers[0].attention.rope)
+                          for m in (built, from_checkpoint))
+    if f1.shape != f2.shape or not (
+        torch.allclose(f1, f2, rtol=1e-5, atol=0) and torch.allclose(a1, a2, rtol=1e-6, atol=0)
+    ):
+        kind = getattr(from_checkpoint.layers[0].attention.rope, "rope_type", "default")
+        problems.append(f"RoPE frequencies differ (config.json rope_type={kind!r})")
+    if problems:
+        raise ValueError(
+            f"model.flavor={flavor!r} does not match model.hf_path config.json: "
+            f"{'; '.join(problems)}. Use model.flavor=hf to take the architecture from "
+            "config.json"
+        )
+
+
 def build_model_spec(
     name: str, flavor: str, *, hf_path: str | None = None, attn_backend: str = "sdpa"
 ) -> ModelSpec:
@@ -373,6 +425,10 @@ def build_model_spec(
         spec = registry(next(iter(titan_flavors)), attn_backend=titan_backend)
         spec.flavor = flavor
         spec.model = decoder_config_from_hf(name, hf, titan_backend)
+    if hf_path and flavor != "hf":
+        check_flavor_matches_checkpoint(
+            flavor, spec.model, decoder_config_from_hf(name, read_hf_config(hf_path), titan_backend)
+        )
     if name == "llama3":
         spec.state_dict_adapter = Llama3HFStateDictAdapter
     if attn_backend == "sdpa":
