@@ -26,6 +26,9 @@ BASE = {
     "optimizer": {"lr": 1e-2, "eps": 1e-3},  # large eps: first Adam step ~ linear in grad
 }
 PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
+# Under DP=2 rank 0 gets rows 0-3 with 4+3+2+1 = 10 valid tokens and rank 1 rows 4-7 with
+# 31+30+29+30 = 120: a rank-local normalisation is far off the global one.
+DP_PREFIX = [27, 28, 29, 30, 0, 1, 2, 1]
 
 
 def config(pp=1, dp=1, schedule="1F1B", **extra):
@@ -72,7 +75,7 @@ async def one_step(handle, batch, dp):
 
 @pytest.mark.parametrize("name, dp", [("pp2", 1), ("pp2dp2", 2)])
 async def test_pipeline_equals_no_pipeline(meshes, name, dp):
-    batch = make_lm_batch(BATCH, 32, 256, seed=11, ignore_prefix=PREFIX)
+    batch = make_lm_batch(BATCH, 32, 256, seed=11, ignore_prefix=DP_PREFIX)
     ref = meshes["pp1"]
     weights = await ref.get_hf_state_dict()
     await meshes[name].load_hf_state_dict(weights)
@@ -117,17 +120,31 @@ async def test_loss_metrics_under_pipeline_are_the_full_batch_token_means():
         await trainer.stop()
 
 
+def label_logprobs_reference(logits, labels):
+    """``log_softmax(logits)[label]`` per position, 0 where the label is ignored: written
+    here with plain torch, not with the code under test."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    gathered = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels == -100, 0.0, gathered).float()
+
+
 async def test_eval_and_forward_under_pipeline_equal_no_pipeline(meshes):
     batch = make_lm_batch(BATCH, 32, 256, seed=12, ignore_prefix=PREFIX)
+    ref_logits = await meshes["pp1"].forward(*split(batch, 1))
+    # The reference model's KL input: label log-probs, against an independent gather.
+    expected_lp = label_logprobs_reference(ref_logits, batch["labels"])
+    ref_loss = await meshes["pp1"].eval_step(*split(batch, 1))
+    valid = batch["labels"] != -100
+    assert ref_loss == pytest.approx(float(-expected_lp[valid].mean()), rel=1e-5)
+    lp = await meshes["pp1"].forward(*split(batch, 1), output="logprobs")
+    torch.testing.assert_close(lp, expected_lp, rtol=1e-5, atol=1e-5)
     for name, dp in (("pp2", 1), ("pp2dp2", 2)):
-        ref_loss = await meshes["pp1"].eval_step(*split(batch, 1))
         loss = await meshes[name].eval_step(*split(batch, dp))
         assert loss == pytest.approx(ref_loss, rel=1e-5)
-        ref_logits = await meshes["pp1"].forward(*split(batch, 1))
         logits = await meshes[name].forward(*split(batch, dp))
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
         lp = await meshes[name].forward(*split(batch, dp), output="logprobs")
-        assert lp.shape == (BATCH, 32)
+        torch.testing.assert_close(lp, expected_lp, rtol=1e-5, atol=1e-5, msg=name)
     # Stages other than the last return nothing, not zeros.
     values = list((await meshes["pp2"].actor.forward.call(*split(batch, 1))).values())
     assert values[0] is None and values[1] is not None
@@ -155,7 +172,8 @@ async def test_pipeline_checkpoint_restores_exactly(meshes):
     w_first = await pp2.get_hf_state_dict()
     assert await pp2.load_checkpoint(step) == step
     again = await pp2.train_step(*split(batches[1], 1), return_metrics=True)
-    assert again["loss"] == first["loss"] and again["grad_norm"] == first["grad_norm"]
+    for key in ("loss", "grad_norm", "lr"):
+        assert again[key] == first[key], key
     w_again = await pp2.get_hf_state_dict()
     assert all(torch.equal(w_first[k], w_again[k]) for k in w_first)
 

@@ -15,11 +15,16 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 GLOBAL_BATCH = 8
 TRAINER = {
     "model": {"name": "qwen3", "flavor": "tiny"},
-    "training": {"local_batch_size": GLOBAL_BATCH, "microbatch_size": 2, "seq_len": 64},
+    # steps: the linear LR decay moves the LR by 1% per step, so a lost scheduler state shows.
+    "training": {"local_batch_size": GLOBAL_BATCH, "microbatch_size": 2, "seq_len": 64,
+                 "steps": 100},
     "optimizer": {"lr": 3e-3},
     "seed": 7,
 }
 PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
+# Under DP=2, rank 0 gets rows 0-3 with 4+3+2+1 = 10 valid tokens (of 31 per row) and rank 1
+# rows 4-7 with 31+30+29+30 = 120: a rank-local normalisation is far off the global one.
+DP_PREFIX = [27, 28, 29, 30, 0, 1, 2, 1]
 
 
 def trainer_config(dp: int, fsdp: bool = False, **extra):
@@ -42,7 +47,10 @@ async def trainers(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
     dp1 = await spawn_trainer(trainer_config(1, **ckpt))
-    dp2 = await spawn_trainer(trainer_config(2))
+    dp2 = await spawn_trainer(trainer_config(
+        2, checkpoint={"enable": True, "folder": "ckpt"},
+        dump_folder=str(tmp_path_factory.mktemp("ckpt_dp2")),
+    ))
     fsdp2 = await spawn_trainer(trainer_config(2, fsdp=True))
     yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "ckpt": ckpt}
     for handle in (dp1, dp2, fsdp2):
@@ -57,7 +65,9 @@ async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
     weights = random_state_dict(await dp1.get_hf_state_dict(), seed=4, std=0.05)
     for handle in (dp1, *others.values()):
         await handle.load_hf_state_dict(weights)
-    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=0, ignore_prefix=PREFIX)
+    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=0, ignore_prefix=DP_PREFIX)
+    rank_tokens = [int((t != -100).sum()) for t in batch["labels"].chunk(2)]
+    assert rank_tokens == [10, 120]
     losses = {"dp1": [], "replicate": [], "fsdp": []}
     for _ in range(10):
         losses["dp1"].append(await dp1.train_step(*split(batch, 1)))
@@ -79,31 +89,57 @@ async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
 
 
 async def test_forward_backward_then_optim_step_equals_train_step(trainers):
+    """Two tinker-style steps (forward_backward + optim_step) and two fused train_steps from
+    the same saved state (weights, Adam moments, LR) give the same losses, grad norms, LRs
+    and weights: optim_step must leave no gradient behind for the next forward_backward."""
     dp2 = trainers["dp2"]
-    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=1, ignore_prefix=PREFIX)
-    version = await dp2.get_policy_version()
-    fb = await dp2.forward_backward(*split(batch, 2))
-    step = await dp2.optim_step()
-    assert step["policy_version"] == version + 1
-    assert fb["num_tokens"] == float((batch["labels"] != -100).sum())
-    eval_loss = await dp2.eval_step(*split(batch, 2))
-    assert eval_loss < fb["loss"]
+    batches = [make_lm_batch(GLOBAL_BATCH, 32, 256, seed=s, ignore_prefix=DP_PREFIX)
+               for s in (1, 2)]
+    await dp2.train_step(*split(batches[1], 2))  # Adam moments exist before the save
+    start = await dp2.save_checkpoint()
+    tinker = []
+    for batch in batches:
+        fb = await dp2.forward_backward(*split(batch, 2))
+        tinker.append({**fb, **await dp2.optim_step()})
+    w_tinker = await dp2.get_hf_state_dict()
+    assert await dp2.load_checkpoint(start) == start
+    fused = [await dp2.train_step(*split(b, 2), return_metrics=True) for b in batches]
+    w_fused = await dp2.get_hf_state_dict()
+
+    for i, (t, f) in enumerate(zip(tinker, fused)):
+        assert t["policy_version"] == f["policy_version"] == start + i + 1
+        assert t["num_tokens"] == f["num_tokens"] == float((batches[i]["labels"] != -100).sum())
+        for key in ("loss", "grad_norm", "lr"):
+            assert t[key] == pytest.approx(f[key], rel=1e-6), (i, key)
+    for k in w_fused:
+        torch.testing.assert_close(w_tinker[k], w_fused[k], rtol=1e-6, atol=1e-7, msg=k)
+    eval_loss = await dp2.eval_step(*split(batches[1], 2))
+    assert eval_loss < fused[1]["loss"]
 
 
 async def test_checkpoint_round_trip_into_fresh_trainer(trainers):
+    """A fresh trainer loaded from a checkpoint takes the next step exactly as the trainer
+    that saved it: loss and grad norm (weights), LR (scheduler state) and the updated
+    weights (Adam's moments show only in the update)."""
     dp1 = trainers["dp1"]
     batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=2, ignore_prefix=PREFIX)
+    await dp1.train_step(*split(batch, 1))  # Adam moments and a moved LR before the save
     saved = await dp1.save_checkpoint()
     expected = await dp1.train_step(*split(batch, 1), return_metrics=True)
+    expected_weights = await dp1.get_hf_state_dict()
     fresh = await spawn_trainer(trainer_config(1, **trainers["ckpt"]))
     try:
         assert await fresh.load_checkpoint() == saved
         assert await fresh.get_policy_version() == saved
         got = await fresh.train_step(*split(batch, 1), return_metrics=True)
+        got_weights = await fresh.get_hf_state_dict()
     finally:
         await fresh.stop()
-    assert got["loss"] == expected["loss"]
-    assert got["grad_norm"] == expected["grad_norm"]
+    assert expected["lr"] < TRAINER["optimizer"]["lr"]  # the scheduler has moved
+    for key in ("loss", "grad_norm", "lr"):
+        assert got[key] == expected[key], key
+    for k in expected_weights:
+        assert torch.equal(got_weights[k], expected_weights[k]), k
 
 
 async def test_bad_requests_are_rejected_and_trainer_stays_usable(trainers):
