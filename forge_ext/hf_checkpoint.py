@@ -35,7 +35,9 @@ def is_hf_checkpoint(directory: str | Path) -> bool:
 
 
 def hf_config_dict(model_type: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The full ``config.json`` mapping of a ``transformers`` config built from ``fields``.
+    """The full ``config.json`` mapping of a ``transformers`` config built from ``fields``,
+    with ``architectures`` (the causal-LM class of ``model_type``) as ``save_pretrained``
+    writes it.
 
     Args:
         model_type: e.g. ``"qwen3"``.
@@ -47,7 +49,12 @@ def hf_config_dict(model_type: str, fields: Mapping[str, Any]) -> dict[str, Any]
     """
     from transformers import AutoConfig
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = AutoConfig.for_model(model_type, **fields).to_dict()
+    # Readers that pick a model class by name (vLLM) need it; save_pretrained writes it too.
+    if not config.get("architectures") and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]

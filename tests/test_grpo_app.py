@@ -1,9 +1,12 @@
 """The GRPO app end to end on real Monarch actors (trainer, reference, generator procs),
-torchstore and gloo, with a tiny random Qwen3 checkpoint:
+torchstore and gloo, with a tiny random Qwen3 checkpoint, once with the transformers
+generator (``configs/grpo_cpu_demo.yaml``) and once with vLLM (``configs/grpo_cpu_vllm.yaml``):
 
 1. a run of 3 steps that then crashes mid-step (debug.fail_at_step=4): the policy version
    advances, the generator samples with the version the trainer pushed, the logged reward is
-   the reward of those rollouts; the crash stops every proc and leaves the step-3 checkpoint;
+   the reward of those rollouts, and its log-probs are the trainer's for the same tokens (it
+   samples with the pushed weights); the crash stops every proc (vLLM's included) and leaves
+   the step-3 checkpoint;
 2. rerunning the same command resumes from that checkpoint and finishes the run.
 """
 
@@ -20,6 +23,7 @@ from conftest import random_state_dict
 from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
+from apps.grpo.episode import pack_episodes
 from apps.grpo.main import GRPOApp
 from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
@@ -28,10 +32,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the probe actor by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEMO = {"hf": str(CONFIGS / "grpo_cpu_demo.yaml"), "vllm": str(CONFIGS / "grpo_cpu_vllm.yaml")}
+# head_dim 32: a size vLLM's CPU attention supports.
 ARCH = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
     tie_word_embeddings=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
 )
 
@@ -43,12 +49,15 @@ class Probe(Actor):
 
 
 class RecordingApp(GRPOApp):
-    """The app as shipped, plus a record of each step's rollouts and of every actor's pid."""
+    """The app as shipped, plus a record of each step's rollouts, of every actor's pid (and
+    of the generator's helper processes), and of how far the generator's log-probs are from
+    the trainer's for the same tokens."""
 
     def __init__(self, config):
         super().__init__(config)
         self.rollouts = {}
         self.pids = []
+        self.logprob_gap = {}
 
     async def setup(self):
         await super().setup()
@@ -56,10 +65,21 @@ class RecordingApp(GRPOApp):
         for procs in meshes:
             values = await procs.spawn("probe", Probe).pid.call()
             self.pids += list(values.values())
+        self.pids += [pid for pid, _ in self.generator.pids]
 
     async def build_rollouts(self, step):
         rollouts = await super().build_rollouts(step)
         self.rollouts[step] = (self.trainer_version, rollouts)
+        # The trainer holds the version the generator sampled with (max_policy_age 0): its
+        # log-probs of the sampled tokens are the reference for the generator's.
+        packed = pack_episodes(rollouts.episodes, pad_id=self.tok.pad_id)
+        trainer = await self.trainer.forward(
+            [{"input_ids": packed["input_ids"]}], [{"labels": packed["labels"]}],
+            output="logprobs",
+        )
+        valid = packed["labels"] != -100
+        gap = (trainer - packed["generator_logprobs"])[valid].abs().max().item()
+        self.logprob_gap[step] = gap
         return rollouts
 
 
@@ -71,7 +91,7 @@ def checkpoint(tmp_path_factory):
     init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
     from safetensors.torch import load_file
 
-    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=1, std=0.3)
+    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=9, std=0.5)
     return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH), tokenizer_from=init))
 
 
@@ -92,14 +112,23 @@ def history(output_dir):
     return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def crashed_run(checkpoint, tmp_path_factory):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["hf", "vllm"])
+async def crashed_run(request, checkpoint, tmp_path_factory):
     output_dir = str(tmp_path_factory.mktemp("run"))
-    config = load_config(DEMO, overrides(checkpoint, output_dir, "debug.fail_at_step=4"))
+    config = load_config(
+        DEMO[request.param], overrides(checkpoint, output_dir, "debug.fail_at_step=4")
+    )
     app = RecordingApp(config)
+    app.config_path = DEMO[request.param]
     with pytest.raises(Exception, match="gradient norm is nan") as failure:
         await app.run()
     return app, output_dir, failure
+
+
+async def test_the_generator_samples_with_the_pushed_weights(crashed_run):
+    app, _, _ = crashed_run
+    assert sorted(app.logprob_gap) == [0, 1, 2, 3]
+    assert max(app.logprob_gap.values()) <= 1e-4, app.logprob_gap
 
 
 async def test_three_steps_advance_the_policy_and_sample_with_the_pushed_version(crashed_run):
@@ -137,7 +166,7 @@ async def test_crash_mid_step_stops_every_proc_and_keeps_the_last_checkpoint(cra
     app, output_dir, failure = crashed_run
     assert "FloatingPointError" in str(failure.value)
     assert app.tracked == []  # teardown stopped everything it had spawned
-    assert len(app.pids) == 3
+    assert len(app.pids) >= 3  # trainer, generator, reference, and vLLM's processes
     deadline = time.time() + 30
     alive = list(app.pids)
     while alive and time.time() < deadline:
@@ -152,15 +181,15 @@ async def test_crash_mid_step_stops_every_proc_and_keeps_the_last_checkpoint(cra
 async def test_rerun_with_another_seed_is_refused_before_anything_is_spawned(
     crashed_run, checkpoint
 ):
-    _, output_dir, _ = crashed_run
-    config = load_config(DEMO, overrides(checkpoint, output_dir, "seed=1"))
+    crashed, output_dir, _ = crashed_run
+    config = load_config(crashed.config_path, overrides(checkpoint, output_dir, "seed=1"))
     with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1; trainer.seed: 0 -> 1\)"):
         RecordingApp(config)  # the app is refused before it can spawn anything
 
 
 async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, checkpoint):
     crashed, output_dir, _ = crashed_run
-    app = RecordingApp(load_config(DEMO, overrides(checkpoint, output_dir)))
+    app = RecordingApp(load_config(crashed.config_path, overrides(checkpoint, output_dir)))
     await app.run()
     assert sorted(app.rollouts) == [3]  # only the step that had not been committed
     trainer_version, rollouts = app.rollouts[3]

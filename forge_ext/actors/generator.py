@@ -114,8 +114,14 @@ def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, 
     from forge_ext.weights.convert import check_tensor_parallel
 
     architectures = hf_config.get("architectures") or []
+    if not architectures:
+        raise ValueError(
+            f"generator.hf_path={hf_path!r}: config.json lists no architectures, which vLLM "
+            "needs to pick its model class; add e.g. \"architectures\": "
+            "[\"Qwen3ForCausalLM\"] (save_pretrained writes it) or set generator.backend=hf"
+        )
     unknown = [a for a in architectures if a not in _vllm_architectures()]
-    if not architectures or unknown:
+    if unknown:
         raise ValueError(
             f"generator.hf_path={hf_path!r}: vLLM cannot load architectures="
             f"{architectures!r}; use a checkpoint of an architecture vLLM supports or set "
