@@ -145,6 +145,8 @@ class VLLMSampler:
         engine_args: extra ``vllm.LLM`` arguments (``tensor_parallel_size``,
             ``gpu_memory_utilization``, ``max_model_len``, ...), see :func:`engine_args_for`.
         dtype: model dtype unless ``engine_args`` sets one (``float32`` on CPU).
+        worker_extension: qualified name of the worker extension class: ``WeightSyncExtension``
+            or a subclass of it (benchmarks add timing methods).
 
     Raises:
         ImportError: vllm is not installed (``make install`` installs it; see README).
@@ -153,6 +155,7 @@ class VLLMSampler:
     def __init__(
         self, hf_path: str, *, stop_token_ids: int | Sequence[int],
         engine_args: Mapping[str, Any], dtype: str = "float32",
+        worker_extension: str = WORKER_EXTENSION,
     ) -> None:
         args = engine_args_for(engine_args, dtype=dtype)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -172,7 +175,7 @@ class VLLMSampler:
         before = {p.pid for p in psutil.Process().children()}
         # skip_tokenizer_init: prompts arrive as token ids and responses leave as token ids.
         self.llm = vllm.LLM(
-            model=hf_path, worker_extension_cls=WORKER_EXTENSION,
+            model=hf_path, worker_extension_cls=worker_extension,
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
         )
         self.reaper = start_reaper(

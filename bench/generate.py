@@ -1,0 +1,213 @@
+"""Generation benchmark: the transformers sampler vs vLLM, and vLLM weight updates vs vLLM's
+bare in-place reload, side by side in one run.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.generate                     # both tables
+    .venv/bin/python -m bench.generate --skip-update       # throughput only
+    .venv/bin/python -m bench.generate --update-hidden 256 512 768
+
+Table 1, throughput (tokens/s of sampled response tokens, same model, prompts and sampling,
+``temperature 1``, fp32): ``HFSampler`` vs ``VLLMSampler`` at the CPU demo's shape (2 layers,
+hidden 128, head_dim 32, vocab 16; 64 prompts x 8 samples x 16 tokens) and at Qwen3-0.6B's shape
+(28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936; ``--big-prompts`` prompts x 8
+samples x 16 tokens). Responses run to ``max_new_tokens`` (no stop id is ever sampled), so both
+backends generate the same number of tokens.
+
+Table 2, weight update into vLLM (tp=1), for Qwen3-shaped fp32 decoders (28 layers, vocab 32000,
+``--update-hidden`` sizes: ~60 MB, ~350 MB, ~1.2 GB), median of ``--reps`` after a warm-up:
+
+- ``update``: what ``Generator.update_weights`` does: ``fetch_weights`` of a published version
+  (``weights.transport: direct``, torchstore over Monarch RPC) straight into the same-host
+  shared buffer, then ``forge_load_weights`` on the worker (map + ``reload_weights``) and a
+  prefix-cache reset;
+- ``load only``: the second half of it (the buffer already filled);
+- ``bare reload``: vLLM's ``reload_weights`` timed inside the worker from tensors already in
+  the worker's own memory (the floor for any transport).
+
+A model vLLM does not know here (head_dim 16) would fail; the shapes above are all supported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
+from forge_ext.generation import HFSampler, SamplingConfig
+from forge_ext.generation.vllm_sampler import VLLMSampler
+from forge_ext.generation.vllm_worker import WeightSyncExtension
+from forge_ext.weights.shared_buffer import open_shared_tensors
+
+DEMO = dict(
+    vocab_size=16, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+QWEN3_0_6B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+NO_STOP = -1  # a stop id no model samples: every response is max_new_tokens long
+
+
+class BenchExtension(WeightSyncExtension):
+    """``WeightSyncExtension`` plus a timed bare reload, for this benchmark only."""
+
+    def forge_bench_bare_reload(self, handle) -> float:
+        """Copy the buffer's tensors into this worker's own memory (not timed), then time
+        ``reload_weights`` from them. Returns seconds."""
+        tensors = {k: v.clone() for k, v in open_shared_tensors(handle).items()}
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model_runner.reload_weights(
+                weights_iterator=iter(tensors.items()), is_checkpoint_format=True
+            )
+        return time.perf_counter() - start
+
+
+def write_checkpoint(directory: str, fields: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random Qwen3 saved with ``save_pretrained``; returns its state dict."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**fields, eos_token_id=0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if fields["tie_word_embeddings"]:
+        state_dict.pop("lm_head.weight")
+    return state_dict
+
+
+def prompts_for(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(4, 9, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(count)]
+
+
+def throughput(name: str, fields: dict, prompts: int, samples: int, tokens: int) -> list[str]:
+    sampling = SamplingConfig(max_new_tokens=tokens)
+    with tempfile.TemporaryDirectory() as root:
+        write_checkpoint(root, fields)
+        batch = prompts_for(prompts, fields["vocab_size"])
+        results = {}
+        hf = HFSampler(root, stop_token_ids=NO_STOP, pad_token_id=0)
+        hf.generate(batch[:2], 2, sampling, seed=0)  # warm-up
+        start = time.perf_counter()
+        out = hf.generate(batch, samples, sampling, seed=1)
+        results["hf"] = sum(len(c.response_ids) for c in out) / (time.perf_counter() - start)
+        del hf
+        vllm = VLLMSampler(root, stop_token_ids=NO_STOP, engine_args={"max_model_len": 64})
+        try:
+            vllm.generate(batch[:2], 2, sampling, seed=0)
+            start = time.perf_counter()
+            out = vllm.generate(batch, samples, sampling, seed=1)
+            results["vllm"] = sum(len(c.response_ids) for c in out) / (time.perf_counter() - start)
+        finally:
+            vllm.close()
+    return [
+        f"| {name} | {prompts} x {samples} x {tokens} | {results['hf']:,.0f} | "
+        f"{results['vllm']:,.0f} | {results['vllm'] / results['hf']:.2f}x |"
+    ]
+
+
+def decoder_fields(hidden: int) -> dict:
+    return dict(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=28,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+
+
+async def update_latencies(hiddens: list[int], reps: int) -> list[str]:
+    """One row per size (see the module docstring); one torchstore for all of them."""
+    import torchstore as ts
+
+    from forge_ext.compat.torchstore_monarch import initialize_store
+
+    await initialize_store()
+    try:
+        return [await update_latency(hidden, reps) for hidden in hiddens]
+    finally:
+        await ts.shutdown()
+
+
+async def update_latency(hidden: int, reps: int) -> str:
+    from forge_ext.weights.fetch import fetch_weights
+    from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+
+    prefix = f"bench_h{hidden}"
+    with tempfile.TemporaryDirectory() as root:
+        state_dict = write_checkpoint(root, decoder_fields(hidden))
+        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        sampler = VLLMSampler(
+            root, stop_token_ids=NO_STOP, engine_args={"max_model_len": 64},
+            worker_extension=f"{__name__}.BenchExtension",
+        )
+        publisher = WeightsPublisher(
+            WeightsConfig(transport="direct", keep_versions=2, key_prefix=prefix)
+        )
+        update, load, bare = [], [], []
+        try:
+            for version in range(1, reps + 2):
+                new = {k: v + 0.01 * version for k, v in state_dict.items()}
+                await publisher.publish(new, version)
+                del new
+                start = time.perf_counter()
+                fetched = await fetch_weights(version, key_prefix=prefix, allocate=sampler.allocate)
+                filled = time.perf_counter()
+                sampler.load_hf_state_dict(fetched)
+                done = time.perf_counter()
+                (seconds,) = sampler.llm.collective_rpc(
+                    "forge_bench_bare_reload", args=(sampler.buffer.handle(),)
+                )
+                if version > 1:  # the first round is the warm-up
+                    update.append(done - start)
+                    load.append(done - filled)
+                    bare.append(seconds)
+        finally:
+            sampler.close()
+    u, l, b = (statistics.median(x) for x in (update, load, bare))
+    return (
+        f"| {nbytes / 1e6:,.0f} | {u:.3f} | {l:.3f} | {b:.3f} | {u / b:.2f}x | {l / b:.2f}x |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--big-prompts", type=int, default=8)
+    parser.add_argument("--update-hidden", type=int, nargs="*", default=[256, 512, 768])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-update", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores", flush=True)
+    if not args.skip_throughput:
+        rows = [
+            "| model | prompts x samples x tokens | HF tok/s | vLLM tok/s | vLLM / HF |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        rows += throughput("demo (2 layers, hidden 128)", DEMO, 64, 8, 16)
+        print("\n".join(rows), flush=True)
+        rows = throughput("Qwen3-0.6B shape", QWEN3_0_6B, args.big_prompts, 8, 16)
+        print("\n".join(rows), flush=True)
+    if not args.skip_update:
+        print("\n| MB (fp32) | update s | load only s | bare reload s | update / bare | "
+              "load / bare |\n| --- | --- | --- | --- | --- | --- |", flush=True)
+        rows = asyncio.run(update_latencies(args.update_hidden, args.reps))
+        print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
