@@ -146,15 +146,53 @@ async def test_three_steps_advance_the_policy_and_sample_with_the_pushed_version
         assert rows[step]["generator_version"] == step - 1
 
 
+# The task's vocabulary as its tokenizer documents it (apps/grpo/tokenizer.py): written out
+# here so that re-scoring does not go through the app's tokenizer or scorer.
+SPECIAL_IDS = {0: "<pad>", 1: "<bos>", 2: "<eos>", 3: "<unk>"}
+CHAR_OF_ID = {**SPECIAL_IDS, **{4 + d: str(d) for d in range(10)}, 14: "+", 15: "="}
+
+
+def reference_reward(a: int, b: int, response_ids: list[int], partial_credit: float) -> float:
+    """The reward rules of apps/grpo/task.py for the demo's reversed answers: 1 for the
+    digits of a + b least significant first then <eos>; partial credit for other digits then
+    <eos>; 0 otherwise (no <eos>, empty, any other token)."""
+    if 2 not in response_ids:
+        return 0.0
+    text = "".join(CHAR_OF_ID[t] for t in response_ids[: response_ids.index(2)])
+    if text == str(a + b)[::-1]:
+        return 1.0
+    return partial_credit if text and text.isdigit() else 0.0
+
+
+async def test_answer_text_is_the_decoded_text_before_the_first_eos(tmp_path):
+    from apps.grpo.tokenizer import CheckpointTokenizer
+
+    save_tokenizer(tmp_path)
+    tok = CheckpointTokenizer(tmp_path)
+    cases = {
+        (5, 6, 2): "12",  # '1' '2' <eos>
+        (4, 13, 7, 2, 5, 5): "093",  # what follows <eos> is ignored
+        (2,): "",
+        (5, 14, 6, 2): "1+2",
+        (5, 1, 2): "1<bos>",  # a special token inside the answer stays (the answer is wrong)
+        (5, 6): None,  # never finished
+    }
+    for ids, text in cases.items():
+        assert tok.answer_text(list(ids)) == text, ids
+
+
 async def test_logged_reward_is_the_reward_of_those_rollouts(crashed_run):
     app, output_dir, _ = crashed_run
+    assert app.config.task.reverse_answer  # what reference_reward scores
     rows = {r["step"]: r for r in history(output_dir) if "loss" in r}
     group = app.config.grpo.group_size
+    partial = app.config.task.partial_credit
     for step in (1, 2, 3):
         _, rollouts = app.rollouts[step - 1]
-        # Independently re-score what the generator returned.
+        # Re-score what the generator returned, without the app's tokenizer or scorer.
         rewards = [
-            app.task.score_text(rollouts.problems[i // group], app.tok.answer_text(ep.response_ids))
+            reference_reward(rollouts.problems[i // group].a, rollouts.problems[i // group].b,
+                             list(ep.response_ids), partial)
             for i, ep in enumerate(rollouts.episodes)
         ]
         assert rows[step]["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
