@@ -62,8 +62,19 @@ def test_gradient_accumulation_equals_full_batch(reference_weights):
         results[name] = (out, grads(engine))
         engine.optimizer_step()
 
+    # Reference: plain autograd of one cross entropy over all valid tokens of the batch,
+    # through the model alone (no microbatches, no loss weights, no engine loop).
+    reference = build(reference_weights)
+    logits = reference.model_parts[0](batch["input_ids"])
+    torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    ).backward()
+    g_ref = grads(reference)
+
     out1, g1 = results["ga1"]
     out4, g4 = results["ga4"]
+    for name in g_ref:
+        torch.testing.assert_close(g1[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
     assert len(out4.losses) == 4
     assert out1.global_weight == out4.global_weight == float(valid_tokens(batch))
     # The bug this guards against: averaging microbatch means gives a different loss.
