@@ -8,11 +8,11 @@ vLLM starts in ~1 min per engine on 2 cores: one trainer and one generator per
 tensor-parallel size serve every test here.
 """
 
+import asyncio
 import os
 import signal
 import time
 
-import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -20,11 +20,16 @@ import torchstore as ts
 from conftest import random_state_dict
 
 from forge_ext.actors import spawn_trainer
-from forge_ext.actors.generator import GeneratorConfig, check_vllm_checkpoint, spawn_generator
+from forge_ext.actors.generator import (
+    GeneratorConfig,
+    alive_processes,
+    check_vllm_checkpoint,
+    spawn_generator,
+)
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.generation import SamplingConfig
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+module_loop = pytest.mark.asyncio(loop_scope="module")
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 8 or 16).
 ARCH = dict(
@@ -87,17 +92,7 @@ async def generator(request, checkpoint, trainer):
 
 def _alive(pids) -> list[int]:
     """Pids among ``(pid, create time)`` still running (zombies count as gone)."""
-    alive = []
-    for pid, created in pids:
-        try:
-            process = psutil.Process(pid)
-            if abs(process.create_time() - created) < 1e-3 and (
-                process.status() != psutil.STATUS_ZOMBIE
-            ):
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [p.pid for p in alive_processes(pids)]
 
 
 _versions = iter(range(1, 1000))
@@ -141,11 +136,13 @@ async def assert_generator_matches_trainer(generator, trainer):
     return sampled
 
 
+@module_loop
 async def test_vllm_stops_at_every_end_id_the_checkpoint_declares(generator):
     (c,) = await generator.generate(PROMPTS[:1], n=1, greedy=True)
     assert (c.response_ids, c.finished) == ([END_ID], True)
 
 
+@module_loop
 async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, trainer):
     # Version 1: weights that differ from the checkpoint vLLM started from.
     weights = random_state_dict(await trainer.get_hf_state_dict(), seed=next(_versions), std=0.3)
@@ -170,6 +167,7 @@ async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, traine
     assert moved > 1e-2, "version 2 should give other log-probs than version 1"
 
 
+@module_loop
 async def test_an_unpublished_version_is_a_clear_error_and_keeps_serving(generator):
     served = await generator.get_policy_version()
     with pytest.raises(Exception, match="policy_version=999 is not committed"):
@@ -219,7 +217,33 @@ def test_vllm_not_installed_is_a_clear_error(checkpoint, monkeypatch):
 
 # ---- vLLM's processes never outlive the generator -----------------------------------------
 
-async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(checkpoint, trainer):
+@pytest.fixture
+def mesh_failures():
+    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded
+    instead of passed to Monarch's default ``unhandled_fault_hook`` (``sys.exit``, which
+    reaches pytest as a KeyboardInterrupt); every other failure still goes to it.
+
+    The hook stays for the rest of the session: Monarch reports each actor of the dead proc
+    (the generator, its logger, ...), some after the test has ended.
+    """
+    import monarch.actor
+
+    failures = []
+    default = monarch.actor.unhandled_fault_hook
+
+    def record_sigkill(failure):
+        if "Killed(sig=9)" not in failure.report():
+            default(failure)
+        failures.append(failure)
+
+    monarch.actor.unhandled_fault_hook = record_sigkill
+    return failures
+
+
+@module_loop
+async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(
+    checkpoint, trainer, mesh_failures
+):
     config = GeneratorConfig(
         hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
         vllm={"max_model_len": 128},
@@ -236,9 +260,13 @@ async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(chec
         deadline = time.monotonic() + 30
         while (_alive(handle.pids) or any(f"-{owner}-" in f for f in os.listdir("/dev/shm"))) \
                 and time.monotonic() < deadline:
-            time.sleep(0.5)
+            await asyncio.sleep(0.5)
         assert not _alive(handle.pids)
         assert not [f for f in os.listdir("/dev/shm") if f"-{owner}-" in f]
+        deadline = time.monotonic() + 60
+        while not mesh_failures and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # Monarch reports the dead proc to this client
+        assert mesh_failures, "Monarch did not report the killed proc"
     finally:
         try:
             await handle.procs.stop()
