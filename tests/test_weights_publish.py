@@ -193,6 +193,20 @@ async def test_fetch_of_some_names_returns_only_those(store, tmp_path, transport
     assert_same_tensors(got, {n: decoder_state_dict()[n] for n in names})
 
 
+async def test_a_damaged_dcp_folder_is_a_fetch_error(store, tmp_path):
+    """DCP raises CheckpointException (a BaseException) from dcp.load: it must reach the
+    caller as an Exception that names the version and the folder."""
+    prefix = "damaged_dcp"
+    await make_publisher("dcp", tmp_path, prefix).publish(decoder_state_dict(), 3)
+    folder = tmp_path / "weights" / "3"
+    for name in os.listdir(folder):
+        if name.endswith(".distcp"):
+            with open(folder / name, "r+b") as f:
+                f.truncate(8)
+    with pytest.raises(weights_fetch.WeightsFetchError, match=r"policy_version=3.*weights/3"):
+        await weights_fetch.fetch_weights(3, key_prefix=prefix)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_dtype_cast_skips_excluded_and_non_floating_tensors(store, tmp_path, transport):
     prefix = f"cast_{transport}"

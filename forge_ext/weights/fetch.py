@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torchstore as ts
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
@@ -73,6 +74,12 @@ class WeightsVersionNotFoundError(KeyError):
 
     def __reduce__(self):  # picklable, so it reaches the controller from an actor intact
         return type(self), (self.version, self.key_prefix, self.committed)
+
+
+class WeightsFetchError(RuntimeError):
+    """A committed version could not be read back: its transport failed (for ``dcp``, the
+    checkpoint folder was removed or damaged after the commit). Derives from ``Exception``,
+    unlike DCP's own ``CheckpointException``, so callers' ``except Exception`` catch it."""
 
 
 def commit_key(key_prefix: str, version: int) -> str:
@@ -183,6 +190,8 @@ async def fetch_weights(
     Raises:
         WeightsVersionNotFoundError: ``version`` has no commit record.
         KeyError: a name in ``names`` is not part of the version.
+        WeightsFetchError: reading the committed data failed (``dcp``: any failure inside
+            ``dcp.load``, which DCP raises as a ``BaseException``).
     """
     record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
     wanted = list(record["names"]) if names is None else list(names)
@@ -273,4 +282,15 @@ def _load_dcp(record: Mapping[str, Any], state_dict: dict[str, torch.Tensor]) ->
     # no_dist: this reader loads alone even if its process is part of a process group.
     with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state_dict, checkpoint_id=record["checkpoint_id"], no_dist=True)
+        try:
+            dcp.load(state_dict, checkpoint_id=record["checkpoint_id"], no_dist=True)
+        except CheckpointException as e:
+            raise WeightsFetchError(
+                f"policy_version={record['version']}: reading its dcp checkpoint "
+                f"{record['checkpoint_id']!r} failed ({_first_line(e)}); the folder was "
+                "removed or damaged after the version was committed"
+            ) from e
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
