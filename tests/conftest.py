@@ -37,3 +37,17 @@ def random_state_dict(state_dict: dict, seed: int, std: float = 0.2) -> dict:
         noise = torch.randn(v.shape, generator=g, dtype=v.dtype) * std
         out[k] = (1.0 + noise) if "norm" in k else noise
     return out
+
+
+async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
+    """Largest ``|trainer log-prob - generator log-prob|`` over the sampled tokens of
+    ``episodes`` (GRPO ``Episode``s), the trainer's from a forward pass of the packed batch
+    (``RLTrainer.forward(..., output="logprobs")``)."""
+    from apps.grpo.episode import pack_episodes
+
+    packed = pack_episodes(episodes, pad_id=pad_id)
+    logprobs = await trainer.forward(
+        [{"input_ids": packed["input_ids"]}], [{"labels": packed["labels"]}], output="logprobs"
+    )
+    valid = packed["labels"] != -100
+    return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()

@@ -19,11 +19,10 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import pytest_asyncio
-from conftest import random_state_dict
+from conftest import generator_logprob_gap, random_state_dict
 from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
-from apps.grpo.episode import pack_episodes
 from apps.grpo.main import GRPOApp
 from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
@@ -72,14 +71,9 @@ class RecordingApp(GRPOApp):
         self.rollouts[step] = (self.trainer_version, rollouts)
         # The trainer holds the version the generator sampled with (max_policy_age 0): its
         # log-probs of the sampled tokens are the reference for the generator's.
-        packed = pack_episodes(rollouts.episodes, pad_id=self.tok.pad_id)
-        trainer = await self.trainer.forward(
-            [{"input_ids": packed["input_ids"]}], [{"labels": packed["labels"]}],
-            output="logprobs",
+        self.logprob_gap[step] = await generator_logprob_gap(
+            self.trainer, rollouts.episodes, self.tok.pad_id
         )
-        valid = packed["labels"] != -100
-        gap = (trainer - packed["generator_logprobs"])[valid].abs().max().item()
-        self.logprob_gap[step] = gap
         return rollouts
 
 

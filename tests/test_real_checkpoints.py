@@ -14,12 +14,14 @@ can leave the logits near zero, which would make parity vacuous).
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
-from conftest import make_lm_batch, random_state_dict
+from conftest import generator_logprob_gap, make_lm_batch, random_state_dict
 
 from forge_ext.engine import TitanEngine, engine_config_from_mapping
 from forge_ext.engine.distributed import init_single_process_env
@@ -310,3 +312,96 @@ async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoi
             torch.testing.assert_close(trainer_logits, expected, rtol=1e-5, atol=1e-5)
         finally:
             await trainer.stop()
+
+
+# ---- the apps: SFT and GRPO one step from each checkpoint (model.hf_path) -------------------
+@pytest.fixture(scope="module")
+def app_checkpoints(real_checkpoints, tmp_path_factory):
+    """Each real-config checkpoint with the addition task's tokenizer beside it (the apps
+    read ``tokenizer.json`` from ``model.hf_path``); its ``generation_config.json`` still
+    declares the model's own end id besides the tokenizer's ``<eos>``."""
+    import shutil
+
+    from apps.grpo.tokenizer import save_tokenizer
+
+    out = {}
+    for key, (name, model_type, fields, model, path) in real_checkpoints.items():
+        directory = tmp_path_factory.mktemp(f"{key}_app")
+        shutil.copytree(path, directory, dirs_exist_ok=True)
+        save_tokenizer(directory)
+        out[key] = (name, model_type, fields, str(directory))
+    return out
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("key", list(REAL))
+def test_sft_runs_a_step_and_writes_the_checkpoints_config(app_checkpoints, key, tmp_path):
+    """The warm-start app from the checkpoint: one step, then the written checkpoint keeps
+    config.json's fields (RoPE scaling, tying, head_dim) and transformers reads it as the
+    engine does."""
+    from apps.sft.main import SFTConfig, run
+    from forge_ext.config import from_mapping, load_yaml
+
+    name, model_type, fields, path = app_checkpoints[key]
+    config = from_mapping(SFTConfig, load_yaml(CONFIGS / "sft_cpu_demo.yaml", [
+        f"output_dir={tmp_path / 'out'}", f"init.hf_path={path}", f"trainer.model.name={name}",
+        "metrics=null", "env={}", "trainer.training.steps=1", "trainer.training.seq_len=16",
+        "trainer.training.local_batch_size=4", "task.num_eval=4", "eval.every=0",
+        "eval.stop_at_accuracy=null",
+    ]))
+    assert run(config) is not None
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    source = json.loads((Path(path) / "config.json").read_text())
+    for field in ("vocab_size", "head_dim", "tie_word_embeddings", "rope_theta", "rope_scaling",
+                  "rope_parameters", "num_key_value_heads"):
+        assert written.get(field) == source.get(field), field
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    ids = make_lm_batch(2, SEQ, fields["vocab_size"], seed=5)["input_ids"]
+    engine = engine_for(name, str(tmp_path / "out"))
+    torch.testing.assert_close(
+        engine.forward_batch({"input_ids": ids}), logits_of(trained, ids), rtol=1e-5, atol=1e-5
+    )
+    engine.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("key", list(REAL))
+async def test_grpo_runs_a_step_with_trainer_reference_and_generator_agreeing(
+    app_checkpoints, key, tmp_path
+):
+    """The GRPO app from the checkpoint for one step: the generator's log-probs of what it
+    sampled are the trainer's, and the reference (same starting weights) gives KL 0."""
+    from apps.grpo.config import load_config
+    from apps.grpo.main import GRPOApp
+
+    gaps = []
+
+    class App(GRPOApp):
+        async def build_rollouts(self, step):
+            rollouts = await super().build_rollouts(step)
+            gaps.append(await generator_logprob_gap(
+                self.trainer, rollouts.episodes, self.tok.pad_id
+            ))
+            return rollouts
+
+    name, _, _, path = app_checkpoints[key]
+    app = App(load_config(CONFIGS / "grpo_cpu_demo.yaml", [
+        f"model.hf_path={path}", f"output_dir={tmp_path}", f"trainer.model.name={name}",
+        "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "trainer.training.local_batch_size=4", "reference.training.local_batch_size=4",
+        "trainer.training.seq_len=16", "reference.training.seq_len=16",
+        "loop.steps=1", "loop.save_every=0", "trainer.checkpoint.enable=false", "metrics.tensorboard=false",
+        "metrics.plot=null", "procs.env={}",
+    ]))
+    await app.run()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    step = next(r for r in rows if "loss" in r)
+    # Random weights score 0 everywhere, so the advantages (and the gradient) are 0: the step
+    # checks that every role loads the checkpoint alike, not that the policy improves.
+    assert step["policy_version"] == 1 and math.isfinite(step["loss"])
+    assert abs(step["loss/kl"]) <= 1e-6, step["loss/kl"]
+    assert gaps and max(gaps) <= 1e-4, gaps

@@ -324,6 +324,8 @@ class GRPOApp(RLLoop):
         }
 
     async def save_checkpoint(self, step: int) -> None:
+        if not self.config.trainer.get("checkpoint", {}).get("enable"):
+            return  # checkpoints off (loop.save_every must then be 0): nothing to keep
         await self.trainer.save_checkpoint(step)
 
     # ---- output --------------------------------------------------------------------------
