@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert
+	$(PY) -m bench.generate
 
 clean:
 	rm -rf $(VENV)
