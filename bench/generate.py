@@ -11,8 +11,9 @@ Table 1, throughput (tokens/s of sampled response tokens, same model, prompts an
 ``temperature 1``, fp32): ``HFSampler`` vs ``VLLMSampler`` at the CPU demo's shape (2 layers,
 hidden 128, head_dim 32, vocab 16; 64 prompts x 8 samples x 16 tokens) and at Qwen3-0.6B's shape
 (28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936; ``--big-prompts`` prompts x 8
-samples x 16 tokens). Responses run to ``max_new_tokens`` (no stop id is ever sampled), so both
-backends generate the same number of tokens.
+samples x 16 tokens). A response ends at the last vocabulary id or at ``max_new_tokens`` (vLLM
+refuses stop ids outside the vocabulary): tokens/s counts the tokens each backend generated,
+and both sample the same distribution (mean response lengths shown).
 
 Table 2, weight update into vLLM (tp=1), for Qwen3-shaped fp32 decoders (28 layers, vocab 32000,
 ``--update-hidden`` sizes: ~60 MB, ~350 MB, ~1.2 GB), median of ``--reps`` after a warm-up:
@@ -55,7 +56,11 @@ QWEN3_0_6B = dict(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512,
     tie_word_embeddings=True,
 )
-NO_STOP = -1  # a stop id no model samples: every response is max_new_tokens long
+
+
+def stop_id(fields: dict) -> int:
+    """The stop id of the benchmark models: their last vocabulary id."""
+    return fields["vocab_size"] - 1
 
 
 class BenchExtension(WeightSyncExtension):
@@ -101,23 +106,30 @@ def throughput(name: str, fields: dict, prompts: int, samples: int, tokens: int)
         write_checkpoint(root, fields)
         batch = prompts_for(prompts, fields["vocab_size"])
         results = {}
-        hf = HFSampler(root, stop_token_ids=NO_STOP, pad_token_id=0)
+        hf = HFSampler(root, stop_token_ids=stop_id(fields), pad_token_id=0)
         hf.generate(batch[:2], 2, sampling, seed=0)  # warm-up
         start = time.perf_counter()
         out = hf.generate(batch, samples, sampling, seed=1)
-        results["hf"] = sum(len(c.response_ids) for c in out) / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        results["hf"] = sum(len(c.response_ids) for c in out) / seconds
+        lengths = {"hf": sum(len(c.response_ids) for c in out) / len(out)}
         del hf
-        vllm = VLLMSampler(root, stop_token_ids=NO_STOP, engine_args={"max_model_len": 64})
+        vllm = VLLMSampler(
+            root, stop_token_ids=stop_id(fields), engine_args={"max_model_len": 64}
+        )
         try:
             vllm.generate(batch[:2], 2, sampling, seed=0)
             start = time.perf_counter()
             out = vllm.generate(batch, samples, sampling, seed=1)
-            results["vllm"] = sum(len(c.response_ids) for c in out) / (time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            results["vllm"] = sum(len(c.response_ids) for c in out) / seconds
+            lengths["vllm"] = sum(len(c.response_ids) for c in out) / len(out)
         finally:
             vllm.close()
     return [
         f"| {name} | {prompts} x {samples} x {tokens} | {results['hf']:,.0f} | "
-        f"{results['vllm']:,.0f} | {results['vllm'] / results['hf']:.2f}x |"
+        f"{results['vllm']:,.0f} | {results['vllm'] / results['hf']:.2f}x | "
+        f"{lengths['hf']:.1f} / {lengths['vllm']:.1f} |"
     ]
 
 
@@ -151,7 +163,7 @@ async def update_latency(hidden: int, reps: int) -> str:
         state_dict = write_checkpoint(root, decoder_fields(hidden))
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         sampler = VLLMSampler(
-            root, stop_token_ids=NO_STOP, engine_args={"max_model_len": 64},
+            root, stop_token_ids=stop_id(decoder_fields(hidden)), engine_args={"max_model_len": 64},
             worker_extension=f"{__name__}.BenchExtension",
         )
         publisher = WeightsPublisher(
@@ -195,8 +207,9 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores", flush=True)
     if not args.skip_throughput:
         rows = [
-            "| model | prompts x samples x tokens | HF tok/s | vLLM tok/s | vLLM / HF |",
-            "| --- | --- | --- | --- | --- |",
+            "| model | prompts x samples x max tokens | HF tok/s | vLLM tok/s | vLLM / HF | "
+            "mean tokens HF / vLLM |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         rows += throughput("demo (2 layers, hidden 128)", DEMO, 64, 8, 16)
         print("\n".join(rows), flush=True)

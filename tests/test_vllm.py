@@ -186,6 +186,17 @@ def _config(checkpoint, **vllm):
     return GeneratorConfig(hf_path=checkpoint, backend="vllm", vllm=vllm)
 
 
+def test_vllm_ends_responses_only_at_the_stop_ids_it_is_given():
+    """vLLM's engine adds the checkpoint's end ids to every request
+    (``update_from_generation_config``, called here as the engine calls it): the sampler must
+    keep to the ids the caller passed, as the transformers sampler does."""
+    from forge_ext.generation.vllm_sampler import sampling_params
+
+    params = sampling_params([2], 1, SamplingConfig(**SAMPLING))
+    params.update_from_generation_config({"eos_token_id": [2, END_ID]}, eos_token_id=END_ID)
+    assert params.stop_token_ids == [2] and params.eos_token_id is None
+
+
 def test_tp_that_does_not_divide_the_heads_is_refused_before_spawning(checkpoint):
     with pytest.raises(ValueError, match=r"generator.vllm.tensor_parallel_size=3: .*"
                                          r"num_attention_heads=4 is not divisible"):

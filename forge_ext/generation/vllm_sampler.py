@@ -120,6 +120,34 @@ def _set_default_env(name: str, value: str) -> None:
         os.environ[name] = _DEFAULTS_SET[name] = value
 
 
+def sampling_params(
+    stop_token_ids: Sequence[int], n: int, sampling: SamplingConfig, *, greedy: bool = False,
+    seed: int | None = None,
+):
+    """``vllm.SamplingParams`` for ``n`` completions that end at ``stop_token_ids`` and only
+    there, like :class:`~forge_ext.generation.sampling.HFSampler`.
+
+    ``ignore_eos=True``: otherwise vLLM's engine also stops at the ``eos_token_id`` of the
+    checkpoint's ``generation_config.json`` (``SamplingParams.update_from_generation_config``,
+    ``vllm/sampling_params.py``), ids the caller did not pass. Callers that want them pass
+    them (:func:`~forge_ext.generation.sampling.stop_token_ids` does).
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0,
+        max_tokens=sampling.max_new_tokens,
+        logprobs=0,  # the sampled token's log-prob only
+        seed=seed,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
 def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments: ``generator.vllm`` over this backend's defaults
     (``enforce_eager=True``; ``dtype`` from ``generator.dtype``).
@@ -196,21 +224,11 @@ class VLLMSampler:
         """Sample ``n`` completions per prompt; same contract as
         :meth:`forge_ext.generation.sampling.HFSampler.generate` (``seed`` seeds each
         request's own generator, so the process RNG is untouched)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
-        params = SamplingParams(
-            n=n,
-            temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            top_k=0,
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            seed=seed,
-            stop_token_ids=list(self.stop_token_ids),
-            detokenize=False,
-        )
+        params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
         )
