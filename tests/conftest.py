@@ -2,6 +2,7 @@
 on machines without an accelerator."""
 
 import forge_ext  # noqa: F401  (must precede any torchtitan import)
+import pytest_asyncio
 import torch
 
 from forge_ext.engine import IGNORE_INDEX
@@ -51,3 +52,15 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     )
     valid = packed["labels"] != -100
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store():
+    """A torchstore for the module's tests (``forge_ext.compat.torchstore_monarch``)."""
+    import torchstore as ts
+
+    from forge_ext.compat.torchstore_monarch import initialize_store
+
+    await initialize_store()
+    yield
+    await ts.shutdown()

@@ -15,7 +15,6 @@ import torchstore as ts
 from conftest import make_lm_batch, random_state_dict
 
 from forge_ext.actors import spawn_trainer
-from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.engine.models import SMALL_FLAVORS, build_model_spec
 from forge_ext.losses import compute_group_advantages
 from forge_ext.weights import fetch as weights_fetch
@@ -67,13 +66,6 @@ def state_dict(seed: int) -> dict[str, torch.Tensor]:
         "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
         "model.norm.weight": torch.randn(64, generator=g),
     }
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store():
-    await initialize_store()
-    yield
-    await ts.shutdown()
 
 
 @pytest.mark.asyncio(loop_scope="module")

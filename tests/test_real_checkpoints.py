@@ -18,9 +18,7 @@ import math
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
-import torchstore as ts
 from conftest import generator_logprob_gap, make_lm_batch, random_state_dict
 
 from forge_ext.engine import TitanEngine, engine_config_from_mapping
@@ -279,15 +277,6 @@ def test_rope_the_engine_cannot_reproduce_is_refused_before_spawning(tmp_path, r
 
 
 # ---- the generator side: push_weights -> fetch -> transformers ------------------------------
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store():
-    from forge_ext.compat.torchstore_monarch import initialize_store
-
-    await initialize_store()
-    yield
-    await ts.shutdown()
-
-
 @pytest.mark.asyncio(loop_scope="module")
 async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoints):
     from forge_ext.actors import spawn_trainer

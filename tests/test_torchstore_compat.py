@@ -7,7 +7,6 @@ import sys
 
 import cloudpickle
 import pytest
-import pytest_asyncio
 import torch
 import torchstore as ts
 from monarch.actor import Actor, endpoint, get_or_spawn_controller, this_host
@@ -66,13 +65,6 @@ class RecordingController(Controller):
              "is_object": request.is_object}
             for key, request in self.received
         ]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store():
-    await torchstore_monarch.initialize_store()
-    yield
-    await ts.shutdown()
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
-from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
 
@@ -117,13 +116,6 @@ class ShardedTrainer(Actor):
         except weights_publish.WeightsPublishError as e:
             return str(e)
         return result.bytes_written
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store():
-    await initialize_store()
-    yield
-    await ts.shutdown()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
