@@ -276,34 +276,9 @@ def test_rope_the_engine_cannot_reproduce_is_refused_before_spawning(tmp_path, r
         engine_config_from_mapping({"model": {"flavor": "hf", "hf_path": str(tmp_path)}})
 
 
-# ---- the generator side: push_weights -> fetch -> transformers ------------------------------
-@pytest.mark.asyncio(loop_scope="module")
-async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoints):
-    from forge_ext.actors import spawn_trainer
-    from forge_ext.weights.fetch import fetch_weights
-
-    for key, (name, model_type, fields, model, path) in real_checkpoints.items():
-        trainer = await spawn_trainer(
-            {"model": {"name": name, "flavor": "hf", "hf_path": path},
-             "training": {"local_batch_size": 2, "seq_len": SEQ}},
-            weights={"transport": "direct", "key_prefix": f"real_{key.replace('.', '_')}"},
-        )
-        try:
-            batch = make_lm_batch(2, SEQ, fields["vocab_size"], seed=7)
-            await trainer.push_weights(0)
-            fetched = await fetch_weights(0, key_prefix=f"real_{key.replace('.', '_')}")
-            generator = load_exported(model_type, fields, fetched)
-            expected = logits_of(model, batch["input_ids"])
-            torch.testing.assert_close(
-                logits_of(generator, batch["input_ids"]), expected, rtol=1e-5, atol=1e-5
-            )
-            trainer_logits = await trainer.forward([{"input_ids": batch["input_ids"]}])
-            torch.testing.assert_close(trainer_logits, expected, rtol=1e-5, atol=1e-5)
-        finally:
-            await trainer.stop()
-
-
 # ---- the apps: SFT and GRPO one step from each checkpoint (model.hf_path) -------------------
+# Before the tests that use the ``store`` fixture: the GRPO app starts and shuts down its own
+# torchstore, and a second one in this process is refused ("already initialized").
 @pytest.fixture(scope="module")
 def app_checkpoints(real_checkpoints, tmp_path_factory):
     """Each real-config checkpoint with the addition task's tokenizer beside it (the apps
@@ -394,3 +369,30 @@ async def test_grpo_runs_a_step_with_trainer_reference_and_generator_agreeing(
     assert step["policy_version"] == 1 and math.isfinite(step["loss"])
     assert abs(step["loss/kl"]) <= 1e-6, step["loss/kl"]
     assert gaps and max(gaps) <= 1e-4, gaps
+
+
+# ---- the generator side: push_weights -> fetch -> transformers ------------------------------
+@pytest.mark.asyncio(loop_scope="module")
+async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoints):
+    from forge_ext.actors import spawn_trainer
+    from forge_ext.weights.fetch import fetch_weights
+
+    for key, (name, model_type, fields, model, path) in real_checkpoints.items():
+        trainer = await spawn_trainer(
+            {"model": {"name": name, "flavor": "hf", "hf_path": path},
+             "training": {"local_batch_size": 2, "seq_len": SEQ}},
+            weights={"transport": "direct", "key_prefix": f"real_{key.replace('.', '_')}"},
+        )
+        try:
+            batch = make_lm_batch(2, SEQ, fields["vocab_size"], seed=7)
+            await trainer.push_weights(0)
+            fetched = await fetch_weights(0, key_prefix=f"real_{key.replace('.', '_')}")
+            generator = load_exported(model_type, fields, fetched)
+            expected = logits_of(model, batch["input_ids"])
+            torch.testing.assert_close(
+                logits_of(generator, batch["input_ids"]), expected, rtol=1e-5, atol=1e-5
+            )
+            trainer_logits = await trainer.forward([{"input_ids": batch["input_ids"]}])
+            torch.testing.assert_close(trainer_logits, expected, rtol=1e-5, atol=1e-5)
+        finally:
+            await trainer.stop()

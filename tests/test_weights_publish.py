@@ -17,6 +17,7 @@ import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
+from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
 
