@@ -53,6 +53,9 @@ class WeightSyncExtension:
             self.model_runner.reload_weights(
                 weights_iterator=iter(tensors.items()), is_checkpoint_format=True
             )
+            retie_word_embeddings(
+                self.model_runner.get_model(), self.model_runner.model_config.hf_config
+            )
         return {"tp_rank": get_tensor_model_parallel_rank(), "seconds": time.perf_counter() - start}
 
     def forge_capture_loaded_weights(
@@ -97,3 +100,26 @@ class WeightSyncExtension:
         path = f"{out_path}.rank{rank}.safetensors"
         save_file({k: v.contiguous() for k, v in captured.items()}, path)
         return {"tp_rank": rank, "path": path}
+
+
+def retie_word_embeddings(model: torch.nn.Module, hf_config: Any) -> None:
+    """Tie the LM head to the input embedding again after an in-place reload.
+
+    vLLM's reload (``vllm/model_executor/model_loader/reload/layerwise.py``) gives every layer
+    new tensors on its own. A tied ``lm_head`` receives no checkpoint tensor (its model's
+    ``load_weights`` skips ``lm_head.*`` when ``tie_word_embeddings``), so vLLM logs
+    "ParallelLMHead: Failed to load weights" and puts the head's old tensors back: the
+    embedding is new, the head is not, and the logits come from the old weights (measured:
+    log-probs off by 11-15 nats after one update). This re-ties the head, as the model's
+    ``__init__`` does (``ParallelLMHead.tie_weights``), and redoes its weight processing (the
+    CPU build prepacks the head for its GEMM from ``weight``).
+
+    Raises:
+        AttributeError: a tied model without ``lm_head`` and ``model.embed_tokens`` (the
+            Qwen2/Qwen3/Llama layout of ``vllm/model_executor/models``).
+    """
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    lm_head, embed_tokens = model.lm_head, model.model.embed_tokens
+    lm_head.tie_weights(embed_tokens)
+    lm_head.quant_method.process_weights_after_loading(lm_head)
