@@ -18,6 +18,11 @@ torchforge's GRPO ``main``::
     finally: cancel in-flight syncs, close loggers, stop every tracked actor and proc mesh
              in reverse order -- also on an exception and on Ctrl-C
 
+A part of the run that dies on its own (a role's process or host, reported by Monarch) is
+not a Ctrl-C: the app calls :meth:`RLLoop.fail` with one error that says what died, the
+awaited call is cancelled at once, teardown runs, and :meth:`RLLoop.run` raises that error
+(:meth:`RLLoop.explain_error` maps an endpoint's own error to it when that arrives first).
+
 Ctrl-C (SIGINT) once: the run stops at the next step boundary, saves a checkpoint there if
 checkpoints are on (``save_every > 0``) and that step has none yet, and raises
 KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown
@@ -87,6 +92,8 @@ class RLLoop(ABC):
         self._interrupts = 0
         self._saved_step: int | None = None  # the last step save_checkpoint was called for
         self._main_task: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+        self._stopping = False  # teardown has begun
 
     # ---- hooks -------------------------------------------------------------------------
     @abstractmethod
@@ -135,6 +142,11 @@ class RLLoop(ABC):
         """Print a console line (apps with progress bars override it)."""
         print(line, flush=True)
 
+    def explain_error(self, error: BaseException) -> BaseException | None:
+        """The error :meth:`run` should raise instead of ``error`` (e.g. the death of a
+        process behind a failed endpoint call), or None to raise ``error`` itself."""
+        return None
+
     # ---- helpers for hooks -------------------------------------------------------------
     def track(self, name: str, stop: Callable[[], Awaitable[Any]]) -> None:
         """Register ``stop`` (e.g. ``handle.stop``) to be awaited at teardown, in reverse
@@ -146,10 +158,26 @@ class RLLoop(ABC):
         """Names of what teardown will stop (for tests and logs)."""
         return [name for name, _ in self._stop]
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the run (see :meth:`fail`), None while none has."""
+        return self._failure
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the run at once because of ``error`` (a role's process or host died): the
+        awaited call is cancelled, teardown stops everything, and :meth:`run` raises
+        ``error``. Call on the event loop's thread; later calls are ignored."""
+        if self._failure is not None:
+            return
+        self._failure = error
+        if self._main_task is not None and not self._main_task.done() and not self._stopping:
+            self._main_task.cancel()  # not during teardown: that must run to its end
+
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
         """Run the whole job (module docstring). Re-raises the first error after teardown."""
         completed = False
+        self._main_task = asyncio.current_task()
         sigint = self._install_sigint_handler()
         try:
             await self.setup()
@@ -172,6 +200,12 @@ class RLLoop(ABC):
                 self._raise_if_interrupted()
                 await self._run_step()
             completed = True
+        except BaseException as error:
+            failure = self._failure or self.explain_error(error)
+            if failure is not None and failure is not error:
+                self._failure = failure
+                raise failure from None  # the one message a user should read
+            raise
         finally:
             if sigint:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
@@ -218,7 +252,6 @@ class RLLoop(ABC):
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.interrupt)
         except (NotImplementedError, RuntimeError, ValueError):
             return False
-        self._main_task = asyncio.current_task()
         return True
 
     def interrupt(self) -> None:
@@ -230,6 +263,8 @@ class RLLoop(ABC):
             self._main_task.cancel()
 
     def _raise_if_interrupted(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         if self._interrupts:
             raise KeyboardInterrupt(f"interrupted before step {self.step + 1}")
 
@@ -275,6 +310,7 @@ class RLLoop(ABC):
 
     # ---- teardown ----------------------------------------------------------------------
     async def _teardown(self) -> None:
+        self._stopping = True
         for task in (self._sync, self._push):
             if task is not None and not task.done():
                 task.cancel()

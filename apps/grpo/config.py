@@ -14,6 +14,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
     procs:     {env, trainer, reference, generator}  processes and environment per role
+    hosts:     forge_ext.placement.HostsConfig  where roles run: launcher, hosts per role
     metrics:   MetricsConfig
     debug:     {fail_at_step}
 """
@@ -34,6 +35,7 @@ from forge_ext.engine import engine_config_from_mapping
 from forge_ext.losses.grpo import GRPOLoss
 from forge_ext.loop import LoopConfig
 from forge_ext.metrics import MetricsConfig
+from forge_ext.placement import HostsConfig
 from forge_ext.weights.publish import WeightsConfig
 
 
@@ -144,6 +146,7 @@ class GRPOConfig:
     reference: dict[str, Any] | None = None
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
+    hosts: HostsConfig = field(default_factory=HostsConfig)
     eval: EvalSection = field(default_factory=EvalSection)
     metrics: MetricsConfig | None = None
     debug: DebugSection = field(default_factory=DebugSection)
@@ -181,12 +184,14 @@ class GRPOConfig:
                 "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
                 "directory"
             )
-        sections = [("trainer", self.trainer, self.procs.trainer.num_procs)]
+        processes = self.processes()
+        self.hosts.layout(processes)
+        sections = [("trainer", self.trainer)]
         if self.reference is not None:
-            sections.append(("reference", self.reference, self.procs.reference.num_procs))
-        for name, mapping, num_procs in sections:
+            sections.append(("reference", self.reference))
+        for name, mapping in sections:
             engine = engine_config_from_mapping(mapping, section=name)
-            dp = data_parallel_size(engine, world_size_of(engine, num_procs))
+            dp = data_parallel_size(engine, processes[name])
             global_batch = engine.training.local_batch_size * dp
             if global_batch != self.grpo.batch_size:
                 raise ValueError(
@@ -194,6 +199,43 @@ class GRPOConfig:
                     f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
                     f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
                 )
+
+
+    def processes(self) -> dict[str, int]:
+        """``{role: process count}`` of the roles this run spawns: the trainer's and
+        reference's from their parallelism degrees and ``procs.<role>.num_procs`` or
+        ``hosts.<role>`` (hosts x procs_per_host), the generator's 1. Reads
+        ``model.hf_path``'s config.json (through the engine sections).
+
+        Raises:
+            ValueError: ``procs.<role>.num_procs`` and ``hosts.<role>`` disagree, or either
+                disagrees with the parallelism degrees (naming the fields).
+        """
+        counts = {"trainer": (self.trainer, self.procs.trainer.num_procs)}
+        if self.reference is not None:
+            counts["reference"] = (self.reference, self.procs.reference.num_procs)
+        processes = {}
+        for role, (mapping, num_procs) in counts.items():
+            engine = engine_config_from_mapping(mapping, section=role)
+            spec = self.hosts.role(role)
+            from_hosts = spec.hosts * spec.procs_per_host if spec.procs_per_host else None
+            if num_procs is not None and from_hosts is not None and num_procs != from_hosts:
+                raise ValueError(
+                    f"procs.{role}.num_procs={num_procs} but hosts.{role}.hosts={spec.hosts} x "
+                    f"hosts.{role}.procs_per_host={spec.procs_per_host} = {from_hosts}; set "
+                    "one of them, or make them equal"
+                )
+            wanted = num_procs if num_procs is not None else from_hosts
+            try:
+                processes[role] = world_size_of(engine, wanted)
+            except ValueError:
+                raise ValueError(
+                    f"{role}: {wanted} processes (procs.{role}.num_procs or hosts.{role}.hosts "
+                    f"x procs_per_host) do not match {role}.parallelism (the product of its "
+                    f"degrees is {world_size_of(engine, None)}); change one of them"
+                ) from None
+        processes["generator"] = 1
+        return processes
 
 
 def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True) -> GRPOConfig:

@@ -23,9 +23,11 @@ match it except for :data:`MAY_CHANGE_ON_RESUME`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +50,7 @@ from forge_ext.losses.grpo import compute_group_advantages
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
+from forge_ext.supervision import RoleFailure
 
 
 # Config keys (dotted prefixes) that may differ when a run is resumed in its output_dir: how
@@ -59,7 +62,7 @@ from forge_ext.replay_buffer import ReplayBuffer
 # started with the new length.
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
-    "eval.batch_size", "metrics", "procs", "debug",
+    "eval.batch_size", "metrics", "procs", "hosts", "debug",
 )
 
 
@@ -163,49 +166,102 @@ class GRPOApp(RLLoop):
         from forge_ext.actors.generator import spawn_generator
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.compat.torchstore_monarch import initialize_store
+        from forge_ext.placement import Placement
+        from forge_ext.supervision import FailureWatch
 
         c = self.config
         apply_env(c.procs.env)
-        self.write(f"spawning actors (trainer, {'reference, ' if c.reference else ''}generator)")
+        roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
+        placement = Placement(c.hosts, {r: n for r, n in c.processes().items() if r in roles})
+        self.placement = placement
+        # Before anything starts: a process or host that dies is one error naming it.
+        groups: dict[str, list[str]] = {}
+        for role in roles:
+            groups.setdefault(placement.group_of(role), []).append(role)
+        watch = FailureWatch(
+            {r: r for r in roles}, placement.describe_host, self.fail, groups=groups
+        ).__enter__()
+        self.watch = watch
+
+        async def stop_watch() -> None:
+            watch.__exit__()
+
+        self.track("failure watch", stop_watch)
+        placement.on_host_death = watch.host_death
+        where = "this machine" if c.hosts.launcher == "local" else ", ".join(
+            f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
+        ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        self.write(f"spawning actors ({', '.join(roles)}) on {where}")
+        placement.start()
+
+        async def stop_hosts() -> None:
+            placement.stop()
+
+        self.track("hosts", stop_hosts)
         await initialize_store()
         self.track("torchstore", ts.shutdown)
+
+        def track_role(name: str, stop) -> None:
+            async def stop_role() -> None:
+                if self.failure is not None and placement.owns_workers:
+                    # A host died: stopping this role's procs one by one would wait on it
+                    # (~30 s per mesh); placement.stop() below kills every proc at once.
+                    return
+                await stop()
+
+            self.track(name, stop_role)
+
+        def procs_of(role: str):
+            # Procs on other hosts start from their worker's environment: give them the
+            # run's and the role's (on this machine they inherit it, see below).
+            env = None if c.hosts.launcher == "local" else {
+                **c.procs.env, **getattr(c.procs, role).env
+            }
+            return functools.partial(placement.spawn_procs, role, env)
 
         async def trainer():
             # A restarted run may replace the DCP weight folders its crashed process left.
             run_id = c.weights.run_id or os.path.abspath(c.output_dir)
+            weights = {**asdict(c.weights), "run_id": run_id}
+            if not placement.same_host("trainer", ["generator"]):
+                weights["same_host"] = "off"  # no same-host shortcut between hosts
             self.trainer = await spawn_trainer(
-                c.trainer, loss=c.loss_spec(), num_procs=c.procs.trainer.num_procs,
-                weights={**asdict(c.weights), "run_id": run_id},
+                c.trainer, loss=c.loss_spec(), num_procs=placement.layout["trainer"][0]
+                * placement.layout["trainer"][1], weights=weights,
+                spawn_procs=procs_of("trainer"),
             )
-            self.track("trainer", self.trainer.stop)
+            track_role("trainer", self.trainer.stop)
 
         async def reference():
+            hosts, per_host = placement.layout["reference"]
             self.reference = await spawn_reference(
-                c.reference, num_procs=c.procs.reference.num_procs
+                c.reference, num_procs=hosts * per_host, spawn_procs=procs_of("reference")
             )
-            self.track("reference", self.reference.stop)
+            track_role("reference", self.reference.stop)
 
         async def generator():
             self.generator = await spawn_generator(
                 c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
-                key_prefix=c.weights.key_prefix,
+                key_prefix=c.weights.key_prefix, spawn_procs=procs_of("generator"),
             )
-            self.track("generator", self.generator.stop)
+            track_role("generator", self.generator.stop)
 
-        roles = [(trainer, c.procs.trainer), (generator, c.procs.generator)]
-        if c.reference is not None:
-            roles.append((reference, c.procs.reference))
-        if any(role.env for _, role in roles):
+        spawns = {"trainer": trainer, "reference": reference, "generator": generator}
+        if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
             # Procs read the environment when they start, after the spawning call returns:
             # roles with their own environment are spawned one at a time.
-            for spawn, role in roles:
-                with scoped_env(role.env):
-                    await spawn()
+            for role in roles:
+                with scoped_env(getattr(c.procs, role).env):
+                    await spawns[role]()
             return
-        results = await asyncio.gather(*(spawn() for spawn, _ in roles), return_exceptions=True)
+        results = await asyncio.gather(*(spawns[r]() for r in roles), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    def explain_error(self, error: BaseException) -> BaseException | None:
+        watch = getattr(self, "watch", None)
+        return watch.explain(error) if watch is not None else None
 
     async def load_checkpoint(self) -> int:
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
@@ -443,6 +499,27 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
               "resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)
+    except RoleFailure as failure:  # a process or host died: one message, no traceback
+        sys.exit(failure_message(failure, app.config, argv))
+
+
+def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | None) -> str:
+    """What the console shows when a role's process or host died: what died and its likely
+    cause, that everything else was stopped, the last checkpoint and the command that
+    resumes from it."""
+    step = latest_checkpoint_step(config)
+    if step:
+        from forge_ext.engine import engine_config_from_mapping
+
+        engine = engine_config_from_mapping(config.trainer)
+        folder = Path(engine.dump_folder) / engine.checkpoint.folder / f"step-{step}"
+        last = f"last checkpoint: step {step} ({folder})"
+    else:
+        last = "no checkpoint yet: a rerun starts over"
+    command = shlex.join([os.path.basename(sys.executable), "-m", "apps.grpo.main",
+                          *(sys.argv[1:] if argv is None else argv)])
+    return (f"error: {failure}.\nEvery other process of the run was stopped; {last}.\n"
+            f"resume with: {command}")
 
 
 if __name__ == "__main__":

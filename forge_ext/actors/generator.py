@@ -18,11 +18,13 @@ Controller usage::
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +32,9 @@ from monarch.actor import Actor, ProcMesh, endpoint, this_host
 
 from forge_ext.generation import Completion, HFSampler, SamplingConfig, as_stop_ids
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
+
+# How long stop() waits for the backend's own shutdown before it stops the proc regardless.
+SHUTDOWN_SECONDS = 60.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -307,8 +312,9 @@ class GeneratorHandle:
     async def stop(self) -> None:
         """Stop the backend's processes, then the proc; kill whatever survived both."""
         try:
-            await self.actor.shutdown.call_one()
-        except Exception:  # a dead proc cannot shut down; the rest still runs
+            # vLLM's shutdown takes seconds; a dead or hung proc would never answer.
+            await asyncio.wait_for(self.actor.shutdown.call_one(), SHUTDOWN_SECONDS)
+        except (Exception, asyncio.TimeoutError):  # a dead proc cannot shut down
             pass
         finally:
             await self.procs.stop()
@@ -318,20 +324,28 @@ class GeneratorHandle:
 async def spawn_generator(
     config: GeneratorConfig, *, stop_token_ids: int | list[int], pad_token_id: int,
     key_prefix: str = DEFAULT_KEY_PREFIX, name: str = "generator",
+    spawn_procs: Callable[[], ProcMesh] | None = None,
 ) -> GeneratorHandle:
     """Check the backend, spawn one proc, load the model there.
 
     Args:
         stop_token_ids: every id that ends a response (an int is one id).
         key_prefix: torchstore prefix the trainer publishes under (``weights.key_prefix``).
+        spawn_procs: returns the one-proc mesh to run on, called after the checks (e.g.
+            :meth:`forge_ext.placement.Placement.spawn_procs`); default: a proc on this host.
 
     Raises:
         ValueError: see :meth:`GeneratorConfig.check_backend` (before anything is spawned).
     """
     config.check_backend()
     stop_token_ids = list(as_stop_ids(stop_token_ids))
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    if spawn_procs is None:
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
+    else:
+        procs = spawn_procs()
     try:
+        if procs.size() != 1:
+            raise ValueError(f"{name}: the generator runs in one proc, not {procs.size()}")
         actor = procs.spawn(
             name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix
         )

@@ -8,6 +8,7 @@ loaded from ``model.hf_path``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,12 @@ class ReferenceModel:
 
 
 async def spawn_reference(
-    reference: dict[str, Any], num_procs: int | None = None, name: str = "reference"
+    reference: dict[str, Any], num_procs: int | None = None, name: str = "reference",
+    spawn_procs: Callable[[], Any] | None = None,
 ) -> ReferenceModel:
     """Spawn the reference model from a YAML ``reference:`` engine mapping (same schema as
-    ``trainer:``). Raises ValueError on a config error, before spawning."""
-    return ReferenceModel(await spawn_trainer(reference, num_procs=num_procs, name=name))
+    ``trainer:``; ``spawn_procs`` as in :func:`spawn_trainer`). Raises ValueError on a config
+    error, before spawning."""
+    return ReferenceModel(
+        await spawn_trainer(reference, num_procs=num_procs, name=name, spawn_procs=spawn_procs)
+    )

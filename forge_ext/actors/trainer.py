@@ -14,7 +14,9 @@ Controller usage::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,10 @@ from forge_ext.engine.losses import build_loss
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
+
+# How long stop() waits for the ranks' cleanup (releasing the checkpointer) before it stops
+# the procs regardless.
+CLEANUP_SECONDS = 10.0
 
 
 class RLTrainer(Actor):
@@ -290,9 +296,14 @@ class TrainerHandle:
     num_procs: int
 
     async def stop(self) -> None:
-        """Run ``cleanup`` on every rank, then stop the proc mesh."""
+        """Run ``cleanup`` on every rank, then stop the proc mesh. A rank that does not
+        answer within ``CLEANUP_SECONDS`` (it is dead, or blocked in a collective with a
+        dead peer) is not waited for: stopping the proc mesh releases everything anyway."""
         try:
-            await self.actor.cleanup.call()
+            await asyncio.wait_for(self.actor.cleanup.call(), CLEANUP_SECONDS)
+        except (Exception, asyncio.TimeoutError) as error:
+            logger.debug("%s: cleanup skipped (%s)", self.procs, str(error).splitlines()[0]
+                           if str(error) else type(error).__name__)
         finally:
             await self.procs.stop()
 
@@ -380,19 +391,27 @@ async def spawn_trainer(
     num_procs: int | None = None,
     name: str = "trainer",
     weights: dict[str, Any] | None = None,
+    spawn_procs: Callable[[], ProcMesh] | None = None,
 ) -> TrainerHandle:
     """Validate the config, spawn a proc mesh, set up torch.distributed and the engine.
 
     The whole config is validated here, in the controller, before any process is spawned.
+    The torch.distributed world is the whole proc mesh, across its hosts: rank = host x
+    procs per host + local rank, ``MASTER_ADDR`` the first proc's host name
+    (``monarch.spmd.setup_torch_elastic_env_async``).
 
     Args:
         trainer: YAML ``trainer:`` mapping.
         loss: loss spec for :func:`forge_ext.engine.losses.build_loss`.
         num_procs: processes to spawn (default: the product of parallel degrees).
         weights: YAML ``weights:`` mapping for ``push_weights``.
+        spawn_procs: returns the proc mesh to run on, called after validation (e.g.
+            :meth:`forge_ext.placement.Placement.spawn_procs` for a role on several hosts);
+            default: ``num_procs`` procs on this host.
 
     Raises:
-        ValueError: a config error naming the field.
+        ValueError: a config error naming the field; the mesh ``spawn_procs`` returned does
+            not hold ``num_procs`` procs.
     """
     config = engine_config_from_mapping(trainer)
     build_loss(**(loss or {"name": "cross_entropy"}))
@@ -407,8 +426,13 @@ async def spawn_trainer(
             "parallelism.pipeline_parallel_degree > 1"
         )
     n = world_size_of(config, num_procs)
-    procs = this_host().spawn_procs(per_host={"procs": n})
+    if spawn_procs is None:
+        procs = this_host().spawn_procs(per_host={"procs": n}, name=name)
+    else:
+        procs = spawn_procs()
     try:
+        if procs.size() != n:
+            raise ValueError(f"{name}: the proc mesh holds {procs.size()} procs, not {n}")
         await setup_torch_elastic_env_async(procs)
         actor = procs.spawn(name, RLTrainer, trainer, loss, weights)
         await actor.setup.call()

@@ -11,12 +11,19 @@ the listed files.
 Run as a file (``python _reaper.py``), not as a module: it imports nothing of forge_ext (or
 torch), so it starts in milliseconds.
 
-Usage: ``python _reaper.py [--unlink GLOB ...] PID:CREATE_TIME ...`` (``CREATE_TIME`` as
-``psutil.Process.create_time()``, so that a reused pid is never killed).
+The placement of roles on worker processes (:mod:`forge_ext.placement`, ``processes``
+launcher) uses it too: ``--session`` kills every process of a worker's session (the worker and
+the procs it spawned, which sit in process groups of their own but keep its session), and
+``--rmtree`` removes the job's socket folder.
+
+Usage: ``python _reaper.py [--unlink GLOB ...] [--session PID:CREATE_TIME ...] [--rmtree DIR
+...] PID:CREATE_TIME ...`` (``CREATE_TIME`` as ``psutil.Process.create_time()``, so that a
+reused pid is never killed; a session is that of the process ``PID`` started).
 """
 
 import glob
 import os
+import shutil
 import sys
 
 import psutil
@@ -25,11 +32,16 @@ GRACE_SECONDS = 5.0
 
 
 def main(argv: list[str]) -> None:
-    unlink, targets = [], []
+    unlink, targets, sessions, trees = [], [], [], []
     args = iter(argv)
     for arg in args:
         if arg == "--unlink":
             unlink.append(next(args))
+        elif arg == "--rmtree":
+            trees.append(next(args))
+        elif arg == "--session":
+            pid, created = next(args).split(":")
+            sessions.append((int(pid), float(created)))
         else:
             pid, created = arg.split(":")
             targets.append((int(pid), float(created)))
@@ -42,6 +54,7 @@ def main(argv: list[str]) -> None:
                 processes.append(process)
         except psutil.NoSuchProcess:
             pass
+    processes += _session_members(sessions)
     for process in processes:
         try:
             process.terminate()
@@ -59,6 +72,25 @@ def main(argv: list[str]) -> None:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+    for tree in trees:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+def _session_members(sessions: list[tuple[int, float]]) -> list:
+    """The live processes of each session ``(leader pid, leader create time)``, started no
+    earlier than its leader (so a session id reused after the leader's death is spared)."""
+    members = []
+    for process in psutil.process_iter(["create_time"]):
+        try:
+            sid = os.getsid(process.pid)
+        except OSError:
+            continue
+        for leader, created in sessions:
+            if sid == leader and process.info["create_time"] >= created - 1e-3 and (
+                process.pid != os.getpid()
+            ):
+                members.append(process)
+    return members
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ torchstore_monarch.apply()
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("direct", "dcp")
+SAME_HOST_MODES = ("auto", "off")
 # File in each <dcp_path>/<version> folder a publisher creates, naming its run (run_id).
 DCP_MARKER = ".forge_ext_weights.json"
 # Chunk puts in flight per rank: enough to overlap one chunk's copy with others' sends while
@@ -111,6 +112,12 @@ class WeightsConfig:
             ``output_dir``). With dcp, a folder ``<dcp_path>/<version>`` that an earlier
             process of the same run left (it crashed; the resumed trainer publishes the
             checkpoint's version again) is replaced; None never replaces an existing folder.
+        same_host: ``"auto"``: a reader on the writer's host may take a same-host
+            shortcut (shared memory) where one exists; ``"off"``: always the cross-host
+            path (torchstore RPC/RDMA). The placement of roles sets ``"off"`` when the
+            trainer and a reader of its weights are on different hosts, and tests of the
+            cross-host path set it on one machine. (No same-host shortcut exists yet: both
+            values publish the same way today.)
     """
 
     transport: str = "direct"
@@ -120,6 +127,7 @@ class WeightsConfig:
     key_prefix: str = DEFAULT_KEY_PREFIX
     chunk_mb: int = 16
     run_id: str | None = None
+    same_host: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,6 +161,9 @@ class WeightsConfig:
             raise ValueError(f"weights.chunk_mb={self.chunk_mb!r} must be an int >= 1")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
             raise ValueError(f"weights.run_id={self.run_id!r} must be None or a non-empty string")
+        if self.same_host not in SAME_HOST_MODES:
+            allowed = ", ".join(repr(m) for m in SAME_HOST_MODES)
+            raise ValueError(f"weights.same_host={self.same_host!r} must be one of {allowed}")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -1,0 +1,485 @@
+"""Where each role's processes run: Monarch host meshes chosen by the YAML ``hosts:`` section.
+
+A role (``trainer``, ``reference``, ``generator``) runs on a host mesh; its procs are
+``procs_per_host`` processes on each of its ``hosts``. The launcher says where hosts come from;
+every launcher is Monarch's own, this module only chooses one, validates the layout before
+anything starts, and stops what it started::
+
+    hosts:
+      launcher: processes              # local (default) | processes | slurm | attach
+      trainer:   {hosts: 2, procs_per_host: 1}
+      reference: {hosts: 1}
+      generator: {hosts: 1}
+
+- ``local``: ``monarch.actor.this_host()``; every role on the controller's machine (one host
+  per role, the behaviour before multi-host support).
+- ``processes``: ``monarch.job.ProcessJob``; each host is a worker process on this machine
+  (``run_worker_loop_forever`` on a Unix socket). For trying a layout, and for testing
+  multi-host code, on one box.
+- ``slurm``: ``monarch.job.SlurmJob``; one ``sbatch`` allocation of every group's hosts
+  (``hosts.slurm``: partition, time, GPUs per host, ...), workers on TCP port ``slurm.port``.
+- ``attach``: ``monarch.actor.attach_to_workers``; workers already running
+  ``run_worker_loop_forever`` (Kubernetes pods, hand-started nodes) at the addresses listed
+  per role in ``hosts.attach``.
+
+Roles with the same ``group`` share one host mesh (e.g. reference and generator on one node,
+each with its own GPUs through ``procs.<role>.env``); by default every role is its own group.
+Roles in different groups are on different hosts, so a same-host shortcut between them (the
+weight transport's ``weights.same_host``) must be off: :meth:`Placement.same_host`.
+
+Environment: on ``local`` the procs inherit the controller's environment (and the app's
+``procs.<role>.env``). On the other launchers procs start from their worker's environment,
+and :meth:`Placement.spawn_procs` applies the role's ``env`` in each proc before any actor
+runs (:func:`forge_ext.config.apply_env`). Variables that a process reads when it starts
+(``CUDA_VISIBLE_DEVICES`` for roles that share a node) are set that way before the role's
+actors touch CUDA.
+
+No orphans: :meth:`Placement.stop` kills the job (``job.kill()``: every worker and every proc
+it spawned). ProcessJob workers run in sessions of their own and outlive a controller killed
+with SIGKILL, so a watchdog (:mod:`forge_ext.generation._reaper`, holding a pipe from the
+controller) kills their sessions when the controller dies in any way. Slurm and attached
+workers stop their procs themselves when the controller disconnects (Monarch's worker loop);
+the Slurm allocation is cancelled by :meth:`Placement.stop`, or ends at ``slurm.time``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LAUNCHERS = ("local", "processes", "slurm", "attach")
+ROLES = ("trainer", "reference", "generator")
+# A worker address: a ZMQ-style channel URL (tcp://host:port, ipc://path), optionally as a
+# Monarch ProcAddr (<proc id>@<url>); see monarch.actor.attach_to_workers.
+_ADDRESS = re.compile(r"^(\S+@)?(tcp|metatls|ipc)://\S+$")
+
+
+@dataclass(kw_only=True, slots=True)
+class RoleHosts:
+    """YAML ``hosts.<role>``: how many hosts a role spans and how many procs on each."""
+
+    hosts: int = 1
+    """Hosts of the role's mesh."""
+    procs_per_host: int | None = None
+    """Procs on each host (default: the role's processes / ``hosts``; the trainer's and
+    reference's processes are the product of their parallelism degrees)."""
+    group: str | None = None
+    """Roles with the same group share one host mesh (default: the role's own name)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SlurmHosts:
+    """YAML ``hosts.slurm``: the ``sbatch`` allocation (``monarch.job.SlurmJob``)."""
+
+    partition: str | None = None
+    """Partition to submit to (required; ``sinfo`` lists them)."""
+    time: str | None = None
+    """Time limit, ``HH:MM:SS`` (default: the partition's)."""
+    gpus_per_host: int | None = None
+    """GPUs requested on every node (``--gpus-per-node``)."""
+    account: str | None = None
+    qos: str | None = None
+    python_exe: str = "python"
+    """Interpreter the workers run (the project's ``.venv/bin/python`` on a shared filesystem)."""
+    port: int = 22222
+    """TCP port the workers listen on."""
+    job_name: str = "forge_ext"
+    log_dir: str | None = None
+    """Folder of the Slurm logs (default: the working directory)."""
+    exclusive: bool = True
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra ``#SBATCH`` lines, e.g. ``["--constraint=h100"]``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HostsConfig:
+    """YAML ``hosts:`` (module docstring)."""
+
+    launcher: str = "local"
+    trainer: RoleHosts = field(default_factory=RoleHosts)
+    reference: RoleHosts = field(default_factory=RoleHosts)
+    generator: RoleHosts = field(default_factory=RoleHosts)
+    slurm: SlurmHosts = field(default_factory=SlurmHosts)
+    attach: dict[str, list[str]] = field(default_factory=dict)
+    """``launcher: attach``: worker addresses per group (or role), e.g.
+    ``{trainer: [tcp://node0:26600, tcp://node1:26600], generator: [tcp://node2:26600]}``."""
+
+    def __post_init__(self) -> None:
+        self.validate_launcher()
+
+    def validate_launcher(self) -> None:
+        """What can be checked without the roles' process counts.
+
+        Raises:
+            ValueError: naming the ``hosts.<field>`` and the fix.
+        """
+        if self.launcher not in LAUNCHERS:
+            allowed = ", ".join(repr(x) for x in LAUNCHERS)
+            raise ValueError(f"hosts.launcher={self.launcher!r} must be one of {allowed}")
+        for role in ROLES:
+            spec = self.role(role)
+            for name in ("hosts", "procs_per_host"):
+                value = getattr(spec, name)
+                if value is not None and (isinstance(value, bool) or value < 1):
+                    raise ValueError(f"hosts.{role}.{name}={value!r} must be an int >= 1")
+            if self.launcher == "local" and spec.hosts != 1:
+                raise ValueError(
+                    f"hosts.{role}.hosts={spec.hosts} needs a multi-host launcher: set "
+                    "hosts.launcher=processes (worker processes on this machine), slurm or "
+                    "attach"
+                )
+        if self.launcher == "slurm":
+            if not self.slurm.partition:
+                raise ValueError(
+                    "hosts.launcher=slurm needs hosts.slurm.partition: set it to the "
+                    "partition to submit to (`sinfo` lists them)"
+                )
+            if self.slurm.time is not None and not re.fullmatch(
+                r"(\d+-)?\d+(:\d\d){0,2}", self.slurm.time
+            ):
+                raise ValueError(
+                    f"hosts.slurm.time={self.slurm.time!r} must be a Slurm time limit such "
+                    "as '04:00:00' or '1-00:00:00'"
+                )
+        if self.attach and self.launcher != "attach":
+            raise ValueError(
+                f"hosts.attach is set but hosts.launcher={self.launcher!r}: set "
+                "hosts.launcher=attach or remove hosts.attach"
+            )
+        for group, addresses in self.attach.items():
+            for address in addresses:
+                if not _ADDRESS.match(str(address)):
+                    raise ValueError(
+                        f"hosts.attach.{group}: {address!r} is not a worker address; use "
+                        "tcp://<host>:<port> (what run_worker_loop_forever listens on)"
+                    )
+
+    def role(self, role: str) -> RoleHosts:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        return getattr(self, role)
+
+    def group_of(self, role: str) -> str:
+        return self.role(role).group or role
+
+    def layout(self, processes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """``{role: (hosts, procs_per_host)}`` of the roles in ``processes``, checked.
+
+        Args:
+            processes: each role's process count (trainer/reference: the product of the
+                parallelism degrees, :func:`forge_ext.actors.trainer.world_size_of`;
+                generator: 1).
+
+        Raises:
+            ValueError: hosts x procs_per_host differs from a role's process count (naming
+                both and the fix); roles of one group with different host counts; with
+                ``launcher: attach``, a group without addresses or with a number of
+                addresses other than its hosts.
+        """
+        self.validate_launcher()
+        layout = {}
+        for role, count in processes.items():
+            spec = self.role(role)
+            if role == "generator" and (spec.hosts, spec.procs_per_host or 1) != (1, 1):
+                raise ValueError(
+                    f"hosts.generator.hosts={spec.hosts}, procs_per_host="
+                    f"{spec.procs_per_host}: the generator is one process on one host (vLLM "
+                    "starts its tensor-parallel workers there); set both to 1"
+                )
+            if spec.procs_per_host is None:
+                if count % spec.hosts:
+                    raise ValueError(
+                        f"{role}: {count} processes do not split over hosts.{role}.hosts="
+                        f"{spec.hosts}; set hosts.{role}.procs_per_host or change the "
+                        f"{role}'s parallelism degrees"
+                    )
+                per_host = count // spec.hosts
+            else:
+                per_host = spec.procs_per_host
+            if spec.hosts * per_host != count:
+                what = "its parallelism degrees (DP x PP x TP x CP)" if role != "generator" \
+                    else "the generator (one process; vLLM starts its own workers)"
+                raise ValueError(
+                    f"hosts.{role}.hosts={spec.hosts} x hosts.{role}.procs_per_host={per_host} "
+                    f"= {spec.hosts * per_host} processes, but {what} need {count}; make "
+                    "them equal"
+                )
+            layout[role] = (spec.hosts, per_host)
+        groups: dict[str, list[str]] = {}
+        for role in layout:
+            groups.setdefault(self.group_of(role), []).append(role)
+        for group, roles in groups.items():
+            counts = {layout[r][0] for r in roles}
+            if len(counts) > 1:
+                raise ValueError(
+                    f"roles {roles} share group {group!r} but ask for different numbers of "
+                    "hosts; give them the same hosts.<role>.hosts or separate groups"
+                )
+        if self.launcher == "attach":
+            for group, roles in groups.items():
+                addresses = self.attach.get(group)
+                if addresses is None:
+                    raise ValueError(
+                        f"hosts.launcher=attach: hosts.attach.{group} lists no worker "
+                        f"addresses for {', '.join(roles)}; add one per host"
+                    )
+                if len(addresses) != layout[roles[0]][0]:
+                    raise ValueError(
+                        f"hosts.attach.{group} lists {len(addresses)} workers but "
+                        f"hosts.{roles[0]}.hosts={layout[roles[0]][0]}; list one address per host"
+                    )
+            unknown = sorted(set(self.attach) - set(groups))
+            if unknown:
+                raise ValueError(
+                    f"hosts.attach has addresses for {unknown}, which is no role's group "
+                    f"(groups: {sorted(groups)})"
+                )
+        return layout
+
+
+def _set_env(env: Mapping[str, str]) -> None:
+    """Proc bootstrap: ``env`` into this proc's environment (and torch's thread count)."""
+    from forge_ext.config import apply_env
+
+    apply_env(env)
+
+
+@dataclass(frozen=True, slots=True)
+class HostDeath:
+    """A host's worker process ended while the run used it (``processes`` launcher)."""
+
+    group: str
+    host: int
+    pid: int
+    returncode: int
+
+
+class Placement:
+    """The host meshes of a run's roles, from :class:`HostsConfig` (module docstring).
+
+    Usage (controller)::
+
+        placement = Placement(config.hosts, {"trainer": 2, "generator": 1})  # validates
+        placement.start()                  # the job's workers (nothing for `local`)
+        procs = placement.spawn_procs("trainer", env={...})
+        ...
+        placement.stop()                   # kills every worker and proc of the job
+
+    Args:
+        config: the ``hosts:`` section.
+        processes: ``{role: process count}`` of the roles this run spawns.
+        on_host_death: called (from a watcher thread) when a ``processes`` worker exits
+            before :meth:`stop`; the run's failure watch turns it into one error.
+
+    Raises:
+        ValueError: from :meth:`HostsConfig.layout`, before anything starts.
+    """
+
+    def __init__(
+        self, config: HostsConfig, processes: Mapping[str, int],
+        on_host_death: Callable[[HostDeath], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = config.layout(processes)
+        self.on_host_death = on_host_death
+        self.job = None
+        self.reaper: subprocess.Popen | None = None
+        self.meshes: dict[str, Any] = {}
+        self.stopping = False
+
+    @property
+    def launcher(self) -> str:
+        return self.config.launcher
+
+    @property
+    def groups(self) -> dict[str, int]:
+        """``{group: hosts}`` in role order (the order Slurm nodes are handed out)."""
+        return {self.config.group_of(role): hosts for role, (hosts, _) in self.layout.items()}
+
+    def group_of(self, role: str) -> str:
+        return self.config.group_of(role) if role in ROLES else role
+
+    @property
+    def owns_workers(self) -> bool:
+        """Whether :meth:`stop` kills the workers and all their procs (``processes``,
+        ``slurm``), rather than leaving the roles' proc meshes to their handles."""
+        return self.job is not None
+
+    def start(self) -> None:
+        """Start (``processes``, ``slurm``) or reach (``attach``) the hosts; ``local`` needs
+        nothing. Call in the controller before any other Monarch use (``slurm`` and
+        ``attach`` switch the controller to TCP, which workers on other machines dial)."""
+        launcher = self.launcher
+        if launcher == "local" or self.meshes:
+            return
+        if launcher == "attach":
+            from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+            from monarch.actor import attach_to_workers
+            from monarch.config import configure
+
+            configure(default_transport=ChannelTransport.TcpWithHostname)
+            self.meshes = {
+                group: attach_to_workers(
+                    name=group, ca="trust_all_connections", workers=self.config.attach[group]
+                )
+                for group in self.groups
+            }
+            return
+        # Monarch's job modules log each step at INFO on the console ("Applying current
+        # job", "ProcessJob: spawned worker ..."); the run prints its own summary line.
+        for name in ("monarch._src.job.job", "monarch._src.job.process"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        if launcher == "processes":
+            self.job = _WatchedProcessJob(self.groups, on_exit=self._worker_exited)
+        else:
+            from monarch.job import SlurmJob
+
+            s = self.config.slurm
+            self.job = SlurmJob(
+                dict(self.groups), python_exe=s.python_exe, slurm_args=list(s.sbatch_args),
+                monarch_port=s.port, job_name=s.job_name, time_limit=s.time,
+                partition=s.partition, log_dir=s.log_dir, exclusive=s.exclusive,
+                gpus_per_node=s.gpus_per_host, account=s.account, qos=s.qos,
+            )
+        try:
+            state = self.job.state(cached_path=None)
+            self.meshes = {group: getattr(state, group) for group in self.groups}
+            if launcher == "processes":
+                self.reaper = _start_session_reaper(self.job)
+        except BaseException:
+            self.stop()
+            raise
+
+    def host_mesh(self, role: str):
+        """The role's ``HostMesh`` (``this_host()`` for ``local``)."""
+        if self.launcher == "local":
+            from monarch.actor import this_host
+
+            return this_host()
+        if not self.meshes:
+            raise RuntimeError("Placement.start() must run before spawning")
+        return self.meshes[self.group_of(role)]
+
+    def procs_per_host(self, role: str) -> int:
+        return self.layout[role][1]
+
+    def spawn_procs(self, role: str, env: Mapping[str, str] | None = None):
+        """The role's proc mesh: ``procs_per_host`` procs on each of its hosts, named after
+        the role (Monarch's failure reports then name it). ``env`` is applied in each proc
+        before any actor runs, on every launcher but ``local`` (whose procs inherit the
+        controller's environment at spawn)."""
+        bootstrap = None
+        if env and self.launcher != "local":
+            bootstrap = functools.partial(_set_env, {k: str(v) for k, v in env.items()})
+        return self.host_mesh(role).spawn_procs(
+            per_host={"procs": self.procs_per_host(role)}, bootstrap=bootstrap, name=role
+        )
+
+    def same_host(self, writer: str, readers: list[str]) -> bool:
+        """Whether ``writer`` and every reader run on the same hosts (same host mesh), so
+        that a same-host shortcut between them is possible."""
+        if self.launcher == "local":
+            return True
+        return all(self.group_of(r) == self.group_of(writer) for r in readers)
+
+    def describe_host(self, role: str, host: int) -> str:
+        """Where host ``host`` of ``role`` is, for messages."""
+        if self.launcher == "local":
+            return "this machine"
+        hosts = self.layout[role][0] if role in self.layout else None
+        where = f"host {host}" + (f" of {hosts}" if hosts else "")
+        if self.launcher == "processes" and self.job is not None:
+            state = self.job._host_to_pid.get(f"{self.group_of(role)}_{host}")
+            if state is not None:
+                where += f" (worker pid {state.pid})"
+        elif self.launcher == "attach":
+            addresses = self.config.attach.get(self.group_of(role), [])
+            if host < len(addresses):
+                where += f" ({addresses[host]})"
+        return where
+
+    def _worker_exited(self, group: str, host: int, pid: int, returncode: int) -> None:
+        if self.stopping or self.on_host_death is None:
+            return
+        self.on_host_death(HostDeath(group=group, host=host, pid=pid, returncode=returncode))
+
+    def stop(self) -> None:
+        """Kill the job: every worker and every proc it spawned (``local``: nothing to do,
+        the roles' proc meshes are stopped by their handles). Idempotent."""
+        self.stopping = True
+        job, self.job = self.job, None
+        self.meshes = {}
+        try:
+            if job is not None:
+                job.kill()
+        finally:
+            if self.reaper is not None:
+                self.reaper.stdin.close()  # the job is gone: the watchdog has nothing to do
+                self.reaper.wait()
+                self.reaper = None
+
+
+def _start_session_reaper(job) -> subprocess.Popen:
+    """The watchdog of a ProcessJob's workers: when this process exits in any way (a
+    SIGKILL included), it kills every process in each worker's session (the worker and the
+    procs it spawned, as ``ProcessJob.kill`` does) and removes the job's socket folder."""
+    import psutil
+
+    script = os.path.join(os.path.dirname(__file__), "generation", "_reaper.py")
+    args = []
+    for state in job._host_to_pid.values():
+        try:
+            args += ["--session", f"{state.pid}:{psutil.Process(state.pid).create_time()}"]
+        except psutil.NoSuchProcess:
+            pass
+    if job._tmpdir:
+        args += ["--rmtree", job._tmpdir]
+    # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
+    # before it has done its work.
+    return subprocess.Popen(
+        [sys.executable, script, *args], stdin=subprocess.PIPE, start_new_session=True
+    )
+
+
+@functools.cache
+def _process_job_class():
+    from monarch.job import ProcessJob
+
+    class WatchedProcessJob(ProcessJob):
+        """``ProcessJob`` that also tells the run when a worker exits.
+
+        Why: ProcessJob only logs a worker's death, and Monarch's own supervision reports a
+        dead host after about a minute (``get_proc_state_max_idle``) as "no status received
+        from process", without the signal. Overrides ProcessJob's per-worker waiter thread
+        (``_watch_process``, monarch/_src/job/process.py, 0.7.0) to also call ``on_exit``.
+        """
+
+        def __init__(self, meshes, env=None, on_exit=None):
+            super().__init__(dict(meshes), env)
+            self._on_exit = on_exit
+
+        def _watch_process(self, proc, mesh_name, rank, addr):
+            def wait() -> None:
+                code = proc.wait()
+                if self._on_exit is not None:
+                    self._on_exit(mesh_name, rank, proc.pid, code)
+
+            threading.Thread(target=wait, daemon=True, name=f"watch-{mesh_name}_{rank}").start()
+
+    return WatchedProcessJob
+
+
+def _WatchedProcessJob(meshes, on_exit=None):
+    # Built on first use: importing monarch.job here at module import would pull Monarch's
+    # job machinery into every process that only reads a config.
+    return _process_job_class()(meshes, on_exit=on_exit)

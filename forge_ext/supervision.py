@@ -1,0 +1,249 @@
+"""One clear error when a role's process or host dies mid-run, instead of Monarch's defaults.
+
+What Monarch 0.7.0 does by default when a proc dies (e.g. ``kill -9``, as the kernel's
+out-of-memory killer does): the client's root actor receives one supervision report per actor
+of the dead proc (the role's actor, its logger, ...) and calls
+``monarch.actor.unhandled_fault_hook``, whose default is ``sys.exit(1)`` delivered to the main
+thread as a KeyboardInterrupt (a SIGINT: the RL loop took it for a Ctrl-C), and the awaited
+endpoint call fails with a ``SupervisionError`` whose text is the report. A dead *host* (a
+worker process, a node) is reported only after about a minute, as "no status received from
+process", without the signal.
+
+:class:`FailureWatch` replaces that for a run: it installs a fault hook that never exits
+(:func:`install_fault_hook`), turns the first report of a dead process, a dead ``processes``
+worker (:class:`forge_ext.placement.HostDeath`, at once and with its signal) or a
+``SupervisionError`` into one :class:`RoleFailure` naming the role, the rank and host, the
+signal and its likely cause, and hands it to the run (``on_failure``), which stops everything
+and raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Likely causes of a process's death by signal, for the message.
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "most often the kernel's out-of-memory killer (see `dmesg` or the node's "
+                    "memory), else a `kill -9` or the scheduler",
+    signal.SIGTERM: "stopped from outside: the scheduler (preemption, time limit) or a `kill`",
+    signal.SIGINT: "interrupted (a Ctrl-C on the host's terminal)",
+    signal.SIGSEGV: "a crash in native code (CUDA, NCCL, gloo or a compiled extension)",
+    signal.SIGABRT: "an abort in native code (a failed assertion or an uncaught C++ exception;"
+                    " the host's log has it)",
+    signal.SIGBUS: "a bad memory access, often a full /dev/shm",
+}
+
+# "<actor mesh name>{'hosts': 1/2, 'procs': 0/1}" in Monarch's reports; the mesh name is the
+# name the actor was spawned under (the role's name) or an internal one ("logger-<id>").
+_POINT = re.compile(r"(?P<name>[\w.-]+)\{(?P<coords>[^{}]*)\}")
+_COORD = re.compile(r"'(?P<dim>\w+)': (?P<index>\d+)/(?P<size>\d+)")
+_KILLED = re.compile(r"Killed\(sig=(?P<sig>\d+)")
+_EXITED = re.compile(r"exited with non-zero code (?P<code>-?\d+)")
+_NO_STATUS = "no status received from process"
+# torchstore 0.1.2 names its storage volume actor "StorageVolumes_<id>" (torchstore/utils.py).
+TORCHSTORE_VOLUME = "StorageVolumes"
+
+
+class RoleFailure(RuntimeError):
+    """A role's process or host died; the run was stopped.
+
+    Attributes:
+        role: ``trainer``, ``reference``, ``generator`` (or the actor's name when it is none
+            of them, e.g. torchstore's volume); roles sharing a dead host are joined by
+            " and ".
+        rank: the rank of the dead process in its role's proc mesh; None when a whole host
+            died.
+        where: the host, e.g. ``host 1 of 2 (worker pid 1234)``.
+        cause: e.g. ``was killed by SIGKILL (signal 9)``.
+        hint: the likely cause.
+    """
+
+    def __init__(self, role: str, rank: int | None, where: str, cause: str, hint: str = ""):
+        self.role, self.rank, self.where, self.cause, self.hint = role, rank, where, cause, hint
+        hint_text = f": {hint}" if hint else ""
+        what = f"the {role}'s {where}" if rank is None else f"the {role}'s rank {rank} on {where}"
+        super().__init__(f"{what} {cause}{hint_text}")
+
+
+def describe_exit(*, signum: int | None = None, code: int | None = None) -> tuple[str, str]:
+    """``(cause, likely cause)`` of a process that ended by ``signum`` or with exit ``code``."""
+    if signum is not None:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"was killed by {name} (signal {signum})", SIGNAL_CAUSES.get(signum, "")
+    if code is not None:
+        return f"exited with code {code}", "its log says why"
+    return "stopped answering", "its host died or cannot be reached (node failure, network)"
+
+
+def parse_report(text: str) -> dict[str, Any] | None:
+    """The dead actor's mesh name, point and cause in a Monarch failure report (a
+    ``MeshFailure.report()`` or a ``SupervisionError``'s text); None if it names none.
+
+    Returns:
+        ``{"name", "coords": {"hosts": (index, size), "procs": (index, size)}, "signum",
+        "code", "no_status"}``.
+    """
+    match = None
+    for candidate in _POINT.finditer(text):
+        if _COORD.search(candidate.group("coords")):
+            match = candidate
+            break
+    if match is None:
+        return None
+    coords = {
+        c.group("dim"): (int(c.group("index")), int(c.group("size")))
+        for c in _COORD.finditer(match.group("coords"))
+    }
+    name = match.group("name").rsplit(" ", 1)[-1]
+    killed, exited = _KILLED.search(text), _EXITED.search(text)
+    return {
+        "name": name,
+        "coords": coords,
+        "signum": int(killed.group("sig")) if killed else None,
+        "code": int(exited.group("code")) if exited else None,
+        "no_status": _NO_STATUS in text,
+    }
+
+
+def rank_of(coords: Mapping[str, tuple[int, int]]) -> int:
+    """Row-major rank of a point (``{"hosts": (1, 2), "procs": (0, 4)}`` -> 4)."""
+    rank = 0
+    for index, size in coords.values():
+        rank = rank * size + index
+    return rank
+
+
+_watches: list[FailureWatch] = []
+_installed = False
+
+
+def _fault_hook(failure) -> None:
+    """Monarch's ``unhandled_fault_hook`` while forge_ext runs: the active watches get the
+    report; it never raises (a raising hook is Monarch's ``sys.exit``, see the module
+    docstring). Without an active watch (after a run, while its meshes are torn down) the
+    report is logged and dropped."""
+    try:
+        if not _watches:
+            logger.debug("after the run: %s", failure.report().splitlines()[0])
+        for watch in list(_watches):
+            watch.mesh_failure(failure)
+    except Exception:  # noqa: BLE001 - a raising hook would end the process
+        logger.exception("reading a Monarch failure report failed")
+
+
+def install_fault_hook() -> None:
+    """Replace ``monarch.actor.unhandled_fault_hook`` for the rest of the process (reports
+    of a dead proc keep arriving after the run that saw it has ended). Idempotent."""
+    global _installed
+    import monarch.actor
+
+    if not _installed:
+        monarch.actor.unhandled_fault_hook = _fault_hook
+        _installed = True
+
+
+class FailureWatch:
+    """Turns reports of dead processes and hosts into one :class:`RoleFailure` for a run.
+
+    Args:
+        roles: the role of each actor mesh name the run spawns (``{"trainer": "trainer",
+            ...}``); reports of other actors (Monarch's loggers, torchstore) are matched to
+            a role by the host they ran on when possible.
+        describe_host: ``(role, host index) -> text`` (:meth:`Placement.describe_host`).
+        on_failure: called on the event loop's thread with the first failure.
+
+    Use as ``with FailureWatch(...) as watch:`` inside the running loop.
+    """
+
+    def __init__(
+        self, roles: Mapping[str, str], describe_host: Callable[[str, int], str],
+        on_failure: Callable[[RoleFailure], None],
+        groups: Mapping[str, list[str]] | None = None,
+    ) -> None:
+        self.roles = dict(roles)
+        self.describe_host = describe_host
+        self.on_failure = on_failure
+        self.groups = dict(groups or {})
+        self.failure: RoleFailure | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __enter__(self) -> FailureWatch:
+        install_fault_hook()
+        self.loop = asyncio.get_running_loop()
+        _watches.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in _watches:
+            _watches.remove(self)
+
+    # ---- reports (any thread) ------------------------------------------------------------
+    def mesh_failure(self, failure) -> None:
+        """A Monarch supervision report (the fault hook). Only reports of the roles' own
+        actors (and torchstore's volume) count: the helper actors of a dead proc (its
+        logger, Monarch's SPMD set-up actor) are reported too but name no role."""
+        found = self.explain_text(failure.report(), roles_only=True)
+        if found is not None:
+            self._report(found)
+        else:
+            logger.debug("Monarch reported: %s", failure.report().splitlines()[0])
+
+    def host_death(self, death) -> None:
+        """A ``processes`` worker ended (:class:`forge_ext.placement.HostDeath`)."""
+        roles = self.groups.get(death.group, [death.group])
+        signum = -death.returncode if death.returncode < 0 else None
+        cause, hint = describe_exit(signum=signum, code=None if signum else death.returncode)
+        self._report(RoleFailure(
+            " and ".join(roles), None, self.describe_host(roles[0], death.host), cause, hint
+        ))
+
+    def explain(self, error: BaseException) -> RoleFailure | None:
+        """The :class:`RoleFailure` behind an endpoint call's error: the failure already
+        reported, or one read from a ``SupervisionError``'s text; None for other errors."""
+        if self.failure is not None:
+            return self.failure
+        if type(error).__name__ == "SupervisionError":
+            return self.explain_text(str(error))
+        return None
+
+    def explain_text(self, text: str, roles_only: bool = False) -> RoleFailure | None:
+        """The :class:`RoleFailure` a report describes; with ``roles_only`` None unless it
+        names a role's actor or torchstore's storage volume."""
+        parsed = parse_report(text)
+        if parsed is None:
+            return None
+        coords = parsed["coords"]
+        name = parsed["name"]
+        if name.startswith(TORCHSTORE_VOLUME):
+            name = "torchstore"
+        elif roles_only and name not in self.roles:
+            return None
+        role = self.roles.get(name, name)
+        host = coords.get("hosts", (0, 1))[0]
+        cause, hint = describe_exit(signum=parsed["signum"], code=parsed["code"])
+        if parsed["no_status"] and parsed["signum"] is None:
+            cause, hint = describe_exit()
+        return RoleFailure(role, rank_of(coords), self.describe_host(role, host), cause, hint)
+
+    def _report(self, failure: RoleFailure) -> None:
+        if self.failure is not None or self.loop is None:
+            return
+        self.failure = failure
+
+        def deliver() -> None:
+            self.on_failure(failure)
+
+        try:
+            self.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop has closed: the run is over
+            pass
