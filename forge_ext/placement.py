@@ -247,6 +247,13 @@ class HostsConfig:
         return layout
 
 
+def _is_loopback(address: str) -> bool:
+    """Whether a worker address (``[proc id@]tcp://host:port``) is on this machine's
+    loopback interface."""
+    host = address.split("@")[-1].split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _set_env(env: Mapping[str, str]) -> None:
     """Proc bootstrap: ``env`` into this proc's environment (and torch's thread count)."""
     from forge_ext.config import apply_env
@@ -327,7 +334,14 @@ class Placement:
             from monarch.actor import attach_to_workers
             from monarch.config import configure
 
-            configure(default_transport=ChannelTransport.TcpWithHostname)
+            # Workers dial the controller back: over TCP at its host name, or at 127.0.0.1
+            # when every worker is on this machine (a loopback-only host name has no other
+            # address, and Monarch refuses it for TcpWithHostname).
+            loopback = all(
+                _is_loopback(a) for group in self.groups for a in self.config.attach[group]
+            )
+            configure(default_transport=ChannelTransport.TcpWithLocalhost if loopback
+                      else ChannelTransport.TcpWithHostname)
             self.meshes = {
                 group: attach_to_workers(
                     name=group, ca="trust_all_connections", workers=self.config.attach[group]

@@ -247,3 +247,26 @@ class FailureWatch:
             self.loop.call_soon_threadsafe(deliver)
         except RuntimeError:  # the loop has closed: the run is over
             pass
+
+
+def watch_run(run: Any, placement: Any) -> FailureWatch:
+    """Start a :class:`FailureWatch` for ``run`` (an :class:`forge_ext.loop.RLLoop` during
+    its ``setup``) over the roles of ``placement`` (:class:`forge_ext.placement.Placement`):
+    a dead process or host of any role calls ``run.fail`` with its :class:`RoleFailure`.
+    The watch ends at the very end of the run's teardown (``run.track``), after every role
+    was stopped. Call before anything is spawned.
+    """
+    roles = list(placement.layout)
+    groups: dict[str, list[str]] = {}
+    for role in roles:
+        groups.setdefault(placement.group_of(role), []).append(role)
+    watch = FailureWatch(
+        {r: r for r in roles}, placement.describe_host, run.fail, groups=groups
+    ).__enter__()
+
+    async def stop_watch() -> None:
+        watch.__exit__()
+
+    run.track("failure watch", stop_watch)
+    placement.on_host_death = watch.host_death
+    return watch

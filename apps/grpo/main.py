@@ -167,7 +167,7 @@ class GRPOApp(RLLoop):
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.compat.torchstore_monarch import initialize_store
         from forge_ext.placement import Placement
-        from forge_ext.supervision import FailureWatch
+        from forge_ext.supervision import watch_run
 
         c = self.config
         apply_env(c.procs.env)
@@ -175,19 +175,7 @@ class GRPOApp(RLLoop):
         placement = Placement(c.hosts, {r: n for r, n in c.processes().items() if r in roles})
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it.
-        groups: dict[str, list[str]] = {}
-        for role in roles:
-            groups.setdefault(placement.group_of(role), []).append(role)
-        watch = FailureWatch(
-            {r: r for r in roles}, placement.describe_host, self.fail, groups=groups
-        ).__enter__()
-        self.watch = watch
-
-        async def stop_watch() -> None:
-            watch.__exit__()
-
-        self.track("failure watch", stop_watch)
-        placement.on_host_death = watch.host_death
+        self.watch = watch_run(self, placement)
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
