@@ -1,9 +1,16 @@
 """Shared test helpers. ``import forge_ext`` first: it makes torchtitan pick the CPU device
 on machines without an accelerator."""
 
-import forge_ext  # noqa: F401  (must precede any torchtitan import)
-import pytest_asyncio
-import torch
+import os
+
+# Monarch polls its meshes' supervision state every 10 s by default, so a killed proc is
+# reported up to 10 s late; tests that kill procs wait for that report. Read once, when
+# Monarch is imported: set before anything imports it.
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+
+import forge_ext  # noqa: E402,F401  (must precede any torchtitan import)
+import pytest_asyncio  # noqa: E402
+import torch  # noqa: E402
 
 from forge_ext.engine import IGNORE_INDEX
 

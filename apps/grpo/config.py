@@ -229,10 +229,13 @@ class GRPOConfig:
             try:
                 processes[role] = world_size_of(engine, wanted)
             except ValueError:
+                source = (f"procs.{role}.num_procs={num_procs}" if num_procs is not None else
+                          f"hosts.{role}.hosts={spec.hosts} x hosts.{role}.procs_per_host="
+                          f"{spec.procs_per_host} = {from_hosts} processes")
                 raise ValueError(
-                    f"{role}: {wanted} processes (procs.{role}.num_procs or hosts.{role}.hosts "
-                    f"x procs_per_host) do not match {role}.parallelism (the product of its "
-                    f"degrees is {world_size_of(engine, None)}); change one of them"
+                    f"{source}, but {role}.parallelism needs {world_size_of(engine, None)} "
+                    "(the product of its degrees: DP replicate x DP shard x CP x TP x PP); "
+                    "make them equal"
                 ) from None
         processes["generator"] = 1
         return processes

@@ -213,6 +213,7 @@ class GRPOApp(RLLoop):
             weights = {**asdict(c.weights), "run_id": run_id}
             if not placement.same_host("trainer", ["generator"]):
                 weights["same_host"] = "off"  # no same-host shortcut between hosts
+            self.trainer_weights = weights
             self.trainer = await spawn_trainer(
                 c.trainer, loss=c.loss_spec(), num_procs=placement.layout["trainer"][0]
                 * placement.layout["trainer"][1], weights=weights,

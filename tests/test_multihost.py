@@ -1,0 +1,326 @@
+"""Roles on several (simulated) hosts, through ``forge_ext.placement`` and Monarch's
+``ProcessJob`` (each host a worker process of its own on this machine):
+
+- a DP=2 trainer over 2 hosts (1 proc each, FSDP: each host holds half of every parameter)
+  and a PP=2 trainer with one stage per host give the loss and gradients of DP=2 on one
+  host, from the same weights and a batch whose DP ranks hold 10 and 120 valid tokens;
+- its torch.distributed world spans both hosts (rank = host, MASTER_ADDR host 0's name);
+- weights its ranks publish from both hosts are fetched on a third host, with the weight
+  transport's same-host shortcut off (``weights.same_host: off``);
+- its checkpoint saves and resumes;
+- a proc that dies on the local launcher stops an RL loop with one error naming the role,
+  rank and signal (not the Ctrl-C Monarch's default fault hook looked like);
+- config errors of the ``hosts:`` section come before any process starts.
+"""
+
+import asyncio
+import copy
+import functools
+import glob
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+from conftest import make_lm_batch, random_state_dict
+from monarch.actor import Actor, current_rank, endpoint
+
+from forge_ext.actors import spawn_trainer
+from forge_ext.loop import LoopConfig, RLLoop
+from forge_ext.metrics import MetricsConfig
+from forge_ext.placement import HostsConfig, Placement, RoleHosts
+from forge_ext.supervision import RoleFailure, watch_run
+
+module_loop = pytest.mark.asyncio(loop_scope="module")
+# Spawned procs cannot import test modules: ship the probe actors by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BATCH = 8
+TRAINER = {
+    "model": {"name": "qwen3", "flavor": "tiny"},
+    "training": {"local_batch_size": BATCH, "seq_len": 64, "max_norm": 1.0e6, "steps": 100},
+    "optimizer": {"lr": 3e-3},
+    "seed": 7,
+}
+# Rows 0-3 (DP rank 0) hold 4+3+2+1 = 10 valid tokens, rows 4-7 (rank 1) 31+30+29+30 = 120.
+DP_PREFIX = [27, 28, 29, 30, 0, 1, 2, 1]
+WEIGHTS = {"transport": "direct", "key_prefix": "multihost", "same_host": "off"}
+
+
+def config(dp=1, pp=1, **extra):
+    c = copy.deepcopy(TRAINER)
+    c["training"]["local_batch_size"] = BATCH // dp
+    c["parallelism"] = {"data_parallel_shard_degree": dp, "pipeline_parallel_degree": pp}
+    if pp > 1:
+        c["parallelism"].update(pipeline_parallel_microbatch_size=2,
+                                pipeline_parallel_schedule="1F1B")
+    c.update(extra)
+    return c
+
+
+def split(batch, dp):
+    return ([{"input_ids": t} for t in batch["input_ids"].chunk(dp)],
+            [{"labels": t} for t in batch["labels"].chunk(dp)])
+
+
+def processes_placement(**roles) -> Placement:
+    """A started ``processes`` placement: ``roles`` maps a role to its hosts (1 proc each)."""
+    hosts = HostsConfig(launcher="processes", **{r: RoleHosts(hosts=n) for r, n in roles.items()})
+    placement = Placement(hosts, dict(roles))
+    placement.start()
+    return placement
+
+
+class Probe(Actor):
+    """Where a proc runs and what torch.distributed environment it was given."""
+
+    @endpoint
+    async def where(self) -> dict:
+        return {"pid": os.getpid(), "parent": os.getppid(), "hostname": socket.gethostname(),
+                "point": dict(current_rank()), **{k: os.environ.get(k) for k in
+                                                  ("RANK", "WORLD_SIZE", "MASTER_ADDR")}}
+
+
+class Reader(Actor):
+    """A reader of published weights on its own host."""
+
+    @endpoint
+    async def fetch(self, version: int, key_prefix: str) -> dict:
+        from forge_ext.weights.fetch import fetch_weights
+
+        return await fetch_weights(version, key_prefix=key_prefix)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def trainers(store, tmp_path_factory):
+    dp_hosts = processes_placement(trainer=2, generator=1)  # generator: the reader's host
+    pp_hosts = processes_placement(trainer=2)
+    ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"},
+            "dump_folder": str(tmp_path_factory.mktemp("multihost_ckpt"))}
+    try:
+        one_host, dp2, pp2 = await asyncio.gather(
+            spawn_trainer(config(dp=2)),  # DP=2 on one host: the reference
+            spawn_trainer(config(dp=2, **ckpt), weights=WEIGHTS,
+                          spawn_procs=functools.partial(dp_hosts.spawn_procs, "trainer")),
+            spawn_trainer(config(pp=2),
+                          spawn_procs=functools.partial(pp_hosts.spawn_procs, "trainer")),
+        )
+        weights = random_state_dict(await one_host.get_hf_state_dict(), seed=4, std=0.05)
+        for handle in (one_host, dp2, pp2):
+            await handle.load_hf_state_dict(weights)
+        yield {"one_host": one_host, "dp2": dp2, "pp2": pp2, "dp_hosts": dp_hosts,
+               "weights": weights}
+        for handle in (one_host, dp2, pp2):
+            await handle.stop()
+    finally:
+        dp_hosts.stop()
+        pp_hosts.stop()
+
+
+async def one_step(handle, batch, dp):
+    fb = await handle.forward_backward(*split(batch, dp))
+    grads = await handle.get_gradients()
+    await handle.optim_step()
+    return fb, grads
+
+
+@module_loop
+@pytest.mark.parametrize("name, dp", [("dp2", 2), ("pp2", 1)])
+@module_loop
+async def test_trainer_over_two_hosts_equals_dp2_on_one_host(trainers, name, dp):
+    """Same weights and batch: the loss, valid-token count and every gradient of DP=2 over
+    2 hosts (FSDP shards split between them) and of PP=2 with one stage per host equal
+    DP=2 on one host."""
+    batch = make_lm_batch(BATCH, 32, 256, seed=11, ignore_prefix=DP_PREFIX)
+    assert [int((t != -100).sum()) for t in batch["labels"].chunk(2)] == [10, 120]
+    ref, other = trainers["one_host"], trainers[name]
+    for handle in (ref, other):
+        await handle.load_hf_state_dict(trainers["weights"])
+    fb_ref, g_ref = await one_step(ref, batch, 2)
+    fb, g = await one_step(other, batch, dp)
+    assert fb["loss"] == pytest.approx(fb_ref["loss"], rel=1e-5)
+    assert fb["num_tokens"] == fb_ref["num_tokens"] == 130
+    assert set(g) == set(g_ref)
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@module_loop
+async def test_the_world_spans_the_hosts(trainers):
+    """Rank r runs on host r (a worker process of its own), and every rank's MASTER_ADDR is
+    host 0's name, not localhost."""
+    dp2, dp_hosts = trainers["dp2"], trainers["dp_hosts"]
+    where = list((await dp2.procs.spawn("probe", Probe).where.call()).values())
+    workers = [dp_hosts.job._host_to_pid[f"trainer_{h}"].pid for h in (0, 1)]
+    assert [w["point"] for w in where] == [{"hosts": 0, "procs": 0}, {"hosts": 1, "procs": 0}]
+    assert [w["parent"] for w in where] == workers
+    assert [w["RANK"] for w in where] == ["0", "1"]
+    assert {w["WORLD_SIZE"] for w in where} == {"2"}
+    assert {w["MASTER_ADDR"] for w in where} == {where[0]["hostname"]}
+    assert where[0]["hostname"] not in ("localhost", "127.0.0.1")
+
+
+@module_loop
+async def test_weights_published_from_two_hosts_are_fetched_on_a_third(trainers):
+    """Each trainer host publishes its own FSDP shards (torchstore clients on both hosts,
+    the store's volume on the controller's); a reader on a third host fetches the version
+    whole and equal to the trainer's weights."""
+    dp2, dp_hosts = trainers["dp2"], trainers["dp_hosts"]
+    pushed = await dp2.actor.push_weights.call(7)
+    assert all(r["bytes"] > 0 for r in pushed.values())  # both hosts wrote their shards
+    reader = dp_hosts.spawn_procs("generator").spawn("reader", Reader)
+    fetched = await reader.fetch.call_one(7, WEIGHTS["key_prefix"])
+    expected = await dp2.get_hf_state_dict()
+    assert set(fetched) == set(expected)
+    for k in expected:
+        assert torch.equal(fetched[k], expected[k]), k
+
+
+@module_loop
+async def test_a_two_host_checkpoint_saves_and_resumes(trainers):
+    """Save, train a step; load the checkpoint and train the same step: the same loss and
+    the same weights (the optimizer and LR state came back too)."""
+    dp2 = trainers["dp2"]
+    batch = make_lm_batch(BATCH, 32, 256, seed=12, ignore_prefix=DP_PREFIX)
+    await dp2.train_step(*split(batch, 2))  # Adam moments exist before the save
+    step = await dp2.save_checkpoint()
+    first = await dp2.train_step(*split(batch, 2), return_metrics=True)
+    w_first = await dp2.get_hf_state_dict()
+    assert await dp2.load_checkpoint(step) == step
+    again = await dp2.train_step(*split(batch, 2), return_metrics=True)
+    for key in ("loss", "grad_norm", "lr"):
+        assert again[key] == pytest.approx(first[key], rel=1e-6), key
+    w_again = await dp2.get_hf_state_dict()
+    for k in w_first:
+        torch.testing.assert_close(w_again[k], w_first[k], rtol=0, atol=0, msg=k)
+
+
+# ---- a dead proc on the local launcher ------------------------------------------------------
+class Sleeper(Actor):
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def work(self) -> None:
+        await asyncio.sleep(120)
+
+
+class KilledRun(RLLoop):
+    """An RL loop whose "trainer" (2 procs on this machine) loses rank 1 mid-step."""
+
+    def __init__(self, log_dir):
+        super().__init__(LoopConfig(steps=3), MetricsConfig(log_dir=str(log_dir),
+                                                            tensorboard=False, plot=None))
+        self.lines = []
+
+    async def setup(self):
+        self.placement = Placement(HostsConfig(), {"trainer": 2})
+        self.watch = watch_run(self, self.placement)
+        procs = self.placement.spawn_procs("trainer")
+        self.track("trainer", procs.stop)
+        self.actor = procs.spawn("trainer", Sleeper)
+        self.pids = list((await self.actor.pid.call()).values())
+
+    async def build_rollouts(self, step):
+        os.kill(self.pids[1], signal.SIGKILL)  # as an out-of-memory kill would
+        await self.actor.work.call()
+
+    def write(self, line):
+        self.lines.append(line)
+
+    def explain_error(self, error):
+        return self.watch.explain(error)
+
+    async def load_checkpoint(self):
+        return 0
+
+    async def train_step(self, step, rollouts):
+        return {}
+
+    async def push_weights(self, version):
+        pass
+
+    async def fetch_weights(self, version):
+        pass
+
+    async def evaluate(self, step):
+        return {}
+
+    async def save_checkpoint(self, step):
+        pass
+
+
+@module_loop
+async def test_a_dead_proc_on_this_machine_is_one_error_not_an_interrupt(tmp_path):
+    run = KilledRun(tmp_path)
+    with pytest.raises(RoleFailure) as failure:
+        await asyncio.wait_for(run.run(), 90)
+    assert str(failure.value).startswith(
+        "the trainer's rank 1 on this machine was killed by SIGKILL (signal 9): most often "
+        "the kernel's out-of-memory killer"
+    )
+    assert not any("interrupt" in line for line in run.lines), run.lines
+    assert not psutil.pid_exists(run.pids[0]) or psutil.Process(run.pids[0]).status() == \
+        psutil.STATUS_ZOMBIE
+
+
+# ---- config errors -------------------------------------------------------------------------
+DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from apps.grpo.tokenizer import VOCAB_SIZE, save_tokenizer
+    from forge_ext.hf_checkpoint import init_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("multihost_ckpt_cfg")
+    save_tokenizer(root / "tok")
+    arch = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                max_position_embeddings=64, tie_word_embeddings=False)
+    return str(init_hf_checkpoint(root / "init", "qwen3", arch, seed=0,
+                                  tokenizer_from=root / "tok"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["hosts.launcher=processes", "hosts.trainer.hosts=2", "hosts.trainer.procs_per_host=2",
+      "trainer.parallelism.data_parallel_shard_degree=1"],
+     "hosts.trainer.hosts=2 x hosts.trainer.procs_per_host=2 = 4 processes, but "
+     "trainer.parallelism needs 1 (the product of its degrees"),
+    (["hosts.launcher=processes", "hosts.reference.hosts=3",
+      "reference.parallelism.data_parallel_shard_degree=2"],
+     "reference: 2 processes do not split over hosts.reference.hosts=3"),
+    (["hosts.launcher=kubernetes"],
+     "hosts.launcher='kubernetes' must be one of 'local', 'processes', 'slurm', 'attach'"),
+    (["hosts.launcher=slurm"], "hosts.launcher=slurm needs hosts.slurm.partition"),
+    (["hosts.trainer.hosts=2"], "hosts.trainer.hosts=2 needs a multi-host launcher"),
+    (["hosts.launcher=attach", "hosts.attach.trainer=[tcp://127.0.0.1:26600]"],
+     "hosts.launcher=attach: hosts.attach.reference lists no worker addresses"),
+    (["hosts.launcher=processes", "hosts.generator.hosts=2"],
+     "hosts.generator.hosts=2, procs_per_host=None: the generator is one process on one host"),
+    (["hosts.trainer.hostz=2"], "unknown key 'hosts.trainer.hostz'"),
+    (["procs.trainer.num_procs=2", "hosts.trainer.procs_per_host=1"],
+     "procs.trainer.num_procs=2 but hosts.trainer.hosts=1 x hosts.trainer.procs_per_host=1"),
+    (["weights.same_host=never"], "weights.same_host='never' must be one of 'auto', 'off'"),
+])
+def test_hosts_config_errors_come_before_any_process_starts(tiny_checkpoint, tmp_path,
+                                                            overrides, message):
+    from apps.grpo.config import load_config
+    from apps.grpo.main import GRPOApp
+
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    jobs = set(glob.glob("/tmp/monarch_process_job_*"))
+    with pytest.raises(ValueError) as error:
+        GRPOApp(load_config(DEMO, [f"model.hf_path={tiny_checkpoint}",
+                                   f"output_dir={tmp_path}", *overrides]))
+    assert message in str(error.value)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+    assert set(glob.glob("/tmp/monarch_process_job_*")) <= jobs
+    assert not (tmp_path / "run_config.yaml").exists()
