@@ -2,8 +2,10 @@
 ``ProcessJob`` (each host a worker process of its own on this machine):
 
 - a DP=2 trainer over 2 hosts (1 proc each, FSDP: each host holds half of every parameter)
-  and a PP=2 trainer with one stage per host give the loss and gradients of DP=2 on one
-  host, from the same weights and a batch whose DP ranks hold 10 and 120 valid tokens;
+  and a PP=2 trainer with one stage per host give the loss and gradients of the same model
+  on one host in one process (the full batch, no parallelism: what DP=2 on one host equals,
+  tests/test_trainer_actor.py), from the same weights and a batch whose DP ranks hold 10
+  and 120 valid tokens;
 - its torch.distributed world spans both hosts (rank = host, MASTER_ADDR host 0's name);
 - weights its ranks publish from both hosts are fetched on a third host, with the weight
   transport's same-host shortcut off (``weights.same_host: off``);
@@ -28,7 +30,7 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
-from conftest import make_lm_batch, random_state_dict
+from conftest import full, make_lm_batch, random_state_dict
 from monarch.actor import Actor, current_rank, endpoint
 
 from forge_ext.actors import spawn_trainer
@@ -103,49 +105,56 @@ async def trainers(store, tmp_path_factory):
     pp_hosts = processes_placement(trainer=2)
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"},
             "dump_folder": str(tmp_path_factory.mktemp("multihost_ckpt"))}
+    handles = {}
     try:
-        one_host, dp2, pp2 = await asyncio.gather(
-            spawn_trainer(config(dp=2)),  # DP=2 on one host: the reference
+        handles["dp2"], handles["pp2"] = await asyncio.gather(
             spawn_trainer(config(dp=2, **ckpt), weights=WEIGHTS,
                           spawn_procs=functools.partial(dp_hosts.spawn_procs, "trainer")),
             spawn_trainer(config(pp=2),
                           spawn_procs=functools.partial(pp_hosts.spawn_procs, "trainer")),
         )
-        weights = random_state_dict(await one_host.get_hf_state_dict(), seed=4, std=0.05)
-        for handle in (one_host, dp2, pp2):
-            await handle.load_hf_state_dict(weights)
-        yield {"one_host": one_host, "dp2": dp2, "pp2": pp2, "dp_hosts": dp_hosts,
-               "weights": weights}
-        for handle in (one_host, dp2, pp2):
-            await handle.stop()
+        weights = random_state_dict(await handles["dp2"].get_hf_state_dict(), seed=4, std=0.05)
+        yield {**handles, "dp_hosts": dp_hosts, "weights": weights}
     finally:
+        # Killing the jobs stops every proc on their hosts at once (what the GRPO app does
+        # after a failure); the trainers' graceful stops would take seconds each.
         dp_hosts.stop()
         pp_hosts.stop()
 
 
-async def one_step(handle, batch, dp):
-    fb = await handle.forward_backward(*split(batch, dp))
-    grads = await handle.get_gradients()
-    await handle.optim_step()
-    return fb, grads
+def one_host_step(weights, batch):
+    """Loss, valid tokens and gradients of the same model and batch in this process: one
+    rank, the whole batch, no parallelism (the reference)."""
+    from forge_ext.engine import TitanEngine, cross_entropy_loss, valid_tokens
+    from forge_ext.engine.distributed import init_single_process_env
+
+    init_single_process_env()
+    engine = TitanEngine(config())
+    engine.load_model_state_dict(engine.sd_adapter.from_hf(weights))
+    engine.optimizer_zero_grad()
+    out = engine.forward_backward_batch(engine.microbatches(batch), cross_entropy_loss,
+                                        valid_tokens)
+    grads = {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
+    engine.close()
+    return out.loss, out.global_weight, grads
 
 
-@module_loop
 @pytest.mark.parametrize("name, dp", [("dp2", 2), ("pp2", 1)])
 @module_loop
-async def test_trainer_over_two_hosts_equals_dp2_on_one_host(trainers, name, dp):
+async def test_trainer_over_two_hosts_equals_one_process_on_one_host(trainers, name, dp):
     """Same weights and batch: the loss, valid-token count and every gradient of DP=2 over
-    2 hosts (FSDP shards split between them) and of PP=2 with one stage per host equal
-    DP=2 on one host."""
+    2 hosts (FSDP shards split between them) and of PP=2 with one stage per host equal one
+    process's on the whole batch."""
     batch = make_lm_batch(BATCH, 32, 256, seed=11, ignore_prefix=DP_PREFIX)
     assert [int((t != -100).sum()) for t in batch["labels"].chunk(2)] == [10, 120]
-    ref, other = trainers["one_host"], trainers[name]
-    for handle in (ref, other):
-        await handle.load_hf_state_dict(trainers["weights"])
-    fb_ref, g_ref = await one_step(ref, batch, 2)
-    fb, g = await one_step(other, batch, dp)
-    assert fb["loss"] == pytest.approx(fb_ref["loss"], rel=1e-5)
-    assert fb["num_tokens"] == fb_ref["num_tokens"] == 130
+    loss_ref, tokens_ref, g_ref = one_host_step(trainers["weights"], batch)
+    other = trainers[name]
+    await other.load_hf_state_dict(trainers["weights"])
+    fb = await other.forward_backward(*split(batch, dp))
+    g = await other.get_gradients()
+    await other.optim_step()  # clears the gradients
+    assert fb["loss"] == pytest.approx(loss_ref, rel=1e-5)
+    assert fb["num_tokens"] == tokens_ref == 130
     assert set(g) == set(g_ref)
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-5, atol=1e-6, msg=k)

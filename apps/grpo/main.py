@@ -2,9 +2,11 @@
 
 The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
 
-- ``setup``: torchstore, then the ``RLTrainer`` (GRPO loss, ``push_weights``), the
-  ``ReferenceModel`` (unless ``reference: null``) and the ``Generator``, spawned
-  concurrently, each tracked so that teardown stops it.
+- ``setup``: the hosts (``hosts:``, :mod:`forge_ext.placement`) and a watch that turns a
+  dead process or host into one error (:mod:`forge_ext.supervision`), torchstore, then the
+  ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
+  null``) and the ``Generator``, spawned concurrently on their host meshes; teardown stops
+  them (concurrently), then torchstore, then the hosts.
 - ``build_rollouts``: ``grpo.prompts_per_step`` prompts of the task, ``grpo.group_size``
   samples each, rewards (exact answer), group-normalised advantages, reference log-probs.
 - ``train_step``: the rollouts go through the replay buffer (which drops any older than
@@ -189,15 +191,21 @@ class GRPOApp(RLLoop):
         await initialize_store()
         self.track("torchstore", ts.shutdown)
 
-        def track_role(name: str, stop) -> None:
-            async def stop_role() -> None:
-                if self.failure is not None and placement.owns_workers:
-                    # A host died: stopping this role's procs one by one would wait on it
-                    # (~30 s per mesh); placement.stop() below kills every proc at once.
-                    return
-                await stop()
+        stops: dict[str, Any] = {}  # each role's stop, once it is spawned
 
-            self.track(name, stop_role)
+        async def stop_roles() -> None:
+            if self.failure is not None and placement.owns_workers:
+                # A host died: stopping the roles' procs one mesh at a time would wait on it
+                # (~30 s per mesh); placement.stop() below kills every proc at once.
+                return
+            # The roles do not depend on each other: stop them all at once.
+            results = await asyncio.gather(*(stop() for stop in stops.values()),
+                                           return_exceptions=True)
+            for role, result in zip(stops, results):
+                if isinstance(result, BaseException):
+                    self.write(f"stopping the {role} failed: {result!r}")
+
+        self.track("actors", stop_roles)
 
         def procs_of(role: str):
             # Procs on other hosts start from their worker's environment: give them the
@@ -219,21 +227,21 @@ class GRPOApp(RLLoop):
                 * placement.layout["trainer"][1], weights=weights,
                 spawn_procs=procs_of("trainer"),
             )
-            track_role("trainer", self.trainer.stop)
+            stops["trainer"] = self.trainer.stop
 
         async def reference():
             hosts, per_host = placement.layout["reference"]
             self.reference = await spawn_reference(
                 c.reference, num_procs=hosts * per_host, spawn_procs=procs_of("reference")
             )
-            track_role("reference", self.reference.stop)
+            stops["reference"] = self.reference.stop
 
         async def generator():
             self.generator = await spawn_generator(
                 c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
                 key_prefix=c.weights.key_prefix, spawn_procs=procs_of("generator"),
             )
-            track_role("generator", self.generator.stop)
+            stops["generator"] = self.generator.stop
 
         spawns = {"trainer": trainer, "reference": reference, "generator": generator}
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
