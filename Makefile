@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert
 	$(PY) -m bench.generate
+	$(PY) -m bench.multi_host
 
 clean:
 	rm -rf $(VENV)

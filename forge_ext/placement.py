@@ -350,7 +350,10 @@ class Placement:
             }
             return
         # Monarch's job modules log each step at INFO on the console ("Applying current
-        # job", "ProcessJob: spawned worker ..."); the run prints its own summary line.
+        # job", "ProcessJob: spawned worker ..."); the run prints its own summary line. (They
+        # set their level when imported: import first.)
+        import monarch.job  # noqa: F401
+
         for name in ("monarch._src.job.job", "monarch._src.job.process"):
             logging.getLogger(name).setLevel(logging.WARNING)
         if launcher == "processes":

@@ -333,3 +333,28 @@ def test_hosts_config_errors_come_before_any_process_starts(tiny_checkpoint, tmp
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
     assert set(glob.glob("/tmp/monarch_process_job_*")) <= jobs
     assert not (tmp_path / "run_config.yaml").exists()
+
+
+def test_two_node_gpu_config_validates_with_slurm_and_with_attached_workers(tmp_path,
+                                                                            monkeypatch):
+    """configs/grpo_qwen3_0.6b_2nodes.yaml, validated as the controller of a GPU cluster
+    would (nothing is submitted): trainer 1 node x 8, reference and generator sharing the
+    other node; the trainer publishes with same_host off; without a partition it is refused."""
+    from test_configs import write_qwen3_config
+
+    from apps.grpo.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = write_qwen3_config(tmp_path / "Qwen3-0.6B", "0.6b")
+    two_nodes = str(Path(DEMO).parent / "grpo_qwen3_0.6b_2nodes.yaml")
+    for extra in (["hosts.slurm.partition=gpu"],
+                  ["hosts.launcher=attach", "hosts.attach.trainer=[tcp://node0:26600]",
+                   "hosts.attach.rollout=[tcp://node1:26600]"]):
+        config = load_config(two_nodes, [f"model.hf_path={path}", *extra])
+        placement = Placement(config.hosts, config.processes())
+        assert placement.layout == {"trainer": (1, 8), "reference": (1, 1), "generator": (1, 1)}
+        assert placement.groups == {"trainer": 1, "rollout": 1}
+        assert not placement.same_host("trainer", ["generator"])
+        assert placement.job is None and not placement.meshes  # nothing started
+    with pytest.raises(ValueError, match="hosts.slurm.partition"):
+        load_config(two_nodes, [f"model.hf_path={path}"])
