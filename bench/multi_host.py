@@ -16,8 +16,8 @@ Each has a reader (a proc on a host of its own, as a generator would be). Per ro
 alternating order (AB, BA, ...): ``--steps`` ``RLTrainer.train_step`` calls timed in the
 controller (the batch travels with the call, as in the GRPO app), then one ``push_weights``
 (``weights.transport: direct``, ``same_host: off``: the cross-host path) and the reader's
-``fetch_weights`` of that version, timed separately. Reported: medians over rounds and the
-median of the per-round ratios ``2 hosts / 1 host``.
+``fetch_weights`` of that version, timed separately. Reported: medians over rounds, the
+median of the per-round ratios ``2 hosts / 1 host`` and their range.
 
 What crossing hosts costs here: on one machine both layouts talk over the same loopback
 network (gloo's TCP between ranks, Monarch's sockets between procs and torchstore's volume),
@@ -155,13 +155,14 @@ def report(args, rounds, seconds: float) -> None:
     for key in ("train_step", "push", "fetch", "push+fetch"):
         a = statistics.median(x[key] for x in rounds[one])
         b = statistics.median(x[key] for x in rounds[two])
-        ratio = statistics.median(y[key] / x[key] for x, y in zip(rounds[one], rounds[two]))
-        rows.append([key, f"{a:.3f}", f"{b:.3f}", f"{ratio:.3f}"])
+        ratios = [y[key] / x[key] for x, y in zip(rounds[one], rounds[two])]
+        rows.append([key, f"{a:.3f}", f"{b:.3f}", f"{statistics.median(ratios):.3f}",
+                     f"{min(ratios):.2f}-{max(ratios):.2f}"])
     print(f"\n## qwen3 {args.flavor} ({mb:.0f} MB of weights), DP=2 FSDP, "
           f"{args.batch} x {args.seq} tokens per step; {args.reps} rounds x {args.steps} "
           f"train steps; load average {os.getloadavg()[0]:.1f}; {seconds:.0f} s")
-    print(tabulate(rows, headers=["seconds (median)", one, two, "2 hosts / 1 host"],
-                   disable_numparse=True))
+    print(tabulate(rows, headers=["seconds (median)", one, two, "2 hosts / 1 host",
+                                  "per-round range"], disable_numparse=True))
 
 
 def main(argv: list[str] | None = None) -> None:
