@@ -330,8 +330,7 @@ class Placement:
         if launcher == "local" or self.meshes:
             return
         if launcher == "attach":
-            from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
-            from monarch.actor import attach_to_workers
+            from monarch.actor import ChannelTransport, attach_to_workers
             from monarch.config import configure
 
             # Workers dial the controller back: over TCP at its host name, or at 127.0.0.1
@@ -389,6 +388,11 @@ class Placement:
 
     def procs_per_host(self, role: str) -> int:
         return self.layout[role][1]
+
+    def num_procs(self, role: str) -> int:
+        """The role's processes: hosts x procs per host."""
+        hosts, per_host = self.layout[role]
+        return hosts * per_host
 
     def spawn_procs(self, role: str, env: Mapping[str, str] | None = None):
         """The role's proc mesh: ``procs_per_host`` procs on each of its hosts, named after

@@ -358,3 +358,31 @@ def test_two_node_gpu_config_validates_with_slurm_and_with_attached_workers(tmp_
         assert placement.job is None and not placement.meshes  # nothing started
     with pytest.raises(ValueError, match="hosts.slurm.partition"):
         load_config(two_nodes, [f"model.hf_path={path}"])
+
+
+def test_monarch_reports_read_as_role_rank_host_and_cause():
+    """The report texts Monarch 0.7.0 gives (seen on this machine) name the role, its rank,
+    its host and what ended it; reports of a dead proc's helper actors name no role."""
+    from forge_ext.supervision import FailureWatch
+
+    watch = FailureWatch({"trainer": "trainer", "generator": "generator"},
+                         lambda role, host: f"host {host} of 2", lambda failure: None)
+    killed = ("The actor <root>.<forge_ext.actors.trainer.RLTrainer trainer{'hosts': 1/2, "
+              "'procs': 1/4}> and all its descendants have failed:\n  the process this actor "
+              "was running on failed: Killed(sig=9)")
+    assert str(watch.explain_text(killed)).startswith(
+        "the trainer's rank 5 on host 1 of 2 was killed by SIGKILL (signal 9): most often")
+    exited = killed.replace("failed: Killed(sig=9)", "exited with non-zero code 1")
+    assert str(watch.explain_text(exited)) == (
+        "the trainer's rank 5 on host 1 of 2 exited with code 1: its log says why")
+    silent = ("Endpoint call generator.generate() failed, Supervision event: actor <root>."
+              "<forge_ext.actors.generator.Generator generator{'hosts': 0/1, 'procs': 0/1}> "
+              "has status:\n  stopped: no status received from process")
+    assert str(watch.explain_text(silent)) == (
+        "the generator's rank 0 on host 0 of 2 stopped answering: its host died or cannot be "
+        "reached (node failure, network)")
+    helper = ("The actor logger-vit8G6phm8B{'hosts': 1/2, 'procs': 0/1} and all its "
+              "descendants have failed:\n  the process this actor was running on failed: "
+              "Killed(sig=9)")
+    assert watch.explain_text(helper, roles_only=True) is None
+    assert watch.explain_text("no point in this text") is None

@@ -200,7 +200,6 @@ class GRPOConfig:
                     f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
                 )
 
-
     def processes(self) -> dict[str, int]:
         """``{role: process count}`` of the roles this run spawns: the trainer's and
         reference's from their parallelism degrees and ``procs.<role>.num_procs`` or

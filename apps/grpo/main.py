@@ -174,7 +174,7 @@ class GRPOApp(RLLoop):
         c = self.config
         apply_env(c.procs.env)
         roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
-        placement = Placement(c.hosts, {r: n for r, n in c.processes().items() if r in roles})
+        placement = Placement(c.hosts, c.processes())
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it.
         self.watch = watch_run(self, placement)
@@ -223,16 +223,15 @@ class GRPOApp(RLLoop):
                 weights["same_host"] = "off"  # no same-host shortcut between hosts
             self.trainer_weights = weights
             self.trainer = await spawn_trainer(
-                c.trainer, loss=c.loss_spec(), num_procs=placement.layout["trainer"][0]
-                * placement.layout["trainer"][1], weights=weights,
-                spawn_procs=procs_of("trainer"),
+                c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
+                weights=weights, spawn_procs=procs_of("trainer"),
             )
             stops["trainer"] = self.trainer.stop
 
         async def reference():
-            hosts, per_host = placement.layout["reference"]
             self.reference = await spawn_reference(
-                c.reference, num_procs=hosts * per_host, spawn_procs=procs_of("reference")
+                c.reference, num_procs=placement.num_procs("reference"),
+                spawn_procs=procs_of("reference"),
             )
             stops["reference"] = self.reference.stop
 

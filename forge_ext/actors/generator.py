@@ -310,7 +310,9 @@ class GeneratorHandle:
         return await self.actor.get_policy_version.call_one()
 
     async def stop(self) -> None:
-        """Stop the backend's processes, then the proc; kill whatever survived both."""
+        """Stop the backend's processes, then the proc; kill whatever survived both (on
+        this machine; on another host the backend's own watchdog does it, see
+        :mod:`forge_ext.generation._reaper`)."""
         try:
             # vLLM's shutdown takes seconds; a dead or hung proc would never answer.
             await asyncio.wait_for(self.actor.shutdown.call_one(), SHUTDOWN_SECONDS)

@@ -302,8 +302,7 @@ class TrainerHandle:
         try:
             await asyncio.wait_for(self.actor.cleanup.call(), CLEANUP_SECONDS)
         except (Exception, asyncio.TimeoutError) as error:
-            logger.debug("%s: cleanup skipped (%s)", self.procs, str(error).splitlines()[0]
-                           if str(error) else type(error).__name__)
+            logger.debug("trainer cleanup skipped: %s", type(error).__name__)
         finally:
             await self.procs.stop()
 
