@@ -97,6 +97,14 @@ async def build(name: str, layout: tuple[int, int], args):
             "key_prefix": key_prefix}
 
 
+async def stop(setup) -> None:
+    """Stop the trainer's procs, then kill the job (workers and the reader's proc)."""
+    try:
+        await setup["trainer"].stop()
+    finally:
+        setup["placement"].stop()
+
+
 async def measure(setup, batch, steps: int, version: int) -> dict[str, float]:
     trainer = setup["trainer"]
     inputs = [{"input_ids": t} for t in batch["input_ids"].chunk(2)]
@@ -142,7 +150,7 @@ async def run(args) -> None:
         report(args, rounds, time.perf_counter() - start)
     finally:
         for setup in setups.values():
-            setup["placement"].stop()  # kills the workers and every proc on them
+            await stop(setup)
         await ts.shutdown()
 
 
