@@ -116,8 +116,10 @@ async def trainers(store, tmp_path_factory):
         weights = random_state_dict(await handles["dp2"].get_hf_state_dict(), seed=4, std=0.05)
         yield {**handles, "dp_hosts": dp_hosts, "weights": weights}
     finally:
-        # Killing the jobs stops every proc on their hosts at once (what the GRPO app does
-        # after a failure); the trainers' graceful stops would take seconds each.
+        # The proc meshes are stopped (Monarch's exit-time shutdown then has nothing left
+        # to wait on) without the trainers' cleanup calls, then the jobs are killed.
+        await asyncio.gather(*(h.procs.stop() for h in handles.values()),
+                             return_exceptions=True)
         dp_hosts.stop()
         pp_hosts.stop()
 
