@@ -45,6 +45,9 @@ class FakeJob(RLLoop):
         self.events.append(("rollouts", step, self.trainer_version, self.served))
         return {"served": self.served}
 
+    def policy_versions(self, rollouts):
+        return [rollouts["served"]]
+
     async def train_step(self, step, rollouts):
         if self.fail_in == "train" and step == 2:
             raise FloatingPointError("injected")
