@@ -61,12 +61,11 @@ swallowed, and the run went on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 

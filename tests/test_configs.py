@@ -90,7 +90,6 @@ def test_async_variant_changes_only_the_loop_mode_staleness_and_correction():
     assert changed == {
         "output_dir", "trainer.dump_folder", "metrics.log_dir",  # ${output_dir}
         "loop.mode", "loop.max_policy_age", "loss.off_policy_correction",
-        "loss.tis_imp_ratio_cap",
     }
     assert variant["loop.mode"] == "async" and variant["output_dir"] == "outputs/demo/grpo_async"
 
