@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert
 	$(PY) -m bench.generate
+	$(PY) -m bench.async_loop
 
 clean:
 	rm -rf $(VENV)
