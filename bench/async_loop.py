@@ -13,9 +13,8 @@ set, changing only the loop:
 
 - ``sync`` ``max_policy_age 0``: the demo (rollouts, then training, then the weight sync);
 - ``sync`` ``max_policy_age 1``: the weight sync overlaps the next rollouts;
-- ``async`` ``max_policy_age 1`` (``configs/grpo_cpu_async.yaml``, with its truncated
-  importance sampling) and ``2``: a rollout task generates the next steps while the trainer
-  trains.
+- ``async`` ``max_policy_age 1`` (``configs/grpo_cpu_async.yaml``) and ``2``: a rollout task
+  generates the next steps while the trainer trains.
 
 The model is the demo's warm-start (``outputs/demo/warmstart``, written by
 ``python -m apps.sft.main --config configs/sft_cpu_demo.yaml``) when it exists, else a random

@@ -391,10 +391,11 @@ class RLLoop(ABC):
         task = asyncio.ensure_future(coro)
 
         def record(done: asyncio.Task) -> None:
-            if done.cancelled() or self._failure is None or self._failure.done():
+            if done.cancelled():
                 return
-            if done.exception() is not None:
-                self._failure.set_exception(done.exception())
+            error = done.exception()  # retrieved here, raised where it matters
+            if error is not None and self._failure is not None and not self._failure.done():
+                self._failure.set_exception(error)
 
         task.add_done_callback(record)
         return task
@@ -488,7 +489,13 @@ class _RolloutTask:
         (stale ones are dropped and built again), and the number of samples dropped."""
         loop = self.loop
         oldest_allowed = step - loop.loop.max_policy_age
-        rollouts = await loop._until(self._future(step))
+        future = self._future(step)
+        await loop._until(asyncio.wait({future, self.task}, return_when=asyncio.FIRST_COMPLETED))
+        if not future.done():  # the task failed (its error) or ended early (a bug)
+            if not self.task.cancelled() and self.task.exception() is not None:
+                raise self.task.exception()
+            raise RuntimeError(f"the rollout task ended without building step {step}")
+        rollouts = future.result()
         del self.ready[step]
         dropped = 0
         while min(loop.policy_versions(rollouts), default=oldest_allowed) < oldest_allowed:

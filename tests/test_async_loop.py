@@ -98,6 +98,11 @@ class Job(RLLoop):
         return {row["step"]: row for row in map(json.loads, lines) if "loss" in row}
 
 
+async def run(job):
+    """``job.run()``, failing after 20 s instead of hanging (a broken bound can deadlock)."""
+    await asyncio.wait_for(job.run(), timeout=20)
+
+
 def ages(job):
     """``trainer version - sample version`` of every trained sample."""
     return [version_at - v for version_at, samples in job.trained.values() for _, v in samples]
@@ -112,9 +117,10 @@ def ages(job):
 async def test_no_trained_sample_is_older_than_max_policy_age(
     tmp_path, mode, train_s, generate_s, max_policy_age
 ):
+    # The weight sync is slower than a step: the generator would fall behind unbounded.
     job = Job(tmp_path, mode=mode, max_policy_age=max_policy_age, train_s=train_s,
-              generate_s=generate_s, fetch_s=0.001)
-    await job.run()
+              generate_s=generate_s, fetch_s=0.03)
+    await run(job)
     assert sorted(job.trained) == list(range(10))
     for step, (version_at, samples) in job.trained.items():
         assert version_at == step
@@ -130,7 +136,7 @@ async def test_no_trained_sample_is_older_than_max_policy_age(
 
 async def test_stale_rollouts_are_dropped_counted_and_built_again(tmp_path):
     job = Job(tmp_path, max_policy_age=1, train_s=0.005, lie_at=(3, 6))
-    await job.run()
+    await run(job)
     assert sorted(job.trained) == list(range(10))
     assert 0 <= min(ages(job)) and max(ages(job)) <= 1
     assert job.built.count(3) == job.built.count(6) == 2  # built again after the drop
@@ -147,7 +153,7 @@ async def test_every_prompt_is_trained_exactly_once_across_a_kill_and_resume(tmp
     killed = Job(tmp_path / "run", mode=mode, max_policy_age=2, train_s=0.01,
                  generate_s=0.001, save_every=3, fail_train_at=7)
     with pytest.raises(FloatingPointError):
-        await killed.run()
+        await run(killed)
     assert killed.saved == [3, 6]
     committed = {s: v for s, v in killed.trained.items() if s < killed.saved[-1]}
     if mode == "async":
@@ -155,7 +161,7 @@ async def test_every_prompt_is_trained_exactly_once_across_a_kill_and_resume(tmp
         assert max(killed.built) > max(killed.trained) + 1
     resumed = Job(tmp_path / "run", mode=mode, max_policy_age=2, train_s=0.01,
                   generate_s=0.001, save_every=3, resume_at=killed.saved[-1])
-    await resumed.run()
+    await run(resumed)
     assert resumed.built[0] == 6  # the killed run's step 7 onwards is regenerated
     trained = [p for _, samples in (*committed.values(), *resumed.trained.values())
                for p, _ in samples]
@@ -168,7 +174,7 @@ async def test_async_with_max_policy_age_0_builds_and_trains_what_sync_does(tmp_
     for mode in ("sync", "async"):
         job = Job(tmp_path / mode, mode=mode, max_policy_age=0, train_s=0.003,
                   generate_s=0.001, fetch_s=0.002)
-        await job.run()
+        await run(job)
         runs[mode] = job
     assert runs["async"].built == runs["sync"].built == list(range(10))
     assert runs["async"].trained == runs["sync"].trained
@@ -183,7 +189,7 @@ async def test_async_with_max_policy_age_0_builds_and_trains_what_sync_does(tmp_
 async def test_a_background_failure_stops_the_run_with_its_error(tmp_path, fault, error):
     job = Job(tmp_path, max_policy_age=1, train_s=0.005, **fault)
     with pytest.raises(error):
-        await asyncio.wait_for(job.run(), timeout=30)  # raised, not waited on forever
+        await run(job)  # raised, not waited on forever
     assert job.stopped == ["generator", "trainer", "store"]
     assert job._rollout_task.task.done()
 
@@ -211,7 +217,7 @@ async def test_ctrl_c_once_stops_at_the_next_step_boundary_and_saves(tmp_path):
 
     job.train_step = train_step
     with pytest.raises(KeyboardInterrupt, match="before step 4"):
-        await job.run()
+        await job.run()  # not in a task: asyncio lets a KeyboardInterrupt escape a task
     assert sorted(job.trained) == [0, 1, 2] and job.saved == [3]
     assert job._rollout_task.task.done()
 
@@ -219,7 +225,7 @@ async def test_ctrl_c_once_stops_at_the_next_step_boundary_and_saves(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_step_metrics_are_logged_and_consistent(tmp_path, mode):
     job = Job(tmp_path, mode=mode, max_policy_age=1, train_s=0.004, generate_s=0.004)
-    await job.run()
+    await run(job)
     for step, row in job.rows().items():
         seconds = row["time/step"]
         assert seconds > 0

@@ -355,6 +355,9 @@ async def test_async_with_max_policy_age_0_trains_on_the_samples_and_losses_of_s
                 step, key,
             )
     assert rows["sync"][4]["loss"] != rows["sync"][3]["loss"]  # the steps differ
+    # ... and each step was built once, with the weights it is trained at.
+    assert [rows["async"][s]["rollout/dropped_samples"] for s in (1, 2, 3, 4)] == [0] * 4
+    assert [rows["async"][s]["rollout/policy_age_max"] for s in (1, 2, 3, 4)] == [0] * 4
 
 
 def _alive(pid: int) -> bool:
