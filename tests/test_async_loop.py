@@ -2,56 +2,44 @@
 trainer or the generator the slow side: the staleness bound over every trained sample,
 stale rollouts dropped and rebuilt, every prompt trained exactly once across a kill and a
 resume, async with max_policy_age 0 equal to sync, errors and cancellation in the background
-tasks, and the per-step metrics."""
+tasks, and the per-step metrics (Ctrl-C in both modes: test_loop)."""
 
 import asyncio
 import json
 
 import pytest
 
-from forge_ext.loop import LoopConfig, RLLoop
-from forge_ext.metrics import MetricsConfig
+from test_loop import FakeJob
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPTS, GROUP = 3, 2  # prompts per step, samples per prompt
 
 
-class Job(RLLoop):
-    """A fake GRPO-shaped job. The rollouts of step s are ``PROMPTS`` prompts (stream
-    positions ``s * PROMPTS ...``) x ``GROUP`` samples, ``(position, version)`` each, stamped
-    with the version the fake generator serves when it samples; ``fetch_weights`` makes it
-    serve the pushed version after ``fetch_s``. ``lie_at``: steps whose first build is stamped
-    one version older than the staleness bound allows (a generator serving older weights
-    than it reported)."""
+class Job(FakeJob):
+    """A fake GRPO-shaped job (teardown, checkpoint and evaluation as test_loop's FakeJob).
+    The rollouts of step s are ``PROMPTS`` prompts (stream positions ``s * PROMPTS ...``) x
+    ``GROUP`` samples, ``(position, version)`` each, stamped with the version the fake
+    generator serves when it samples; ``fetch_weights`` makes it serve the pushed version
+    after ``fetch_s``. ``lie_at``: steps whose first build is stamped one version older than
+    the staleness bound allows (a generator serving older weights than it reported)."""
 
     def __init__(self, tmp_path, *, mode="async", steps=10, max_policy_age=1, train_s=0.0,
                  generate_s=0.0, fetch_s=0.0, resume_at=0, fail_train_at=None,
                  fail_build_at=None, fail_fetch_at=None, lie_at=(), save_every=0):
-        super().__init__(
-            LoopConfig(steps=steps, mode=mode, max_policy_age=max_policy_age,
-                       save_every=save_every),
-            MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot=None),
-        )
+        super().__init__(tmp_path, steps=steps, resume_at=resume_at,
+                         max_policy_age=max_policy_age, mode=mode, save_every=save_every)
         self.train_s, self.generate_s, self.fetch_s = train_s, generate_s, fetch_s
-        self.resume_at, self.fail_train_at = resume_at, fail_train_at
-        self.fail_build_at, self.fail_fetch_at = fail_build_at, fail_fetch_at
+        self.fail_train_at, self.fail_build_at = fail_train_at, fail_build_at
+        self.fail_fetch_at = fail_fetch_at
         self.lie_at = set(lie_at)
         self.served = resume_at if resume_at else 0  # a fresh generator serves version 0
         self.built: list[int] = []  # steps, in the order build_rollouts was called
         self.trained: dict[int, tuple[int, list[tuple[int, int]]]] = {}
-        self.saved: list[int] = []
-        self.stopped: list[str] = []
 
-    async def setup(self):
-        for name in ("store", "trainer", "generator"):
-            self.track(name, lambda name=name: self._record_stop(name))
-
-    async def _record_stop(self, name):
-        self.stopped.append(name)
-
-    async def load_checkpoint(self):
-        return self.resume_at
+    @property
+    def saved(self):
+        return [e[1] for e in self.events if e[0] == "save"]
 
     async def build_rollouts(self, step):
         self.built.append(step)
@@ -83,15 +71,6 @@ class Job(RLLoop):
         if version == self.fail_fetch_at:
             raise ConnectionError("generator unreachable")
         self.served = version
-
-    async def evaluate(self, step):
-        return {}
-
-    async def save_checkpoint(self, step):
-        self.saved.append(step)
-
-    def write(self, line):
-        pass
 
     def rows(self):
         lines = (self.metrics.log_dir / "metrics.jsonl").read_text().splitlines()
@@ -204,22 +183,6 @@ async def test_cancellation_like_ctrl_c_twice_stops_the_rollout_task(tmp_path):
         await task
     assert job._rollout_task.task.cancelled()
     assert job.stopped == ["generator", "trainer", "store"]
-
-
-async def test_ctrl_c_once_stops_at_the_next_step_boundary_and_saves(tmp_path):
-    job = Job(tmp_path, steps=20, max_policy_age=1, train_s=0.005, save_every=10)
-    original = job.train_step
-
-    async def train_step(step, rollouts):
-        if step == 2:
-            job.interrupt()
-        return await original(step, rollouts)
-
-    job.train_step = train_step
-    with pytest.raises(KeyboardInterrupt, match="before step 4"):
-        await job.run()  # not in a task: asyncio lets a KeyboardInterrupt escape a task
-    assert sorted(job.trained) == [0, 1, 2] and job.saved == [3]
-    assert job._rollout_task.task.done()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
