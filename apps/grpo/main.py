@@ -9,6 +9,8 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
   ``grpo.group_size`` samples each (seeded by the step), rewards (exact answer),
   group-normalised advantages, reference log-probs. In ``loop.mode: async`` the loop's
   rollout task calls it for the next steps while the trainer trains.
+- ``policy_versions``: the version each episode was sampled with (the loop bounds and logs
+  their policy ages).
 - ``train_step``: the rollouts go through the replay buffer (which drops any older than
   ``loop.max_policy_age``) into the trainer's ``train_step``.
 - ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
