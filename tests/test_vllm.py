@@ -234,29 +234,6 @@ def test_vllm_not_installed_is_a_clear_error(checkpoint, monkeypatch):
 
 # ---- vLLM's processes never outlive the generator -----------------------------------------
 
-@pytest.fixture
-def mesh_failures():
-    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded
-    instead of passed to Monarch's default ``unhandled_fault_hook`` (``sys.exit``, which
-    reaches pytest as a KeyboardInterrupt); every other failure still goes to it.
-
-    The hook stays for the rest of the session: Monarch reports each actor of the dead proc
-    (the generator, its logger, ...), some after the test has ended.
-    """
-    import monarch.actor
-
-    failures = []
-    default = monarch.actor.unhandled_fault_hook
-
-    def record_sigkill(failure):
-        if "Killed(sig=9)" not in failure.report():
-            default(failure)
-        failures.append(failure)
-
-    monarch.actor.unhandled_fault_hook = record_sigkill
-    return failures
-
-
 @module_loop
 @pytest.mark.parametrize("generator", [2], indirect=True, ids=["tp2"])  # tp1 stops cleanly
 async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(
