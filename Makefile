@@ -38,5 +38,8 @@ bench: $(STAMP)
 	$(PY) -m bench.convert
 	$(PY) -m bench.generate
 
+# Also removes the /dev/shm files (weight slots, generator buffers) of forge_ext processes that
+# died without cleaning up (kill -9); files of running processes stay.
 clean:
+	-python3 forge_ext/weights/shm_files.py
 	rm -rf $(VENV)
