@@ -227,8 +227,8 @@ async def fetch_weights(
             views = same_host.slot_views(mapped, same_host.record_entries(record, specs))
             result = _allocate(specs, allocate)
             for name, view in views.items():
-                if view.numel():
-                    copy_bytes(_flat_bytes(result[name]), _flat_bytes(view))
+                if view.numel():  # torch's intra-op threads, as for the writer's copy
+                    result[name].copy_(view)
         return result
     return await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
 
@@ -336,10 +336,6 @@ async def _same_host_lease(
         # had already been gone.
         committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
         raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.dtype]:
