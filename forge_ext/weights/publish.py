@@ -472,9 +472,10 @@ class WeightsPublisher:
                 tag = "weights." + re.sub(r"[^\w.]", "_", self.config.key_prefix)
                 self._slots = same_host.SlotRing(tag, self.config.keep_versions + 1)
             logger.info(
-                "weights.transport=direct publishes %s (weights.same_host=%s, hosts %s)",
+                "weights.transport=direct publishes %s (weights.same_host=%s%s)",
                 "into shared memory" if self._same_host else "through torchstore",
-                self.config.same_host, sorted(set(map(str, hosts))),
+                self.config.same_host,
+                f", group on hosts {sorted(set(hosts))}" if hosts != [None] else "",
             )
         return self._same_host
 
