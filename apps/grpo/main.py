@@ -64,6 +64,7 @@ from forge_ext.replay_buffer import ReplayBuffer
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "debug",
+    "weights.same_host",  # how weights travel, not what they are: follows the placement
 )
 
 
