@@ -37,7 +37,11 @@ bench: $(STAMP)
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert
 	$(PY) -m bench.generate
+	$(PY) -m bench.async_loop
 	$(PY) -m bench.multi_host
 
+# Also removes the /dev/shm files (weight slots, generator buffers) of forge_ext processes that
+# died without cleaning up (kill -9); files of running processes stay.
 clean:
+	-python3 forge_ext/weights/shm_files.py
 	rm -rf $(VENV)

@@ -16,13 +16,17 @@ refuses stop ids outside the vocabulary): tokens/s counts the tokens each backen
 and both sample the same distribution (mean response lengths shown).
 
 Table 2, weight update into vLLM (tp=1), for Qwen3-shaped fp32 decoders (28 layers, vocab 32000,
-``--update-hidden`` sizes: ~60 MB, ~350 MB, ~1.2 GB), median of ``--reps`` after a warm-up:
+``--update-hidden`` sizes: ~150 MB, ~480 MB, ~1 GB), median of ``--reps`` after a warm-up of
+``keep_versions + 1`` versions (every shared-memory slot warm):
 
-- ``update``: what ``Generator.update_weights`` does: ``fetch_weights`` of a published version
-  (``weights.transport: direct``, torchstore over Monarch RPC) straight into the same-host
-  shared buffer, then ``forge_load_weights`` on the worker (map + ``reload_weights``) and a
-  prefix-cache reset;
-- ``load only``: the second half of it (the buffer already filled);
+- ``push``: ``WeightsPublisher.publish`` with ``weights.transport: direct`` and the default
+  ``same_host: auto`` (trainer and generator on this host): into a reused shared-memory slot;
+- ``update``: what ``Generator.update_weights`` does then: ``open_weights`` of the version
+  (its slot, leased) and ``forge_load_weights`` on the worker with the slot's handle (map +
+  ``reload_weights``), and a prefix-cache reset; ``push + update`` is the end-to-end figure;
+- ``update, same_host off``: the same for a version published with ``same_host: off`` (what a
+  trainer on another host sends): ``fetch_weights`` over torchstore's Monarch RPC into the
+  generator's own shared buffer, then the same load;
 - ``bare reload``: vLLM's ``reload_weights`` timed inside the worker from tensors already in
   the worker's own memory (the floor for any transport).
 
@@ -155,7 +159,7 @@ async def update_latencies(hiddens: list[int], reps: int) -> list[str]:
 
 
 async def update_latency(hidden: int, reps: int) -> str:
-    from forge_ext.weights.fetch import fetch_weights
+    from forge_ext.weights.fetch import open_weights
     from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
     prefix = f"bench_h{hidden}"
@@ -166,32 +170,51 @@ async def update_latency(hidden: int, reps: int) -> str:
             root, stop_token_ids=stop_id(decoder_fields(hidden)), engine_args={"max_model_len": 64},
             worker_extension=f"{__name__}.BenchExtension",
         )
-        publisher = WeightsPublisher(
-            WeightsConfig(transport="direct", keep_versions=2, key_prefix=prefix)
-        )
-        update, load, bare = [], [], []
+        keep_versions = 2
+        publishers = {
+            mode: WeightsPublisher(WeightsConfig(
+                transport="direct", keep_versions=keep_versions, key_prefix=f"{prefix}_{mode}",
+                same_host=mode,
+            ))
+            for mode in ("auto", "off")
+        }
+        times: dict[str, list[float]] = {"push": [], "update": [], "off": [], "bare": []}
+
+        async def update(mode: str, version: int) -> float:
+            """Generator.update_weights' steps; seconds."""
+            start = time.perf_counter()
+            async with open_weights(
+                version, key_prefix=f"{prefix}_{mode}", allocate=sampler.allocate
+            ) as weights:
+                sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
+            return time.perf_counter() - start
+
         try:
-            for version in range(1, reps + 2):
+            warmup = keep_versions + 1
+            for version in range(1, warmup + reps + 1):
                 new = {k: v + 0.01 * version for k, v in state_dict.items()}
-                await publisher.publish(new, version)
-                del new
                 start = time.perf_counter()
-                fetched = await fetch_weights(version, key_prefix=prefix, allocate=sampler.allocate)
-                filled = time.perf_counter()
-                sampler.load_hf_state_dict(fetched)
-                done = time.perf_counter()
-                (seconds,) = sampler.llm.collective_rpc(
+                result = await publishers["auto"].publish(new, version)
+                push = time.perf_counter() - start
+                assert result.same_host
+                same = await update("auto", version)
+                await publishers["off"].publish(new, version)
+                del new
+                off = await update("off", version)
+                (bare,) = sampler.llm.collective_rpc(
                     "forge_bench_bare_reload", args=(sampler.buffer.handle(),)
                 )
-                if version > 1:  # the first round is the warm-up
-                    update.append(done - start)
-                    load.append(done - filled)
-                    bare.append(seconds)
+                if version > warmup:
+                    for key, value in zip(times, (push, same, off, bare)):
+                        times[key].append(value)
         finally:
+            for publisher in publishers.values():
+                publisher.close()
             sampler.close()
-    u, l, b = (statistics.median(x) for x in (update, load, bare))
+    p, u, o, b = (statistics.median(times[k]) for k in times)
     return (
-        f"| {nbytes / 1e6:,.0f} | {u:.3f} | {l:.3f} | {b:.3f} | {u / b:.2f}x | {l / b:.2f}x |"
+        f"| {nbytes / 1e6:,.0f} | {p:.3f} | {u:.3f} | {p + u:.3f} | {b:.3f} | {u / b:.2f}x | "
+        f"{(p + u) / b:.2f}x | {o:.3f} | {o / b:.2f}x |"
     )
 
 
@@ -216,8 +239,9 @@ def main() -> None:
         rows = throughput("Qwen3-0.6B shape", QWEN3_0_6B, args.big_prompts, 8, 16)
         print("\n".join(rows), flush=True)
     if not args.skip_update:
-        print("\n| MB (fp32) | update s | load only s | bare reload s | update / bare | "
-              "load / bare |\n| --- | --- | --- | --- | --- | --- |", flush=True)
+        print("\n| MB (fp32) | push s | update s | push + update s | bare reload s | "
+              "update / bare | (push + update) / bare | update, same_host off s | "
+              "off / bare |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
         rows = asyncio.run(update_latencies(args.update_hidden, args.reps))
         print("\n".join(rows), flush=True)
 

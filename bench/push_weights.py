@@ -2,32 +2,43 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.push_weights                      # 60 MB, 346 MB, 1.19 GB
-    .venv/bin/python -m bench.push_weights --hidden 1024 1536   # 2.0 GB, 4.4 GB
+    .venv/bin/python -m bench.push_weights                      # 60 MB, 346 MB, 1.19 GB, 2.0 GB
+    .venv/bin/python -m bench.push_weights --hidden 1536        # 4.4 GB
     .venv/bin/python -m bench.push_weights --chunk-mb 32 --reps 5
 
 For each model size, the same fp32 tensors (a Qwen3-shaped decoder: 28 layers of
 q/k/v/o/q_norm/k_norm/gate/up/down/2 layernorms, vocab 32000, embeddings + final norm +
 untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by:
 
+- ``copy_``: ``Tensor.copy_`` of every tensor into an already-touched ("warm") buffer of
+  the same bytes in this process: the memory-copy ceiling of any same-host transport;
 - ``per-param``: torchforge's seed, one awaited ``ts.put`` per parameter (the baseline);
 - ``put_state_dict``: one ``ts.put_state_dict`` of the same tensors (the raw ceiling the
   issue compares against);
-- ``direct`` and ``dcp``: ``WeightsPublisher.publish`` (preflight check and commit record
-  included, ``dcp`` writing under ``--dcp-dir``).
+- ``same-host``: ``WeightsPublisher.publish`` with ``weights.transport=direct`` and
+  ``same_host=auto`` (the default on one host): the tensors go into the publisher's reused
+  shared-memory slots, torchstore gets the commit record; one publisher for all runs, as in
+  a trainer (the warm-up publishes ``keep_versions + 1`` versions, so every slot is warm);
+- ``direct``: the same with ``same_host=off`` (chunks over Monarch RPC, what a reader on
+  another host needs);
+- ``rdma``: ``direct`` with ``same_host=off`` over torchstore's RDMA branch, through Monarch's
+  TCP fallback here (``forge_ext.compat.torchstore_rdma``; ibverbs on a cluster);
+- ``dcp``: ``WeightsPublisher.publish`` with DCP files under ``--dcp-dir``.
 
-Effective GB/s = model bytes / wall seconds of the push, median over ``--reps`` runs after
-one warm-up run of the same method; keys and files are deleted between runs (not timed).
+Preflight check and commit record are included. Effective GB/s = model bytes / wall seconds
+of the push, median over ``--reps`` runs after one warm-up run of the same method; keys and
+files are deleted between runs (not timed).
 Each method gets a torchstore of its own (a fresh storage volume proc), as in a trainer that
 only ever pushes one way: a volume whose allocator served another method's pattern (e.g. 311
 differently sized tensors, freed) slows the next method's pushes by up to 1.5x. Wall time
 depends on what else runs on the machine, so the CPU seconds the push cost (this process
 plus its child procs, i.e. the storage volume; from /proc) are reported too, as GB per
 CPU-second: on a shared or loaded machine that column is the stable one (the load average
-is printed). A second table times the read side:
-``ts.get_state_dict`` versus ``fetch_weights`` for both transports, each checked for exact
-equality with the pushed tensors. One torchstore storage volume in its own proc, Monarch RPC
-unless torchstore reports RDMA.
+is printed). A second table times the read side: ``copy_`` of the tensors from one warm
+buffer into another (the ceiling), ``ts.get_state_dict`` versus ``fetch_weights`` for each
+transport (same host: into fresh tensors, as by default, and into a warm buffer through
+``fetch_weights(allocate=...)``, as a generator that keeps its buffer), each checked for exact
+equality with the pushed tensors. One torchstore storage volume in its own proc.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from monarch.actor import this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
+from forge_ext.compat import torchstore_rdma
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import publish as weights_publish
 from forge_ext.weights.fetch import fetch_weights
@@ -117,6 +129,17 @@ def decoder_state_dict(hidden: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def warm_buffer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors shaped like ``sd`` in one buffer whose pages are already touched."""
+    flat = torch.zeros(sum(t.numel() * t.element_size() for t in sd.values()), dtype=torch.uint8)
+    views, offset = {}, 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        views[name] = flat[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        offset += nbytes
+    return views
+
+
 class Bench:
     def __init__(self, sd: dict[str, torch.Tensor], chunk_mb: int, dcp_dir: str) -> None:
         self.sd = sd
@@ -124,6 +147,9 @@ class Bench:
         self.dcp_dir = dcp_dir
         self.run = 0
         self.store = DEFAULT_TORCHSTORE_NAME  # the store the methods use
+        self.warm = warm_buffer(sd)  # copy_'s destination
+        self.same_host_publisher: weights_publish.WeightsPublisher | None = None
+        self.version = 0  # of same_host_publisher
 
     @contextlib.asynccontextmanager
     async def fresh_store(self, name: str) -> AsyncIterator[None]:
@@ -136,19 +162,29 @@ class Bench:
             await initialize_store(store_name=self.store, mesh=procs)
             yield
         finally:
+            if self.same_host_publisher is not None:
+                self.same_host_publisher.close()
+                self.same_host_publisher = None
             await ts.shutdown(self.store)
             await procs.stop()
 
-    def _publisher(self, transport: str, prefix: str) -> weights_publish.WeightsPublisher:
+    def _publisher(
+        self, transport: str, prefix: str, same_host: str = "off"
+    ) -> weights_publish.WeightsPublisher:
         config = weights_publish.WeightsConfig(
             transport=transport,
             dcp_path=os.path.join(self.dcp_dir, prefix),
             key_prefix=prefix,
             chunk_mb=self.chunk_mb,
+            same_host=same_host,
         )
         return weights_publish.WeightsPublisher(config, store_name=self.store)
 
     # Push methods: store self.sd under `prefix`.
+    async def copy(self, prefix: str) -> None:
+        for name, tensor in self.sd.items():
+            self.warm[name].copy_(tensor)
+
     async def per_param(self, prefix: str) -> None:
         for name, tensor in self.sd.items():
             await ts.put(f"{prefix}.{name}", tensor, store_name=self.store)
@@ -156,8 +192,25 @@ class Bench:
     async def put_state_dict(self, prefix: str) -> None:
         await ts.put_state_dict(self.sd, prefix, store_name=self.store)
 
+    async def same_host(self, prefix: str) -> None:
+        """One publisher for every run in this store (its slots persist), a new version each
+        run under the first prefix; retention deletes old versions, not cleanup."""
+        if self.same_host_publisher is None:
+            self.same_host_publisher = self._publisher("direct", prefix, same_host="auto")
+        self.version += 1
+        result = await self.same_host_publisher.publish(self.sd, self.version)
+        assert result.same_host
+
     async def direct(self, prefix: str) -> None:
         await self._publisher("direct", prefix).publish(self.sd, 0)
+
+    async def rdma(self, prefix: str) -> None:
+        torchstore_rdma.use_tcp_fallback(True)
+        try:
+            result = await self._publisher("direct", prefix).publish(self.sd, 0)
+        finally:
+            torchstore_rdma.use_tcp_fallback(None)
+        assert result.rdma
 
     async def dcp(self, prefix: str) -> None:
         await self._publisher("dcp", prefix).publish(self.sd, 0)
@@ -174,11 +227,24 @@ class Bench:
         shutil.rmtree(os.path.join(self.dcp_dir, prefix), ignore_errors=True)
 
     async def fetch(self, method: str, prefix: str) -> Timer:
-        with Timer() as timer:
-            if method == "get_state_dict":
-                got = await ts.get_state_dict(prefix, store_name=self.store)
-            else:
-                got = await fetch_weights(0, key_prefix=prefix, store_name=self.store)
+        version = self.version if method.startswith("same-host") else 0
+        warm = self.fetch_buffer if method in ("copy_", "same-host warm") else None
+        torchstore_rdma.use_tcp_fallback(method == "rdma" or None)
+        try:
+            with Timer() as timer:
+                if method == "copy_":
+                    for name, tensor in self.warm.items():
+                        warm[name].copy_(tensor)
+                    got = warm
+                elif method == "get_state_dict":
+                    got = await ts.get_state_dict(prefix, store_name=self.store)
+                else:
+                    got = await fetch_weights(
+                        version, key_prefix=prefix, store_name=self.store,
+                        allocate=warm and (lambda specs: warm),
+                    )
+        finally:
+            torchstore_rdma.use_tcp_fallback(None)
         assert list(got) == list(self.sd), method
         assert all(torch.equal(got[n], t) for n, t in self.sd.items()), method
         return timer
@@ -198,35 +264,51 @@ async def measure(
     methods: dict[str, Callable[[str], Awaitable[None]]], bench: Bench, reps: int
 ) -> Medians:
     """Median wall and CPU seconds per method: one method at a time, each in a fresh store,
-    one untimed warm-up run then ``reps`` timed runs. Why not interleaved: the storage
-    volume's allocator state left by one method slows the next one (see the module
-    docstring); a trainer pushing every step only ever sees its own pattern."""
+    untimed warm-up runs (one; ``same-host``: one per slot, so that every slot is warm) then
+    ``reps`` timed runs. Why not interleaved: the storage volume's allocator state left by
+    one method slows the next one (see the module docstring); a trainer pushing every step
+    only ever sees its own pattern."""
     timers: dict[str, list[Timer]] = {m: [] for m in methods}
+    slots = weights_publish.WeightsConfig().keep_versions + 1
     for name, push in methods.items():
         async with bench.fresh_store(name):
-            for rep in range(-1, reps):
-                prefix = f"{name}_{rep + 1}"
+            for rep in range(-(slots if name == "same-host" else 1), reps):
+                prefix = f"{name.replace('-', '_')}_{max(rep + 1, 0)}"
                 with Timer() as timer:
                     await push(prefix)
                 if rep >= 0:
                     timers[name].append(timer)
-                await bench.cleanup(prefix)
+                if name != "same-host":  # its publisher's retention deletes old versions
+                    await bench.cleanup(prefix)
     return medians(timers)
 
 
 async def measure_fetch(bench: Bench, reps: int) -> Medians:
-    """Median seconds of the read side; each version is pushed once, read ``reps`` times."""
-    prefixes = {"get_state_dict": "put_state_dict_fetch", "direct": "direct_fetch", "dcp": "dcp_fetch"}
+    """Median seconds of the read side; each version is pushed once, read ``reps`` times
+    (after one untimed read each, which touches the destination and the mappings)."""
+    prefixes = {
+        "copy_": "", "get_state_dict": "put_state_dict_fetch", "same-host": "same_host_fetch",
+        "same-host warm": "same_host_fetch", "direct": "direct_fetch", "rdma": "rdma_fetch",
+        "dcp": "dcp_fetch",
+    }
+    await bench.copy("")  # the copy_ source is the warm buffer
+    bench.fetch_buffer = warm_buffer(bench.sd)
     async with bench.fresh_store("fetch"):
         await bench.put_state_dict(prefixes["get_state_dict"])
+        await bench.same_host(prefixes["same-host"])
         await bench.direct(prefixes["direct"])
+        await bench.rdma(prefixes["rdma"])
         await bench.dcp(prefixes["dcp"])
         timers: dict[str, list[Timer]] = {m: [] for m in prefixes}
-        for _ in range(reps):
+        for rep in range(-1, reps):
             for method, prefix in prefixes.items():
-                timers[method].append(await bench.fetch(method, prefix))
-        for prefix in prefixes.values():
-            await bench.cleanup(prefix)
+                timer = await bench.fetch(method, prefix)
+                if rep >= 0:
+                    timers[method].append(timer)
+        for method, prefix in prefixes.items():
+            if prefix and not method.startswith("same-host"):
+                await bench.cleanup(prefix)
+    del bench.fetch_buffer
     return medians(timers)
 
 
@@ -251,9 +333,18 @@ def rows_for(
     return rows[0], rows[1]
 
 
-PUSH_METHODS = ["per-param", "put_state_dict", "direct", "dcp"]
-PUSH_RATIOS = [("direct", "per-param"), ("dcp", "per-param"), ("direct", "put_state_dict")]
-FETCH_RATIOS = [("direct", "get_state_dict"), ("dcp", "get_state_dict")]
+PUSH_METHODS = ["copy_", "per-param", "put_state_dict", "same-host", "direct", "rdma", "dcp"]
+PUSH_RATIOS = [
+    ("same-host", "copy_"), ("same-host", "per-param"), ("direct", "per-param"),
+    ("rdma", "per-param"), ("dcp", "per-param"),
+]
+FETCH_METHODS = [
+    "copy_", "get_state_dict", "same-host", "same-host warm", "direct", "rdma", "dcp",
+]
+FETCH_RATIOS = [
+    ("same-host warm", "copy_"), ("same-host", "get_state_dict"),
+    ("same-host warm", "get_state_dict"), ("direct", "get_state_dict"),
+]
 
 
 async def measure_size(args: argparse.Namespace, hidden: int) -> dict[str, list[list[str]]]:
@@ -264,7 +355,10 @@ async def measure_size(args: argparse.Namespace, hidden: int) -> dict[str, list[
         sd = decoder_state_dict(hidden)
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         bench = Bench(sd, args.chunk_mb, dcp_dir)
-        pushes = [bench.per_param, bench.put_state_dict, bench.direct, bench.dcp]
+        pushes = [
+            bench.copy, bench.per_param, bench.put_state_dict, bench.same_host, bench.direct,
+            bench.rdma, bench.dcp,
+        ]
         methods = dict(zip(PUSH_METHODS, pushes))
         push = await measure(methods, bench, args.reps)
         print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
@@ -314,10 +408,7 @@ def main(args: argparse.Namespace) -> None:
             for name, rows in json.load(rows_file).items():
                 tables[name] += rows
     push_header = ["MB", "tensors", *PUSH_METHODS, *(f"{a}/{b}" for a, b in PUSH_RATIOS)]
-    fetch_header = [
-        "MB", "tensors", "get_state_dict", "fetch direct", "fetch dcp",
-        *(f"{a}/{b}" for a, b in FETCH_RATIOS),
-    ]
+    fetch_header = ["MB", "tensors", *FETCH_METHODS, *(f"{a}/{b}" for a, b in FETCH_RATIOS)]
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     print("\nPush, effective GB/s (model bytes / wall seconds):")
     print(table(push_header, tables["push"]))
@@ -333,7 +424,7 @@ def main(args: argparse.Namespace) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--hidden", type=int, nargs="+", default=[128, 384, 768],
+        "--hidden", type=int, nargs="+", default=[128, 384, 768, 1024],
         help="decoder hidden sizes, one model each (fp32: 128: 60 MB, 384: 346 MB, 768: 1.19 GB, "
         "1024: 2.0 GB, 1536: 4.4 GB)",
     )

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -105,10 +105,11 @@ class MetricLogger:
 
     def close(
         self, plot_keys: Sequence[str] = (), title: str = "",
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, panels: Sequence[PlotPanel] = (),
     ) -> Path | None:
-        """Close the writers; with ``plot_keys`` and ``config.plot`` set, write the plot
-        (``labels``: legend text per key, default the key).
+        """Close the writers; with ``plot_keys`` or ``panels`` and ``config.plot`` set, write
+        the plot: ``plot_keys`` on a first panel scaled 0..1 (``labels``: legend text per
+        key, default the key), then one panel per entry of ``panels``.
 
         Returns:
             The plot's path, or None if none was written.
@@ -124,45 +125,70 @@ class MetricLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if not plot_keys or not self.config.plot:
+        panels = list(panels)
+        if plot_keys:
+            panels.insert(0, PlotPanel(keys=plot_keys, labels=labels or {}, ylim=(-0.02, 1.02)))
+        if not panels or not self.config.plot:
             return None
-        labels = labels or {}
-        return plot_series(
-            {labels.get(key, key): self.series(key) for key in plot_keys},
+        return plot_panels(
+            [(panel, {panel.labels.get(k, k): self.series(k) for k in panel.keys})
+             for panel in panels],
             self.log_dir / self.config.plot, title,
         )
+
+
+@dataclass(kw_only=True, slots=True)
+class PlotPanel:
+    """One set of axes of the plot: the series of ``keys`` against the step."""
+
+    keys: Sequence[str]
+    ylabel: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Legend text per key (default: the key)."""
+    ylim: tuple[float, float] | None = None
+    """Fixed y range (None: from the data)."""
 
 
 def _nan_to_null(row: Mapping[str, float]) -> dict[str, float | None]:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
 
 
-def plot_series(
-    series: Mapping[str, Sequence[tuple[int, float]]], path: str | os.PathLike, title: str = ""
+def plot_panels(
+    panels: Sequence[tuple[PlotPanel, Mapping[str, Sequence[tuple[int, float]]]]],
+    path: str | os.PathLike, title: str = "",
 ) -> Path | None:
-    """Plot each ``(step, value)`` series on one set of axes and save a PNG.
+    """Plot panels stacked over one step axis, each ``(panel, {legend: [(step, value)]})``,
+    and save a PNG; panels whose series are all empty are left out.
 
     Returns:
         ``path``, or None if every series is empty.
     """
-    if not any(series.values()):
+    panels = [(panel, series) for panel, series in panels if any(series.values())]
+    if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, points in series.items():
-        if points:
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if len(points) < 30 else None, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(7, 4 if len(panels) == 1 else 2.6 * len(panels)),
+        sharex=True, squeeze=False,
+    )
+    for ax, (panel, series) in zip(axes[:, 0], panels):
+        for key, points in series.items():
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None, label=key)
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
+        if panel.ylabel:
+            ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[-1, 0].set_xlabel("step")
     if title:
-        ax.set_title(title)
+        axes[0, 0].set_title(title)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import forge_ext  # noqa: E402,F401  (must precede any torchtitan import)
+import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 import torch  # noqa: E402
 
@@ -71,3 +72,26 @@ async def store():
     await initialize_store()
     yield
     await ts.shutdown()
+
+
+@pytest.fixture
+def mesh_failures():
+    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded
+    instead of passed to Monarch's default ``unhandled_fault_hook`` (``sys.exit``, which
+    reaches pytest as a KeyboardInterrupt); every other failure still goes to it.
+
+    The hook stays for the rest of the session: Monarch reports each actor of the dead proc
+    (the generator, its logger, ...), some after the test has ended.
+    """
+    import monarch.actor
+
+    failures = []
+    default = monarch.actor.unhandled_fault_hook
+
+    def record_sigkill(failure):
+        if "Killed(sig=9)" not in failure.report():
+            default(failure)
+        failures.append(failure)
+
+    monarch.actor.unhandled_fault_hook = record_sigkill
+    return failures

@@ -58,7 +58,7 @@ def test_configs_exist_for_demo_gpu_and_pp_ga():
             "grpo_qwen3_0.6b_gpu.yaml", "grpo_qwen3_1.7b_gpu.yaml"} <= set(names)
 
 
-@pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml"])
+@pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml"])
 def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
     assert isinstance(config, GRPOConfig)
@@ -73,6 +73,25 @@ def test_pp_ga_variant_overrides_only_the_trainer_split(demo_checkpoint):
     assert config.trainer["training"]["gradient_accumulation_steps"] == 4
     assert config.output_dir == "outputs/demo/grpo_pp_ga"
     assert config.trainer["dump_folder"] == "outputs/demo/grpo_pp_ga"  # interpolated after merge
+
+
+def test_async_variant_changes_only_the_loop_mode_staleness_and_correction():
+    def flat(mapping, prefix=""):
+        out = {}
+        for key, value in mapping.items():
+            name = f"{prefix}{key}"
+            out.update(flat(value, name + ".") if isinstance(value, dict) else {name: value})
+        return out
+
+    demo = flat(load_yaml(CONFIGS / "grpo_cpu_demo.yaml"))
+    variant = flat(load_yaml(CONFIGS / "grpo_cpu_async.yaml"))
+    assert "loop.mode" not in demo  # the demo keeps the default, sync
+    changed = {k for k in demo.keys() | variant.keys() if demo.get(k) != variant.get(k)}
+    assert changed == {
+        "output_dir", "trainer.dump_folder", "metrics.log_dir",  # ${output_dir}
+        "loop.mode", "loop.max_policy_age", "loss.off_policy_correction",
+    }
+    assert variant["loop.mode"] == "async" and variant["output_dir"] == "outputs/demo/grpo_async"
 
 
 @pytest.mark.parametrize("size", ["0.6b", "1.7b"])

@@ -101,7 +101,8 @@ def test_step_loss_is_the_full_batch_token_mean(reference_weights):
     assert set(metrics) == {"loss", "grad_norm", "lr", "num_tokens", "tokens_per_second"}
 
 
-def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights):
+@pytest.mark.parametrize("correction", ["none", "token_tis"])
+def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights, correction):
     from forge_ext.losses.grpo import GRPOLoss, grpo_metrics, token_logprobs, valid_token_count
 
     batch = make_lm_batch(8, 32, 256, seed=5, ignore_prefix=PREFIX)
@@ -112,20 +113,25 @@ def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights)
     batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
     batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
     batch["advantages"] = torch.randn(8, generator=g)
-    expected = grpo_metrics(logits, batch, clip_eps_high=0.28, kl_coef=0.1)
-    loss_fn = GRPOLoss(GRPOLoss.Config(clip_eps_high=0.28, kl_coef=0.1))
+    coefs = {"clip_eps_high": 0.28, "kl_coef": 0.1, "off_policy_correction": correction,
+             "tis_imp_ratio_cap": 1.2}
+    expected = grpo_metrics(logits, batch, **coefs)
+    loss_fn = GRPOLoss(GRPOLoss.Config(**coefs))
     for k in (1, 4):
         engine = build(reference_weights, gradient_accumulation_steps=k)
         out = engine.forward_backward_batch(engine.microbatches(batch), loss_fn, valid_token_count)
-        assert set(out.metrics) == {"kl", "ratio_mean", "clip_fraction"}
+        assert set(out.metrics) == {"kl", "ratio_mean", "clip_fraction"} | (
+            {"tis_weight_mean", "tis_capped_fraction"} if correction == "token_tis" else set()
+        )
         for name, value in out.metrics.items():
             assert value == pytest.approx(expected[name], rel=1e-5), (k, name)
         assert out.loss == pytest.approx(expected["loss"], rel=1e-5)
         if k == 4:  # a mean of the microbatch means is a different number
             means = [loss_fn(logits[i : i + 2], {n: t[i : i + 2] for n, t in batch.items()})[1]
                      for i in range(0, 8, 2)]
-            naive = sum(float(m["kl"]) for m in means) / 4
-            assert abs(naive - out.metrics["kl"]) > 1e-2 * abs(out.metrics["kl"])
+            for name in ("kl", "tis_weight_mean") if correction == "token_tis" else ("kl",):
+                naive = sum(float(m[name]) for m in means) / 4
+                assert abs(naive - out.metrics[name]) > 1e-3 * abs(out.metrics[name]), name
     metrics = build(reference_weights).train_batch(batch, loss_fn, valid_token_count)
     assert metrics["loss/kl"] == pytest.approx(expected["kl"], rel=1e-5)
 

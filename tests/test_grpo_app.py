@@ -7,7 +7,11 @@ generator (``configs/grpo_cpu_demo.yaml``) and once with vLLM (``configs/grpo_cp
    the reward of those rollouts, and its log-probs are the trainer's for the same tokens (it
    samples with the pushed weights); the crash stops every proc (vLLM's included) and leaves
    the step-3 checkpoint;
-2. rerunning the same command resumes from that checkpoint and finishes the run.
+2. rerunning the same command resumes from that checkpoint and finishes the run, and every
+   prompt of the stream is trained on exactly once across the two runs.
+
+The transformers runs are made in both ``loop.mode: sync`` and ``async`` (with
+``max_policy_age: 0``, where async must train on the samples of sync and give its losses).
 """
 
 import json
@@ -48,13 +52,14 @@ class Probe(Actor):
 
 
 class RecordingApp(GRPOApp):
-    """The app as shipped, plus a record of each step's rollouts, of every actor's pid (and
-    of the generator's helper processes), and of how far the generator's log-probs are from
-    the trainer's for the same tokens."""
+    """The app as shipped, plus a record of each step's rollouts (built and trained), of
+    every actor's pid (and of the generator's helper processes), and of how far the
+    generator's log-probs are from the trainer's for the same tokens."""
 
     def __init__(self, config):
         super().__init__(config)
         self.rollouts = {}
+        self.trained = {}
         self.pids = []
         self.logprob_gap = {}
 
@@ -75,6 +80,11 @@ class RecordingApp(GRPOApp):
             self.trainer, rollouts.episodes, self.tok.pad_id
         )
         return rollouts
+
+    async def train_step(self, step, rollouts):
+        metrics = await super().train_step(step, rollouts)
+        self.trained[step] = (self.trainer_version, rollouts)  # the optimizer step was taken
+        return metrics
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +116,59 @@ def history(output_dir):
     return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["hf", "vllm"])
-async def crashed_run(request, checkpoint, tmp_path_factory):
-    output_dir = str(tmp_path_factory.mktemp("run"))
-    config = load_config(
-        DEMO[request.param], overrides(checkpoint, output_dir, "debug.fail_at_step=4")
-    )
-    app = RecordingApp(config)
-    app.config_path = DEMO[request.param]
-    with pytest.raises(Exception, match="gradient norm is nan") as failure:
-        await app.run()
+class Runs:
+    """The module's app runs, each made once, when a test first needs it: per (backend,
+    loop.mode), a run that crashes at step 4 and the rerun that resumes it."""
+
+    def __init__(self, checkpoint, tmp_path_factory):
+        self.checkpoint, self.tmp_path_factory = checkpoint, tmp_path_factory
+        self.done = {}
+
+    def overrides(self, output_dir, mode, *extra):
+        return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", *extra)
+
+    async def crashed(self, backend, mode):
+        if ("crashed", backend, mode) not in self.done:
+            output_dir = str(self.tmp_path_factory.mktemp(f"run_{backend}_{mode}"))
+            config = load_config(
+                DEMO[backend], self.overrides(output_dir, mode, "debug.fail_at_step=4")
+            )
+            app = RecordingApp(config)
+            app.config_path = DEMO[backend]
+            with pytest.raises(Exception, match="gradient norm is nan") as failure:
+                await app.run()
+            self.done["crashed", backend, mode] = app, output_dir, failure
+        return self.done["crashed", backend, mode]
+
+    async def resumed(self, backend, mode):
+        if ("resumed", backend, mode) not in self.done:
+            crashed, output_dir, _ = await self.crashed(backend, mode)
+            app = RecordingApp(load_config(crashed.config_path, self.overrides(output_dir, mode)))
+            await app.run()
+            self.done["resumed", backend, mode] = app
+        return self.done["resumed", backend, mode]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory):
+    return Runs(checkpoint, tmp_path_factory)
+
+
+RUNS = [("hf", "sync"), ("vllm", "sync"), ("hf", "async")]
+
+
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=RUNS, ids=["-".join(r) for r in RUNS]
+)
+async def crashed_run(request, runs):
+    app, output_dir, failure = await runs.crashed(*request.param)
     return app, output_dir, failure
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def resumed_run(crashed_run, runs):
+    crashed = crashed_run[0]
+    return await runs.resumed(crashed.config.generator.backend, crashed.config.loop.mode)
 
 
 async def test_the_generator_samples_with_the_pushed_weights(crashed_run):
@@ -211,18 +263,28 @@ async def test_crash_mid_step_stops_every_proc_and_keeps_the_last_checkpoint(cra
 
 
 async def test_rerun_with_another_seed_is_refused_before_anything_is_spawned(
-    crashed_run, checkpoint
+    crashed_run, runs
 ):
     crashed, output_dir, _ = crashed_run
-    config = load_config(crashed.config_path, overrides(checkpoint, output_dir, "seed=1"))
+    config = load_config(
+        crashed.config_path, runs.overrides(output_dir, crashed.config.loop.mode, "seed=1")
+    )
     with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1; trainer.seed: 0 -> 1\)"):
         RecordingApp(config)  # the app is refused before it can spawn anything
 
 
-async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, checkpoint):
+async def test_rerun_in_the_other_loop_mode_is_refused_naming_loop_mode(crashed_run, runs):
     crashed, output_dir, _ = crashed_run
-    app = RecordingApp(load_config(crashed.config_path, overrides(checkpoint, output_dir)))
-    await app.run()
+    other = {"sync": "async", "async": "sync"}[crashed.config.loop.mode]
+    config = load_config(crashed.config_path, runs.overrides(output_dir, other))
+    with pytest.raises(ValueError, match=rf"loop.mode={other} .* holds a loop.mode="
+                       rf"{crashed.config.loop.mode} run .* cannot change on resume"):
+        RecordingApp(config)
+
+
+async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, resumed_run):
+    crashed, output_dir, _ = crashed_run
+    app = resumed_run
     assert sorted(app.rollouts) == [3]  # only the step that had not been committed
     trainer_version, rollouts = app.rollouts[3]
     assert trainer_version == 3 and rollouts.generator_version == 3
@@ -241,6 +303,61 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     assert [ep.response_ids for ep in rollouts.episodes] == [
         ep.response_ids for ep in before_crash.episodes
     ]
+
+
+async def test_every_prompt_is_trained_on_exactly_once_across_the_crash_and_resume(
+    crashed_run, resumed_run
+):
+    from apps.grpo.main import PromptStream
+    from apps.grpo.task import AdditionTask
+
+    crashed, _, _ = crashed_run
+    config = crashed.config
+    # The crash came at step 4, after the checkpoint of step 3: steps 0-2 were committed.
+    assert sorted(crashed.trained) == [0, 1, 2] and sorted(resumed_run.trained) == [3]
+    trained = [(step, version, rollouts) for run in (crashed, resumed_run)
+               for step, (version, rollouts) in run.trained.items()]
+    prompts = [p for _, _, rollouts in trained for p in rollouts.problems]
+    # The stream as the app defines it: the task's training problems, reshuffled per epoch.
+    expected = PromptStream(AdditionTask(config.task).train_problems, config.seed).slice(
+        0, config.loop.steps * config.grpo.prompts_per_step
+    )
+    operands = sorted((p.a, p.b) for p in prompts)
+    assert operands == sorted((p.a, p.b) for p in expected)
+    assert len(set(operands)) == len(operands)  # so "each once" is what the equality says
+    for step, version, rollouts in trained:
+        assert version == step
+        assert len(rollouts.episodes) == config.grpo.group_size * len(rollouts.problems)
+        for episode in rollouts.episodes:  # every trained sample within the staleness bound
+            assert 0 <= step - episode.policy_version <= config.loop.max_policy_age
+
+
+async def test_async_with_max_policy_age_0_trains_on_the_samples_and_losses_of_sync(runs):
+    sync, sync_dir, _ = await runs.crashed("hf", "sync")
+    async_, async_dir, _ = await runs.crashed("hf", "async")
+    assert async_.config.loop.max_policy_age == sync.config.loop.max_policy_age == 0
+    resumed = {mode: await runs.resumed("hf", mode) for mode in ("sync", "async")}
+    for step in range(4):
+        run_sync = sync if step < 3 else resumed["sync"]
+        run_async = async_ if step < 3 else resumed["async"]
+        (_, a), (_, b) = run_sync.trained[step], run_async.trained[step]
+        assert a.problems == b.problems
+        for x, y in zip(a.episodes, b.episodes, strict=True):
+            assert (x.response_ids, x.policy_version) == (y.response_ids, y.policy_version)
+            assert x.generator_logprobs == y.generator_logprobs
+            assert x.ref_logprobs == y.ref_logprobs
+    rows = {mode: {r["step"]: r for r in history(d) if "loss" in r}
+            for mode, d in (("sync", sync_dir), ("async", async_dir))}
+    assert sorted(rows["async"]) == sorted(rows["sync"]) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "grad_norm", "loss/kl", "loss/ratio_mean", "reward/mean"):
+            assert rows["async"][step][key] == pytest.approx(rows["sync"][step][key], rel=1e-6), (
+                step, key,
+            )
+    assert rows["sync"][4]["loss"] != rows["sync"][3]["loss"]  # the steps differ
+    # ... and each step was built once, with the weights it is trained at.
+    assert [rows["async"][s]["rollout/dropped_samples"] for s in (1, 2, 3, 4)] == [0] * 4
+    assert [rows["async"][s]["rollout/policy_age_max"] for s in (1, 2, 3, 4)] == [0] * 4
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,6 @@
-"""GRPO loss: hand-computed case, per-token reference, clipping, masking, GA exactness."""
+"""GRPO loss: hand-computed case, per-token reference, clipping, masking, GA exactness, and
+the off-policy correction (truncated importance sampling) against an independent
+computation."""
 
 import math
 
@@ -11,6 +13,7 @@ from forge_ext.losses import (
     grpo_loss,
     grpo_metrics,
     token_logprobs,
+    truncated_importance_weights,
     valid_token_count,
 )
 
@@ -280,3 +283,117 @@ def test_engine_builds_grpo_from_a_loss_config():
     assert int(loss_weight_fn(mb)) == int((mb["labels"] != -100).sum())
     with pytest.raises(ValueError, match="grpo"):
         build_loss(name="grpo", clip_eps=0.2)
+
+
+# ---- off-policy correction: token-level truncated importance sampling ---------------------
+TIS = {"off_policy_correction": "token_tis"}
+
+
+def off_policy_batch(seed: int):
+    """A random batch whose generator log-probs are far enough from the policy's that some
+    importance ratios exceed a cap of 1.5 and some do not."""
+    logits, mb = random_batch(seed, batch=4, seq=8)
+    g = torch.Generator().manual_seed(seed + 100)
+    logp = token_logprobs(logits, mb["labels"])
+    mb["generator_logprobs"] = logp + 0.8 * torch.randn(logp.shape, generator=g)
+    return logits, mb
+
+
+def reference_weights(logits, mb, cap):
+    """``min(pi_trainer / pi_gen, cap)`` per valid token, in float64 from a log-softmax of the
+    logits and math.exp: ``{(b, t): (weight, capped)}``."""
+    logp_all = torch.log_softmax(logits.double(), dim=-1)
+    out = {}
+    for b in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            label = int(mb["labels"][b, t])
+            if label != -100:
+                ratio = math.exp(float(logp_all[b, t, label]) - float(mb["generator_logprobs"][b, t]))
+                out[b, t] = (min(ratio, cap), ratio > cap)
+    return out
+
+
+def test_importance_weights_are_the_capped_exp_of_the_trainer_generator_log_prob_gap():
+    logits, mb = off_policy_batch(seed=11)
+    mask = mb["labels"] != -100
+    weights, capped = truncated_importance_weights(
+        token_logprobs(logits, mb["labels"]), mb["generator_logprobs"], mask, cap=1.5
+    )
+    expected = reference_weights(logits, mb, cap=1.5)
+    for (b, t), (weight, over) in expected.items():
+        assert float(weights[b, t]) == pytest.approx(weight, rel=1e-5), (b, t)
+        assert bool(capped[b, t]) == over, (b, t)
+    assert 0 < sum(over for _, over in expected.values()) < len(expected)  # not vacuous
+    assert torch.all(weights[~mask] == 1) and not capped[~mask].any()
+
+
+def test_corrected_loss_and_gradient_match_an_independent_per_token_computation():
+    """With one optimizer step per batch the corrected objective is ``w * A`` per token in
+    value and ``w * A * grad log pi`` in gradient, i.e. the gradient of ``w * A * log pi``
+    with ``w`` held constant (REINFORCE weighted by the truncated ratio)."""
+    logits, mb = off_policy_batch(seed=12)
+    weights = reference_weights(logits, mb, cap=1.5)
+    ours = logits.clone().requires_grad_(True)
+    loss = grpo_loss(ours, mb, kl_coef=0.1, tis_imp_ratio_cap=1.5, **TIS)
+    loss.backward()
+
+    ref = logits.clone().requires_grad_(True)
+    logp_all = torch.log_softmax(ref, dim=-1)
+    values, surrogates = [], []
+    for (b, t), (w, _) in weights.items():
+        logp = logp_all[b, t, int(mb["labels"][b, t])]
+        ref_ratio = torch.exp(mb["ref_logprobs"][b, t] - logp)
+        kl = ref_ratio - torch.log(ref_ratio) - 1
+        adv = float(mb["advantages"][b])
+        values.append(-(w * adv) + 0.1 * float(kl.detach()))
+        surrogates.append(-(w * adv * logp) + 0.1 * kl)
+    torch.stack(surrogates).mean().backward()
+
+    assert float(loss) == pytest.approx(sum(values) / len(values), rel=1e-5)
+    torch.testing.assert_close(ours.grad, ref.grad)
+    metrics = grpo_metrics(logits, mb, kl_coef=0.1, tis_imp_ratio_cap=1.5, **TIS)
+    assert metrics["tis_weight_mean"] == pytest.approx(
+        sum(w for w, _ in weights.values()) / len(weights), rel=1e-5
+    )
+    assert metrics["tis_capped_fraction"] == pytest.approx(
+        sum(c for _, c in weights.values()) / len(weights)
+    )
+    assert metrics["clip_fraction"] == 0.0  # the ratio to the trainer's own policy is 1
+
+
+def test_with_identical_policies_the_weights_are_1_and_the_loss_is_the_uncorrected_loss():
+    logits, mb = random_batch(seed=13, batch=4, seq=8)
+    mb["generator_logprobs"] = token_logprobs(logits, mb["labels"])  # generator == trainer
+    metrics = grpo_metrics(logits, mb, kl_coef=0.1, **TIS)
+    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["tis_capped_fraction"] == 0.0
+    grads = {}
+    for name, extra in (("none", {}), ("token_tis", TIS)):
+        x = logits.clone().requires_grad_(True)
+        loss = grpo_loss(x, mb, kl_coef=0.1, **extra)
+        loss.backward()
+        grads[name] = (loss.detach(), x.grad)
+    torch.testing.assert_close(grads["token_tis"][0], grads["none"][0])
+    torch.testing.assert_close(grads["token_tis"][1], grads["none"][1])
+
+
+def test_the_corrected_loss_object_returns_the_importance_weight_metrics():
+    logits, mb = off_policy_batch(seed=14)
+    loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.1, tis_imp_ratio_cap=1.5, **TIS))
+    loss, metrics = loss_fn(logits, mb)
+    expected = grpo_metrics(logits, mb, kl_coef=0.1, tis_imp_ratio_cap=1.5, **TIS)
+    assert set(metrics) == {"kl", "ratio_mean", "clip_fraction", "tis_weight_mean",
+                            "tis_capped_fraction"}
+    for name, value in metrics.items():
+        assert float(value) == pytest.approx(expected[name], rel=1e-6), name
+    assert set(GRPOLoss(GRPOLoss.Config())(logits, mb)[1]) == set(GRPOLoss.metric_names)
+
+
+def test_off_policy_correction_config_rejects_unknown_values():
+    with pytest.raises(ValueError, match="off_policy_correction='tis'"):
+        GRPOLoss.Config(off_policy_correction="tis")
+    with pytest.raises(ValueError, match="tis_imp_ratio_cap=0"):
+        GRPOLoss.Config(off_policy_correction="token_tis", tis_imp_ratio_cap=0)
+    logits, mb = random_batch(seed=15)
+    with pytest.raises(ValueError, match="loss.off_policy_correction='sequence'"):
+        grpo_loss(logits, mb, off_policy_correction="sequence")

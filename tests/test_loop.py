@@ -45,6 +45,9 @@ class FakeJob(RLLoop):
         self.events.append(("rollouts", step, self.trainer_version, self.served))
         return {"served": self.served}
 
+    def policy_versions(self, rollouts):
+        return [rollouts["served"]]
+
     async def train_step(self, step, rollouts):
         if self.fail_in == "train" and step == 2:
             raise FloatingPointError("injected")
@@ -184,8 +187,9 @@ async def test_logging_a_step_again_updates_it_and_the_file_keeps_one_line_per_s
     ]
 
 
-async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path):
-    job = FakeJob(tmp_path, steps=10, save_every=1)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path, mode):
+    job = FakeJob(tmp_path, steps=10, save_every=1, mode=mode, max_policy_age=1)
     original = job.train_step
 
     async def train_step(step, rollouts):
@@ -199,6 +203,8 @@ async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path):
     assert kinds(job.events, "train") == [0, 1, 2]  # step 3 (index 2) completed and saved
     assert kinds(job.events, "save") == [1, 2, 3]
     assert job.stopped == ["generator", "trainer", "store"]
+    if mode == "async":  # the rollout task, a step ahead, was stopped too
+        assert job._rollout_task.task.done()
 
 
 @pytest.mark.parametrize(("save_every", "saves"), [(10, [3]), (0, [])])

@@ -1,9 +1,12 @@
-"""RLTrainer.push_weights end to end: a trainer pushes versioned weights through torchstore
-(direct and DCP transports, DP=1 and DP=2 with sharded parameters); a reader on another proc
-fetches them, loads them into transformers' Qwen3ForCausalLM (strict) and reproduces the
-trainer's logits."""
+"""RLTrainer.push_weights end to end: a trainer pushes versioned weights (DP=1 through
+torchstore over Monarch RPC, ``weights.same_host: off``; DP=2 with sharded parameters into
+same-host shared memory, the default on one host); a reader on another proc fetches them,
+loads them into transformers' Qwen3ForCausalLM (strict) and reproduces the trainer's logits.
+Stopping the trainer unlinks its shared memory."""
 
 import copy
+import os
+import re
 import sys
 
 import cloudpickle
@@ -11,12 +14,14 @@ import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from conftest import make_lm_batch, random_state_dict
 from monarch.actor import Actor, endpoint, this_host
 
 from forge_ext.actors import spawn_trainer
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.engine.models import SMALL_FLAVORS
+from forge_ext.weights.fetch import fetch_commit_record
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the reader actor by value.
@@ -47,24 +52,24 @@ class HFReader(Actor):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def setup(tmp_path_factory):
+async def setup():
     await initialize_store()
-    dcp_path = str(tmp_path_factory.mktemp("dcp"))
-    dp1 = await spawn_trainer(TRAINER, weights={"transport": "direct", "key_prefix": "dp1"})
+    dp1 = await spawn_trainer(
+        TRAINER, weights={"transport": "direct", "same_host": "off", "key_prefix": "dp1"}
+    )
     dp2_cfg = copy.deepcopy(TRAINER)
     dp2_cfg["training"]["local_batch_size"] = 2
-    dp2 = await spawn_trainer(
-        dp2_cfg, num_procs=2,
-        weights={"transport": "dcp", "dcp_path": dcp_path, "key_prefix": "dp2"},
-    )
+    dp2 = await spawn_trainer(dp2_cfg, num_procs=2, weights={"key_prefix": "dp2"})
     weights = random_state_dict(await dp1.get_hf_state_dict(), seed=5, std=0.1)
     await dp1.load_hf_state_dict(weights)
     await dp2.load_hf_state_dict(weights)
     procs = this_host().spawn_procs(per_host={"procs": 1})
     reader = procs.spawn("hf_reader", HFReader)
-    yield {"dp1": (dp1, "dp1", 1), "dp2": (dp2, "dp2", 2), "reader": reader}
-    await dp1.stop()
-    await dp2.stop()
+    stopped = []
+    yield {"dp1": (dp1, "dp1", 1), "dp2": (dp2, "dp2", 2), "reader": reader, "stopped": stopped}
+    for trainer in (dp1, dp2):
+        if trainer not in stopped:
+            await trainer.stop()
     await procs.stop()
     await ts.shutdown()
 
@@ -79,6 +84,7 @@ async def test_generator_reproduces_trainer_logits_and_follows_new_versions(setu
 
     pushed = await trainer.push_weights(1)
     assert pushed["policy_version"] == 1
+    assert pushed["same_host"] == (name == "dp2")
     trainer_logits = await trainer.forward(inputs)
     assert trainer_logits.abs().max() > 1.0  # random weights: parity is not vacuous
     hf_logits, v1 = await reader.logits.call_one(1, prefix, batch["input_ids"])
@@ -93,3 +99,22 @@ async def test_generator_reproduces_trainer_logits_and_follows_new_versions(setu
     for k in trainer_weights:
         assert torch.equal(v2[k], trainer_weights[k]), k
     torch.testing.assert_close(hf_logits2, await trainer.forward(inputs), rtol=1e-4, atol=1e-4)
+
+
+async def test_stopping_the_trainer_unlinks_its_shared_memory(setup):
+    trainer, prefix, _ = setup["dp2"]
+    await trainer.push_weights(10)
+    record = await fetch_commit_record(10, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME)
+    # forge_ext-weights.dp2-<pid of rank 0>-<n>-p<pid namespace>: this trainer's slots only
+    (owner,) = re.findall(rf"-weights\.{prefix}-(\d+)-", record["segment"]["path"])
+
+    def slots() -> list[str]:
+        return [f for f in os.listdir("/dev/shm")
+                if f.startswith(f"forge_ext-weights.{prefix}-{owner}-")]
+
+    assert os.path.basename(record["segment"]["path"]) in slots()
+    await trainer.actor.cleanup.call()  # what TrainerHandle.stop runs before stopping the procs
+    assert slots() == []
+    await trainer.stop()
+    setup["stopped"].append(trainer)
+    assert slots() == []

@@ -163,3 +163,27 @@ async def test_shutdown_then_initialize_gives_an_empty_store(store):
     await ts.shutdown()
     await torchstore_monarch.initialize_store()
     assert await ts.keys("compat/") == []
+
+
+async def test_the_rdma_switch_makes_torchstore_take_its_rdma_branch_over_tcp(monkeypatch):
+    """torchstore 0.1.2 sees RDMA only where ibverbs is; with the switch, wherever Monarch has
+    an RDMA backend (its TCP fallback here). Off unless asked for."""
+    from monarch.rdma import get_rdma_backend, is_ibverbs_available
+    from torchstore.transport import Pipe
+    from torchstore.transport.buffers import RDMATransportBuffer, rdma_available
+
+    from forge_ext.compat import torchstore_rdma
+
+    torchstore_monarch.apply()
+    monkeypatch.delenv(torchstore_rdma.ENV, raising=False)
+    assert rdma_available() == is_ibverbs_available()
+    monkeypatch.setenv(torchstore_rdma.ENV, "tcp")
+    assert rdma_available() == (get_rdma_backend() != "none")
+    torchstore_rdma.use_tcp_fallback(False)  # the in-process setting wins over the environment
+    try:
+        assert rdma_available() == is_ibverbs_available()
+        torchstore_rdma.use_tcp_fallback(True)
+        if get_rdma_backend() != "none":
+            assert isinstance(Pipe(None).create_transport_buffer(), RDMATransportBuffer)
+    finally:
+        torchstore_rdma.use_tcp_fallback(None)

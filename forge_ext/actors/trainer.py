@@ -173,7 +173,9 @@ class RLTrainer(Actor):
         only once all of it is stored.
 
         Returns:
-            ``{"policy_version", "bytes", "seconds", "rdma"}`` for this rank.
+            ``{"policy_version", "bytes", "seconds", "rdma", "same_host"}`` for this rank
+            (``same_host``: the version went into shared memory, see
+            ``forge_ext.weights.publish``).
 
         Raises:
             Under pipeline parallelism each stage publishes its own tensors, which needs
@@ -190,7 +192,7 @@ class RLTrainer(Actor):
             state_dict, version, exclude_from_cast=self.hf_buffer_names
         )
         return {"policy_version": version, "bytes": result.bytes_written,
-                "seconds": result.seconds, "rdma": result.rdma}
+                "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
 
     def _hf_buffer_names(self) -> set[str]:
         """HF names of the buffers in the state dict (they keep their dtype when cast)."""
@@ -252,8 +254,12 @@ class RLTrainer(Actor):
 
     @endpoint
     async def cleanup(self) -> None:
-        """Release the checkpointer's resources. The proc mesh owns the process group and
-        tears it down on ``stop()`` (destroying it here can race with mesh shutdown)."""
+        """Release the checkpointer's resources and unlink the weight publisher's
+        shared-memory slots (versions published into them can no longer be fetched). The
+        proc mesh owns the process group and tears it down on ``stop()`` (destroying it here
+        can race with mesh shutdown)."""
+        if self.publisher is not None:
+            self.publisher.close()
         if self.engine is not None:
             self.engine.close()
 

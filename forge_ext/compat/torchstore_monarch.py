@@ -38,6 +38,8 @@ from torchstore.controller import Controller
 from torchstore.logging import LatencyTracker
 from torchstore.transport import Pipe, Request
 
+from forge_ext.compat import torchstore_rdma
+
 # The sync endpoints of torchstore 0.1.2's Controller (see torchstore/controller.py).
 SYNC_ENDPOINTS: tuple[str, ...] = (
     "get_controller_strategy",
@@ -85,8 +87,9 @@ def _startup_callable() -> Callable[[], None]:
 
 
 def apply() -> None:
-    """Turn the Controller's sync endpoints into async ones and stop object puts from
-    echoing their payload to the controller, in this process and in every Monarch proc
+    """Turn the Controller's sync endpoints into async ones, stop object puts from
+    echoing their payload to the controller, and install the RDMA switch of
+    :mod:`forge_ext.compat.torchstore_rdma`, in this process and in every Monarch proc
     spawned afterwards. Idempotent. Must run before ``torchstore.initialize()``
     and before a process unpickles a torchstore Controller handle."""
     if not getattr(Controller, _PATCHED_MARKER, False):
@@ -95,6 +98,7 @@ def apply() -> None:
             setattr(Controller, name, endpoint(_as_async(prop._method)))
         setattr(Controller, _PATCHED_MARKER, True)
     LocalClient.put = _put
+    torchstore_rdma.apply()
     _register_startup_function()
 
 

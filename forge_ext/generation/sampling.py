@@ -214,9 +214,13 @@ class HFSampler:
             for i in range(len(rows))
         ]
 
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], shared_handle: Mapping | None = None
+    ) -> None:
         """Copy HF-layout weights into the model (strict: every parameter, no extras;
-        a tied model may omit ``lm_head.weight``)."""
+        a tied model may omit ``lm_head.weight``). ``shared_handle`` (where the tensors live
+        in shared memory, see ``forge_ext.weights.fetch.OpenedWeights``) is not needed: the
+        model is in this process and copies from the tensors themselves."""
         params = dict(self.model.state_dict())
         missing = sorted(set(params) - set(state_dict))
         if self.model.config.tie_word_embeddings:

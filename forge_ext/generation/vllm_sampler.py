@@ -4,10 +4,11 @@ GPU (``vllm``) with the same code.
 ``vllm.LLM`` starts an engine-core process and one worker process per tensor-parallel rank.
 Weight updates reach the workers through vLLM's supported extension point: the workers carry
 :class:`forge_ext.generation.vllm_worker.WeightSyncExtension` (``worker_extension_cls``), and
-:meth:`VLLMSampler.load_hf_state_dict` puts the HF-layout tensors into a same-host
-shared-memory buffer, then calls ``forge_load_weights`` on every worker by name
-(``LLM.collective_rpc``) with the buffer's handle; each worker maps the buffer and reloads its
-own rank's share in place. Afterwards the prefix cache is reset, so no KV computed with the
+:meth:`VLLMSampler.load_hf_state_dict` calls ``forge_load_weights`` on every worker by name
+(``LLM.collective_rpc``) with the handle of a same-host shared-memory file holding the
+HF-layout tensors: the trainer's own slot when the version was published into shared memory
+on this host (no copy in this process), otherwise this sampler's buffer, which the fetch
+filled. Each worker maps the file and reloads its own rank's share in place. Afterwards the prefix cache is reset, so no KV computed with the
 old weights is reused.
 
 Log-probs are those of the raw logits (``logprobs_mode="raw_logprobs"``), like the HF
@@ -247,10 +248,18 @@ class VLLMSampler:
         ``fetch_weights(..., allocate=sampler.allocate)`` to fetch straight into it."""
         return self.buffer.allocate(specs)
 
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    def load_hf_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], shared_handle: Mapping | None = None
+    ) -> list[dict[str, Any]]:
         """Load HF-layout weights (full tensors) into every vLLM worker.
 
-        Tensors that are already the buffer's (from :meth:`allocate`) are not copied again.
+        Args:
+            state_dict: the tensors. Those that are already the buffer's (from
+                :meth:`allocate`) are not copied again.
+            shared_handle: the handle of a shared-memory file on this host that holds
+                ``state_dict`` (``forge_ext.weights.fetch.OpenedWeights.shared_handle``): the
+                workers load from it, nothing is copied here. The caller keeps the file
+                leased until this returns.
 
         Returns:
             One ``{"tp_rank", "seconds"}`` per worker.
@@ -258,6 +267,10 @@ class VLLMSampler:
         Raises:
             KeyError: a name vLLM's model does not have (raised by vLLM's loader).
         """
+        if shared_handle is not None:
+            results = self.llm.collective_rpc("forge_load_weights", args=(dict(shared_handle),))
+            self.llm.reset_prefix_cache()
+            return results
         state_dict = {k: v.detach() for k, v in state_dict.items()}
         views = self.buffer.views()
         if not (views.keys() == state_dict.keys() and all(

@@ -9,6 +9,7 @@ from forge_ext.losses.grpo import (
     grpo_metrics,
     k3_kl,
     token_logprobs,
+    truncated_importance_weights,
     valid_token_count,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "grpo_metrics",
     "k3_kl",
     "token_logprobs",
+    "truncated_importance_weights",
     "valid_token_count",
 ]

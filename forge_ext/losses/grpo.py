@@ -23,6 +23,25 @@ DeepSeekMath's per-sequence ``1/|o_i|`` mean. The engine multiplies each microba
 :func:`valid_token_count` and divides by the global token count, so the optimised quantity is
 the mean over every valid token of the step, independent of how it is split into microbatches.
 
+Off-policy correction (``off_policy_correction: token_tis``): token-level truncated
+importance sampling, the standard fix for samples drawn by a policy other than the one
+trained (stale weights in asynchronous RL, or an inference engine whose numerics differ from
+the trainer's): Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+RL Training" (https://fengyao.notion.site/off-policy-rl), verl's ``tis_imp_ratio_cap``
+(now ``algorithm.rollout_correction.rollout_is: token`` with ``rollout_is_threshold``),
+SkyRL's ``off_policy_correction``. It is decoupled PPO (Hilton et al. 2021,
+arXiv:2110.00641; AReaL, arXiv:2505.24298): the clipped ratio is taken against the
+*trainer's* log-probs before this step, ``pi_old``, and each token is weighted by
+
+    w_t = min(pi_old(o_t) / pi_gen(o_t), C)          (C = tis_imp_ratio_cap, e.g. 2.0)
+
+so that ``J = E[ w_t * min(r_t * A, clip(r_t) * A) - beta * KL_t ]`` with
+``r_t = pi_theta / pi_old``. The trainer makes one optimizer step per batch, so ``pi_old`` is
+the current policy with its gradient stopped: ``r_t`` is 1 in value (its clip never binds)
+and the gradient is ``w_t * A * grad log pi_theta(o_t)``. With ``pi_gen == pi_old`` every
+``w_t`` is 1 and the loss and gradient equal the uncorrected ones. ``none`` (the default)
+keeps the ratio against the generator's log-probs.
+
 Log-ratios are clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (as
 ``torchtitan.experiments.rl.losses.dapo`` does), so a token that is wildly off-policy cannot
 overflow to inf/NaN; that token's clamped term then carries no gradient.
@@ -33,12 +52,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, compute_logprobs
 
 MAX_LOG_RATIO = 10.0
 """Bound on ``|log(pi_a / pi_b)|`` before ``exp``; ``exp(10) ~ 2.2e4``."""
+
+OFF_POLICY_CORRECTIONS = ("none", "token_tis")
+"""Values of ``loss.off_policy_correction`` (module docstring)."""
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,6 +113,30 @@ def k3_kl(
     log_ratio = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def truncated_importance_weights(
+    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level truncated importance weights ``w = min(exp(logprobs - generator_logprobs),
+    cap)`` (module docstring), detached.
+
+    Args:
+        logprobs: ``[batch, seq]`` the trainer's log-probs of the sampled tokens (their
+            gradient is not used).
+        generator_logprobs: ``[batch, seq]`` the generator's log-probs of the same tokens.
+        mask: ``[batch, seq]`` bool, True on scored tokens; elsewhere the weight is 1 and
+            not capped, whatever the inputs hold there.
+        cap: ``C > 0``, the largest weight.
+
+    Returns:
+        ``(weights, capped)``: ``[batch, seq]`` fp32 weights, and bool, True where the raw
+        ratio exceeded ``cap`` (the log-ratio is clamped to ``+-MAX_LOG_RATIO`` first).
+    """
+    with torch.no_grad():
+        log_ratio = torch.where(mask, logprobs - generator_logprobs, torch.zeros_like(logprobs))
+        raw = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        return raw.clamp(max=cap), (raw > cap) & mask
 
 
 def valid_token_count(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -166,6 +213,8 @@ def grpo_loss_and_metrics(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.04,
+    off_policy_correction: str = "none",
+    tis_imp_ratio_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss (token mean over valid tokens) and detached per-token-mean metrics.
 
@@ -180,6 +229,10 @@ def grpo_loss_and_metrics(
         clip_eps_low: ratio lower bound is ``1 - clip_eps_low``.
         clip_eps_high: ratio upper bound is ``1 + clip_eps_high``.
         kl_coef: ``beta``, weight of the k3 KL penalty.
+        off_policy_correction: ``none``, or ``token_tis``: truncated importance weights
+            against the generator and the clipped ratio against the trainer's own log-probs
+            (module docstring).
+        tis_imp_ratio_cap: ``C``, the largest importance weight (``token_tis`` only).
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` averaged over valid tokens
@@ -189,15 +242,24 @@ def grpo_loss_and_metrics(
         - ``loss``: the loss value;
         - ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even
           when ``kl_coef == 0``);
-        - ``ratio_mean``: mean importance ratio ``pi_theta / pi_gen``;
+        - ``ratio_mean``: mean clipped-ratio argument ``r_t``: ``pi_theta / pi_gen``
+          (``none``), ``pi_theta / pi_old`` = 1 (``token_tis``);
         - ``clip_fraction``: fraction of tokens where the clip binds (ratio below
           ``1 - eps_low`` with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token
           gets no policy gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
+        - ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis`` only): mean importance
+          weight ``w_t`` and fraction of tokens whose ratio exceeded the cap;
         - ``num_valid_tokens``: the count the means are over (a float, for weighting).
 
     Raises:
-        ValueError: if a required key is missing or shapes disagree.
+        ValueError: if a required key is missing, shapes disagree, or
+            ``off_policy_correction`` is unknown.
     """
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"loss.off_policy_correction={off_policy_correction!r} must be one of "
+            f"{list(OFF_POLICY_CORRECTIONS)}"
+        )
     if "labels" not in mb:
         raise ValueError(f"GRPO microbatch is missing 'labels'; it has {sorted(mb)}")
     labels = mb["labels"]
@@ -210,11 +272,20 @@ def grpo_loss_and_metrics(
     num_valid = mask.sum().to(logprobs.dtype)
     zeros = torch.zeros_like(logprobs)
 
+    tis = off_policy_correction == "token_tis"
+    # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
+    # trainer's own before this step's update, i.e. the current ones without gradient.
+    old_logprobs = logprobs.detach() if tis else generator_logprobs
     # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
-    log_ratio = torch.where(mask, logprobs - generator_logprobs, zeros)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if tis:
+        is_weights, capped = truncated_importance_weights(
+            logprobs, generator_logprobs, mask, tis_imp_ratio_cap
+        )
+        surrogate = is_weights * surrogate
 
     if kl_coef != 0.0:
         kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
@@ -241,6 +312,9 @@ def grpo_loss_and_metrics(
             "ratio_mean": (ratio * mask).sum(),
             "clip_fraction": (clipped & mask).sum().to(logprobs.dtype),
         }
+        if tis:
+            sums["tis_weight_mean"] = (is_weights * mask).sum()
+            sums["tis_capped_fraction"] = capped.sum().to(logprobs.dtype)
         nan = torch.full_like(num_valid, math.nan)
         metrics = {
             name: torch.where(num_valid > 0, total / num_valid.clamp(min=1.0), nan)
@@ -250,17 +324,18 @@ def grpo_loss_and_metrics(
     return loss, metrics
 
 
-def grpo_loss(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: float) -> torch.Tensor:
+def grpo_loss(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: Any) -> torch.Tensor:
     """The GRPO loss alone: a 0-dim tensor, mean over the microbatch's valid tokens.
 
-    ``coefs``: ``clip_eps_low``, ``clip_eps_high``, ``kl_coef``; see
+    ``coefs``: ``clip_eps_low``, ``clip_eps_high``, ``kl_coef``, ``off_policy_correction``,
+    ``tis_imp_ratio_cap``; see
     :func:`grpo_loss_and_metrics` for them, the formula and errors.
     """
     return grpo_loss_and_metrics(logits, mb, **coefs)[0]
 
 
 def grpo_metrics(
-    logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: float
+    logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: Any
 ) -> dict[str, float]:
     """GRPO metrics for one microbatch as Python floats, computed without autograd.
 
@@ -279,14 +354,19 @@ class GRPOLoss:
     ``loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.0))`` satisfies the engine's
     ``loss_fn(logits, mb) -> (loss, metrics)`` contract (``forge_ext.engine.base.LossFn``):
     ``loss`` as :func:`grpo_loss`, ``metrics`` the token means ``kl``, ``ratio_mean`` and
-    ``clip_fraction`` of :func:`grpo_loss_and_metrics`, which the engine weights by valid
+    ``clip_fraction`` of :func:`grpo_loss_and_metrics` (with ``token_tis`` also
+    ``tis_weight_mean`` and ``tis_capped_fraction``), which the engine weights by valid
     tokens (``valid_token_count``, the loss's own weight) across microbatches and
     data-parallel ranks and returns as ``loss/<name>``. Stateless: a repeated call (PP shape
     inference) changes nothing.
     """
 
     metric_names = ("kl", "ratio_mean", "clip_fraction")
-    """The metrics a call returns with the loss (token means, see grpo_loss_and_metrics)."""
+    """The metrics every call returns with the loss (token means, see
+    grpo_loss_and_metrics)."""
+
+    tis_metric_names = ("tis_weight_mean", "tis_capped_fraction")
+    """The metrics ``off_policy_correction: token_tis`` adds."""
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -299,10 +379,28 @@ class GRPOLoss:
         kl_coef: float = 0.04
         """``beta`` in DeepSeekMath eq. 3; 0 disables the KL term and ``ref_logprobs``."""
 
+        off_policy_correction: Literal["none", "token_tis"] = "none"
+        """``token_tis``: token-level truncated importance sampling between the trainer's
+        and the generator's log-probs (module docstring); ``none``: the ratio against the
+        generator's log-probs."""
+
+        tis_imp_ratio_cap: float = 2.0
+        """``C``, the largest importance weight of ``token_tis`` (verl's
+        ``tis_imp_ratio_cap``; 2.0 is verl's default ``rollout_is_threshold``)."""
+
         def __post_init__(self) -> None:
             for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
                 if getattr(self, name) < 0:
                     raise ValueError(f"GRPOLoss.Config.{name}={getattr(self, name)} must be >= 0")
+            if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+                raise ValueError(
+                    f"GRPOLoss.Config.off_policy_correction={self.off_policy_correction!r} "
+                    f"must be one of {list(OFF_POLICY_CORRECTIONS)}"
+                )
+            if not self.tis_imp_ratio_cap > 0:
+                raise ValueError(
+                    f"GRPOLoss.Config.tis_imp_ratio_cap={self.tis_imp_ratio_cap} must be > 0"
+                )
             if self.clip_eps_low >= 1:
                 raise ValueError(
                     f"GRPOLoss.Config.clip_eps_low={self.clip_eps_low} must be < 1 "
@@ -311,6 +409,10 @@ class GRPOLoss:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.names = self.metric_names + (
+            self.tis_metric_names if config.off_policy_correction == "token_tis" else ()
+        )
+        """The metrics this loss returns."""
 
     def __call__(
         self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]
@@ -318,12 +420,13 @@ class GRPOLoss:
         c = self.config
         loss, metrics = grpo_loss_and_metrics(
             logits, mb, clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high,
-            kl_coef=c.kl_coef,
+            kl_coef=c.kl_coef, off_policy_correction=c.off_policy_correction,
+            tis_imp_ratio_cap=c.tis_imp_ratio_cap,
         )
-        return loss, {name: metrics[name] for name in self.metric_names}
+        return loss, {name: metrics[name] for name in self.names}
 
 
-def build(**config: float) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
+def build(**config: Any) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
     """``(loss_fn, loss_weight_fn)`` for the engine, from a ``loss`` config section.
 
     ``forge_ext.engine.losses.build_loss(name="grpo", **config)`` calls this, e.g. with

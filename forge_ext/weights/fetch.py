@@ -13,6 +13,16 @@ only at ``.``-separated boundaries, see ``torchstore/storage_utils/trie.py``):
   multiple of :data:`ALIGN` bytes.
 - ``dcp`` only: the commit record holds the ``torch.distributed.checkpoint`` id (a folder) and
   its :class:`~torch.distributed.checkpoint.metadata.Metadata`.
+- same host (``direct`` with every publishing rank on one host, ``weights.same_host=auto``):
+  the commit record is the only key; it names the shared-memory slot file holding the full
+  tensors, their offsets in it and the publisher's host (:mod:`forge_ext.weights.same_host`).
+  Readers on that host copy out of the slot under a lease; elsewhere they get a
+  :class:`WeightsFetchError` naming ``weights.same_host=off``.
+
+Two ways to read a version, whatever the transport: :func:`fetch_weights` returns tensors of
+this process's own; :func:`open_weights` lends tensors for the time of an ``async with``
+block, without a copy where the version is in shared memory on this host (a generator loads
+its model from them).
 
 The commit record is a dict of builtins, torch dtypes and (for dcp) DCP metadata, so the
 storage volume that holds it never has to import forge_ext.
@@ -21,11 +31,12 @@ storage volume that holds it never has to import forge_ext.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +48,7 @@ import torchstore as ts
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
 from forge_ext.compat import torchstore_monarch
+from forge_ext.weights import same_host
 
 torchstore_monarch.apply()
 
@@ -78,8 +90,10 @@ class WeightsVersionNotFoundError(KeyError):
 
 class WeightsFetchError(RuntimeError):
     """A committed version could not be read back: its transport failed (for ``dcp``, the
-    checkpoint folder was removed or damaged after the commit). Derives from ``Exception``,
-    unlike DCP's own ``CheckpointException``, so callers' ``except Exception`` catch it."""
+    checkpoint folder was removed or damaged after the commit; for a same-host version, this
+    process is on another host or sees another ``/dev/shm``, or the publisher stopped).
+    Derives from ``Exception``, unlike DCP's own ``CheckpointException``, so callers'
+    ``except Exception`` catch it."""
 
 
 def commit_key(key_prefix: str, version: int) -> str:
@@ -150,12 +164,22 @@ async def fetch_commit_record(
     key = commit_key(key_prefix, version)
     try:
         record = await ts.get(key, store_name=store_name)
-    except KeyError:  # torchstore raises KeyError for a key it does not index
+    except Exception as e:  # noqa: BLE001 - re-raised unless the key is missing
+        if not _missing_key(e):
+            raise
         committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
         raise WeightsVersionNotFoundError(version, key_prefix, committed) from None
     if record.get("format") != FORMAT:
         raise ValueError(f"{key} holds {record.get('format')!r}, expected {FORMAT!r}")
     return record
+
+
+def _missing_key(error: BaseException) -> bool:
+    """Whether a torchstore ``get`` failed because the key is not there: torchstore raises
+    KeyError for a key its controller does not index; a key deleted between the controller's
+    lookup and the storage volume's read (a version retired while a reader fetches it) comes
+    back as Monarch's ``ActorError`` wrapping the volume's KeyError."""
+    return isinstance(error, KeyError) or isinstance(getattr(error, "exception", None), KeyError)
 
 
 async def fetch_weights(
@@ -188,17 +212,88 @@ async def fetch_weights(
         that own their memory.
 
     Raises:
-        WeightsVersionNotFoundError: ``version`` has no commit record.
+        WeightsVersionNotFoundError: ``version`` has no commit record (or, same host, was
+            retired and its slot reused while this call read the record).
         KeyError: a name in ``names`` is not part of the version.
         WeightsFetchError: reading the committed data failed (``dcp``: any failure inside
-            ``dcp.load``, which DCP raises as a ``BaseException``).
+            ``dcp.load``, which DCP raises as a ``BaseException``; same host: this process
+            cannot map the publisher's shared memory, the message names
+            ``weights.same_host=off``, or the publisher has stopped).
     """
     record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
+    specs = _specs(record, names)
+    if record["transport"] == "same_host":
+        async with _same_host_lease(record, key_prefix, store_name) as mapped:
+            views = same_host.slot_views(mapped, same_host.record_entries(record, specs))
+            result = _allocate(specs, allocate)
+            for name, view in views.items():
+                if view.numel():  # torch's intra-op threads, as for the writer's copy
+                    result[name].copy_(view)
+        return result
+    return await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedWeights:
+    """What :func:`open_weights` lends for the time of its block.
+
+    Attributes:
+        tensors: ``{name: tensor}``, contiguous CPU tensors in HF layout (read them; do not
+            keep them past the block: they may be views of a shared-memory slot that the
+            publisher reuses afterwards).
+        shared_handle: where the tensors are views of a shared-memory file, its
+            :func:`forge_ext.weights.shared_buffer.open_shared_tensors` handle (plain values)
+            for other processes on this host (vLLM's workers), valid inside the block;
+            None where the tensors are this process's own memory.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    shared_handle: dict[str, Any] | None
+
+
+@contextlib.asynccontextmanager
+async def open_weights(
+    version: int,
+    names: Iterable[str] | None = None,
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    store_name: str = DEFAULT_TORCHSTORE_NAME,
+    allocate: Allocator | None = None,
+) -> AsyncIterator[OpenedWeights]:
+    """``async with open_weights(N) as weights:`` lends version ``N``'s tensors for the
+    block: for a same-host version, views of the publisher's slot, held so that no publisher
+    overwrites it before the block ends (no copy: a generator loads its model straight from
+    them); otherwise fetched as :func:`fetch_weights` does (into ``allocate``'s tensors).
+
+    Arguments, errors: as :func:`fetch_weights`.
+    """
+    record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
+    specs = _specs(record, names)
+    if record["transport"] == "same_host":
+        entries = same_host.record_entries(record, specs)
+        async with _same_host_lease(record, key_prefix, store_name) as mapped:
+            yield OpenedWeights(
+                same_host.slot_views(mapped, entries), same_host.slot_handle(record, entries)
+            )
+        return
+    result = await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
+    yield OpenedWeights(result, None)
+
+
+def _specs(
+    record: Mapping[str, Any], names: Iterable[str] | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (shape, dtype)}`` of the wanted tensors (all when ``names`` is None)."""
     wanted = list(record["names"]) if names is None else list(names)
     missing = sorted(set(wanted) - set(record["names"]))
     if missing:
-        raise KeyError(f"policy_version={version} has no tensors named {missing[:5]}")
-    specs = {name: _spec(record, name) for name in wanted}
+        raise KeyError(f"policy_version={record['version']} has no tensors named {missing[:5]}")
+    return {name: _spec(record, name) for name in wanted}
+
+
+def _allocate(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], allocate: Allocator | None
+) -> dict[str, torch.Tensor]:
     result = dict((allocate or _allocate_fresh)(specs))
     for name, (shape, dtype) in specs.items():
         tensor = result.get(name)
@@ -209,6 +304,14 @@ async def fetch_weights(
                 f"allocate returned no contiguous CPU tensor of shape {shape} and {dtype} for "
                 f"{name!r}"
             )
+    return result
+
+
+async def _read(
+    record: Mapping[str, Any], specs, result: dict[str, torch.Tensor], key_prefix: str,
+    store_name: str,
+) -> dict[str, torch.Tensor]:
+    """Fill ``result`` from a ``direct`` (torchstore chunks) or ``dcp`` record."""
     if record["transport"] == "direct":
         await _fetch_direct(record, result, key_prefix, store_name)
         return result
@@ -216,6 +319,23 @@ async def fetch_weights(
         await asyncio.to_thread(_load_dcp, record, result)
         return result
     raise ValueError(f"unknown transport {record['transport']!r} in commit record")
+
+
+@contextlib.asynccontextmanager
+async def _same_host_lease(
+    record: Mapping[str, Any], key_prefix: str, store_name: str
+) -> AsyncIterator[Any]:
+    """:func:`forge_ext.weights.same_host.lease`, its errors as this module's."""
+    try:
+        async with same_host.lease(record) as mapped:
+            yield mapped
+    except same_host.SegmentUnavailableError as e:
+        raise WeightsFetchError(str(e)) from None
+    except same_host.SlotReusedError:
+        # Retired between reading its commit record and taking its slot: as if the record
+        # had already been gone.
+        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+        raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
 
 
 def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -267,7 +387,14 @@ async def _fetch_direct(
     async def get_and_scatter(rank: int, index: int) -> None:
         async with limit:
             key = chunk_key(key_prefix, version, rank, index)
-            chunk = chunk_tensor(await ts.get(key, store_name=store_name))
+            try:
+                chunk = chunk_tensor(await ts.get(key, store_name=store_name))
+            except Exception as e:  # noqa: BLE001 - re-raised unless the chunk is missing
+                if not _missing_key(e):
+                    raise
+                # Retired (commit record first, then chunks) while this fetch read it.
+                committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+                raise WeightsVersionNotFoundError(version, key_prefix, committed) from None
         base = index * chunk_bytes
         for destination, offset, lo, nbytes in copies[(rank, index)]:
             copy_bytes(destination[offset : offset + nbytes], chunk[lo - base : lo - base + nbytes])

@@ -1,0 +1,343 @@
+"""Same-host weight transport: policy versions in reused shared-memory slots.
+
+Used by :class:`forge_ext.weights.publish.WeightsPublisher` when ``weights.transport=direct``,
+``weights.same_host=auto`` and every rank of the publishing group runs on one host (same
+:func:`host_id`). torchstore then carries only the commit record, which names the slot file
+and every tensor's offset in it; readers on the same host map the file and copy (or load)
+straight out of it (:func:`forge_ext.weights.fetch.fetch_weights`, ``open_weights``).
+
+Slots (one file each, ``/dev/shm/forge_ext-weights.<key_prefix>-<pid>-<n>-p<ns>``, created by
+rank 0 of the group, at most ``keep_versions + 1`` of them, reused version after version so
+their pages stay warm): a header page, then the *full* HF tensors of one version, each at a
+64-byte aligned offset (:func:`forge_ext.weights.shared_buffer.layout`). Every rank writes
+the pieces it owns (DTensor shards, or plain tensors on rank 0) at their global offsets, so a
+reader (a vLLM worker in particular) takes whole tensors without reassembling shards.
+
+Header: two int64, :data:`MAGIC` and the *stamp*, the version whose tensors the slot holds
+completely, or :data:`WRITING` while a writer overwrites it.
+
+Why readers never see a slot being overwritten (``flock`` on the slot file; the kernel drops
+a dead process's locks):
+
+- reader: ``LOCK_SH``, then check ``stamp == version`` (otherwise the version was retired and
+  its slot reused: the reader reports it missing, as for any retired version), read or load,
+  ``LOCK_UN``;
+- writer, before overwriting a slot: ``LOCK_EX`` (waits until no reader holds the slot),
+  ``stamp = WRITING``, ``LOCK_UN``; then every rank writes; rank 0 sets ``stamp = version``
+  before it writes the commit record.
+
+A slot is only chosen once its version has been retired (its commit record deleted), so new
+readers of that version get "not committed" from torchstore, and those that read the record
+just before see the stamp. Why locks and not only a stamp re-checked after reading (a
+seqlock): ``flock`` is a system call on both sides, which orders the stamp and data accesses
+on any CPU (a seqlock needs memory fences Python cannot issue), and a reader that keeps
+views for a while (vLLM's workers during a reload) holds the slot instead of finding out
+afterwards that it was overwritten.
+
+Lifetime: rank 0 unlinks its slots in :meth:`SlotRing.close` (``WeightsPublisher.close``, the
+trainer's ``cleanup``, interpreter exit). Slots of a publisher that was killed are removed by
+the next publisher's first allocation (:func:`forge_ext.weights.shm_files.remove_orphans`)
+and by ``make clean``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forge_ext.weights.shared_buffer import (
+    MappedFile,
+    create_file,
+    layout,
+    map_file,
+    shared_handle,
+    views_of,
+)
+from forge_ext.weights.shm_files import (
+    SHM_DIR,
+    check_free_space,
+    check_tag,
+    new_name,
+    remove_orphans,
+)
+
+# The header: int64 [MAGIC, stamp]; tensors start after one page.
+HEADER_BYTES = 4096
+MAGIC = int.from_bytes(b"fx-wts1\0", "little")
+WRITING = -1
+# How long a writer waits for readers to release the slot it needs (seconds): readers hold a
+# slot for one copy or one vLLM reload of a version at least keep_versions versions old.
+LEASE_TIMEOUT_S = 300.0
+POLL_S = 0.002
+
+
+def host_id() -> str:
+    """Who can map this process's ``/dev/shm`` files: ``<hostname>/<boot id>`` (the boot id
+    of ``/proc/sys/kernel/random/boot_id`` tells a rebooted or cloned machine apart)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class SegmentUnavailableError(RuntimeError):
+    """The slot a commit record names cannot be mapped here (another host, another
+    ``/dev/shm``, or its publisher stopped)."""
+
+
+class SlotReusedError(RuntimeError):
+    """The slot no longer holds the version: it was retired and its slot is being reused."""
+
+
+def _stamp_view(file: MappedFile) -> torch.Tensor:
+    return file.bytes[:16].view(torch.int64)
+
+
+def read_stamp(file: MappedFile) -> int:
+    return int(_stamp_view(file)[1])
+
+
+def write_stamp(file: MappedFile, value: int) -> None:
+    _stamp_view(file)[1] = value
+
+
+def entries_of(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]):
+    """Slot layout of ``{name: (dtype, shape)}``: :func:`~forge_ext.weights.shared_buffer
+    .layout` entries after the header, and the slot size in bytes."""
+    return layout({name: (shape, dtype) for name, (dtype, shape) in tensors.items()}, HEADER_BYTES)
+
+
+async def _flock(fd: int, operation: int, timeout: float, waiting_for: str) -> None:
+    """``flock(fd, operation)`` without blocking the event loop (other tasks of this process,
+    e.g. a reader of the same slot, must go on); raises TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f} s for {waiting_for}") from None
+            await asyncio.sleep(POLL_S)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slot file of a :class:`SlotRing` and the committed version it holds (None: free)."""
+
+    file: MappedFile
+    version: int | None = None
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+
+class SlotRing:
+    """The slots of one publisher (rank 0 of its group creates and owns them).
+
+    Args:
+        tag: file-name tag (``weights.<key_prefix>``).
+        slots: how many slots at most (``keep_versions + 1``: the versions kept plus the one
+            being written).
+        directory: a tmpfs.
+    """
+
+    def __init__(self, tag: str, slots: int, directory: str = SHM_DIR) -> None:
+        check_tag(tag)
+        self.tag, self.max_slots, self.directory = tag, slots, directory
+        self.slots: list[Slot] = []
+        self._registered = False
+
+    def _create(self, size: int, replacing: Slot | None) -> MappedFile:
+        if not self._registered:
+            # First allocation of this publisher: clear what crashed publishers left.
+            remove_orphans(self.directory)
+            atexit.register(self.close)
+            self._registered = True
+        # Check for every slot still to be made, so that a too-small /dev/shm fails at the
+        # first publish, not versions later.
+        missing = self.max_slots - len(self.slots)
+        needed = size * missing if replacing is None else size - replacing.file.size
+        try:
+            check_free_space(
+                needed, self.directory,
+                f"weights.transport=direct with weights.same_host=auto (keeps weights."
+                f"keep_versions + 1 = {self.max_slots} copies of the weights, "
+                f"{size / 2**20:,.0f} MiB each)",
+                "enlarge /dev/shm (e.g. docker --shm-size), lower weights.keep_versions, or set "
+                "weights.same_host=off",
+            )
+            file = create_file(os.path.join(self.directory, new_name(self.tag)), size)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(  # ENOSPC from posix_fallocate: another process took the space
+                f"weights.same_host=auto: could not reserve {size / 2**20:,.0f} MiB in "
+                f"{self.directory} ({e.strerror}); set weights.same_host=off or make room"
+            ) from e
+        write_stamp(file, WRITING)
+        _stamp_view(file)[0] = MAGIC
+        return file
+
+    async def acquire(self, size: int) -> Slot:
+        """A free slot of at least ``size`` bytes, marked :data:`WRITING` once no reader holds
+        it (waits up to :data:`LEASE_TIMEOUT_S`).
+
+        Raises:
+            OSError: too little room in the tmpfs (naming the bytes and the fields).
+            TimeoutError: a reader held the slot for too long.
+        """
+        free = [s for s in self.slots if s.version is None]
+        if not free and len(self.slots) < self.max_slots:
+            slot = Slot(self._create(size, None))
+            self.slots.append(slot)
+            return slot
+        if not free:
+            raise RuntimeError(f"all {self.max_slots} slots hold committed versions")
+        # The least recently written free slot; readers of its old version are the oldest.
+        slot = free[0]
+        if slot.file.size < size:  # the tensors grew: a bigger file in its place
+            self._unlink(slot)
+            slot.file = self._create(size, slot)
+            return slot
+        await _flock(
+            slot.file.fd, fcntl.LOCK_EX, LEASE_TIMEOUT_S,
+            f"readers of {slot.path} (holding the retired version {read_stamp(slot.file)})",
+        )
+        try:
+            write_stamp(slot.file, WRITING)
+        finally:
+            fcntl.flock(slot.file.fd, fcntl.LOCK_UN)
+        return slot
+
+    def commit(self, slot: Slot, version: int) -> None:
+        """``slot`` holds ``version`` completely (every rank has written): stamp it, and move
+        it to the end of the reuse order."""
+        write_stamp(slot.file, version)
+        slot.version = version
+        self.slots.remove(slot)
+        self.slots.append(slot)
+
+    def abort(self, slot: Slot) -> None:
+        """The version written into ``slot`` was not committed: the slot is free again."""
+        write_stamp(slot.file, WRITING)
+        slot.version = None
+
+    def release(self, version: int) -> None:
+        """``version`` was retired: its slot may be reused."""
+        for slot in self.slots:
+            if slot.version == version:
+                slot.version = None
+
+    @staticmethod
+    def _unlink(slot: Slot) -> None:
+        slot.file.close()
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unlink every slot (readers that map one keep its pages until they unmap).
+        Idempotent."""
+        for slot in self.slots:
+            self._unlink(slot)
+        self.slots = []
+
+
+def slot_record(slot: Slot, entries) -> dict[str, Any]:
+    """What a commit record says about the slot and the tensors' offsets in it."""
+    stat = os.fstat(slot.file.fd)
+    return {
+        "path": slot.path,
+        "size": slot.file.size,
+        "host": host_id(),
+        "inode": [stat.st_dev, stat.st_ino],
+        "tensors": {name: offset for name, _, _, offset in entries},
+    }
+
+
+def _mapped_slot(record: Mapping[str, Any]) -> MappedFile:
+    version, segment = record["version"], record["segment"]
+    if segment["host"] != host_id():
+        raise SegmentUnavailableError(
+            f"policy_version={version} was published into shared memory on host "
+            f"{segment['host']!r} (weights.same_host=auto: the trainer's ranks share a host), "
+            f"but this process runs on {host_id()!r}; set weights.same_host=off when the "
+            "trainer and its readers are on different hosts"
+        )
+    gone = (
+        f"policy_version={version}: its shared-memory slot {segment['path']} is not in this "
+        "process's /dev/shm: its publisher stopped (the slots go with it), or this process "
+        "sees another /dev/shm (a container without --ipc=host); in that case set "
+        "weights.same_host=off"
+    )
+    try:
+        mapped = map_file(segment["path"], segment["size"])
+    except FileNotFoundError:
+        raise SegmentUnavailableError(gone) from None
+    if list(mapped.inode) != list(segment["inode"]):
+        raise SegmentUnavailableError(gone)
+    if int(_stamp_view(mapped)[0]) != MAGIC:
+        raise SegmentUnavailableError(f"{segment['path']} is not a forge_ext weights slot")
+    return mapped
+
+
+@contextlib.asynccontextmanager
+async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
+    """Hold the slot of a same-host commit record: while inside, no writer overwrites it.
+
+    Raises:
+        SegmentUnavailableError: the slot cannot be mapped from this process (see
+            :func:`host_id`), or it is gone.
+        SlotReusedError: the slot no longer holds ``record["version"]``.
+    """
+    mapped = _mapped_slot(record)
+    version = record["version"]
+    await _flock(mapped.fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, f"the writer of {mapped.path}")
+    try:
+        stamp = read_stamp(mapped)
+        if stamp != version:
+            raise SlotReusedError(
+                f"the slot of policy_version={version} now holds "
+                f"{'a version being written' if stamp == WRITING else f'version {stamp}'}"
+            )
+        yield mapped
+    finally:
+        fcntl.flock(mapped.fd, fcntl.LOCK_UN)
+
+
+def record_entries(record: Mapping[str, Any], names: Iterable[str]):
+    """:func:`layout`-style entries of ``names`` in a same-host record's slot."""
+    offsets = record["segment"]["tensors"]
+    return [
+        (name, tuple(record["tensors"][name]["shape"]), record["tensors"][name]["dtype"],
+         offsets[name])
+        for name in names
+    ]
+
+
+def slot_views(mapped: MappedFile, entries) -> dict[str, torch.Tensor]:
+    """Views of the slot's tensors (read them; never write)."""
+    return views_of(mapped.bytes, entries)
+
+
+def slot_handle(record: Mapping[str, Any], entries) -> dict[str, Any]:
+    """A :func:`forge_ext.weights.shared_buffer.open_shared_tensors` handle of the slot's
+    tensors, for processes on this host (vLLM's workers)."""
+    segment = record["segment"]
+    return shared_handle(segment["path"], segment["size"], entries)
