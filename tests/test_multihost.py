@@ -243,6 +243,9 @@ class KilledRun(RLLoop):
         os.kill(self.pids[1], signal.SIGKILL)  # as an out-of-memory kill would
         await self.actor.work.call()
 
+    def policy_versions(self, rollouts):
+        return []
+
     def write(self, line):
         self.lines.append(line)
 
