@@ -207,8 +207,9 @@ class VLLMSampler:
             model=hf_path, worker_extension_cls=worker_extension,
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
         )
+        self.children = _new_children(before)  # the engine-core process(es)
         self.reaper = start_reaper(
-            _new_children(before),
+            self.children,
             unlink=[os.path.join(SHM_DIR, f"{PREFIX}-{self.buffer.tag}-{os.getpid()}-*")],
         )
 
@@ -302,11 +303,28 @@ class VLLMSampler:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+            # vLLM kills an engine core that has not exited within its timeout without
+            # waiting for it: collect it, or the reaper would wait its grace period on a zombie.
+            _reap(getattr(self, "children", ()))
         self.buffer.close()
         reaper, self.reaper = getattr(self, "reaper", None), None
         if reaper is not None:  # it kills what shutdown left, then exits
             reaper.stdin.close()
             reaper.wait()
+
+
+def _reap(pids: Sequence[int], timeout: float = 2.0) -> None:
+    """Collect those of ``pids`` (children of this process) that exit within ``timeout``
+    seconds (a SIGKILL vLLM just sent takes a moment to land)."""
+    import psutil
+
+    children = []
+    for pid in pids:
+        try:
+            children.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:  # already collected (multiprocessing joined it)
+            pass
+    psutil.wait_procs(children, timeout=timeout)  # waitpid() for a child: collects it
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
