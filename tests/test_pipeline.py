@@ -2,6 +2,7 @@
 give the same loss, gradients and weights as PP=1 from the same weights and batch, with
 gradient accumulation over microbatches of unequal valid-token counts."""
 
+import asyncio
 import copy
 
 import pytest
@@ -53,17 +54,17 @@ async def meshes(tmp_path_factory):
             "dump_folder": str(tmp_path_factory.mktemp("pp"))}
     weights = {"transport": "dcp", "dcp_path": str(tmp_path_factory.mktemp("pp_dcp")),
                "key_prefix": "pp2"}
-    handles = {
-        "pp1": await spawn_trainer(config()),
-        "pp2": await spawn_trainer(config(pp=2, **ckpt), weights=weights),
-        "pp2dp2": await spawn_trainer(config(pp=2, dp=2, schedule="Interleaved1F1B")),
-    }
+    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
+    handles = dict(zip(["pp1", "pp2", "pp2dp2"], await asyncio.gather(
+        spawn_trainer(config()),
+        spawn_trainer(config(pp=2, **ckpt), weights=weights),
+        spawn_trainer(config(pp=2, dp=2, schedule="Interleaved1F1B")),
+    )))
     weights = random_state_dict(await handles["pp1"].get_hf_state_dict(), seed=3)
     for h in handles.values():
         await h.load_hf_state_dict(weights)
     yield handles
-    for h in handles.values():
-        await h.stop()
+    await asyncio.gather(*(h.stop() for h in handles.values()))
 
 
 async def one_step(handle, batch, dp):

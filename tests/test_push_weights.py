@@ -4,6 +4,7 @@ same-host shared memory, the default on one host); a reader on another proc fetc
 loads them into transformers' Qwen3ForCausalLM (strict) and reproduces the trainer's logits.
 Stopping the trainer unlinks its shared memory."""
 
+import asyncio
 import copy
 import os
 import re
@@ -54,12 +55,14 @@ class HFReader(Actor):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def setup():
     await initialize_store()
-    dp1 = await spawn_trainer(
-        TRAINER, weights={"transport": "direct", "same_host": "off", "key_prefix": "dp1"}
-    )
     dp2_cfg = copy.deepcopy(TRAINER)
     dp2_cfg["training"]["local_batch_size"] = 2
-    dp2 = await spawn_trainer(dp2_cfg, num_procs=2, weights={"key_prefix": "dp2"})
+    dp1, dp2 = await asyncio.gather(  # at once: a proc's start is mostly imports
+        spawn_trainer(
+            TRAINER, weights={"transport": "direct", "same_host": "off", "key_prefix": "dp1"}
+        ),
+        spawn_trainer(dp2_cfg, num_procs=2, weights={"key_prefix": "dp2"}),
+    )
     weights = random_state_dict(await dp1.get_hf_state_dict(), seed=5, std=0.1)
     await dp1.load_hf_state_dict(weights)
     await dp2.load_hf_state_dict(weights)

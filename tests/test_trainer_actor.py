@@ -1,6 +1,7 @@
 """RLTrainer on real Monarch proc meshes with real torch.distributed (gloo): training lowers
 the loss, DP=2 equals DP=1, checkpoints round-trip, bad requests are rejected cleanly."""
 
+import asyncio
 import copy
 
 import pytest
@@ -46,15 +47,17 @@ def split(batch, dp):
 async def trainers(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
-    dp1 = await spawn_trainer(trainer_config(1, **ckpt))
-    dp2 = await spawn_trainer(trainer_config(
-        2, checkpoint={"enable": True, "folder": "ckpt"},
-        dump_folder=str(tmp_path_factory.mktemp("ckpt_dp2")),
-    ))
-    fsdp2 = await spawn_trainer(trainer_config(2, fsdp=True))
+    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
+    dp1, dp2, fsdp2 = await asyncio.gather(
+        spawn_trainer(trainer_config(1, **ckpt)),
+        spawn_trainer(trainer_config(
+            2, checkpoint={"enable": True, "folder": "ckpt"},
+            dump_folder=str(tmp_path_factory.mktemp("ckpt_dp2")),
+        )),
+        spawn_trainer(trainer_config(2, fsdp=True)),
+    )
     yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "ckpt": ckpt}
-    for handle in (dp1, dp2, fsdp2):
-        await handle.stop()
+    await asyncio.gather(*(handle.stop() for handle in (dp1, dp2, fsdp2)))
 
 
 async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
