@@ -87,16 +87,21 @@ class RecordingApp(GRPOApp):
         return metrics
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny Qwen3 HF checkpoint with the task tokenizer and random weights."""
-    root = tmp_path_factory.mktemp("grpo_ckpt")
-    save_tokenizer(root / "tok")
-    init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
+def task_checkpoint(root: Path) -> str:
+    """A tiny Qwen3 (``ARCH``) HF checkpoint under ``root`` with the task tokenizer and
+    random weights."""
     from safetensors.torch import load_file
 
+    save_tokenizer(root / "tok")
+    init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
     weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=9, std=0.5)
-    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH), tokenizer_from=init))
+    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH),
+                                  tokenizer_from=init))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return task_checkpoint(tmp_path_factory.mktemp("grpo_ckpt"))
 
 
 def overrides(checkpoint, output_dir, *extra):

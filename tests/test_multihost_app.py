@@ -21,13 +21,10 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import pytest_asyncio
-from monarch.actor import Actor, endpoint
-from test_grpo_app import ARCH, history, overrides
+from test_grpo_app import Probe, history, overrides, task_checkpoint
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp, failure_message
-from apps.grpo.tokenizer import save_tokenizer
-from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 from forge_ext.supervision import RoleFailure
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -35,12 +32,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
 HOSTS = ["hosts.launcher=processes"]  # one host per role: 3 hosts
-
-
-class Probe(Actor):
-    @endpoint
-    async def pid(self) -> int:
-        return os.getpid()
 
 
 class HostKillingApp(GRPOApp):
@@ -70,15 +61,7 @@ class HostKillingApp(GRPOApp):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from conftest import random_state_dict
-    from safetensors.torch import load_file
-
-    root = tmp_path_factory.mktemp("multihost_app_ckpt")
-    save_tokenizer(root / "tok")
-    init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
-    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=9, std=0.5)
-    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH),
-                                  tokenizer_from=init))
+    return task_checkpoint(tmp_path_factory.mktemp("multihost_app_ckpt"))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
