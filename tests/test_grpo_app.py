@@ -256,11 +256,7 @@ async def test_crash_mid_step_stops_every_proc_and_keeps_the_last_checkpoint(cra
     assert "FloatingPointError" in str(failure.value)
     assert app.tracked == []  # teardown stopped everything it had spawned
     assert len(app.pids) >= 3  # trainer, generator, reference, and vLLM's processes
-    deadline = time.time() + 30
-    alive = list(app.pids)
-    while alive and time.time() < deadline:
-        alive = [pid for pid in alive if _alive(pid)]
-        time.sleep(0.2)
+    alive = still_running(app.pids)
     assert alive == [], f"actor processes still running: {alive}"
     checkpoints = sorted(os.listdir(os.path.join(output_dir, "checkpoints")))
     assert checkpoints == ["step-3"]
@@ -365,14 +361,19 @@ async def test_async_with_max_policy_age_0_trains_on_the_samples_and_losses_of_s
     assert [rows["async"][s]["rollout/policy_age_max"] for s in (1, 2, 3, 4)] == [0] * 4
 
 
+def still_running(pids, seconds: float = 30) -> list[int]:
+    """Those of ``pids`` still running (not exited, not zombies) after up to ``seconds``."""
+    deadline = time.time() + seconds
+    alive = list(pids)
+    while alive and time.time() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.2)
+    return alive
+
+
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) is not running.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
+        with open(f"/proc/{pid}/stat") as f:  # state after "(comm)": Z zombie, X dead
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False

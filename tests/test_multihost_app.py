@@ -15,13 +15,12 @@ import os
 import shlex
 import signal
 import sys
-import time
 from pathlib import Path
 
 import cloudpickle
 import pytest
 import pytest_asyncio
-from test_grpo_app import Probe, history, overrides, task_checkpoint
+from test_grpo_app import Probe, history, overrides, still_running, task_checkpoint
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp, failure_message
@@ -102,11 +101,7 @@ async def test_a_killed_host_is_one_clear_error_and_leaves_no_process(killed_run
     assert message.endswith("-m apps.grpo.main " + shlex.join(argv))  # the same command
     assert app.tracked == []
     assert len(app.pids) == 6  # 3 workers, 3 procs
-    deadline = time.time() + 30
-    alive = list(app.pids)
-    while alive and time.time() < deadline:
-        alive = [pid for pid in alive if _alive(pid)]
-        time.sleep(0.2)
+    alive = still_running(app.pids)
     assert alive == [], f"processes of the run still running: {alive}"
     assert app.placement.job is None and app.placement.reaper is None
     assert sorted(os.listdir(os.path.join(output_dir, "checkpoints"))) == ["step-3"]
@@ -125,11 +120,3 @@ async def test_rerun_resumes_from_the_last_checkpoint(killed_run, checkpoint):
     assert [ep.response_ids for ep in app.rollouts[3].episodes] == [
         ep.response_ids for ep in killed.rollouts[3].episodes
     ]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
