@@ -167,6 +167,15 @@ def test_the_apps_tokenizer_reads_every_end_id_and_cuts_answers_at_any(tmp_path)
     assert tok.answer_text(digits) is None
 
 
+def test_a_checkpoint_without_a_tokenizer_is_a_clear_error(tmp_path):
+    """``save_pretrained`` of a model writes no tokenizer; the apps read theirs from
+    ``model.hf_path``: the error names the field and how to add one."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"model.hf_path=.* has no tokenizer .*"
+                                                r"save_tokenizer\("):
+        CheckpointTokenizer(tmp_path)
+
+
 def test_sampling_config_rejects_bad_values():
     with pytest.raises(ValueError, match="temperature=0"):
         SamplingConfig(temperature=0)

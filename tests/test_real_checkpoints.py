@@ -276,6 +276,61 @@ def test_rope_the_engine_cannot_reproduce_is_refused_before_spawning(tmp_path, r
         engine_config_from_mapping({"model": {"flavor": "hf", "hf_path": str(tmp_path)}})
 
 
+# ---- layers the engine's decoders lack ------------------------------------------------------
+def test_llama_with_attention_biases_is_refused_before_spawning(tmp_path):
+    """A Llama saved by transformers with ``attention_bias=True`` has q/k/v/o biases the
+    torchtitan decoder lacks: refused, naming the field (it used to train without them and
+    fail at the first weight sync)."""
+    model = hf_model("llama", dict(TINY_LLAMA, attention_bias=True), seed=1)
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    path = save_sharded(model, tmp_path)
+    with pytest.raises(ValueError, match=r"^trainer: model.hf_path config.json "
+                                         r"attention_bias=True is not supported"):
+        engine_config_from_mapping({"model": {"name": "llama3", "flavor": "hf", "hf_path": path}})
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("llama3", {"mlp_bias": True}, r"config.json mlp_bias=True is not supported"),
+        ("llama3", {"hidden_act": "gelu"}, r"config.json hidden_act='gelu' is not supported"),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 16},
+         r"config.json use_sliding_window=True is not supported"),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+         r"config.json layer_types has \['sliding_attention'\]"),
+    ],
+)
+def test_config_fields_of_layers_the_engine_lacks_are_refused(tmp_path, name, fields, message):
+    model_type = {"llama3": "llama", "qwen3": "qwen3"}[name]
+    config = {**SMALL_FLAVORS[name]["tiny"], "model_type": model_type, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^trainer: model.hf_path " + message):
+        engine_config_from_mapping({"model": {"name": name, "flavor": "hf",
+                                              "hf_path": str(tmp_path)}})
+
+
+@pytest.mark.parametrize("change", ["extra", "missing"])
+def test_checkpoint_tensors_other_than_the_models_are_refused(tmp_path, change):
+    """Whatever config.json says, a tensor the model would not load (or one it needs and the
+    checkpoint lacks) is refused before any spawn, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model("qwen3", dict(TINY_QWEN3), seed=1)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    config = {"model": {"flavor": "hf", "hf_path": str(tmp_path)}, "training": {"seq_len": SEQ}}
+    engine_config_from_mapping(config)  # as saved: accepted
+    if change == "extra":
+        tensors["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(64)
+        message = r"tensors the engine's model has no place for: \['model.layers.1.self_attn"
+    else:
+        del tensors["model.layers.0.mlp.up_proj.weight"]
+        message = r"no \['model.layers.0.mlp.up_proj.weight'\] \(1 missing in all\)"
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        engine_config_from_mapping(config)
+
+
 # ---- the apps: SFT and GRPO one step from each checkpoint (model.hf_path) -------------------
 # Before the tests that use the ``store`` fixture: the GRPO app starts and shuts down its own
 # torchstore, and a second one in this process is refused ("already initialized").

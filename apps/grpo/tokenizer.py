@@ -17,6 +17,7 @@ and ``tokenizer_config.json`` naming the special tokens, so
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -62,6 +63,10 @@ def save_tokenizer(directory: str | Path) -> Path:
     return directory / "tokenizer.json"
 
 
+# Files one of which AutoTokenizer needs (fast tokenizer, or the slow ones' vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 class CheckpointTokenizer:
     """The tokenizer stored with an HF checkpoint, as the apps use it.
 
@@ -70,12 +75,21 @@ class CheckpointTokenizer:
     take the same path.
 
     Raises:
+        FileNotFoundError: ``path`` holds no tokenizer file (``save_pretrained`` of a model
+            writes none), naming ``model.hf_path`` and how to add one.
         ValueError: the tokenizer defines no ``eos_token_id`` (a response could never end).
     """
 
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
 
+        if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"model.hf_path={str(path)!r} has no tokenizer (none of {list(TOKENIZER_FILES)}):"
+                " the apps read it from the checkpoint. Save the model's tokenizer there "
+                "(tokenizer.save_pretrained(path)), or for the demo's addition task: python -c "
+                f"\"from apps.grpo.tokenizer import save_tokenizer; save_tokenizer({str(path)!r})\""
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer in {str(path)!r} has no eos_token; set one")

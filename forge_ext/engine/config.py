@@ -204,7 +204,7 @@ class EngineConfig:
         Raises:
             ValueError: naming the offending field and the fix.
         """
-        from forge_ext.engine.models import build_model_spec
+        from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
 
         if self.training.local_batch_size <= 0:
             raise ValueError(
@@ -215,6 +215,8 @@ class EngineConfig:
             self.model.name, self.model.flavor, hf_path=self.model.hf_path,
             attn_backend=self.model.attn_backend,
         )
+        if self.model.hf_path:
+            check_checkpoint_tensors(spec, self.model.hf_path)
         max_seq_len = spec.model.layers[0].attention.rope.max_seq_len
         if self.training.seq_len > max_seq_len:
             raise ValueError(

@@ -338,6 +338,79 @@ def check_hf_model_type(name: str, hf: dict[str, Any]) -> None:
         )
 
 
+# config.json fields the engine's torchtitan decoders do not implement, with the values they
+# do implement: a checkpoint with another value is refused before any spawn (a silent mismatch
+# would train a model other than the checkpoint's, or fail at the first weight sync).
+SUPPORTED_FIELD_VALUES: dict[str, tuple[Any, ...]] = {
+    "attention_bias": (False, None),  # q/k/v/o biases
+    "mlp_bias": (False, None),  # gate/up/down biases (Llama)
+    "hidden_act": ("silu", None),  # SwiGLU with SiLU
+    "use_sliding_window": (False, None),  # Qwen3 sliding-window layers
+}
+
+
+def check_hf_architecture(hf: dict[str, Any]) -> None:
+    """Refuse ``config.json`` fields that describe layers the engine's decoders lack.
+
+    Raises:
+        ValueError: naming the ``config.json`` field and value (:data:`SUPPORTED_FIELD_VALUES`;
+            ``layer_types`` other than ``full_attention``).
+    """
+    for field, supported in SUPPORTED_FIELD_VALUES.items():
+        if hf.get(field) not in supported:
+            raise ValueError(
+                f"model.hf_path config.json {field}={hf[field]!r} is not supported: torchtitan "
+                f"0.3.0's decoders have {field}={supported[0]!r} only; use a checkpoint without it"
+            )
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"model.hf_path config.json layer_types has {other}: the engine runs full "
+            "attention in every layer; use a checkpoint whose layer_types are all "
+            "'full_attention'"
+        )
+
+
+def check_checkpoint_tensors(spec: ModelSpec, hf_path: str) -> None:
+    """Refuse a checkpoint whose tensors are not the ones the model loads: the engine reads
+    only the names its model has (``state_dict_adapter.to_hf``), so extra tensors (biases,
+    layers of another architecture) would be dropped silently. Reads the safetensors
+    headers only; a directory without ``*.safetensors`` is left to the load to report.
+
+    Raises:
+        ValueError: naming ``model.hf_path``, the first names in excess or missing and
+            their count.
+    """
+    import glob
+
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for path in sorted(glob.glob(os.path.join(hf_path, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            found.update(f.keys())
+    if not found:
+        return
+    with torch.device("meta"):
+        model = spec.model.build()
+    expected = set(spec.state_dict_adapter(spec.model, None).to_hf(model.state_dict()))
+    ignored = {"lm_head.weight"} if getattr(spec.model, "enable_weight_tying", False) else set()
+    unused = sorted(n for n in found - expected - ignored if not n.endswith("rotary_emb.inv_freq"))
+    missing = sorted(expected - found - ignored)
+    if unused or missing:
+        problems = []
+        if unused:
+            problems.append(f"tensors the engine's model has no place for: {unused[:3]} "
+                            f"({len(unused)} in all)")
+        if missing:
+            problems.append(f"no {missing[:3]} ({len(missing)} missing in all)")
+        raise ValueError(
+            f"model.hf_path={hf_path!r} does not hold the weights of the model its config.json "
+            f"describes to the engine: {'; '.join(problems)}. Training would drop or lack "
+            "them; use a checkpoint of a supported architecture (Qwen3, Llama-3)"
+        )
+
+
 def rope_frequencies(rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``([head_dim / 2] radians per position, [head_dim / 2] cos/sin amplitude)`` of a RoPE
     config, read from the table its module builds (ComplexRoPE or CosSinRoPE layout)."""
@@ -403,7 +476,9 @@ def build_model_spec(
     Raises:
         ValueError: unknown ``model.name``, ``model.flavor`` or ``model.attn_backend``
             (the message lists the accepted values); a ``model.hf_path`` checkpoint of
-            another ``model_type``; RoPE the engine cannot reproduce (:func:`rope_from_hf`).
+            another ``model_type`` or with layers the engine lacks
+            (:func:`check_hf_architecture`); RoPE the engine cannot reproduce
+            (:func:`rope_from_hf`).
     """
     if name not in _TITAN_REGISTRIES:
         raise ValueError(f"model.name={name!r} must be one of {sorted(_TITAN_REGISTRIES)}")
@@ -417,6 +492,7 @@ def build_model_spec(
         )
     if hf_path:
         check_hf_model_type(name, read_hf_config(hf_path))
+        check_hf_architecture(read_hf_config(hf_path))
     hf = hf_config_for(name, flavor, hf_path)
     titan_backend = "flex" if attn_backend == "sdpa" else attn_backend
     if hf is None:
