@@ -491,8 +491,9 @@ def build_model_spec(
             f"{known_flavors(name)} (or 'hf' with model.hf_path)"
         )
     if hf_path:
-        check_hf_model_type(name, read_hf_config(hf_path))
-        check_hf_architecture(read_hf_config(hf_path))
+        checkpoint_config = read_hf_config(hf_path)
+        check_hf_model_type(name, checkpoint_config)
+        check_hf_architecture(checkpoint_config)
     hf = hf_config_for(name, flavor, hf_path)
     titan_backend = "flex" if attn_backend == "sdpa" else attn_backend
     if hf is None:
