@@ -183,13 +183,10 @@ class GRPOConfig:
                 "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
                 "directory"
             )
-        processes = self.processes()
+        engines = self._engines()
+        processes = self.processes(engines)
         self.hosts.layout(processes)
-        sections = [("trainer", self.trainer)]
-        if self.reference is not None:
-            sections.append(("reference", self.reference))
-        for name, mapping in sections:
-            engine = engine_config_from_mapping(mapping, section=name)
+        for name, engine in engines.items():
             dp = data_parallel_size(engine, processes[name])
             global_batch = engine.training.local_batch_size * dp
             if global_batch != self.grpo.batch_size:
@@ -199,22 +196,28 @@ class GRPOConfig:
                     f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
                 )
 
-    def processes(self) -> dict[str, int]:
+    def _engines(self) -> dict[str, Any]:
+        """``{role: EngineConfig}`` of the trainer and (unless null) the reference."""
+        sections = {"trainer": self.trainer}
+        if self.reference is not None:
+            sections["reference"] = self.reference
+        return {role: engine_config_from_mapping(mapping, section=role)
+                for role, mapping in sections.items()}
+
+    def processes(self, engines: dict[str, Any] | None = None) -> dict[str, int]:
         """``{role: process count}`` of the roles this run spawns: the trainer's and
         reference's from their parallelism degrees and ``procs.<role>.num_procs`` or
         ``hosts.<role>`` (hosts x procs_per_host), the generator's 1. Reads
-        ``model.hf_path``'s config.json (through the engine sections).
+        ``model.hf_path``'s config.json (through the engine sections, unless ``engines``
+        gives them already validated).
 
         Raises:
             ValueError: ``procs.<role>.num_procs`` and ``hosts.<role>`` disagree, or either
                 disagrees with the parallelism degrees (naming the fields).
         """
-        counts = {"trainer": (self.trainer, self.procs.trainer.num_procs)}
-        if self.reference is not None:
-            counts["reference"] = (self.reference, self.procs.reference.num_procs)
         processes = {}
-        for role, (mapping, num_procs) in counts.items():
-            engine = engine_config_from_mapping(mapping, section=role)
+        for role, engine in (engines or self._engines()).items():
+            num_procs = getattr(self.procs, role).num_procs
             spec = self.hosts.role(role)
             from_hosts = spec.hosts * spec.procs_per_host if spec.procs_per_host else None
             if num_procs is not None and from_hosts is not None and num_procs != from_hosts:
