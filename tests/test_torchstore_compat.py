@@ -160,9 +160,26 @@ async def test_objects_round_trip_through_the_patched_put(store):
 
 async def test_shutdown_then_initialize_gives_an_empty_store(store):
     await ts.put("compat/before_shutdown", torch.ones(3))
+    old_volume = (await ts.client()).strategy.select_storage_volume()[0]
     await ts.shutdown()
     await torchstore_monarch.initialize_store()
     assert await ts.keys("compat/") == []
+    # The new store's volume, not a cached handle to the stopped one.
+    strategy = (await ts.client()).strategy
+    volume, volume_id = strategy.select_storage_volume()
+    assert volume is not old_volume
+    await ts.put("compat/after_shutdown", torch.arange(3.0))
+    assert torch.equal(await ts.get("compat/after_shutdown"), torch.arange(3.0))
+
+
+async def test_storage_volume_handles_are_made_once_per_store(store):
+    """torchstore 0.1.2 slices the volume mesh anew for every put, get and delete; the
+    patched strategy reuses the slice while its mesh stays the same."""
+    strategy = (await ts.client()).strategy
+    volume, volume_id = strategy.select_storage_volume()
+    assert strategy.get_storage_volume(volume_id) is volume
+    await ts.put("compat/handle", b"x")
+    assert strategy.select_storage_volume()[0] is volume
 
 
 async def test_the_rdma_switch_makes_torchstore_take_its_rdma_branch_over_tcp(monkeypatch):

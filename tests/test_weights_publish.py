@@ -326,6 +326,32 @@ async def test_fetch_of_some_names_returns_only_those(store, tmp_path, transport
     assert_same_tensors(got, {n: decoder_state_dict()[n] for n in names})
 
 
+@pytest.mark.parametrize("transport", WITH_RDMA)
+async def test_a_publisher_whose_tensors_change_publishes_each_version_as_given(
+    store, tmp_path, transport
+):
+    """What a publisher keeps from one version to the next (same host: the slot layout, the
+    commit record but for its version; every transport: the check that the pieces cover
+    each tensor) must follow a change of names, shapes or dtypes: a resized vocabulary, a
+    tensor more, a dtype changed, and back."""
+    prefix = f"layout_change_{transport}"
+    publisher = make_publisher(transport, tmp_path, prefix, keep_versions=1)  # 2 slots
+    grown = decoder_state_dict(seed=2)
+    grown["lm_head.weight"] = torch.randn(4000, 128)  # bigger than the first slot
+    grown["model.norm.weight"] = torch.randn(128)
+    recast = decoder_state_dict(seed=4)  # fits the second slot, laid out otherwise
+    recast["model.rotary_emb.inv_freq"] = recast["model.rotary_emb.inv_freq"].float()
+    versions = [decoder_state_dict(seed=1), grown, decoder_state_dict(seed=3), recast]
+    try:
+        for version, state_dict in enumerate(versions, start=1):
+            await publisher.publish(state_dict, version)
+            assert_same_tensors(
+                await weights_fetch.fetch_weights(version, key_prefix=prefix), state_dict
+            )
+    finally:
+        publisher.close()
+
+
 async def test_a_damaged_dcp_folder_is_a_fetch_error(store, tmp_path):
     """DCP raises CheckpointException (a BaseException) from dcp.load: it must reach the
     caller as an Exception that names the version and the folder."""

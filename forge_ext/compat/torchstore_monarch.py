@@ -23,11 +23,19 @@ sends its whole payload twice over Monarch RPC, once to the storage volume and o
 controller, which only reads ``is_object`` and ``tensor_slice`` from it
 (``Controller.notify_put``). ``apply()`` replaces ``put`` with the same steps minus that echo;
 on the project's CPU host a 16 MB ``bytes`` put goes from ~1.4 to ~2.3 GiB/s.
+
+A third, also for speed: ``TorchStoreStrategy.get_storage_volume`` slices the storage-volume
+mesh anew on every put, get and delete (``ActorMesh.slice``: a new ``ActorMesh`` whose
+constructor walks the actor class's endpoints, and a new native region). ``apply()`` caches
+the slice per strategy and volume id for as long as the strategy's mesh is the same object;
+measured here, a small ``ts.put`` 3.5-4.3 -> 2.4-2.6 ms and a ``ts.delete`` 4.7-5.5 ->
+3.3-3.6 ms, which is most of what a same-host weight publish waits for besides its copy.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 from monarch.actor import endpoint
@@ -36,6 +44,7 @@ import torchstore
 from torchstore.client import LocalClient
 from torchstore.controller import Controller
 from torchstore.logging import LatencyTracker
+from torchstore.strategy import TorchStoreStrategy
 from torchstore.transport import Pipe, Request
 
 from forge_ext.compat import torchstore_rdma
@@ -81,6 +90,23 @@ async def _put(self: LocalClient, key: str, value: Any) -> None:
     latency_tracker.track_e2e()
 
 
+_uncached_get_storage_volume = TorchStoreStrategy.get_storage_volume
+# strategy -> (its storage_volumes mesh when the slices were made, {volume_id: slice})
+_volume_slices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _get_storage_volume(self: TorchStoreStrategy, volume_id: str) -> Any:
+    # torchstore 0.1.2 TorchStoreStrategy.get_storage_volume, made once per volume id (see
+    # the module docstring); a strategy given new volumes (set_storage_volumes) slices anew.
+    mesh, slices = _volume_slices.get(self, (None, {}))
+    if mesh is not self.storage_volumes:
+        mesh, slices = self.storage_volumes, {}
+        _volume_slices[self] = (mesh, slices)
+    if volume_id not in slices:
+        slices[volume_id] = _uncached_get_storage_volume(self, volume_id)
+    return slices[volume_id]
+
+
 def _startup_callable() -> Callable[[], None]:
     # Monarch pickles the returned callable by reference and calls it in each new proc.
     return apply
@@ -88,7 +114,7 @@ def _startup_callable() -> Callable[[], None]:
 
 def apply() -> None:
     """Turn the Controller's sync endpoints into async ones, stop object puts from
-    echoing their payload to the controller, and install the RDMA switch of
+    echoing their payload to the controller, reuse storage-volume slices, and install the RDMA switch of
     :mod:`forge_ext.compat.torchstore_rdma`, in this process and in every Monarch proc
     spawned afterwards. Idempotent. Must run before ``torchstore.initialize()``
     and before a process unpickles a torchstore Controller handle."""
@@ -98,6 +124,8 @@ def apply() -> None:
             setattr(Controller, name, endpoint(_as_async(prop._method)))
         setattr(Controller, _PATCHED_MARKER, True)
     LocalClient.put = _put
+    if TorchStoreStrategy.get_storage_volume is _uncached_get_storage_volume:
+        TorchStoreStrategy.get_storage_volume = _get_storage_volume
     torchstore_rdma.apply()
     _register_startup_function()
 

@@ -47,6 +47,7 @@ import atexit
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import socket
 import time
@@ -82,9 +83,11 @@ LEASE_TIMEOUT_S = 300.0
 POLL_S = 0.002
 
 
+@functools.cache
 def host_id() -> str:
     """Who can map this process's ``/dev/shm`` files: ``<hostname>/<boot id>`` (the boot id
-    of ``/proc/sys/kernel/random/boot_id`` tells a rebooted or cloned machine apart)."""
+    of ``/proc/sys/kernel/random/boot_id`` tells a rebooted or cloned machine apart); read
+    once per process."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
