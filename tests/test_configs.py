@@ -238,3 +238,21 @@ def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoi
     safetensors.write_bytes(safetensors.read_bytes())  # rewritten in place: a new mtime
     with pytest.raises(ValueError, match=r"model_files\.model\.safetensors: "):
         GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))
+
+
+def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_printed(
+    tmp_path, caplog
+):
+    """An engine config and the state-dict adapter of an unsharded checkpoint log none of
+    torchtitan's two not-applicable warnings; any other root-logger warning still shows."""
+    import logging
+
+    from forge_ext.engine.config import engine_config_from_mapping
+    from forge_ext.engine.models import build_model_spec
+
+    with caplog.at_level(logging.WARNING):
+        engine_config_from_mapping({})
+        spec = build_model_spec("qwen3", "tiny")
+        spec.state_dict_adapter(spec.model, str(tmp_path))  # no model.safetensors.index.json
+        logging.getLogger().warning("a warning of someone else")
+    assert [r.getMessage() for r in caplog.records] == ["a warning of someone else"]

@@ -28,6 +28,7 @@ torchtitan's defaults (FSDP over all ranks: ``data_parallel_shard_degree=-1``); 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -43,6 +44,27 @@ from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from forge_ext.config import check_keys, from_mapping
+
+# torchtitan warnings (through the root logger, torchtitan/tools/logging.py) about defaults
+# that do not apply to the engine, printed by every process for every engine config or model:
+# - CheckpointManager.Config.__post_init__: "initial_load_model_only=True has no effect without
+#   an initial_load_path": True is its default, and the engine loads model.hf_path itself;
+# - StateDictAdapter.__init__: "model.safetensors.index.json not found ...": an unsharded
+#   checkpoint has none, and the engine never saves through the adapter's HF writer.
+TITAN_NOTICES_NOT_APPLICABLE = (
+    "initial_load_model_only=True has no effect without an initial_load_path",
+    "model.safetensors.index.json not found at hf_assets_path",
+)
+
+
+class _NotApplicableTitanNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(TITAN_NOTICES_NOT_APPLICABLE)
+
+
+if not any(isinstance(f, _NotApplicableTitanNotices) for f in logging.getLogger().filters):
+    logging.getLogger().addFilter(_NotApplicableTitanNotices())
 
 
 @dataclass(kw_only=True, slots=True)
