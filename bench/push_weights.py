@@ -11,7 +11,9 @@ q/k/v/o/q_norm/k_norm/gate/up/down/2 layernorms, vocab 32000, embeddings + final
 untied lm_head: 311 tensors, the count of Qwen3-0.6B) are pushed by:
 
 - ``copy_``: ``Tensor.copy_`` of every tensor into an already-touched ("warm") buffer of
-  the same bytes in this process: the memory-copy ceiling of any same-host transport;
+  the same bytes in this process: the memory-copy ceiling of any same-host transport (the
+  ``same-host/copy_`` ratio divides by copies timed right before each same-host push, see
+  :func:`measure`);
 - ``per-param``: torchforge's seed, one awaited ``ts.put`` per parameter (the baseline);
 - ``put_state_dict``: one ``ts.put_state_dict`` of the same tensors (the raw ceiling the
   issue compares against);
@@ -262,25 +264,35 @@ def medians(timers: dict[str, list[Timer]]) -> Medians:
 
 async def measure(
     methods: dict[str, Callable[[str], Awaitable[None]]], bench: Bench, reps: int
-) -> Medians:
+) -> tuple[Medians, Medians]:
     """Median wall and CPU seconds per method: one method at a time, each in a fresh store,
     untimed warm-up runs (one; ``same-host``: one per slot, so that every slot is warm) then
     ``reps`` timed runs. Why not interleaved: the storage volume's allocator state left by
     one method slows the next one (see the module docstring); a trainer pushing every step
-    only ever sees its own pattern."""
+    only ever sees its own pattern.
+
+    Also returns, for ``same-host``, the median of a ``copy_`` of the same bytes timed right
+    before each of its runs (``copy_`` uses no store): the ratio of the two compares pushes
+    and copies made within milliseconds of each other, while this machine's copy speed drifts
+    by up to 2x from one minute to the next (measured 3.6 to 7.6 GB/s)."""
     timers: dict[str, list[Timer]] = {m: [] for m in methods}
+    paired: dict[str, list[Timer]] = {"same-host": []}
     slots = weights_publish.WeightsConfig().keep_versions + 1
     for name, push in methods.items():
         async with bench.fresh_store(name):
             for rep in range(-(slots if name == "same-host" else 1), reps):
                 prefix = f"{name.replace('-', '_')}_{max(rep + 1, 0)}"
+                if name in paired and rep >= 0:
+                    with Timer() as timer:
+                        await bench.copy(prefix)
+                    paired[name].append(timer)
                 with Timer() as timer:
                     await push(prefix)
                 if rep >= 0:
                     timers[name].append(timer)
                 if name != "same-host":  # its publisher's retention deletes old versions
                     await bench.cleanup(prefix)
-    return medians(timers)
+    return medians(timers), medians({m: t for m, t in paired.items() if t})
 
 
 async def measure_fetch(bench: Bench, reps: int) -> Medians:
@@ -319,16 +331,20 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def rows_for(
-    nbytes: int, tensors: int, result: Medians, ratios: list[tuple[str, str]]
+    nbytes: int, tensors: int, result: Medians, ratios: list[tuple[str, str]],
+    copies_next_to: Medians | None = None,
 ) -> tuple[list[str], list[str]]:
     """A row of wall GB/s and a row of GB per CPU-second, each ending with the rate ratios
-    ``a / b`` for each pair in ``ratios``."""
+    ``a / b`` for each pair in ``ratios``; ``a / copy_`` takes ``copies_next_to[a]`` (the
+    copies timed next to ``a``'s runs, see :func:`measure`) where there is one."""
     rows = []
     for index in (0, 1):  # wall, CPU
         rate = {m: nbytes / result[m][index] / 1e9 for m in result}
+        paired = {m: nbytes / t[index] / 1e9 for m, t in (copies_next_to or {}).items()}
         rows.append([
             f"{nbytes / 1e6:.0f}", str(tensors), *(f"{rate[m]:.3f}" for m in result),
-            *(f"{rate[a] / rate[b]:.2f}x" for a, b in ratios),
+            *(f"{rate[a] / (paired.get(a, rate[b]) if b == 'copy_' else rate[b]):.2f}x"
+              for a, b in ratios),
         ])
     return rows[0], rows[1]
 
@@ -360,10 +376,10 @@ async def measure_size(args: argparse.Namespace, hidden: int) -> dict[str, list[
             bench.rdma, bench.dcp,
         ]
         methods = dict(zip(PUSH_METHODS, pushes))
-        push = await measure(methods, bench, args.reps)
+        push, copies_next_to = await measure(methods, bench, args.reps)
         print(f"push  {nbytes / 1e6:.0f} MB: " + ", ".join(
             f"{m} {w:.2f} s ({c:.2f} CPU-s)" for m, (w, c) in push.items()), flush=True)
-        wall, cpu = rows_for(nbytes, len(sd), push, PUSH_RATIOS)
+        wall, cpu = rows_for(nbytes, len(sd), push, PUSH_RATIOS, copies_next_to)
         rows["push"].append(wall)
         rows["push_cpu"].append(cpu)
         if not args.no_fetch:
