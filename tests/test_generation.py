@@ -181,3 +181,23 @@ def test_sampling_config_rejects_bad_values():
         SamplingConfig(temperature=0)
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingConfig(top_p=1.5)
+
+
+def test_vllms_chat_template_warmup_notice_is_dropped_and_nothing_else(caplog):
+    """vLLM's LLM() warms up chat templates, which fail without the tokenizer the vLLM
+    backend skips (a warning with a traceback at every engine start)."""
+    import logging
+
+    from forge_ext.generation.vllm_sampler import (
+        CHAT_TEMPLATE_WARMUP_NOTICE,
+        drop_chat_template_warmup_notice,
+    )
+
+    drop_chat_template_warmup_notice()
+    drop_chat_template_warmup_notice()  # idempotent
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    with caplog.at_level(logging.WARNING, logger="vllm.renderers.base"):
+        renderer_log.warning(CHAT_TEMPLATE_WARMUP_NOTICE)
+        renderer_log.warning("another renderer warning")
+    assert [r.getMessage() for r in caplog.records] == ["another renderer warning"]
+    assert len(renderer_log.filters) == 1

@@ -24,6 +24,7 @@ process, which must not ``fork``.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -44,6 +45,22 @@ WORKER_EXTENSION = "forge_ext.generation.vllm_worker.WeightSyncExtension"
 
 #: ``vllm.LLM`` arguments this backend sets itself; ``generator.vllm`` may not override them.
 RESERVED_ENGINE_ARGS = ("model", "worker_extension_cls", "logprobs_mode", "skip_tokenizer_init")
+# vLLM 0.32's LLM() warms up chat-template rendering (vllm/renderers/base.py), which needs the
+# tokenizer that skip_tokenizer_init leaves out: it logs this warning with a traceback, for
+# an engine that never renders a chat template.
+CHAT_TEMPLATE_WARMUP_NOTICE = "Chat template warmup failed"
+
+
+class _NoChatTemplateWarmupNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != CHAT_TEMPLATE_WARMUP_NOTICE
+
+
+def drop_chat_template_warmup_notice() -> None:
+    """Filter :data:`CHAT_TEMPLATE_WARMUP_NOTICE` from vLLM's renderer log (idempotent)."""
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _NoChatTemplateWarmupNotice) for f in renderer_log.filters):
+        renderer_log.addFilter(_NoChatTemplateWarmupNotice())
 
 
 def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = None) -> str:
@@ -202,6 +219,7 @@ class VLLMSampler:
         import psutil
 
         before = {p.pid for p in psutil.Process().children()}
+        drop_chat_template_warmup_notice()
         # skip_tokenizer_init: prompts arrive as token ids and responses leave as token ids.
         self.llm = vllm.LLM(
             model=hf_path, worker_extension_cls=worker_extension,
