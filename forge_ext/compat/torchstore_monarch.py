@@ -114,9 +114,9 @@ def _startup_callable() -> Callable[[], None]:
 
 def apply() -> None:
     """Turn the Controller's sync endpoints into async ones, stop object puts from
-    echoing their payload to the controller, reuse storage-volume slices, and install the RDMA switch of
-    :mod:`forge_ext.compat.torchstore_rdma`, in this process and in every Monarch proc
-    spawned afterwards. Idempotent. Must run before ``torchstore.initialize()``
+    echoing their payload to the controller, reuse storage-volume slices, and install the
+    RDMA switch of :mod:`forge_ext.compat.torchstore_rdma`, in this process and in every
+    Monarch proc spawned afterwards. Idempotent. Must run before ``torchstore.initialize()``
     and before a process unpickles a torchstore Controller handle."""
     if not getattr(Controller, _PATCHED_MARKER, False):
         for name in SYNC_ENDPOINTS:
