@@ -13,6 +13,7 @@ can leave the logits near zero, which would make parity vacuous).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -432,16 +433,30 @@ async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoi
     from forge_ext.actors import spawn_trainer
     from forge_ext.weights.fetch import fetch_weights
 
-    for key, (name, model_type, fields, model, path) in real_checkpoints.items():
-        trainer = await spawn_trainer(
+    def prefix(key):
+        return f"real_{key.replace('.', '_')}"
+
+    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
+    spawns = [
+        spawn_trainer(
             {"model": {"name": name, "flavor": "hf", "hf_path": path},
              "training": {"local_batch_size": 2, "seq_len": SEQ}},
-            weights={"transport": "direct", "key_prefix": f"real_{key.replace('.', '_')}"},
+            weights={"transport": "direct", "key_prefix": prefix(key)},
         )
-        try:
+        for key, (name, _, _, _, path) in real_checkpoints.items()
+    ]
+    results = await asyncio.gather(*spawns, return_exceptions=True)
+    trainers = [r for r in results if not isinstance(r, BaseException)]
+    try:
+        for failure in results:
+            if isinstance(failure, BaseException):
+                raise failure
+        for trainer, (key, (_, model_type, fields, model, _)) in zip(
+            trainers, real_checkpoints.items(), strict=True
+        ):
             batch = make_lm_batch(2, SEQ, fields["vocab_size"], seed=7)
             await trainer.push_weights(0)
-            fetched = await fetch_weights(0, key_prefix=f"real_{key.replace('.', '_')}")
+            fetched = await fetch_weights(0, key_prefix=prefix(key))
             generator = load_exported(model_type, fields, fetched)
             expected = logits_of(model, batch["input_ids"])
             torch.testing.assert_close(
@@ -449,5 +464,5 @@ async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoi
             )
             trainer_logits = await trainer.forward([{"input_ids": batch["input_ids"]}])
             torch.testing.assert_close(trainer_logits, expected, rtol=1e-5, atol=1e-5)
-        finally:
-            await trainer.stop()
+    finally:
+        await asyncio.gather(*(trainer.stop() for trainer in trainers))

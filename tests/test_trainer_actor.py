@@ -22,6 +22,7 @@ TRAINER = {
     "optimizer": {"lr": 3e-3},
     "seed": 7,
 }
+GRPO_LOSS = {"name": "grpo", "kl_coef": 0.1, "clip_eps_high": 0.28}
 PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
 # Under DP=2, rank 0 gets rows 0-3 with 4+3+2+1 = 10 valid tokens (of 31 per row) and rank 1
 # rows 4-7 with 31+30+29+30 = 120: a rank-local normalisation is far off the global one.
@@ -48,16 +49,17 @@ async def trainers(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
     # Spawned at once: a proc's start is mostly imports, and two cores can run two.
-    dp1, dp2, fsdp2 = await asyncio.gather(
+    dp1, dp2, fsdp2, grpo = await asyncio.gather(
         spawn_trainer(trainer_config(1, **ckpt)),
         spawn_trainer(trainer_config(
             2, checkpoint={"enable": True, "folder": "ckpt"},
             dump_folder=str(tmp_path_factory.mktemp("ckpt_dp2")),
         )),
         spawn_trainer(trainer_config(2, fsdp=True)),
+        spawn_trainer(trainer_config(2), loss=GRPO_LOSS),
     )
-    yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "ckpt": ckpt}
-    await asyncio.gather(*(handle.stop() for handle in (dp1, dp2, fsdp2)))
+    yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "grpo": grpo, "ckpt": ckpt}
+    await asyncio.gather(*(handle.stop() for handle in (dp1, dp2, fsdp2, grpo)))
 
 
 async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
@@ -177,32 +179,28 @@ async def test_bad_config_fails_before_spawn():
         await spawn_trainer(TRAINER, loss={"name": "mse"})
 
 
-async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_ranks():
+async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_ranks(trainers):
     from forge_ext.losses.grpo import grpo_metrics, token_logprobs
 
-    loss = {"name": "grpo", "kl_coef": 0.1, "clip_eps_high": 0.28}
-    trainer = await spawn_trainer(trainer_config(2), loss=loss)
-    try:
-        # Rank 0's rows carry far fewer valid tokens than rank 1's: a mean of the two ranks'
-        # means would differ from the token mean over the whole batch.
-        prefix = [60, 58, 61, 59, 0, 3, 1, 2]
-        batch = make_lm_batch(GLOBAL_BATCH, 64, 256, seed=5, ignore_prefix=prefix)
-        g = torch.Generator().manual_seed(6)
-        inputs, targets = split(batch, 2)
-        logits = await trainer.forward(inputs)  # before the step: what the loss sees
-        logprobs = token_logprobs(logits, batch["labels"])
-        batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
-        batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
-        batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=g)
-        for key in ("generator_logprobs", "ref_logprobs", "advantages"):
-            for target, part in zip(targets, batch[key].chunk(2)):
-                target[key] = part
+    trainer = trainers["grpo"]  # GRPO_LOSS, DP=2
+    # Rank 0's rows carry far fewer valid tokens than rank 1's: a mean of the two ranks'
+    # means would differ from the token mean over the whole batch.
+    prefix = [60, 58, 61, 59, 0, 3, 1, 2]
+    batch = make_lm_batch(GLOBAL_BATCH, 64, 256, seed=5, ignore_prefix=prefix)
+    g = torch.Generator().manual_seed(6)
+    inputs, targets = split(batch, 2)
+    logits = await trainer.forward(inputs)  # before the step: what the loss sees
+    logprobs = token_logprobs(logits, batch["labels"])
+    batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
+    batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
+    batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=g)
+    for key in ("generator_logprobs", "ref_logprobs", "advantages"):
+        for target, part in zip(targets, batch[key].chunk(2)):
+            target[key] = part
 
-        result = await trainer.train_step(inputs, targets, return_metrics=True)
-        expected = grpo_metrics(logits, batch, kl_coef=0.1, clip_eps_high=0.28)
-        for name in ("kl", "ratio_mean", "clip_fraction"):
-            assert result[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
-        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-4)
-        assert 0 < result["loss/clip_fraction"] < 1  # the comparison is not vacuous
-    finally:
-        await trainer.stop()
+    result = await trainer.train_step(inputs, targets, return_metrics=True)
+    expected = grpo_metrics(logits, batch, kl_coef=0.1, clip_eps_high=0.28)
+    for name in ("kl", "ratio_mean", "clip_fraction"):
+        assert result[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+    assert 0 < result["loss/clip_fraction"] < 1  # the comparison is not vacuous

@@ -7,7 +7,8 @@ being overwritten is refused; bad input is refused before spawning; vLLM's proce
 outlive the generator, even when its proc is killed.
 
 vLLM starts in ~1 min per engine on 2 cores: one trainer and one generator per
-tensor-parallel size serve every test here; the tp=2 generator's proc is killed last.
+tensor-parallel size, spawned at once, serve every test here; the tp=1 generator is stopped
+once its tests are done, the tp=2 generator's proc is killed last.
 """
 
 import asyncio
@@ -67,36 +68,70 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
+async def _spawn_all(spawns):
+    """Await ``spawns`` at once; if one fails, stop those that started, then raise."""
+    results = await asyncio.gather(*spawns, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await asyncio.gather(*(r.stop() for r in results if not isinstance(r, BaseException)),
+                             return_exceptions=True)
+        raise failures[0]
+    return results
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def trainer(checkpoint):
+async def actors(checkpoint):
+    """The module's trainer and its tp=1 and tp=2 generators, spawned at once: a start is
+    mostly imports in fresh processes (the trainer's proc, each generator's proc, vLLM's
+    engine core and workers), and two cores run two (~125 s one after another here)."""
     await initialize_store()
-    handle = await spawn_trainer(
-        {
-            "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
-            "training": {"local_batch_size": 4, "seq_len": 64},
-            "optimizer": {"lr": 1e-2},
-        },
-        weights={"transport": "direct", "key_prefix": KEY_PREFIX},
-    )
-    yield handle
-    await handle.stop()
+    trainer, *generators = await _spawn_all([
+        spawn_trainer(
+            {
+                "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
+                "training": {"local_batch_size": 4, "seq_len": 64},
+                "optimizer": {"lr": 1e-2},
+            },
+            weights={"transport": "direct", "key_prefix": KEY_PREFIX},
+        ),
+        *(
+            spawn_generator(
+                GeneratorConfig(
+                    hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
+                    vllm={"tensor_parallel_size": tp, "max_model_len": 128},
+                ),
+                stop_token_ids=[2, END_ID], pad_token_id=0, key_prefix=KEY_PREFIX,
+                name=f"generator_tp{tp}",
+            )
+            for tp in (1, 2)
+        ),
+    ])
+    handles = {"trainer": trainer, "generators": dict(zip((1, 2), generators))}
+    yield handles
+    # Generators the tests' fixture has not stopped (a test failed before it could).
+    await asyncio.gather(*(g.stop() for g in generators if g not in _stopped))
+    await trainer.stop()
     await ts.shutdown()
 
 
+@pytest.fixture(scope="module")
+def trainer(actors):
+    return actors["trainer"]
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[1, 2], ids=["tp1", "tp2"])
-async def generator(request, checkpoint, trainer):
-    config = GeneratorConfig(
-        hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
-        vllm={"tensor_parallel_size": request.param, "max_model_len": 128},
-    )
-    handle = await spawn_generator(config, stop_token_ids=[2, END_ID], pad_token_id=0,
-                                   key_prefix=KEY_PREFIX)
+async def generator(request, actors):
+    """The module's generator of one tensor-parallel size; stopped (and checked to leave
+    no vLLM process) once its tests are done, before the other size's tests run."""
+    handle = actors["generators"][request.param]
     yield handle
+    _stopped.append(handle)
     await handle.stop()
     if handle not in _killed:
         assert not _alive(handle.pids), "vLLM processes outlived Generator.stop()"
 
 
+_stopped = []  # generators the fixture above stopped
 _killed = []  # generators whose proc a test killed: the clean stop above is not theirs
 
 

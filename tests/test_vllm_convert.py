@@ -7,9 +7,11 @@ tensors in each tensor-parallel worker, captured before vLLM's CPU repacking
 Models: Qwen3 with GQA, q/k norms and untied embeddings (KV heads = tp), Qwen3 tied with one
 KV head (replicated over the tp ranks), Qwen2 with q/k/v biases, tied (Qwen2.5 style), and
 Llama-3 with ``llama3`` RoPE scaling (KV heads > tp), each at tp=2 (one vLLM engine each,
-~40 s). The tp=1 layout of every model is checked through ``merge_vllm_shards`` of its tp=2
+~25 s, its engine core in this process). The tp=1 layout of every model is checked through ``merge_vllm_shards`` of its tp=2
 shards (and, for a Qwen3, against vLLM's log-probs at tp=1 in tests/test_vllm.py).
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -54,22 +56,55 @@ def _checkpoint(directory, model_type, fields):
     return state_dict, model.config
 
 
+@contextlib.contextmanager
+def engine_core_in_this_process():
+    """vLLM engines started inside run their engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), their workers in processes of their own as
+    always: a process less to start (mostly imports), ~10 s less per engine here.
+
+    The engine core then sets this process's torch threads to 1, seeds its global RNGs,
+    freezes its heap and caches vLLM's environment variables (``vllm/v1/engine/core.py``,
+    ``vllm/engine/arg_utils.py``): all undone on leaving, for the tests that follow.
+    """
+    import gc
+    import random
+
+    import numpy
+    import vllm.envs
+
+    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
+             numpy.random.get_state())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            yield
+        finally:
+            vllm.envs.disable_envs_cache()
+            gc.unfreeze()
+            threads, torch_rng, python_rng, numpy_rng = saved
+            torch.set_num_threads(threads)
+            torch.set_rng_state(torch_rng)
+            random.setstate(python_rng)
+            numpy.random.set_state(numpy_rng)
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
 def captured(request, tmp_path_factory):
     """``(hf state dict, HF config, tp_size, [rank r's parameters as vLLM loaded them])``."""
     name, tp_size = request.param
     root = tmp_path_factory.mktemp(f"{name}_tp{tp_size}")
     state_dict, config = _checkpoint(root / "ckpt", *MODELS[name])
-    sampler = VLLMSampler(
-        str(root / "ckpt"), stop_token_ids=[0],
-        engine_args={"tensor_parallel_size": tp_size, "max_model_len": 64},
-    )
-    try:
-        # Weights other than the checkpoint's: what vLLM holds after a reload.
-        new = random_state_dict(state_dict, seed=7, std=0.3)
-        paths = sampler.capture_loaded_weights(new, str(root / "captured"))
-    finally:
-        sampler.close()
+    with engine_core_in_this_process():
+        sampler = VLLMSampler(
+            str(root / "ckpt"), stop_token_ids=[0],
+            engine_args={"tensor_parallel_size": tp_size, "max_model_len": 64},
+        )
+        try:
+            # Weights other than the checkpoint's: what vLLM holds after a reload.
+            new = random_state_dict(state_dict, seed=7, std=0.3)
+            paths = sampler.capture_loaded_weights(new, str(root / "captured"))
+        finally:
+            sampler.close()
     return new, config, tp_size, [load_file(p) for p in paths]
 
 
