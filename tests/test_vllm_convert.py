@@ -7,8 +7,8 @@ tensors in each tensor-parallel worker, captured before vLLM's CPU repacking
 Models: Qwen3 with GQA, q/k norms and untied embeddings (KV heads = tp), Qwen3 tied with one
 KV head (replicated over the tp ranks), Qwen2 with q/k/v biases, tied (Qwen2.5 style), and
 Llama-3 with ``llama3`` RoPE scaling (KV heads > tp), each at tp=2 (one vLLM engine each,
-~25 s, its engine core in this process). The tp=1 layout of every model is checked through ``merge_vllm_shards`` of its tp=2
-shards (and, for a Qwen3, against vLLM's log-probs at tp=1 in tests/test_vllm.py).
+~25 s, its engine core in this process). The tp=1 layout of every model is checked through
+``merge_vllm_shards`` of its tp=2 shards (and, for a Qwen3, against vLLM's log-probs at tp=1 in tests/test_vllm.py).
 """
 
 import contextlib
