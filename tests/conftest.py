@@ -62,6 +62,22 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
 
 
+async def spawn_all(*spawns):
+    """Await the spawns (of trainers, generators: anything with an async ``stop()``) at
+    once and return their handles in order: a proc's start is mostly imports in a fresh
+    process, and two cores run two. If one fails, those that started are stopped, then its
+    error is raised."""
+    import asyncio
+
+    results = await asyncio.gather(*spawns, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await asyncio.gather(*(r.stop() for r in results if not isinstance(r, BaseException)),
+                             return_exceptions=True)
+        raise failures[0]
+    return results
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def store():
     """A torchstore for the module's tests (``forge_ext.compat.torchstore_monarch``)."""

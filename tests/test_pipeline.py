@@ -8,7 +8,7 @@ import copy
 import pytest
 import pytest_asyncio
 import torch
-from conftest import make_lm_batch, random_state_dict
+from conftest import make_lm_batch, random_state_dict, spawn_all
 
 import torchstore as ts
 
@@ -54,8 +54,7 @@ async def meshes(tmp_path_factory):
             "dump_folder": str(tmp_path_factory.mktemp("pp"))}
     weights = {"transport": "dcp", "dcp_path": str(tmp_path_factory.mktemp("pp_dcp")),
                "key_prefix": "pp2"}
-    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
-    handles = dict(zip(["pp1", "pp2", "pp2dp2"], await asyncio.gather(
+    handles = dict(zip(["pp1", "pp2", "pp2dp2"], await spawn_all(
         spawn_trainer(config()),
         spawn_trainer(config(pp=2, **ckpt), weights=weights),
         spawn_trainer(config(pp=2, dp=2, schedule="Interleaved1F1B")),

@@ -4,7 +4,6 @@ same-host shared memory, the default on one host); a reader on another proc fetc
 loads them into transformers' Qwen3ForCausalLM (strict) and reproduces the trainer's logits.
 Stopping the trainer unlinks its shared memory."""
 
-import asyncio
 import copy
 import os
 import re
@@ -16,7 +15,7 @@ import pytest_asyncio
 import torch
 import torchstore as ts
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
-from conftest import make_lm_batch, random_state_dict
+from conftest import make_lm_batch, random_state_dict, spawn_all
 from monarch.actor import Actor, endpoint, this_host
 
 from forge_ext.actors import spawn_trainer
@@ -57,7 +56,7 @@ async def setup():
     await initialize_store()
     dp2_cfg = copy.deepcopy(TRAINER)
     dp2_cfg["training"]["local_batch_size"] = 2
-    dp1, dp2 = await asyncio.gather(  # at once: a proc's start is mostly imports
+    dp1, dp2 = await spawn_all(
         spawn_trainer(
             TRAINER, weights={"transport": "direct", "same_host": "off", "key_prefix": "dp1"}
         ),

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generator_logprob_gap, make_lm_batch, random_state_dict
+from conftest import (
+    generator_logprob_gap,
+    make_lm_batch,
+    random_state_dict,
+    spawn_all,
+)
 
 from forge_ext.engine import TitanEngine, engine_config_from_mapping
 from forge_ext.engine.distributed import init_single_process_env
@@ -436,21 +441,15 @@ async def test_pushed_weights_reproduce_transformers_logits(store, real_checkpoi
     def prefix(key):
         return f"real_{key.replace('.', '_')}"
 
-    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
-    spawns = [
+    trainers = await spawn_all(*(
         spawn_trainer(
             {"model": {"name": name, "flavor": "hf", "hf_path": path},
              "training": {"local_batch_size": 2, "seq_len": SEQ}},
             weights={"transport": "direct", "key_prefix": prefix(key)},
         )
         for key, (name, _, _, _, path) in real_checkpoints.items()
-    ]
-    results = await asyncio.gather(*spawns, return_exceptions=True)
-    trainers = [r for r in results if not isinstance(r, BaseException)]
+    ))
     try:
-        for failure in results:
-            if isinstance(failure, BaseException):
-                raise failure
         for trainer, (key, (_, model_type, fields, model, _)) in zip(
             trainers, real_checkpoints.items(), strict=True
         ):

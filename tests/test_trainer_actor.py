@@ -7,7 +7,7 @@ import copy
 import pytest
 import pytest_asyncio
 import torch
-from conftest import make_lm_batch, random_state_dict
+from conftest import make_lm_batch, random_state_dict, spawn_all
 
 from forge_ext.actors import spawn_trainer
 
@@ -48,8 +48,7 @@ def split(batch, dp):
 async def trainers(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
-    # Spawned at once: a proc's start is mostly imports, and two cores can run two.
-    dp1, dp2, fsdp2, grpo = await asyncio.gather(
+    dp1, dp2, fsdp2, grpo = await spawn_all(
         spawn_trainer(trainer_config(1, **ckpt)),
         spawn_trainer(trainer_config(
             2, checkpoint={"enable": True, "folder": "ckpt"},

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
-from conftest import random_state_dict
+from conftest import random_state_dict, spawn_all
 
 from forge_ext.actors import spawn_trainer
 from forge_ext.actors.generator import (
@@ -68,24 +68,13 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-async def _spawn_all(spawns):
-    """Await ``spawns`` at once; if one fails, stop those that started, then raise."""
-    results = await asyncio.gather(*spawns, return_exceptions=True)
-    failures = [r for r in results if isinstance(r, BaseException)]
-    if failures:
-        await asyncio.gather(*(r.stop() for r in results if not isinstance(r, BaseException)),
-                             return_exceptions=True)
-        raise failures[0]
-    return results
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def actors(checkpoint):
     """The module's trainer and its tp=1 and tp=2 generators, spawned at once: a start is
     mostly imports in fresh processes (the trainer's proc, each generator's proc, vLLM's
     engine core and workers), and two cores run two (~125 s one after another here)."""
     await initialize_store()
-    trainer, *generators = await _spawn_all([
+    trainer, *generators = await spawn_all(
         spawn_trainer(
             {
                 "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
@@ -105,7 +94,7 @@ async def actors(checkpoint):
             )
             for tp in (1, 2)
         ),
-    ])
+    )
     handles = {"trainer": trainer, "generators": dict(zip((1, 2), generators))}
     yield handles
     # Generators the tests' fixture has not stopped (a test failed before it could).
