@@ -466,6 +466,90 @@ async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_o
     assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 3]
 
 
+async def keys_outside(prefix: str, versions: list[int]) -> list[str]:
+    """torchstore keys under ``prefix`` that belong to none of ``versions``."""
+    client = await ts.client()
+    return sorted(
+        key for key in await client.keys(prefix)
+        if not any(key.startswith(f"{prefix}.v{v}.") for v in versions)
+    )
+
+
+@pytest.mark.parametrize("what", ["a failing", "a cancelled"])
+@pytest.mark.parametrize("transport", ["direct", "same_host"])
+async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
+    store, tmp_path, monkeypatch, transport, what
+):
+    """keep_versions=1: the commit of version 3 would retire version 2; when its put fails,
+    or the publish is cancelled as the put starts (a caller's deadline, Ctrl-C), version 2
+    stays readable, nothing of version 3 is left, and the publisher goes on retiring."""
+    prefix = f"commit_{transport}_{what.split()[1]}"
+    publisher = make_publisher(transport, tmp_path, prefix, keep_versions=1)
+    for version in (1, 2):
+        await publisher.publish(versioned_state_dict(version), version)
+    real_put, task = ts.put, None
+
+    async def put(key, value, **kwargs):
+        if key == weights_fetch.commit_key(prefix, 3):
+            if what == "a failing":
+                raise RuntimeError("injected commit failure")
+            task.cancel()
+        return await real_put(key, value, **kwargs)
+
+    monkeypatch.setattr(ts, "put", put)
+    task = asyncio.ensure_future(publisher.publish(versioned_state_dict(3), 3))
+    if what == "a failing":
+        with pytest.raises(weights_publish.WeightsPublishError, match="injected commit failure"):
+            await task
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    monkeypatch.setattr(ts, "put", real_put)
+
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2]
+    assert publisher.published_versions == [2]
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
+    assert await keys_outside(prefix, [2]) == []
+    for version in (3, 4, 5):  # every slot is used again (same host)
+        await publisher.publish(versioned_state_dict(version), version)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [5]
+    assert await keys_outside(prefix, [5]) == []
+    publisher.close()
+
+
+async def test_a_publish_cancelled_while_its_chunks_are_put_leaves_none_of_them(
+    store, tmp_path, monkeypatch
+):
+    """Chunk puts whose messages were sent land after a cancellation: the publish waits for
+    them, then deletes them."""
+    prefix = "cancel_chunks"
+    publisher = make_publisher("direct", tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+    real_put, task, started = ts.put, None, []
+
+    async def put(key, value, **kwargs):
+        started.append(key)
+        if len(started) == 3:  # chunks 0 and 1 are in flight
+            task.cancel()
+        return await real_put(key, value, **kwargs)
+
+    monkeypatch.setattr(ts, "put", put)
+    task = asyncio.ensure_future(publisher.publish(versioned_state_dict(2), 2))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(ts, "put", real_put)
+    assert len(started) >= 3
+    await asyncio.sleep(0.5)  # time for puts that nobody waited for to land
+    assert await keys_outside(prefix, [1]) == []
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    await publisher.publish(versioned_state_dict(2), 2)
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_retention_deletes_only_old_versions_this_publisher_created(
     store, tmp_path, transport
