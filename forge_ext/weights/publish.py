@@ -68,7 +68,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
 import warnings
@@ -90,7 +89,7 @@ from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
 from forge_ext.compat import torchstore_monarch
-from forge_ext.weights import same_host, shared_buffer
+from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
     DEFAULT_KEY_PREFIX,
     FORMAT,
@@ -157,6 +156,10 @@ class WeightsConfig:
     def __post_init__(self) -> None:
         if self.same_host is False:  # YAML 1.1: `same_host: off` is a boolean
             self.same_host = "off"
+        if isinstance(self.dtype, torch.dtype):  # from Python: torch.bfloat16 -> "bfloat16"
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if isinstance(self.dcp_path, os.PathLike):
+            self.dcp_path = os.fspath(self.dcp_path)
         self.validate()
 
     def validate(self) -> None:
@@ -164,6 +167,8 @@ class WeightsConfig:
         if self.transport not in TRANSPORTS:
             allowed = ", ".join(repr(t) for t in TRANSPORTS)
             raise ValueError(f"weights.transport={self.transport!r} must be one of {allowed}")
+        if self.dcp_path is not None and not isinstance(self.dcp_path, str):
+            raise ValueError(f"weights.dcp_path={self.dcp_path!r} must be None or a path")
         if self.transport == "dcp" and not self.dcp_path:
             raise ValueError("weights.dcp_path must be set when weights.transport='dcp'")
         if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or (
@@ -171,13 +176,15 @@ class WeightsConfig:
         ):
             raise ValueError(f"weights.keep_versions={self.keep_versions!r} must be an int >= 1")
         if self.dtype is not None:
-            dtype = getattr(torch, self.dtype, None)
+            dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise ValueError(
                     f"weights.dtype={self.dtype!r} must be None or a torch floating-point "
                     "dtype name such as 'bfloat16'"
                 )
-        if not self.key_prefix or self.key_prefix.startswith(".") or self.key_prefix.endswith("."):
+        if not isinstance(self.key_prefix, str) or not self.key_prefix or (
+            self.key_prefix.startswith(".") or self.key_prefix.endswith(".")
+        ):
             raise ValueError(
                 f"weights.key_prefix={self.key_prefix!r} must be non-empty and must not start "
                 "or end with '.'"
@@ -298,6 +305,7 @@ class WeightsPublisher:
         self._published: deque[_Published] = deque()
         self._last_version: int | None = None
         self._same_host: bool | None = None  # decided at the first publish
+        self._orphans_removed = False
         self._slots: same_host.SlotRing | None = None  # rank 0, same host
         self._mapped_slots: set[str] = set()  # slot files other ranks mapped
         # Same host, reused while the published names, dtypes and shapes stay the same:
@@ -365,6 +373,13 @@ class WeightsPublisher:
         """
         start = time.perf_counter()
         group, version = self._group, policy_version
+        if not self._orphans_removed:
+            self._remove_orphans()
+        if isinstance(exclude_from_cast, str):
+            raise TypeError(
+                f"exclude_from_cast={exclude_from_cast!r} is a str: pass a collection of "
+                f"names, e.g. [{exclude_from_cast!r}]"
+            )
         exclude = frozenset(exclude_from_cast)
         what = f"publish of policy_version={version}"
         transport = self.config.transport
@@ -474,6 +489,19 @@ class WeightsPublisher:
         )
 
     # -- steps --------------------------------------------------------------------------
+    def _remove_orphans(self) -> None:
+        """At the first publish, whatever the transport: remove the shared-memory files of
+        forge_ext processes that died on this host (an earlier trainer killed with
+        ``kill -9`` that published into slots; see :func:`~forge_ext.weights.shm_files
+        .remove_orphans`)."""
+        self._orphans_removed = True
+        try:
+            removed = shm_files.remove_orphans()
+        except OSError:  # no /dev/shm here
+            return
+        if removed:
+            logger.info("removed %d shared-memory file(s) of stopped processes", len(removed))
+
     def _uses_same_host(self) -> bool:
         """Whether ``direct`` goes through shared memory: ``weights.same_host=auto`` and every
         rank on one host. Decided at the first publish (a collective), kept afterwards (the
@@ -484,8 +512,9 @@ class WeightsPublisher:
                 hosts = self._group.all_gather(same_host.host_id())
             self._same_host = self.config.same_host == "auto" and len(set(hosts)) == 1
             if self._same_host and self._group.rank == 0:
-                tag = "weights." + re.sub(r"[^\w.]", "_", self.config.key_prefix)
-                self._slots = same_host.SlotRing(tag, self.config.keep_versions + 1)
+                self._slots = same_host.SlotRing(
+                    same_host.slot_tag(self.config.key_prefix), self.config.keep_versions + 1
+                )
             logger.info(
                 "weights.transport=direct publishes %s (weights.same_host=%s%s)",
                 "into shared memory" if self._same_host else "through torchstore",
@@ -499,7 +528,7 @@ class WeightsPublisher:
     ) -> tuple[list, int, str]:
         """(slot layout entries, slot bytes, digest) of ``tensors``, computed once for as
         long as the published names, dtypes and shapes stay the same."""
-        if self._layout is None or self._layout[0] != tensors:
+        if self._layout is None or list(self._layout[0].items()) != list(tensors.items()):
             entries, size = same_host.entries_of(tensors)
             self._layout = (dict(tensors), entries, size, _digest(tensors))
             self._slot_views.clear()
@@ -663,7 +692,7 @@ class WeightsPublisher:
     def _covered_pieces(self, statuses: list[dict[str, Any]]) -> tuple[dict, dict]:
         """:func:`_covered_pieces` of the ranks' manifests, checked once for as long as they
         stay the same (they do from version to version: same names, placements, offsets)."""
-        manifests = [(status["tensors"], status["pieces"]) for status in statuses]
+        manifests = [(list(status["tensors"].items()), status["pieces"]) for status in statuses]
         if self._coverage is None or self._coverage[0] != manifests:
             self._coverage = (manifests, _covered_pieces(statuses))
         return self._coverage[1]
@@ -950,6 +979,8 @@ def _chunk_parts(blocks: list[_Block], first: int, lo: int, hi: int) -> list[mem
         source = block.source[(a - block.stream_offset) // item : (z - block.stream_offset) // item]
         if source.device.type != "cpu" or source.dtype != block.dtype:
             source = source.to(device="cpu", dtype=block.dtype)
+        # A conjugate or negative view (complex .conj(), .neg() views) has no bytes of its own.
+        source = source.resolve_conj().resolve_neg()
         # A strided view (e.g. of an expanded or sliced tensor) has no flat bytes to share.
         parts.append(memoryview(source.contiguous().view(torch.uint8).numpy()))
         at = z
