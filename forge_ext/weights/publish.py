@@ -52,9 +52,9 @@ a later collective, and every rank raises the same ``WeightsPublishError``).
 
 Interruptions (Ctrl-C, a cancelled task, a caller's deadline): every torchstore put that was
 started is waited for before the cancellation goes on (its messages are sent, so it lands
-anyway), then what this version stored is deleted, unless its commit record was stored: then
-the version stays committed, and retention an interruption cut short is finished by the next
-``publish``.
+anyway), then what this version stored is deleted (its commit record too, if the interruption
+came while it was being put), unless the commit had completed: then the version stays
+committed, and the retention an interruption cut short is finished by the next ``publish``.
 
 Which path ``direct`` takes is decided once, at the first publish (an exchange of
 :func:`~forge_ext.weights.same_host.host_id`); :attr:`PublishResult.same_host` reports it.
