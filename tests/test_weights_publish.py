@@ -284,6 +284,9 @@ def make_publisher(variant: str, tmp_path, key_prefix: str, **overrides):
         ("chunk_mb", 0, "weights.chunk_mb=0 must be an int >= 1"),
         ("same_host", "on", "weights.same_host='on' must be one of 'auto', 'off'"),
         ("same_host", True, "weights.same_host=True must be one of 'auto', 'off'"),
+        ("dtype", 5, "weights.dtype=5 must be None or a torch floating-point"),
+        ("key_prefix", 123, "weights.key_prefix=123 must be non-empty"),
+        ("dcp_path", 123, "weights.dcp_path=123 must be None or a path"),
     ],
 )
 async def test_config_errors_name_the_field(field, value, message):
@@ -293,6 +296,36 @@ async def test_config_errors_name_the_field(field, value, message):
 
 async def test_same_host_off_read_by_yaml_as_false_means_off():
     assert weights_publish.WeightsConfig(same_host=False).same_host == "off"
+
+
+async def test_a_torch_dtype_and_a_path_object_are_taken_from_python(tmp_path):
+    config = weights_publish.WeightsConfig(dtype=torch.bfloat16, dcp_path=tmp_path)
+    assert (config.dtype, config.torch_dtype, config.dcp_path) == (
+        "bfloat16", torch.bfloat16, str(tmp_path)
+    )
+
+
+async def test_exclude_from_cast_as_one_str_is_refused(store, tmp_path):
+    publisher = make_publisher("direct", tmp_path, "exclude_str", dtype="bfloat16")
+    with pytest.raises(TypeError, match=r"pass a collection of names, e.g. \['inv_freq'\]"):
+        await publisher.publish(decoder_state_dict(), 0, exclude_from_cast="inv_freq")
+
+
+async def test_any_key_prefix_makes_valid_slot_file_names(store, tmp_path):
+    """Slot files are named after weights.key_prefix: a long or non-ASCII prefix (fine for
+    torchstore) must not exceed a file name's 255 bytes or leave ASCII."""
+    prefix = "é" * 110 + "/sa"
+    publisher = make_publisher("same_host", tmp_path, prefix)
+    try:
+        await publisher.publish(decoder_state_dict(), 0)
+        names = [os.path.basename(s.path) for s in publisher._slots.slots]
+        assert names and all(n.isascii() and len(n.encode()) < 200 for n in names), names
+        assert_same_tensors(
+            await weights_fetch.fetch_weights(0, key_prefix=prefix), decoder_state_dict()
+        )
+    finally:
+        publisher.close()
+    assert same_host.slot_tag("policy_weights") == "weights.policy_weights"
 
 
 async def test_dcp_transport_requires_dcp_path():
@@ -341,13 +374,18 @@ async def test_a_publisher_whose_tensors_change_publishes_each_version_as_given(
     grown["model.norm.weight"] = torch.randn(128)
     recast = decoder_state_dict(seed=4)  # fits the second slot, laid out otherwise
     recast["model.rotary_emb.inv_freq"] = recast["model.rotary_emb.inv_freq"].float()
-    versions = [decoder_state_dict(seed=1), grown, decoder_state_dict(seed=3), recast]
+    # Only the order differs from the two before (one in each slot).
+    reordered = dict(reversed(decoder_state_dict(seed=7).items()))
+    versions = [
+        decoder_state_dict(seed=1), grown, decoder_state_dict(seed=3), recast,
+        decoder_state_dict(seed=5), decoder_state_dict(seed=6), reordered,
+    ]
     try:
         for version, state_dict in enumerate(versions, start=1):
             await publisher.publish(state_dict, version)
-            assert_same_tensors(
-                await weights_fetch.fetch_weights(version, key_prefix=prefix), state_dict
-            )
+            got = await weights_fetch.fetch_weights(version, key_prefix=prefix)
+            assert list(got) == list(state_dict)  # in the order published
+            assert_same_tensors(got, state_dict)
     finally:
         publisher.close()
 
@@ -410,6 +448,7 @@ async def test_strided_and_expanded_tensors_publish_exactly(store, tmp_path, tra
         "expanded": torch.randn(3, generator=g).expand(5, 3),
         "transposed_bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16).t(),
         "every_other_bool": (torch.randn(9, generator=g) > 0)[::2],
+        "conjugate": torch.randn(6, dtype=torch.complex64, generator=g).conj(),
     }
     prefix = f"strided_{transport}"
     await make_publisher(transport, tmp_path, prefix).publish(sd, 0)
@@ -464,6 +503,90 @@ async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_o
     # The publisher is still usable: the next version goes through.
     await publisher.publish(decoder_state_dict(seed=3), 3)
     assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 3]
+
+
+async def keys_outside(prefix: str, versions: list[int]) -> list[str]:
+    """torchstore keys under ``prefix`` that belong to none of ``versions``."""
+    client = await ts.client()
+    return sorted(
+        key for key in await client.keys(prefix)
+        if not any(key.startswith(f"{prefix}.v{v}.") for v in versions)
+    )
+
+
+@pytest.mark.parametrize("what", ["a failing", "a cancelled"])
+@pytest.mark.parametrize("transport", ["direct", "same_host"])
+async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
+    store, tmp_path, monkeypatch, transport, what
+):
+    """keep_versions=1: the commit of version 3 would retire version 2; when its put fails,
+    or the publish is cancelled as the put starts (a caller's deadline, Ctrl-C), version 2
+    stays readable, nothing of version 3 is left, and the publisher goes on retiring."""
+    prefix = f"commit_{transport}_{what.split()[1]}"
+    publisher = make_publisher(transport, tmp_path, prefix, keep_versions=1)
+    for version in (1, 2):
+        await publisher.publish(versioned_state_dict(version), version)
+    real_put, task = ts.put, None
+
+    async def put(key, value, **kwargs):
+        if key == weights_fetch.commit_key(prefix, 3):
+            if what == "a failing":
+                raise RuntimeError("injected commit failure")
+            task.cancel()
+        return await real_put(key, value, **kwargs)
+
+    monkeypatch.setattr(ts, "put", put)
+    task = asyncio.ensure_future(publisher.publish(versioned_state_dict(3), 3))
+    if what == "a failing":
+        with pytest.raises(weights_publish.WeightsPublishError, match="injected commit failure"):
+            await task
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    monkeypatch.setattr(ts, "put", real_put)
+
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2]
+    assert publisher.published_versions == [2]
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
+    assert await keys_outside(prefix, [2]) == []
+    for version in (3, 4, 5):  # every slot is used again (same host)
+        await publisher.publish(versioned_state_dict(version), version)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [5]
+    assert await keys_outside(prefix, [5]) == []
+    publisher.close()
+
+
+async def test_a_publish_cancelled_while_its_chunks_are_put_leaves_none_of_them(
+    store, tmp_path, monkeypatch
+):
+    """Chunk puts whose messages were sent land after a cancellation: the publish waits for
+    them, then deletes them."""
+    prefix = "cancel_chunks"
+    publisher = make_publisher("direct", tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+    real_put, task, started = ts.put, None, []
+
+    async def put(key, value, **kwargs):
+        started.append(key)
+        if len(started) == 3:  # chunks 0 and 1 are in flight
+            task.cancel()
+        return await real_put(key, value, **kwargs)
+
+    monkeypatch.setattr(ts, "put", put)
+    task = asyncio.ensure_future(publisher.publish(versioned_state_dict(2), 2))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(ts, "put", real_put)
+    assert len(started) >= 3
+    await asyncio.sleep(0.5)  # time for puts that nobody waited for to land
+    assert await keys_outside(prefix, [1]) == []
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    await publisher.publish(versioned_state_dict(2), 2)
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -748,6 +871,28 @@ async def test_too_little_shared_memory_is_refused_naming_the_fields_and_the_byt
         await publisher.publish(decoder_state_dict(), 1)
     assert slot_files(os.getpid(), prefix) == []
     assert await weights_fetch.committed_versions(key_prefix=prefix) == []
+
+
+@pytest.mark.parametrize("transport", ["direct", "dcp"])
+async def test_the_first_publish_of_any_transport_removes_slots_of_dead_publishers(
+    store, tmp_path, transport
+):
+    """A trainer killed with kill -9 while publishing into slots, restarted with
+    weights.same_host=off or dcp: its slots go at the first publish too."""
+    done = await asyncio.create_subprocess_exec("true")
+    await done.wait()  # its pid is now a dead process's
+    orphan = os.path.join(
+        shm_files.SHM_DIR,
+        f"{shm_files.PREFIX}-weights.orphan-{done.pid}-0-p{shm_files.pid_namespace()}",
+    )
+    open(orphan, "wb").close()
+    try:
+        publisher = make_publisher(transport, tmp_path, f"orphan_{transport}")
+        await publisher.publish(decoder_state_dict(), 0)
+        assert not os.path.exists(orphan)
+    finally:
+        if os.path.exists(orphan):
+            os.unlink(orphan)
 
 
 async def test_a_killed_publisher_leaves_no_slot_once_the_next_one_starts(

@@ -42,14 +42,19 @@ a later collective, and every rank raises the same ``WeightsPublishError``).
    it created) and raises: the version stays absent, earlier ones are untouched.
 2. Every rank checks that the manifests cover each tensor exactly once; rank 0 (same host:
    stamps the slot with the version and) writes the commit record (the version becomes
-   visible) and, at the same time, applies retention: for each version it published beyond
-   the newest ``keep_versions`` (counting this one), it deletes the commit record first
-   (readers then see "missing", never a partial dict), then the chunks or the DCP folder it
-   recorded creating (same host: the slot becomes reusable). Nothing is found by listing
-   keys or directories, so nothing this publisher did not create is touched. Exchange, so
-   that when ``publish`` returns on any rank the version is fetchable and the retired ones
-   are gone. (Should the commit record's put fail, the versions it was to retire are gone
-   too: their deletion ran alongside it.)
+   visible), then applies retention: for each version it published beyond the newest
+   ``keep_versions`` (counting this one), it deletes the commit record first (readers then
+   see "missing", never a partial dict), then the chunks or the DCP folder it recorded
+   creating (same host: the slot becomes reusable). Nothing is found by listing keys or
+   directories, so nothing this publisher did not create is touched. Exchange, so that when
+   ``publish`` returns on any rank the version is fetchable and the retired ones are gone.
+   If the commit record's put fails, nothing is retired.
+
+Interruptions (Ctrl-C, a cancelled task, a caller's deadline): every torchstore put that was
+started is waited for before the cancellation goes on (its messages are sent, so it lands
+anyway), then what this version stored is deleted (its commit record too, if the interruption
+came while it was being put), unless the commit had completed: then the version stays
+committed, and the retention an interruption cut short is finished by the next ``publish``.
 
 Which path ``direct`` takes is decided once, at the first publish (an exchange of
 :func:`~forge_ext.weights.same_host.host_id`); :attr:`PublishResult.same_host` reports it.
@@ -63,7 +68,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
 import warnings
@@ -85,12 +89,13 @@ from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
 from forge_ext.compat import torchstore_monarch
-from forge_ext.weights import same_host, shared_buffer
+from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
     DEFAULT_KEY_PREFIX,
     FORMAT,
     Piece,
     align,
+    _missing_key,
     chunk_key,
     commit_key,
 )
@@ -151,6 +156,10 @@ class WeightsConfig:
     def __post_init__(self) -> None:
         if self.same_host is False:  # YAML 1.1: `same_host: off` is a boolean
             self.same_host = "off"
+        if isinstance(self.dtype, torch.dtype):  # from Python: torch.bfloat16 -> "bfloat16"
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if isinstance(self.dcp_path, os.PathLike):
+            self.dcp_path = os.fspath(self.dcp_path)
         self.validate()
 
     def validate(self) -> None:
@@ -158,6 +167,8 @@ class WeightsConfig:
         if self.transport not in TRANSPORTS:
             allowed = ", ".join(repr(t) for t in TRANSPORTS)
             raise ValueError(f"weights.transport={self.transport!r} must be one of {allowed}")
+        if self.dcp_path is not None and not isinstance(self.dcp_path, str):
+            raise ValueError(f"weights.dcp_path={self.dcp_path!r} must be None or a path")
         if self.transport == "dcp" and not self.dcp_path:
             raise ValueError("weights.dcp_path must be set when weights.transport='dcp'")
         if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or (
@@ -165,13 +176,15 @@ class WeightsConfig:
         ):
             raise ValueError(f"weights.keep_versions={self.keep_versions!r} must be an int >= 1")
         if self.dtype is not None:
-            dtype = getattr(torch, self.dtype, None)
+            dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise ValueError(
                     f"weights.dtype={self.dtype!r} must be None or a torch floating-point "
                     "dtype name such as 'bfloat16'"
                 )
-        if not self.key_prefix or self.key_prefix.startswith(".") or self.key_prefix.endswith("."):
+        if not isinstance(self.key_prefix, str) or not self.key_prefix or (
+            self.key_prefix.startswith(".") or self.key_prefix.endswith(".")
+        ):
             raise ValueError(
                 f"weights.key_prefix={self.key_prefix!r} must be non-empty and must not start "
                 "or end with '.'"
@@ -292,6 +305,7 @@ class WeightsPublisher:
         self._published: deque[_Published] = deque()
         self._last_version: int | None = None
         self._same_host: bool | None = None  # decided at the first publish
+        self._orphans_removed = False
         self._slots: same_host.SlotRing | None = None  # rank 0, same host
         self._mapped_slots: set[str] = set()  # slot files other ranks mapped
         # Same host, reused while the published names, dtypes and shapes stay the same:
@@ -359,6 +373,13 @@ class WeightsPublisher:
         """
         start = time.perf_counter()
         group, version = self._group, policy_version
+        if not self._orphans_removed:
+            self._remove_orphans()
+        if isinstance(exclude_from_cast, str):
+            raise TypeError(
+                f"exclude_from_cast={exclude_from_cast!r} is a str: pass a collection of "
+                f"names, e.g. [{exclude_from_cast!r}]"
+            )
         exclude = frozenset(exclude_from_cast)
         what = f"publish of policy_version={version}"
         transport = self.config.transport
@@ -376,6 +397,7 @@ class WeightsPublisher:
             _check_values(state_dict)
             tensors = self._published_tensors(state_dict, exclude)
             if group.rank == 0:
+                await self._retire_excess()  # what an interrupted publish left to retire
                 await self._check_new_version(version)
                 if dcp_dir is not None:
                     _create_version_dir(dcp_dir, self._marker())
@@ -423,8 +445,8 @@ class WeightsPublisher:
             raise
         statuses = group.all_gather(_status(error, **manifest))
 
-        # Phase 2: rank 0 writes the commit record; all learn whether that worked.
-        committing = False
+        # Phase 2: rank 0 writes the commit record, then retires; all learn whether the commit
+        # worked.
         try:
             _raise_if_any_failed(statuses, what, error)
             if transport == "same_host":
@@ -434,29 +456,29 @@ class WeightsPublisher:
                                         self.config.chunk_mb << 20)
             else:
                 record = _dcp_record(statuses[0], version, dcp_dir)
-            committing = True
+            published = None
+            if group.rank == 0:
+                keys = [commit_key(self.config.key_prefix, version)]
+                if transport == "direct":
+                    keys += [
+                        chunk_key(self.config.key_prefix, version, rank, i)
+                        for rank, status in enumerate(statuses)
+                        for i in range(status["chunks"])
+                    ]
+                published = _Published(version, keys, dcp_dir)
             if slot is not None:  # every rank has written its pieces
                 self._slots.commit(slot, version)
-            await self._commit(record, version)
+            await self._commit(record, version, published, stored)
         except BaseException:
-            if committing and group.rank == 0:  # a failed put may still have stored it
-                stored.append(commit_key(self.config.key_prefix, version))
-            if slot is not None:
-                self._slots.abort(slot)
-            await self._delete_keys(stored)
-            if created_dir:
-                shutil.rmtree(dcp_dir, ignore_errors=True)
+            # Unless the commit record was stored (then the version is committed, even if
+            # what follows was interrupted): leave nothing of this version behind.
+            if self._last_version != version:
+                if slot is not None:
+                    self._slots.abort(slot)
+                await self._delete_keys(stored)
+                if created_dir:
+                    shutil.rmtree(dcp_dir, ignore_errors=True)
             raise
-        self._last_version = version
-        if group.rank == 0:
-            keys = [commit_key(self.config.key_prefix, version)]
-            if transport == "direct":
-                keys += [
-                    chunk_key(self.config.key_prefix, version, rank, i)
-                    for rank, status in enumerate(statuses)
-                    for i in range(status["chunks"])
-                ]
-            self._published.append(_Published(version, keys, dcp_dir))
         return PublishResult(
             policy_version=version,
             transport=self.config.transport,
@@ -467,6 +489,19 @@ class WeightsPublisher:
         )
 
     # -- steps --------------------------------------------------------------------------
+    def _remove_orphans(self) -> None:
+        """At the first publish, whatever the transport: remove the shared-memory files of
+        forge_ext processes that died on this host (an earlier trainer killed with
+        ``kill -9`` that published into slots; see :func:`~forge_ext.weights.shm_files
+        .remove_orphans`)."""
+        self._orphans_removed = True
+        try:
+            removed = shm_files.remove_orphans()
+        except OSError:  # no /dev/shm here
+            return
+        if removed:
+            logger.info("removed %d shared-memory file(s) of stopped processes", len(removed))
+
     def _uses_same_host(self) -> bool:
         """Whether ``direct`` goes through shared memory: ``weights.same_host=auto`` and every
         rank on one host. Decided at the first publish (a collective), kept afterwards (the
@@ -477,8 +512,9 @@ class WeightsPublisher:
                 hosts = self._group.all_gather(same_host.host_id())
             self._same_host = self.config.same_host == "auto" and len(set(hosts)) == 1
             if self._same_host and self._group.rank == 0:
-                tag = "weights." + re.sub(r"[^\w.]", "_", self.config.key_prefix)
-                self._slots = same_host.SlotRing(tag, self.config.keep_versions + 1)
+                self._slots = same_host.SlotRing(
+                    same_host.slot_tag(self.config.key_prefix), self.config.keep_versions + 1
+                )
             logger.info(
                 "weights.transport=direct publishes %s (weights.same_host=%s%s)",
                 "into shared memory" if self._same_host else "through torchstore",
@@ -492,7 +528,7 @@ class WeightsPublisher:
     ) -> tuple[list, int, str]:
         """(slot layout entries, slot bytes, digest) of ``tensors``, computed once for as
         long as the published names, dtypes and shapes stay the same."""
-        if self._layout is None or self._layout[0] != tensors:
+        if self._layout is None or list(self._layout[0].items()) != list(tensors.items()):
             entries, size = same_host.entries_of(tensors)
             self._layout = (dict(tensors), entries, size, _digest(tensors))
             self._slot_views.clear()
@@ -656,7 +692,7 @@ class WeightsPublisher:
     def _covered_pieces(self, statuses: list[dict[str, Any]]) -> tuple[dict, dict]:
         """:func:`_covered_pieces` of the ranks' manifests, checked once for as long as they
         stay the same (they do from version to version: same names, placements, offsets)."""
-        manifests = [(status["tensors"], status["pieces"]) for status in statuses]
+        manifests = [(list(status["tensors"].items()), status["pieces"]) for status in statuses]
         if self._coverage is None or self._coverage[0] != manifests:
             self._coverage = (manifests, _covered_pieces(statuses))
         return self._coverage[1]
@@ -682,28 +718,31 @@ class WeightsPublisher:
             }
         return {**self._record_parts[key], "version": version}
 
-    async def _commit(self, record: dict[str, Any], version: int) -> None:
-        """Rank 0 writes the commit record and, at the same time, retires the versions that
-        fall beyond ``keep_versions`` with this one (:meth:`_retire`; right after a 60 MB
-        copy a put then a delete took 13.6 ms here, the two at once 10.4 ms);
-        every rank raises if the put failed. The retired versions are retired even then:
-        their deletion ran alongside the put."""
+    async def _commit(
+        self, record: dict[str, Any] | None, version: int, published: _Published | None,
+        stored: list[str],
+    ) -> None:
+        """Rank 0 puts the commit record (the version becomes visible; its key joins
+        ``stored`` once stored), then retires the versions beyond ``keep_versions``
+        (:meth:`_retire_excess`); every rank raises if the put failed, and the earlier
+        versions are then untouched. Why not the put and the deletes at once (3 ms sooner
+        after a 60 MB copy here): a failed or cancelled put would take the retired versions
+        with it, leaving none at ``keep_versions=1``."""
         error: BaseException | None = None
         if self._group.rank == 0:
-            key = commit_key(self.config.key_prefix, version)
-            excess = len(self._published) + 1 - self.config.keep_versions
-            retiring = [self._published.popleft() for _ in range(max(0, excess))]
-            put, _ = await asyncio.gather(
-                ts.put(key, record, store_name=self.store_name),
-                self._retire(retiring),
-                return_exceptions=True,
-            )
-            if isinstance(put, Exception):
-                error = put
-            elif isinstance(put, BaseException):
-                raise put
+            try:
+                await _put_recorded(
+                    commit_key(self.config.key_prefix, version), record, stored, self.store_name
+                )
+            except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
+                error = e
+            else:
+                self._last_version = version  # committed, whatever interrupts what follows
+                self._published.append(published)
+                await self._retire_excess()
         statuses = self._group.all_gather(_status(error))
         _raise_if_any_failed(statuses, f"commit of policy_version={version}", error)
+        self._last_version = version
 
     async def _delete_keys(self, keys: list[str]) -> None:
         """Best effort, all at once: a key that is already gone (or never got indexed) is
@@ -713,26 +752,48 @@ class WeightsPublisher:
             try:
                 await ts.delete(key, store_name=self.store_name)
             except Exception as e:  # noqa: BLE001
-                logger.warning("could not delete %s: %s: %s", key, type(e).__name__, e)
+                if not _missing_key(e):
+                    logger.warning("could not delete %s: %s: %s", key, type(e).__name__, e)
 
         await asyncio.gather(*(delete(key) for key in keys))
 
-    async def _retire(self, versions: list[_Published]) -> None:
-        """Rank 0: delete what this publisher created for ``versions``: for each, the commit
-        record first (readers then see the version as missing, never a partial dict), then
-        its chunks or its DCP folder; its same-host slot may then be reused, even if this
-        is interrupted (a reader of a record left behind then finds the slot's stamp
-        changed: :class:`~forge_ext.weights.same_host.SlotReusedError`, reported as a
-        missing version). Never raises (deletion is best effort)."""
-        for old in versions:
-            try:
-                await self._delete_keys(old.keys[:1])
-                await self._delete_keys(old.keys[1:])
-                if old.dcp_dir is not None:
-                    shutil.rmtree(old.dcp_dir, ignore_errors=True)
-            finally:
-                if self._slots is not None:  # once no reader holds it
-                    self._slots.release(old.version)
+    async def _retire_excess(self) -> None:
+        """Rank 0: retire the oldest versions this publisher committed until
+        ``keep_versions`` remain: the one the last commit pushed out, and any whose retirement
+        an interrupted publish left unfinished. A version leaves :attr:`published_versions`
+        (and its same-host slot becomes reusable) only once :meth:`_retire` has deleted it,
+        so an interruption leaves it to be retired again at the next publish."""
+        while len(self._published) > self.config.keep_versions:
+            await self._retire(self._published[0])
+            old = self._published.popleft()
+            if self._slots is not None:  # once no reader holds it
+                self._slots.release(old.version)
+
+    async def _retire(self, old: _Published) -> None:
+        """Rank 0: delete what this publisher created for ``old``: the commit record first
+        (readers then see the version as missing, never a partial dict), then its chunks or
+        its DCP folder. Never raises but for an interruption (deletion is best effort; what is
+        already gone is skipped, so it may run again)."""
+        await self._delete_keys(old.keys[:1])
+        await self._delete_keys(old.keys[1:])
+        if old.dcp_dir is not None:
+            shutil.rmtree(old.dcp_dir, ignore_errors=True)
+
+
+async def _put_recorded(key: str, value: Any, stored: list[str], store_name: str) -> None:
+    """``ts.put(key, value)``, appending ``key`` to ``stored`` once the store holds it. If the
+    caller is cancelled meanwhile, waits for the put to end before the cancellation goes on:
+    the put's messages are sent, so the value lands whether or not anyone waits, and cleanup
+    after a cancelled publish must see it in ``stored`` to delete it."""
+    put = asyncio.ensure_future(ts.put(key, value, store_name=store_name))
+    put.add_done_callback(
+        lambda done: done.cancelled() or done.exception() is not None or stored.append(key)
+    )
+    try:
+        await asyncio.shield(put)
+    except asyncio.CancelledError:
+        await asyncio.wait([put])
+        raise
 
 
 def _check_values(state_dict: Mapping[str, Any]) -> None:
@@ -841,7 +902,8 @@ async def _put_stream(
 ) -> None:
     """Cut this rank's byte stream into chunks and put them, at most MAX_INFLIGHT_PUTS in
     flight, appending each stored key to ``stored``. On an error, starts no new put, waits
-    for those in flight (so ``stored`` lists exactly what is in the store) and raises it."""
+    for those in flight (so ``stored`` lists exactly what is in the store) and raises it; so
+    does a cancellation (see :func:`_put_recorded`)."""
     total = blocks[-1].stream_offset + blocks[-1].nbytes if blocks else 0
     rdma = rdma_available()
     limit = asyncio.Semaphore(MAX_INFLIGHT_PUTS)
@@ -851,9 +913,7 @@ async def _put_stream(
     async def put(index: int, payload: bytes | torch.Tensor) -> None:
         nonlocal stored_bytes
         try:
-            key = key_of(index)
-            await ts.put(key, payload, store_name=store_name)
-            stored.append(key)
+            await _put_recorded(key_of(index), payload, stored, store_name)
             stored_bytes += len(payload)
             if on_progress is not None and not errors:
                 on_progress(stored_bytes, total)
@@ -864,17 +924,19 @@ async def _put_stream(
 
     tasks = []
     first = 0  # first block that may overlap the current chunk
-    for index in range(math.ceil(total / chunk_bytes)):
-        await limit.acquire()
-        if errors:
-            limit.release()
-            break
-        lo, hi = index * chunk_bytes, min(total, (index + 1) * chunk_bytes)
-        while first < len(blocks) and blocks[first].stream_offset + blocks[first].nbytes <= lo:
-            first += 1
-        payload = _pack_chunk(_chunk_parts(blocks, first, lo, hi), rdma)
-        tasks.append(asyncio.create_task(put(index, payload)))
-    await asyncio.gather(*tasks)
+    try:
+        for index in range(math.ceil(total / chunk_bytes)):
+            await limit.acquire()
+            if errors:
+                limit.release()
+                break
+            lo, hi = index * chunk_bytes, min(total, (index + 1) * chunk_bytes)
+            while first < len(blocks) and blocks[first].stream_offset + blocks[first].nbytes <= lo:
+                first += 1
+            payload = _pack_chunk(_chunk_parts(blocks, first, lo, hi), rdma)
+            tasks.append(asyncio.create_task(put(index, payload)))
+    finally:  # also when interrupted: every started put ends first (``stored`` is complete)
+        await asyncio.gather(*tasks, return_exceptions=True)
     if errors:
         raise errors[0]
 
@@ -917,6 +979,8 @@ def _chunk_parts(blocks: list[_Block], first: int, lo: int, hi: int) -> list[mem
         source = block.source[(a - block.stream_offset) // item : (z - block.stream_offset) // item]
         if source.device.type != "cpu" or source.dtype != block.dtype:
             source = source.to(device="cpu", dtype=block.dtype)
+        # A conjugate or negative view (complex .conj(), .neg() views) has no bytes of its own.
+        source = source.resolve_conj().resolve_neg()
         # A strided view (e.g. of an expanded or sliced tensor) has no flat bytes to share.
         parts.append(memoryview(source.contiguous().view(torch.uint8).numpy()))
         at = z

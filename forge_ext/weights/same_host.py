@@ -48,7 +48,9 @@ import contextlib
 import errno
 import fcntl
 import functools
+import hashlib
 import os
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -94,6 +96,23 @@ def host_id() -> str:
     except OSError:
         boot = "unknown-boot"
     return f"{socket.gethostname()}/{boot}"
+
+
+# Longest tag of a slot file name: with forge_ext-<tag>-<pid>-<n>-p<pid namespace> it stays
+# far below the 255 bytes a file name may have.
+MAX_TAG = 120
+
+
+def slot_tag(key_prefix: str) -> str:
+    """The file-name tag of the slots of a publisher of ``key_prefix``: ``weights.`` and the
+    prefix with every character but ASCII letters, digits, ``_`` and ``.`` replaced by ``_``;
+    a longer one is cut and ends with a digest of the whole prefix, so that any
+    ``weights.key_prefix`` torchstore takes makes valid file names."""
+    tag = "weights." + re.sub(r"[^A-Za-z0-9_.]", "_", key_prefix)
+    if len(tag) <= MAX_TAG:
+        return tag
+    digest = hashlib.sha256(key_prefix.encode()).hexdigest()[:16]
+    return f"{tag[:MAX_TAG - len(digest) - 1]}.{digest}"
 
 
 class SegmentUnavailableError(RuntimeError):
