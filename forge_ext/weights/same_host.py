@@ -51,7 +51,7 @@ import functools
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,9 +123,12 @@ def entries_of(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]):
     return layout({name: (shape, dtype) for name, (dtype, shape) in tensors.items()}, HEADER_BYTES)
 
 
-async def _flock(fd: int, operation: int, timeout: float, waiting_for: str) -> None:
+async def _flock(
+    fd: int, operation: int, timeout: float, waiting_for: Callable[[], str]
+) -> None:
     """``flock(fd, operation)`` without blocking the event loop (other tasks of this process,
-    e.g. a reader of the same slot, must go on); raises TimeoutError after ``timeout`` s."""
+    e.g. a reader of the same slot, must go on); raises TimeoutError after ``timeout`` s,
+    ``waiting_for()`` saying for whom and what to do."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -133,8 +136,42 @@ async def _flock(fd: int, operation: int, timeout: float, waiting_for: str) -> N
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:.0f} s for {waiting_for}") from None
+                raise TimeoutError(f"waited {timeout:.0f} s for {waiting_for()}") from None
             await asyncio.sleep(POLL_S)
+
+
+def lock_holders(fd: int) -> list[int]:
+    """Pids of the processes holding a ``flock`` on the file open as ``fd`` (from
+    ``/proc/locks``, whose device is ``MAJOR:MINOR:INODE``, the first two in hex; see
+    proc(5)); empty where that cannot be read."""
+    stat = os.fstat(fd)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    pids = []
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                # "N: FLOCK ADVISORY READ <pid> <device> 0 EOF"; waiters have "->" after N:.
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
+                    pids.append(int(fields[4]))
+    except (OSError, ValueError):
+        return []
+    return sorted(set(pids))
+
+
+def _readers_of(slot: Slot) -> str:
+    """Who holds ``slot`` (the writer waited for them) and what to do, for a TimeoutError."""
+    version = read_stamp(slot.file)
+    pids = [f"{pid} (this process)" if pid == os.getpid() else str(pid)
+            for pid in lock_holders(slot.file.fd)]
+    held_by = f" (held by pid {', '.join(pids)})" if pids else ""
+    return (
+        f"readers of the retired policy_version={version} to leave its shared-memory slot "
+        f"{slot.path}{held_by}: a process on this host is still inside open_weights({version}) "
+        f"(e.g. a generator loading it) or fetch_weights({version}). End that block sooner "
+        "(open_weights lends the tensors for the block only: copy what must outlive it, or use "
+        "fetch_weights), or raise weights.keep_versions so that the slot is reused later"
+    )
 
 
 @dataclass(eq=False)
@@ -217,10 +254,7 @@ class SlotRing:
             self._unlink(slot)
             slot.file = self._create(size, slot)
             return slot
-        await _flock(
-            slot.file.fd, fcntl.LOCK_EX, LEASE_TIMEOUT_S,
-            f"readers of {slot.path} (holding the retired version {read_stamp(slot.file)})",
-        )
+        await _flock(slot.file.fd, fcntl.LOCK_EX, LEASE_TIMEOUT_S, lambda: _readers_of(slot))
         try:
             write_stamp(slot.file, WRITING)
         finally:
@@ -311,7 +345,9 @@ async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
     """
     mapped = _mapped_slot(record)
     version = record["version"]
-    await _flock(mapped.fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, f"the writer of {mapped.path}")
+    await _flock(
+        mapped.fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, lambda: f"the writer of {mapped.path}"
+    )
     try:
         stamp = read_stamp(mapped)
         if stamp != version:
