@@ -44,6 +44,116 @@ async def still_waiting(task: asyncio.Future, seconds: float = 0.5) -> bool:
     return not task.done()
 
 
+async def test_every_lease_of_one_process_keeps_the_writer_out_until_it_ends(store, tmp_path):
+    """Three readers of version 1 in the publisher's own process: an ``open_weights`` block,
+    a ``fetch_weights`` and a second ``open_weights`` inside it (another task). Each holds
+    the slot on its own: the readers that end first do not let the writer in under the
+    others."""
+    prefix = "leases"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)  # 2 slots
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        async with weights_fetch.open_weights(1, key_prefix=prefix) as outer:
+            entered, leave = asyncio.Event(), asyncio.Event()
+
+            async def second_reader() -> dict[str, torch.Tensor]:
+                async with weights_fetch.open_weights(1, key_prefix=prefix) as inner:
+                    entered.set()
+                    await leave.wait()
+                    return {name: t.clone() for name, t in inner.tensors.items()}
+
+            second = asyncio.ensure_future(second_reader())
+            try:
+                await entered.wait()
+                fetched = await weights_fetch.fetch_weights(1, key_prefix=prefix)
+                await publisher.publish(versioned_state_dict(2), 2)  # other slot; retires 1
+                third = asyncio.ensure_future(publisher.publish(versioned_state_dict(3), 3))
+                waited_for_two = await still_waiting(third)
+            finally:
+                leave.set()
+                inner = await second
+            waited_for_one = await still_waiting(third)
+            held = {name: t.clone() for name, t in outer.tensors.items()}
+        assert waited_for_two, "version 3 overwrote a slot two readers held"
+        assert waited_for_one, "version 3 overwrote the slot a reader held"
+        for tensors in (fetched, inner, held):
+            assert_same_tensors(tensors, versioned_state_dict(1))
+        await third
+        assert_same_tensors(
+            await weights_fetch.fetch_weights(3, key_prefix=prefix), versioned_state_dict(3)
+        )
+    finally:
+        publisher.close()
+
+
+async def test_a_slot_replaced_by_a_bigger_one_stays_valid_for_the_block_that_holds_it(
+    store, tmp_path
+):
+    """Version 3's tensors outgrow version 1's slot while an ``open_weights(1)`` block holds
+    it, and a fetch of version 3 in the same process maps the new slot: the block's tensors
+    and its shared handle (what vLLM's workers map) keep version 1 until the block ends, the
+    block ends cleanly, and the old file goes at the next publish."""
+    prefix = "grown_held"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        async with weights_fetch.open_weights(1, key_prefix=prefix) as held:
+            await publisher.publish(versioned_state_dict(2), 2)
+            await publisher.publish(grown_state_dict(3), 3)  # replaces version 1's slot
+            assert_same_tensors(
+                await weights_fetch.fetch_weights(3, key_prefix=prefix), grown_state_dict(3)
+            )
+            assert_same_tensors(held.tensors, versioned_state_dict(1))
+            assert_same_tensors(open_shared_tensors(held.shared_handle), versioned_state_dict(1))
+            assert len(slot_files(os.getpid(), prefix)) == 3  # the held one, 2 and 3
+        await publisher.publish(grown_state_dict(4), 4)  # into version 2's slot, grown
+        assert len(slot_files(os.getpid(), prefix)) == 2
+        assert_same_tensors(
+            await weights_fetch.fetch_weights(4, key_prefix=prefix), grown_state_dict(4)
+        )
+    finally:
+        publisher.close()
+    assert slot_files(os.getpid(), prefix) == []
+
+
+@pytest.mark.parametrize("slot", ["reused", "replaced", "publisher_stopped"])
+async def test_a_version_whose_slot_is_gone_reads_as_retired_unless_still_committed(
+    store, tmp_path, monkeypatch, slot
+):
+    """A reader that got version 1's commit record just before its slot changed: retired
+    and its slot reused, or replaced by a bigger one, reads as not committed; a slot gone
+    while the record is still in the store (the publisher closed) is a fetch error."""
+    prefix = f"gone_{slot}"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        stale = await weights_fetch.fetch_commit_record(
+            1, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME
+        )
+        if slot == "publisher_stopped":
+            publisher.close()
+            error = pytest.raises(weights_fetch.WeightsFetchError,
+                                  match=r"policy_version=1: .* its publisher stopped")
+        else:
+            make = grown_state_dict if slot == "replaced" else versioned_state_dict
+            for version in (2, 3):  # 3 goes into version 1's slot
+                await publisher.publish(make(version), version)
+            error = pytest.raises(weights_fetch.WeightsVersionNotFoundError,
+                                  match=r"policy_version=1 .*committed versions: \[3\]")
+
+        async def stale_record(version, **kwargs):
+            return stale
+
+        monkeypatch.setattr(weights_fetch, "fetch_commit_record", stale_record)
+        with error:
+            await weights_fetch.fetch_weights(1, key_prefix=prefix)
+        with error:
+            async with weights_fetch.open_weights(1, key_prefix=prefix):
+                pass
+    finally:
+        publisher.close()
+
+
 async def test_a_writer_kept_waiting_by_a_reader_says_who_and_what_to_do(
     store, tmp_path, monkeypatch
 ):

@@ -213,7 +213,7 @@ async def fetch_weights(
 
     Raises:
         WeightsVersionNotFoundError: ``version`` has no commit record (or, same host, was
-            retired and its slot reused while this call read the record).
+            retired, and its slot reused or replaced, while this call read the record).
         KeyError: a name in ``names`` is not part of the version.
         WeightsFetchError: reading the committed data failed (``dcp``: any failure inside
             ``dcp.load``, which DCP raises as a ``BaseException``; same host: this process
@@ -329,13 +329,16 @@ async def _same_host_lease(
     try:
         async with same_host.lease(record) as mapped:
             yield mapped
+    except (same_host.SlotReusedError, same_host.SlotGoneError) as e:
+        # Retired between reading its commit record and taking its slot (the slot reused, or
+        # replaced by a bigger one): as if the record had already been gone. A slot gone
+        # while the record is still there: its publisher stopped.
+        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+        if isinstance(e, same_host.SlotGoneError) and record["version"] in committed:
+            raise WeightsFetchError(str(e)) from None
+        raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
     except same_host.SegmentUnavailableError as e:
         raise WeightsFetchError(str(e)) from None
-    except same_host.SlotReusedError:
-        # Retired between reading its commit record and taking its slot: as if the record
-        # had already been gone.
-        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
-        raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
 
 
 def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.dtype]:
