@@ -154,6 +154,46 @@ async def test_a_version_whose_slot_is_gone_reads_as_retired_unless_still_commit
         publisher.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_allocate_is_treated_alike_by_every_transport(store, tmp_path, transport):
+    """Names ``allocate`` adds are ignored; tensors that require grad (parameters) are filled
+    in place; exactly the requested names come back, as the allocated tensors."""
+    prefix = f"allocate_{transport}"
+    want = versioned_state_dict(1)
+    await make_publisher(transport, tmp_path, prefix).publish(want, 1)
+    allocated = {}
+
+    def allocate(specs):
+        allocated.update({name: torch.zeros(shape, dtype=dtype)
+                          for name, (shape, dtype) in specs.items()})
+        allocated["w"].requires_grad_(True)
+        return {**allocated, "not_asked_for": torch.zeros(3)}
+
+    got = await weights_fetch.fetch_weights(1, ["w", "b"], key_prefix=prefix, allocate=allocate)
+    assert list(got) == ["w", "b"]
+    assert all(got[name] is allocated[name] for name in got)
+    assert got["w"].requires_grad and got["w"].grad_fn is None
+    assert_same_tensors({name: t.detach() for name, t in got.items()}, {"w": want["w"],
+                                                                        "b": want["b"]})
+    with pytest.raises(TypeError, match="allocate returned a list, not a mapping"):
+        await weights_fetch.fetch_weights(
+            1, key_prefix=prefix, allocate=lambda specs: [torch.zeros(s, dtype=d)
+                                                          for s, d in specs.values()]
+        )
+
+
+async def test_names_given_as_one_str_are_refused_asking_for_a_list():
+    for read in (weights_fetch.fetch_weights, weights_fetch.open_weights):
+        with pytest.raises(TypeError, match=r"names='model.w' is a str: pass a list of tensor "
+                                            r"names, e.g. \['model.w'\]"):
+            call = read(1, "model.w", key_prefix="no_such_prefix")
+            if read is weights_fetch.open_weights:
+                async with call:
+                    pass
+            else:
+                await call
+
+
 async def test_a_writer_kept_waiting_by_a_reader_says_who_and_what_to_do(
     store, tmp_path, monkeypatch
 ):
