@@ -203,23 +203,31 @@ async def fetch_weights(
         key_prefix: ``WeightsConfig.key_prefix`` of the publisher.
         store_name: the torchstore instance.
         allocate: where the result goes: called once with ``{name: (shape, dtype)}`` of every
-            tensor fetched, returns a contiguous CPU tensor per name (e.g. views of a
-            reused shared-memory buffer, :mod:`forge_ext.weights.shared_buffer`); default:
-            fresh tensors.
+            tensor fetched, returns a mapping with a contiguous CPU tensor of that shape and
+            dtype per name (e.g. views of a reused shared-memory buffer,
+            :mod:`forge_ext.weights.shared_buffer`); default: fresh tensors. The same for
+            every transport: names beyond those asked for are ignored (neither filled nor
+            returned), and tensors that require grad are filled as under
+            ``torch.no_grad()`` (in place, no autograd history; they still require grad).
 
     Returns:
-        ``{name: tensor}``, contiguous CPU tensors: those ``allocate`` returned, or fresh ones
-        that own their memory.
+        ``{name: tensor}`` of exactly the requested names, in their order: contiguous CPU
+        tensors, those ``allocate`` returned (the same objects), or fresh ones that own their
+        memory.
 
     Raises:
         WeightsVersionNotFoundError: ``version`` has no commit record (or, same host, was
-            retired and its slot reused while this call read the record).
+            retired, and its slot reused or replaced, while this call read the record).
+        TypeError: ``names`` is a str (pass a list of names), or ``allocate`` returned no
+            mapping.
+        ValueError: ``allocate`` returned no fitting tensor for a name.
         KeyError: a name in ``names`` is not part of the version.
         WeightsFetchError: reading the committed data failed (``dcp``: any failure inside
             ``dcp.load``, which DCP raises as a ``BaseException``; same host: this process
             cannot map the publisher's shared memory, the message names
             ``weights.same_host=off``, or the publisher has stopped).
     """
+    _check_names(names)
     record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
     specs = _specs(record, names)
     if record["transport"] == "same_host":
@@ -228,7 +236,7 @@ async def fetch_weights(
             result = _allocate(specs, allocate)
             for name, view in views.items():
                 if view.numel():  # torch's intra-op threads, as for the writer's copy
-                    result[name].copy_(view)
+                    _fillable(result[name]).copy_(view)
         return result
     return await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
 
@@ -265,8 +273,10 @@ async def open_weights(
     overwrites it before the block ends (no copy: a generator loads its model straight from
     them); otherwise fetched as :func:`fetch_weights` does (into ``allocate``'s tensors).
 
-    Arguments, errors: as :func:`fetch_weights`.
+    Arguments, errors: as :func:`fetch_weights` (``allocate`` is not called for a same-host
+    version: the tensors are the slot's views).
     """
+    _check_names(names)
     record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
     specs = _specs(record, names)
     if record["transport"] == "same_host":
@@ -278,6 +288,15 @@ async def open_weights(
         return
     result = await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
     yield OpenedWeights(result, None)
+
+
+def _check_names(names: Iterable[str] | None) -> None:
+    """A str is iterable too: its characters would be read as names."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(
+            f"names={names!r} is a {type(names).__name__}: pass a list of tensor names, "
+            f"e.g. [{names!r}] (or None for all)"
+        )
 
 
 def _specs(
@@ -294,16 +313,23 @@ def _specs(
 def _allocate(
     specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], allocate: Allocator | None
 ) -> dict[str, torch.Tensor]:
-    result = dict((allocate or _allocate_fresh)(specs))
+    """``allocate(specs)`` checked, restricted to the names of ``specs`` (in their order)."""
+    allocated = (allocate or _allocate_fresh)(specs)
+    if not isinstance(allocated, Mapping):
+        raise TypeError(
+            f"allocate returned a {type(allocated).__name__}, not a mapping {{name: tensor}}"
+        )
+    result = {}
     for name, (shape, dtype) in specs.items():
-        tensor = result.get(name)
-        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype or not (
-            tensor.is_contiguous() and tensor.device.type == "cpu"
+        tensor = allocated.get(name)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or (
+            tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu"
         ):
             raise ValueError(
                 f"allocate returned no contiguous CPU tensor of shape {shape} and {dtype} for "
                 f"{name!r}"
             )
+        result[name] = tensor
     return result
 
 
@@ -311,12 +337,14 @@ async def _read(
     record: Mapping[str, Any], specs, result: dict[str, torch.Tensor], key_prefix: str,
     store_name: str,
 ) -> dict[str, torch.Tensor]:
-    """Fill ``result`` from a ``direct`` (torchstore chunks) or ``dcp`` record."""
+    """Fill ``result`` from a ``direct`` (torchstore chunks) or ``dcp`` record (through
+    detached aliases: tensors that require grad are filled without autograd)."""
+    targets = {name: _fillable(tensor) for name, tensor in result.items()}
     if record["transport"] == "direct":
-        await _fetch_direct(record, result, key_prefix, store_name)
+        await _fetch_direct(record, targets, key_prefix, store_name)
         return result
     if record["transport"] == "dcp":
-        await asyncio.to_thread(_load_dcp, record, result)
+        await asyncio.to_thread(_load_dcp, record, targets)
         return result
     raise ValueError(f"unknown transport {record['transport']!r} in commit record")
 
@@ -329,13 +357,16 @@ async def _same_host_lease(
     try:
         async with same_host.lease(record) as mapped:
             yield mapped
+    except (same_host.SlotReusedError, same_host.SlotGoneError) as e:
+        # Retired between reading its commit record and taking its slot (the slot reused, or
+        # replaced by a bigger one): as if the record had already been gone. A slot gone
+        # while the record is still there: its publisher stopped.
+        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
+        if isinstance(e, same_host.SlotGoneError) and record["version"] in committed:
+            raise WeightsFetchError(str(e)) from None
+        raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
     except same_host.SegmentUnavailableError as e:
         raise WeightsFetchError(str(e)) from None
-    except same_host.SlotReusedError:
-        # Retired between reading its commit record and taking its slot: as if the record
-        # had already been gone.
-        committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
-        raise WeightsVersionNotFoundError(record["version"], key_prefix, committed) from None
 
 
 def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -344,6 +375,12 @@ def _spec(record: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], torch.
         return tuple(meta.size), meta.properties.dtype
     meta = record["tensors"][name]
     return tuple(meta["shape"]), meta["dtype"]
+
+
+def _fillable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or where it requires grad (an ``allocate`` may return parameters) its
+    detached alias: the same memory, filled in place without autograd."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _allocate_fresh(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):

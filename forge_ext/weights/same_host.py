@@ -19,12 +19,16 @@ completely, or :data:`WRITING` while a writer overwrites it.
 Why readers never see a slot being overwritten (``flock`` on the slot file; the kernel drops
 a dead process's locks):
 
-- reader: ``LOCK_SH``, then check ``stamp == version`` (otherwise the version was retired and
-  its slot reused: the reader reports it missing, as for any retired version), read or load,
-  ``LOCK_UN``;
+- reader (:func:`lease`): opens the slot file (a descriptor of its own per lease: ``flock``
+  locks belong to the open file description), checks it is the file the record names,
+  ``LOCK_SH``, then checks ``stamp == version`` (otherwise the version was retired and its
+  slot reused: the reader reports it missing, as for any retired version), reads or loads,
+  closes its descriptor;
 - writer, before overwriting a slot: ``LOCK_EX`` (waits until no reader holds the slot),
   ``stamp = WRITING``, ``LOCK_UN``; then every rank writes; rank 0 sets ``stamp = version``
-  before it writes the commit record.
+  before it writes the commit record. A slot too small for the next version is replaced by a
+  new file at once; the old one is unlinked once no reader holds it (``LOCK_EX`` without
+  waiting, tried at every later :meth:`SlotRing.acquire`), so a lease's path stays valid.
 
 A slot is only chosen once its version has been retired (its commit record deleted), so new
 readers of that version get "not committed" from torchstore, and those that read the record
@@ -53,7 +57,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +124,12 @@ class SegmentUnavailableError(RuntimeError):
     ``/dev/shm``, or its publisher stopped)."""
 
 
+class SlotGoneError(SegmentUnavailableError):
+    """The slot file a commit record names is gone, or the path names another file now:
+    the publisher stopped (its slots go with it), or it retired the version and replaced its
+    slot by a bigger one (the record is then gone from the store too)."""
+
+
 class SlotReusedError(RuntimeError):
     """The slot no longer holds the version: it was retired and its slot is being reused."""
 
@@ -142,9 +152,12 @@ def entries_of(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]):
     return layout({name: (shape, dtype) for name, (dtype, shape) in tensors.items()}, HEADER_BYTES)
 
 
-async def _flock(fd: int, operation: int, timeout: float, waiting_for: str) -> None:
+async def _flock(
+    fd: int, operation: int, timeout: float, waiting_for: Callable[[], str]
+) -> None:
     """``flock(fd, operation)`` without blocking the event loop (other tasks of this process,
-    e.g. a reader of the same slot, must go on); raises TimeoutError after ``timeout`` s."""
+    e.g. a reader of the same slot, must go on); raises TimeoutError after ``timeout`` s,
+    ``waiting_for()`` saying for whom and what to do."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -152,8 +165,42 @@ async def _flock(fd: int, operation: int, timeout: float, waiting_for: str) -> N
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:.0f} s for {waiting_for}") from None
+                raise TimeoutError(f"waited {timeout:.0f} s for {waiting_for()}") from None
             await asyncio.sleep(POLL_S)
+
+
+def lock_holders(fd: int) -> list[int]:
+    """Pids of the processes holding a ``flock`` on the file open as ``fd`` (from
+    ``/proc/locks``, whose device is ``MAJOR:MINOR:INODE``, the first two in hex; see
+    proc(5)); empty where that cannot be read."""
+    stat = os.fstat(fd)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    pids = []
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                # "N: FLOCK ADVISORY READ <pid> <device> 0 EOF"; waiters have "->" after N:.
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
+                    pids.append(int(fields[4]))
+    except (OSError, ValueError):
+        return []
+    return sorted(set(pids))
+
+
+def _readers_of(slot: Slot) -> str:
+    """Who holds ``slot`` (the writer waited for them) and what to do, for a TimeoutError."""
+    version = read_stamp(slot.file)
+    pids = [f"{pid} (this process)" if pid == os.getpid() else str(pid)
+            for pid in lock_holders(slot.file.fd)]
+    held_by = f" (held by pid {', '.join(pids)})" if pids else ""
+    return (
+        f"readers of the retired policy_version={version} to leave its shared-memory slot "
+        f"{slot.path}{held_by}: a process on this host is still inside open_weights({version}) "
+        f"(e.g. a generator loading it) or fetch_weights({version}). End that block sooner "
+        "(open_weights lends the tensors for the block only: copy what must outlive it, or use "
+        "fetch_weights), or raise weights.keep_versions so that the slot is reused later"
+    )
 
 
 @dataclass(eq=False)
@@ -182,6 +229,9 @@ class SlotRing:
         check_tag(tag)
         self.tag, self.max_slots, self.directory = tag, slots, directory
         self.slots: list[Slot] = []
+        # Replaced slot files that a reader still held: unlinked once none holds them (their
+        # path must stay valid for as long as a lease: open_weights hands it to vLLM's workers).
+        self._draining: list[MappedFile] = []
         self._registered = False
 
     def _create(self, size: int, replacing: Slot | None) -> MappedFile:
@@ -193,7 +243,10 @@ class SlotRing:
         # Check for every slot still to be made, so that a too-small /dev/shm fails at the
         # first publish, not versions later.
         missing = self.max_slots - len(self.slots)
-        needed = size * missing if replacing is None else size - replacing.file.size
+        if replacing is None:
+            needed = size * missing
+        else:  # a replaced file still held by a reader keeps its memory for now
+            needed = size - (0 if replacing.file in self._draining else replacing.file.size)
         try:
             check_free_space(
                 needed, self.directory,
@@ -223,6 +276,7 @@ class SlotRing:
             OSError: too little room in the tmpfs (naming the bytes and the fields).
             TimeoutError: a reader held the slot for too long.
         """
+        self._unlink_drained()
         free = [s for s in self.slots if s.version is None]
         if not free and len(self.slots) < self.max_slots:
             slot = Slot(self._create(size, None))
@@ -233,13 +287,12 @@ class SlotRing:
         # The least recently written free slot; readers of its old version are the oldest.
         slot = free[0]
         if slot.file.size < size:  # the tensors grew: a bigger file in its place
-            self._unlink(slot)
+            if slot.file not in self._draining:
+                self._draining.append(slot.file)
+            self._unlink_drained()  # now, unless a reader holds it
             slot.file = self._create(size, slot)
             return slot
-        await _flock(
-            slot.file.fd, fcntl.LOCK_EX, LEASE_TIMEOUT_S,
-            f"readers of {slot.path} (holding the retired version {read_stamp(slot.file)})",
-        )
+        await _flock(slot.file.fd, fcntl.LOCK_EX, LEASE_TIMEOUT_S, lambda: _readers_of(slot))
         try:
             write_stamp(slot.file, WRITING)
         finally:
@@ -265,20 +318,33 @@ class SlotRing:
             if slot.version == version:
                 slot.version = None
 
+    def _unlink_drained(self) -> None:
+        """Unlink the replaced slot files that no reader holds any more. The ``LOCK_EX`` is
+        held until the file is unlinked: a reader that opens it meanwhile then finds it gone
+        (:class:`SlotGoneError`; its version was retired)."""
+        for file in list(self._draining):
+            if file.fd >= 0:  # (closed: unlinked already)
+                try:
+                    fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+            self._unlink(file)
+            self._draining.remove(file)
+
     @staticmethod
-    def _unlink(slot: Slot) -> None:
-        slot.file.close()
+    def _unlink(file: MappedFile) -> None:
         try:
-            os.unlink(slot.path)
+            os.unlink(file.path)
         except FileNotFoundError:
             pass
+        file.close()
 
     def close(self) -> None:
-        """Unlink every slot (readers that map one keep its pages until they unmap).
-        Idempotent."""
-        for slot in self.slots:
-            self._unlink(slot)
-        self.slots = []
+        """Unlink every slot, including replaced ones still held (readers that map one keep
+        its pages until they unmap). Idempotent."""
+        for file in [slot.file for slot in self.slots] + self._draining:
+            self._unlink(file)
+        self.slots, self._draining = [], []
 
 
 def slot_record(slot: Slot, entries) -> dict[str, Any]:
@@ -293,45 +359,69 @@ def slot_record(slot: Slot, entries) -> dict[str, Any]:
     }
 
 
-def _mapped_slot(record: Mapping[str, Any]) -> MappedFile:
-    version, segment = record["version"], record["segment"]
+def _check_host(record: Mapping[str, Any]) -> None:
+    segment = record["segment"]
     if segment["host"] != host_id():
         raise SegmentUnavailableError(
-            f"policy_version={version} was published into shared memory on host "
+            f"policy_version={record['version']} was published into shared memory on host "
             f"{segment['host']!r} (weights.same_host=auto: the trainer's ranks share a host), "
             f"but this process runs on {host_id()!r}; set weights.same_host=off when the "
             "trainer and its readers are on different hosts"
         )
-    gone = (
-        f"policy_version={version}: its shared-memory slot {segment['path']} is not in this "
-        "process's /dev/shm: its publisher stopped (the slots go with it), or this process "
-        "sees another /dev/shm (a container without --ipc=host); in that case set "
-        "weights.same_host=off"
+
+
+def _gone(record: Mapping[str, Any]) -> SlotGoneError:
+    return SlotGoneError(
+        f"policy_version={record['version']}: its shared-memory slot {record['segment']['path']} "
+        "is not in this process's /dev/shm: its publisher stopped (the slots go with it), or "
+        "this process sees another /dev/shm (a container without --ipc=host); in that case "
+        "set weights.same_host=off"
     )
-    try:
-        mapped = map_file(segment["path"], segment["size"])
-    except FileNotFoundError:
-        raise SegmentUnavailableError(gone) from None
-    if list(mapped.inode) != list(segment["inode"]):
-        raise SegmentUnavailableError(gone)
-    if int(_stamp_view(mapped)[0]) != MAGIC:
-        raise SegmentUnavailableError(f"{segment['path']} is not a forge_ext weights slot")
-    return mapped
 
 
 @contextlib.asynccontextmanager
 async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
-    """Hold the slot of a same-host commit record: while inside, no writer overwrites it.
+    """Hold the slot of a same-host commit record: while inside, no writer overwrites it
+    and its file stays linked (its path, handed to other processes, stays valid).
+
+    Each lease takes its ``LOCK_SH`` on a descriptor of its own: ``flock`` locks belong to
+    an open file description, so leases sharing one (e.g. the descriptor of the cached
+    mapping, :func:`~forge_ext.weights.shared_buffer.map_file`) would all be dropped by the
+    first one's ``LOCK_UN``. Any number of leases in one process, nested or concurrent, thus
+    each keep the writer out until they end (a writer in the same process too: its slot file
+    is another open file description).
+
+    Yields:
+        The slot's mapping (this process's cached one; views of it stay valid after the
+        block, but the writer may then overwrite them).
 
     Raises:
-        SegmentUnavailableError: the slot cannot be mapped from this process (see
-            :func:`host_id`), or it is gone.
+        SegmentUnavailableError: the slot cannot be mapped from this process (another host,
+            see :func:`host_id`; or not a forge_ext slot).
+        SlotGoneError: the slot file is gone, or another file has its path now.
         SlotReusedError: the slot no longer holds ``record["version"]``.
     """
-    mapped = _mapped_slot(record)
-    version = record["version"]
-    await _flock(mapped.fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, f"the writer of {mapped.path}")
+    _check_host(record)
+    version, segment = record["version"], record["segment"]
+    path = segment["path"]
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _gone(record) from None
+    try:
+        stat = os.fstat(fd)
+        inode = (stat.st_dev, stat.st_ino)
+        if list(inode) != list(segment["inode"]):
+            raise _gone(record)
+        await _flock(fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, lambda: f"the writer of {path}")
+        try:
+            mapped = map_file(path, segment["size"])
+        except FileNotFoundError:
+            raise _gone(record) from None
+        if mapped.inode != inode:  # replaced between our open and the lock
+            raise _gone(record)
+        if int(_stamp_view(mapped)[0]) != MAGIC:
+            raise SegmentUnavailableError(f"{path} is not a forge_ext weights slot")
         stamp = read_stamp(mapped)
         if stamp != version:
             raise SlotReusedError(
@@ -340,7 +430,7 @@ async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
             )
         yield mapped
     finally:
-        fcntl.flock(mapped.fd, fcntl.LOCK_UN)
+        os.close(fd)  # drops this lease's lock, and only this one's
 
 
 def record_entries(record: Mapping[str, Any], names: Iterable[str]):

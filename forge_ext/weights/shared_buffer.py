@@ -97,11 +97,13 @@ def views_of(storage: torch.Tensor, entries) -> dict[str, torch.Tensor]:
 @dataclass(eq=False)
 class MappedFile:
     """A shared-memory file mapped into this process, with an open descriptor of it (for
-    ``flock`` leases and ``fstat``).
+    ``fstat``, and the creator's ``flock``).
 
     Attributes:
         path: the file.
-        fd: descriptor opened read-write.
+        fd: descriptor opened read-write; -1 once closed (a cached mapping is closed when
+            its file is unlinked or mapped again). Readers' ``flock`` leases never use it:
+            they open their own (:func:`forge_ext.weights.same_host.lease`).
         bytes: ``uint8`` tensor over the whole mapping (``[size]``).
         inode: ``(st_dev, st_ino)`` of the file when it was mapped.
     """
