@@ -157,6 +157,28 @@ def test_cross_section_checks(demo_checkpoint):
         load_config(path, [model, "prompt.template='{x}+{b}'"])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.parallelism.tensor_parallel_degree=3",
+         r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
+        ("trainer.parallelism.tensor_parallel_degree=4",
+         r"tensor_parallel_degree=4 must divide the model's n_kv_heads=2"),
+        ("reference.parallelism.tensor_parallel_degree=3",
+         r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
+        ("trainer.parallelism.pipeline_parallel_degree=3",
+         r"weights.transport='direct' needs the same tensors on every trainer rank"),
+    ],
+)
+def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning(
+    demo_checkpoint, override, message
+):
+    """A newcomer's tries: each was refused only after the procs were spawned (up to 2 min)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match=message):
+        load_config(path, [f"model.hf_path={demo_checkpoint}", override])
+
+
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])
