@@ -55,7 +55,8 @@ not a Ctrl-C: the app calls :meth:`RLLoop.fail` with one error that says what di
 awaited call is cancelled at once, teardown runs, and :meth:`RLLoop.run` raises that error
 (:meth:`RLLoop.explain_error` maps an endpoint's own error to it when that arrives first).
 
-Ctrl-C (SIGINT) once: the run stops at the next step boundary, saves a checkpoint there if
+Ctrl-C (SIGINT) or SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes send before
+they kill) once: the run stops at the next step boundary, saves a checkpoint there if
 checkpoints are on (``save_every > 0``) and that step has none yet, and raises
 KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown
 still runs). Why not rely on asyncio's own SIGINT handling (it cancels the main task): a
@@ -269,7 +270,7 @@ class RLLoop(ABC):
         """Run the whole job (module docstring). Re-raises the first error after teardown."""
         completed = False
         self._main_task = asyncio.current_task()
-        sigint = self._install_sigint_handler()
+        handled = self._install_signal_handlers()
         self._background_error = asyncio.get_running_loop().create_future()
         try:
             await self.setup()
@@ -302,8 +303,8 @@ class RLLoop(ABC):
                 raise failure from None  # the one message a user should read
             raise
         finally:
-            if sigint:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+            for signum in handled:
+                asyncio.get_running_loop().remove_signal_handler(signum)
             await self._teardown()
             self.on_finish(completed)
 
@@ -368,21 +369,26 @@ class RLLoop(ABC):
             self._saved_step = self.step
             self.write(f"saved the checkpoint of step {self.step}")
 
-    # ---- Ctrl-C ------------------------------------------------------------------------
-    def _install_sigint_handler(self) -> bool:
-        """Route SIGINT to :meth:`interrupt`; False where signals cannot be handled (not
-        the main thread, or no signal support)."""
-        try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.interrupt)
-        except (NotImplementedError, RuntimeError, ValueError):
-            return False
-        return True
+    # ---- Ctrl-C, SIGTERM -----------------------------------------------------------------
+    def _install_signal_handlers(self) -> list[int]:
+        """Route SIGINT and SIGTERM to :meth:`interrupt`; returns those handled (none where
+        signals cannot be handled: not the main thread, or no signal support)."""
+        handled = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                asyncio.get_running_loop().add_signal_handler(signum, self.interrupt, signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                break
+            handled.append(signum)
+        return handled
 
-    def interrupt(self) -> None:
-        """First call: stop at the next step boundary; second: cancel the awaited call."""
+    def interrupt(self, signum: int = signal.SIGINT) -> None:
+        """First call: stop at the next step boundary; second: cancel the awaited call.
+        ``signum``: the signal that asked (for the message)."""
         self._interrupts += 1
         if self._interrupts == 1:
-            self.write("interrupt: stopping after this step (Ctrl-C again to stop now)")
+            name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+            self.write(f"{name}: stopping after this step (Ctrl-C again to stop now)")
         elif self._main_task is not None:
             self._main_task.cancel()
 

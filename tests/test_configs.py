@@ -113,6 +113,35 @@ def test_sft_config_validates_and_shares_the_demo_task():
     assert grpo["task"] == load_yaml(CONFIGS / "sft_cpu_demo.yaml")["task"]  # same held-out set
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded as model.name='qwen3'"),
+        ("trainer.parallelism.data_parallel_shard_degree=2",
+         "degrees multiply to 2 processes, but the SFT app trains in this one process"),
+    ],
+)
+def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
+    tmp_path, override, message
+):
+    """A random init the engine then refused was left in init.hf_path, and every rerun
+    reused it (the same error with the default init.model_type)."""
+    from apps.sft.main import main
+
+    init = tmp_path / "init"
+    argv = ["--config", str(CONFIGS / "sft_cpu_demo.yaml"), f"init.hf_path={init}",
+            f"output_dir={tmp_path / 'out'}", override]
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    try:
+        with pytest.raises(SystemExit, match=message):
+            main(argv)
+    finally:  # main applies the config's env (OMP_NUM_THREADS=1) to this process
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    assert not init.exists()
+
+
 def test_unknown_keys_are_named_with_their_path():
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match=r"unknown key 'loop\.stpes'"):
@@ -155,6 +184,28 @@ def test_cross_section_checks(demo_checkpoint):
         load_config(path, [model, "trainer.checkpoint.enable=false"])
     with pytest.raises(ValueError, match="must format with only"):
         load_config(path, [model, "prompt.template='{x}+{b}'"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.parallelism.tensor_parallel_degree=3",
+         r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
+        ("trainer.parallelism.tensor_parallel_degree=4",
+         r"tensor_parallel_degree=4 must divide the model's n_kv_heads=2"),
+        ("reference.parallelism.tensor_parallel_degree=3",
+         r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
+        ("trainer.parallelism.pipeline_parallel_degree=3",
+         r"weights.transport='direct' needs the same tensors on every trainer rank"),
+    ],
+)
+def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning(
+    demo_checkpoint, override, message
+):
+    """A newcomer's tries: each was refused only after the procs were spawned (up to 2 min)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match=message):
+        load_config(path, [f"model.hf_path={demo_checkpoint}", override])
 
 
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):

@@ -3,6 +3,8 @@ weight-sync gate, and teardown on success, on an exception and on cancellation (
 
 import asyncio
 import json
+import os
+import signal
 
 import pytest
 
@@ -205,6 +207,30 @@ async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path, m
     assert job.stopped == ["generator", "trainer", "store"]
     if mode == "async":  # the rollout task, a step ahead, was stopped too
         assert job._rollout_task.task.done()
+
+
+async def test_sigterm_stops_like_ctrl_c(tmp_path):
+    """What a scheduler (Slurm, Kubernetes) or ``timeout`` sends first: a real SIGTERM to
+    this process, in the middle of step 3."""
+    job = FakeJob(tmp_path, steps=10, save_every=1)
+    original, unhandled = job.train_step, []
+
+    async def train_step(step, rollouts):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return await original(step, rollouts)
+
+    job.train_step = train_step
+    previous = signal.signal(signal.SIGTERM, lambda *_: unhandled.append(True))
+    try:
+        with pytest.raises(KeyboardInterrupt, match="before step 4"):
+            await job.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not unhandled
+    assert kinds(job.events, "train") == [0, 1, 2]
+    assert kinds(job.events, "save") == [1, 2, 3]
+    assert job.stopped == ["generator", "trainer", "store"]
 
 
 @pytest.mark.parametrize(("save_every", "saves"), [(10, [3]), (0, [])])

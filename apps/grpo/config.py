@@ -184,6 +184,12 @@ class GRPOConfig:
                 "directory"
             )
         engines = self._engines()
+        if engines["trainer"].pp_degree > 1 and self.weights.transport != "dcp":
+            raise ValueError(
+                f"weights.transport={self.weights.transport!r} needs the same tensors on every "
+                "trainer rank, but pipeline stages hold different ones; use weights.transport="
+                "dcp with trainer.parallelism.pipeline_parallel_degree > 1"
+            )
         processes = self.processes(engines)
         self.hosts.layout(processes)
         for name, engine in engines.items():

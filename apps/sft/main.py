@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -111,12 +112,12 @@ def kept_checkpoint(config: SFTConfig) -> bool:
     return True
 
 
-def ensure_init_checkpoint(config: SFTConfig) -> None:
+def ensure_init_checkpoint(config: SFTConfig) -> bool:
     """Write a random model (and the task tokenizer) to ``init.hf_path`` unless a checkpoint
-    is there already."""
+    is there already; returns whether it wrote one."""
     path = Path(config.init.hf_path)
     if is_hf_checkpoint(path):
-        return
+        return False
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         save_tokenizer(tokenizer_dir)
         tok = CheckpointTokenizer(tokenizer_dir)
@@ -130,6 +131,7 @@ def ensure_init_checkpoint(config: SFTConfig) -> None:
         init_hf_checkpoint(
             path, config.init.model_type, fields, seed=config.seed, tokenizer_from=tokenizer_dir
         )
+    return True
 
 
 def sft_batch(
@@ -249,13 +251,22 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     if not kept:
+        from forge_ext.actors.trainer import world_size_of
         from forge_ext.engine import engine_config_from_mapping
 
         apply_env(config.env)
-        ensure_init_checkpoint(config)  # the trainer: section reads its config.json
+        wrote = ensure_init_checkpoint(config)  # the trainer: section reads its config.json
         try:
-            engine_config_from_mapping(config.trainer)
+            engine = engine_config_from_mapping(config.trainer)
+            processes = world_size_of(engine, None)
+            if processes != 1:
+                raise ValueError(
+                    f"trainer.parallelism degrees multiply to {processes} processes, but the "
+                    "SFT app trains in this one process; set them to 1 (or leave them out)"
+                )
         except (ValueError, FileNotFoundError) as e:
+            if wrote:  # a random model the engine refuses: not left for the next run to reuse
+                shutil.rmtree(config.init.hf_path, ignore_errors=True)
             sys.exit(f"config error: {e}")
     run(config)
 

@@ -245,6 +245,19 @@ class EngineConfig:
                 f"training.seq_len={self.training.seq_len} exceeds the model's maximum "
                 f"sequence length {max_seq_len} ({self.model.name} {self.model.flavor})"
             )
+        tp = self.parallelism.tensor_parallel_degree
+        attention = spec.model.layers[0].attention
+        heads = {
+            "n_heads": attention.n_heads, "n_kv_heads": attention.n_kv_heads or attention.n_heads
+        }
+        for field, count in heads.items():
+            if tp > 1 and count % tp:
+                raise ValueError(
+                    f"parallelism.tensor_parallel_degree={tp} must divide the model's "
+                    f"{field}={count} ({self.model.name} {self.model.flavor}: n_heads="
+                    f"{heads['n_heads']}, n_kv_heads={heads['n_kv_heads']}); tensor parallelism "
+                    "splits attention by heads"
+                )
         if self.pp_degree > 1:
             _validate_pipeline_config(self, spec)
         if not torch.cuda.is_available() and self.model.attn_backend != "sdpa":
