@@ -114,6 +114,8 @@ def _describe(error: Exception) -> str:
         if dataclasses.is_dataclass(hint):
             fields = ", ".join(f.name for f in dataclasses.fields(hint))
             return f"{error.value!r} must be a mapping with keys among: {fields}"
+        if error.value is None:  # `key=` or `key: null`
+            return f"empty (null), but it needs a {expected} value"
         return f"{error.value!r} is not a valid {expected}"
     if isinstance(error, dacite.MissingValueError):
         return "is required"

@@ -160,6 +160,8 @@ def test_wrong_types_and_values_name_the_field():
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match="loop.steps"):
         load_config(path, ["loop.steps=many"], check_model=False)
+    with pytest.raises(ValueError, match=r"model.hf_path: empty \(null\), but it needs a str"):
+        load_config(path, ["model.hf_path="], check_model=False)  # was "None is not a valid str"
     with pytest.raises(ValueError, match="loop.max_policy_age=-1"):
         LoopConfig(steps=3, max_policy_age=-1)
     with pytest.raises(ValueError, match="eval.stop_at_accuracy needs eval.every"):
