@@ -26,6 +26,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "vocab.json", "merges.txt",
 )
+# Copied with the tokenizer: the end ids a checkpoint declares there (Qwen3 and Llama-3
+# instruct models list two; config.json names one) and its sampling defaults.
+GENERATION_CONFIG = "generation_config.json"
 
 
 def is_hf_checkpoint(directory: str | Path) -> bool:
@@ -75,7 +78,8 @@ def save_hf_checkpoint(
         state_dict: HF-layout tensors (``model.embed_tokens.weight``, ...); DTensors are
             gathered with ``full_tensor()`` (a collective under data/tensor parallelism).
         config: ``config.json`` contents (see :func:`hf_config_dict`).
-        tokenizer_from: a folder whose tokenizer files (:data:`TOKENIZER_FILES`) are copied.
+        tokenizer_from: a folder whose tokenizer files (:data:`TOKENIZER_FILES`) and
+            ``generation_config.json`` are copied (the checkpoint training started from).
 
     Returns:
         ``directory`` as a Path.
@@ -93,7 +97,7 @@ def save_hf_checkpoint(
         with open(tmp / "config.json", "w") as f:
             json.dump(dict(config), f, indent=2, sort_keys=True)
         if tokenizer_from is not None:
-            for name in TOKENIZER_FILES:
+            for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
                 source = Path(tokenizer_from) / name
                 if source.is_file():
                     shutil.copy2(source, tmp / name)

@@ -3,9 +3,13 @@ the policy's (a full forward of the unpadded sequence gives the same), responses
 first of the checkpoint's stop ids, seeds reproduce samples, loaded weights are the weights
 it samples with. (The vLLM backend: tests/test_vllm.py.)"""
 
+import json
+import os
+
 import pytest
 import torch
 from conftest import random_state_dict
+from safetensors.torch import load_file
 
 from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from apps.grpo.tokenizer import CheckpointTokenizer
@@ -30,6 +34,19 @@ def checkpoint(tmp_path_factory):
     weights = random_state_dict(sampler.model.state_dict(), seed=3, std=0.3)
     path = save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH), tokenizer_from=init)
     return str(path)
+
+
+def test_a_saved_checkpoint_keeps_the_end_ids_of_the_one_it_started_from(checkpoint, tmp_path):
+    """generation_config.json declares the end ids (two for Qwen3, one in config.json): an
+    SFT export that dropped it made GRPO stop at one of them only."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    saved = save_hf_checkpoint(
+        tmp_path / "saved", weights, hf_config_dict("qwen3", ARCH), tokenizer_from=source
+    )
+    assert stop_token_ids(saved, tokenizer_eos_id=None) == (7, 9)
 
 
 @pytest.fixture(scope="module")
