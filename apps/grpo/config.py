@@ -29,7 +29,7 @@ from typing import Any
 from apps.grpo.task import AdditionTask
 from forge_ext.actors.generator import GeneratorConfig
 from forge_ext.actors.reference import data_parallel_size
-from forge_ext.actors.trainer import world_size_of
+from forge_ext.actors.trainer import check_weights_transport, world_size_of
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.losses.grpo import GRPOLoss
@@ -184,12 +184,7 @@ class GRPOConfig:
                 "directory"
             )
         engines = self._engines()
-        if engines["trainer"].pp_degree > 1 and self.weights.transport != "dcp":
-            raise ValueError(
-                f"weights.transport={self.weights.transport!r} needs the same tensors on every "
-                "trainer rank, but pipeline stages hold different ones; use weights.transport="
-                "dcp with trainer.parallelism.pipeline_parallel_degree > 1"
-            )
+        check_weights_transport(engines["trainer"], self.weights)
         processes = self.processes(engines)
         self.hosts.layout(processes)
         for name, engine in engines.items():

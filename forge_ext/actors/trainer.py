@@ -390,6 +390,18 @@ def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
     return num_procs
 
 
+def check_weights_transport(config: EngineConfig, weights: WeightsConfig) -> None:
+    """Raise ValueError if the trainer cannot publish its weights through
+    ``weights.transport``: ``direct`` needs the same tensors on every rank, which pipeline
+    stages do not hold."""
+    if config.pp_degree > 1 and weights.transport != "dcp":
+        raise ValueError(
+            f"weights.transport={weights.transport!r} needs the same tensors on every trainer "
+            "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
+            "parallelism.pipeline_parallel_degree > 1"
+        )
+
+
 async def spawn_trainer(
     trainer: dict[str, Any],
     loss: dict[str, Any] | None = None,
@@ -424,12 +436,8 @@ async def spawn_trainer(
         weights_config = WeightsConfig(**(weights or {}))
     except TypeError as e:
         raise ValueError(f"weights: {e}") from None
-    if config.pp_degree > 1 and weights and weights_config.transport != "dcp":
-        raise ValueError(
-            f"weights.transport={weights_config.transport!r} needs the same tensors on every "
-            "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
-            "parallelism.pipeline_parallel_degree > 1"
-        )
+    if weights:
+        check_weights_transport(config, weights_config)
     n = world_size_of(config, num_procs)
     if spawn_procs is None:
         procs = this_host().spawn_procs(per_host={"procs": n}, name=name)
