@@ -165,7 +165,7 @@ async def fetch_commit_record(
     try:
         record = await ts.get(key, store_name=store_name)
     except Exception as e:  # noqa: BLE001 - re-raised unless the key is missing
-        if not _missing_key(e):
+        if not missing_key(e):
             raise
         committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)
         raise WeightsVersionNotFoundError(version, key_prefix, committed) from None
@@ -174,9 +174,9 @@ async def fetch_commit_record(
     return record
 
 
-def _missing_key(error: BaseException) -> bool:
-    """Whether a torchstore ``get`` failed because the key is not there: torchstore raises
-    KeyError for a key its controller does not index; a key deleted between the controller's
+def missing_key(error: BaseException) -> bool:
+    """Whether a torchstore ``get`` or ``delete`` failed because the key is not there:
+    torchstore raises KeyError for a key its controller does not index; a key deleted between the controller's
     lookup and the storage volume's read (a version retired while a reader fetches it) comes
     back as Monarch's ``ActorError`` wrapping the volume's KeyError."""
     return isinstance(error, KeyError) or isinstance(getattr(error, "exception", None), KeyError)
@@ -427,7 +427,7 @@ async def _fetch_direct(
             try:
                 chunk = chunk_tensor(await ts.get(key, store_name=store_name))
             except Exception as e:  # noqa: BLE001 - re-raised unless the chunk is missing
-                if not _missing_key(e):
+                if not missing_key(e):
                     raise
                 # Retired (commit record first, then chunks) while this fetch read it.
                 committed = await committed_versions(key_prefix=key_prefix, store_name=store_name)

@@ -95,9 +95,9 @@ from forge_ext.weights.fetch import (
     FORMAT,
     Piece,
     align,
-    _missing_key,
     chunk_key,
     commit_key,
+    missing_key,
 )
 
 torchstore_monarch.apply()
@@ -752,7 +752,7 @@ class WeightsPublisher:
             try:
                 await ts.delete(key, store_name=self.store_name)
             except Exception as e:  # noqa: BLE001
-                if not _missing_key(e):
+                if not missing_key(e):
                     logger.warning("could not delete %s: %s: %s", key, type(e).__name__, e)
 
         await asyncio.gather(*(delete(key) for key in keys))

@@ -40,8 +40,8 @@ afterwards that it was overwritten.
 
 Lifetime: rank 0 unlinks its slots in :meth:`SlotRing.close` (``WeightsPublisher.close``, the
 trainer's ``cleanup``, interpreter exit). Slots of a publisher that was killed are removed by
-the next publisher's first allocation (:func:`forge_ext.weights.shm_files.remove_orphans`)
-and by ``make clean``.
+the next publisher's first publish, whatever its transport
+(:func:`forge_ext.weights.shm_files.remove_orphans`), and by ``make clean``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ from forge_ext.weights.shm_files import (
     check_free_space,
     check_tag,
     new_name,
-    remove_orphans,
 )
 
 # The header: int64 [MAGIC, stamp]; tensors start after one page.
@@ -236,8 +235,7 @@ class SlotRing:
 
     def _create(self, size: int, replacing: Slot | None) -> MappedFile:
         if not self._registered:
-            # First allocation of this publisher: clear what crashed publishers left.
-            remove_orphans(self.directory)
+            # What crashed publishers left was removed by WeightsPublisher's first publish.
             atexit.register(self.close)
             self._registered = True
         # Check for every slot still to be made, so that a too-small /dev/shm fails at the
