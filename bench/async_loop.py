@@ -68,7 +68,7 @@ class QuietApp(GRPOApp):
 
 def random_checkpoint(folder: Path) -> str:
     """A random HF checkpoint with the warm-start's architecture and tokenizer."""
-    from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+    from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
     from forge_ext.config import load_yaml
     from forge_ext.hf_checkpoint import init_hf_checkpoint
 

@@ -35,7 +35,8 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
 
     Args:
         path: the YAML file. A top-level ``base: <file>`` (relative to it) names a config it
-            extends: the base is loaded first and this file merged over it.
+            extends: the base is loaded first and this file merged over it. A section whose
+            ``source`` changes (``task.source``) is replaced, not merged (:func:`_merge`).
         overrides: dotted ``key=value`` strings (OmegaConf dotlist syntax, values parsed as
             YAML: ``loop.steps=5``, ``model.hf_path=/ckpt/Qwen3-0.6B``, ``reference=null``).
 
@@ -51,7 +52,7 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
         if "=" not in item:
             raise ValueError(f"override {item!r} must be key=value, e.g. loop.steps=5")
     try:
-        config = OmegaConf.merge(_load_with_base(Path(path)), OmegaConf.from_dotlist(list(overrides)))
+        config = _merge(_load_with_base(Path(path)), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(config, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError) as e:  # YAML syntax: a file or an override
         raise ValueError(f"{path}: {e}") from None
@@ -68,7 +69,21 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     base = config.pop("base", None)
     if base is None:
         return config
-    return OmegaConf.merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
+    return _merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
+
+
+def _merge(base, update):
+    """``OmegaConf.merge(base, update)``, except that a top-level section whose ``source``
+    the update changes (``task.source=dataset`` over the demo's addition task) replaces the
+    base's section instead of merging into it: the other source's fields mean nothing to
+    the new one."""
+    for key in list(update.keys()) if OmegaConf.is_dict(update) else []:
+        new, old = update.get(key), base.get(key) if OmegaConf.is_dict(base) else None
+        if (OmegaConf.is_dict(new) and OmegaConf.is_dict(old) and "source" in new
+                and new.get("source") != old.get("source", "addition" if key == "task" else None)):
+            base = OmegaConf.merge(base, {})  # a copy; the caller's object stays as it was
+            base.pop(key)
+    return OmegaConf.merge(base, update)
 
 
 def parse_cli(argv: Sequence[str] | None = None, description: str = "") -> tuple[str, list[str]]:

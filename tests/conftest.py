@@ -52,7 +52,7 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     """Largest ``|trainer log-prob - generator log-prob|`` over the sampled tokens of
     ``episodes`` (GRPO ``Episode``s), the trainer's from a forward pass of the packed batch
     (``RLTrainer.forward(..., output="logprobs")``)."""
-    from apps.grpo.episode import pack_episodes
+    from forge_ext.episode import pack_episodes
 
     packed = pack_episodes(episodes, pad_id=pad_id)
     logprobs = await trainer.forward(
@@ -60,6 +60,23 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     )
     valid = packed["labels"] != -100
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    """An HF checkpoint shaped like the demo's warm-start (architecture of sft_cpu_demo.yaml)."""
+    from forge_ext.tasks.tokenizer import VOCAB_SIZE, save_tokenizer
+    from forge_ext.hf_checkpoint import init_hf_checkpoint
+
+    from pathlib import Path
+
+    from forge_ext.config import load_yaml
+
+    sft = load_yaml(Path(__file__).resolve().parent.parent / "configs" / "sft_cpu_demo.yaml")
+    root = tmp_path_factory.mktemp("demo")
+    save_tokenizer(root / "tok")
+    fields = {"vocab_size": VOCAB_SIZE, "eos_token_id": 2, **sft["init"]["architecture"]}
+    return str(init_hf_checkpoint(root / "ckpt", "qwen3", fields, seed=0, tokenizer_from=root / "tok"))
 
 
 async def spawn_all(*spawns):
@@ -111,3 +128,37 @@ def mesh_failures():
 
     monarch.actor.unhandled_fault_hook = record_sigkill
     return failures
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_chat_tokenizer(directory, corpus=None):
+    """A byte-level BPE tokenizer trained here with ``tokenizers`` (a few hundred ids) plus a
+    ChatML chat template, saved with ``save_pretrained`` into ``directory``: ``<|im_end|>``
+    ends a turn (its ``eos_token``), ``<|endoftext|>`` pads. Returns the transformers
+    tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = corpus or [
+        "What is 12 plus 30? The answer is 42.", "You are a helpful assistant.",
+        "system user assistant", "Compute 7 times 6 and reply with the number only.",
+    ] * 20
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    ))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(directory)
+    return fast

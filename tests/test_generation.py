@@ -11,8 +11,8 @@ import torch
 from conftest import random_state_dict
 from safetensors.torch import load_file
 
-from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
-from apps.grpo.tokenizer import CheckpointTokenizer
+from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.generation import HFSampler, SamplingConfig, make_completion, stop_token_ids
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 

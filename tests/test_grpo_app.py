@@ -28,7 +28,7 @@ from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
-from apps.grpo.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -197,14 +197,14 @@ async def test_three_steps_advance_the_policy_and_sample_with_the_pushed_version
         assert rows[step]["generator_version"] == step - 1
 
 
-# The task's vocabulary as its tokenizer documents it (apps/grpo/tokenizer.py): written out
+# The task's vocabulary as its tokenizer documents it (forge_ext/tasks/tokenizer.py): written out
 # here so that re-scoring does not go through the app's tokenizer or scorer.
 SPECIAL_IDS = {0: "<pad>", 1: "<bos>", 2: "<eos>", 3: "<unk>"}
 CHAR_OF_ID = {**SPECIAL_IDS, **{4 + d: str(d) for d in range(10)}, 14: "+", 15: "="}
 
 
 def reference_reward(a: int, b: int, response_ids: list[int], partial_credit: float) -> float:
-    """The reward rules of apps/grpo/task.py for the demo's reversed answers: 1 for the
+    """The reward rules of forge_ext/tasks/addition.py for the demo's reversed answers: 1 for the
     digits of a + b least significant first then <eos>; partial credit for other digits then
     <eos>; 0 otherwise (no <eos>, empty, any other token)."""
     if 2 not in response_ids:
@@ -216,7 +216,7 @@ def reference_reward(a: int, b: int, response_ids: list[int], partial_credit: fl
 
 
 async def test_answer_text_is_the_decoded_text_before_the_first_eos(tmp_path):
-    from apps.grpo.tokenizer import CheckpointTokenizer
+    from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
     save_tokenizer(tmp_path)
     tok = CheckpointTokenizer(tmp_path)
@@ -234,16 +234,16 @@ async def test_answer_text_is_the_decoded_text_before_the_first_eos(tmp_path):
 
 async def test_logged_reward_is_the_reward_of_those_rollouts(crashed_run):
     app, output_dir, _ = crashed_run
-    assert app.config.task.reverse_answer  # what reference_reward scores
+    assert app.config.task["reverse_answer"]  # what reference_reward scores
     rows = {r["step"]: r for r in history(output_dir) if "loss" in r}
     group = app.config.grpo.group_size
-    partial = app.config.task.partial_credit
+    partial = app.config.task["partial_credit"]
     for step in (1, 2, 3):
         _, rollouts = app.rollouts[step - 1]
         # Re-score what the generator returned, without the app's tokenizer or scorer.
         rewards = [
-            reference_reward(rollouts.problems[i // group].a, rollouts.problems[i // group].b,
-                             list(ep.response_ids), partial)
+            reference_reward(rollouts.rows[i // group].metadata["a"],
+                             rollouts.rows[i // group].metadata["b"], list(ep.response_ids), partial)
             for i, ep in enumerate(rollouts.episodes)
         ]
         assert rows[step]["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
@@ -300,7 +300,7 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     # Same prompts and, from the restored version-3 weights, the same samples as the step the
     # crashed run was on: the data stream was fast-forwarded and the checkpoint is exact.
     _, before_crash = crashed.rollouts[3]
-    assert rollouts.problems == before_crash.problems
+    assert rollouts.rows == before_crash.rows
     assert [ep.response_ids for ep in rollouts.episodes] == [
         ep.response_ids for ep in before_crash.episodes
     ]
@@ -309,8 +309,7 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
 async def test_every_prompt_is_trained_on_exactly_once_across_the_crash_and_resume(
     crashed_run, resumed_run
 ):
-    from apps.grpo.main import PromptStream
-    from apps.grpo.task import AdditionTask
+    from forge_ext.tasks import PromptStream, build_task
 
     crashed, _, _ = crashed_run
     config = crashed.config
@@ -318,17 +317,17 @@ async def test_every_prompt_is_trained_on_exactly_once_across_the_crash_and_resu
     assert sorted(crashed.trained) == [0, 1, 2] and sorted(resumed_run.trained) == [3]
     trained = [(step, version, rollouts) for run in (crashed, resumed_run)
                for step, (version, rollouts) in run.trained.items()]
-    prompts = [p for _, _, rollouts in trained for p in rollouts.problems]
+    prompts = [p for _, _, rollouts in trained for p in rollouts.rows]
     # The stream as the app defines it: the task's training problems, reshuffled per epoch.
-    expected = PromptStream(AdditionTask(config.task).train_problems, config.seed).slice(
+    expected = PromptStream(build_task(config.task).train_rows(), config.seed).slice(
         0, config.loop.steps * config.grpo.prompts_per_step
     )
-    operands = sorted((p.a, p.b) for p in prompts)
-    assert operands == sorted((p.a, p.b) for p in expected)
+    operands = sorted((p.metadata["a"], p.metadata["b"]) for p in prompts)
+    assert operands == sorted((p.metadata["a"], p.metadata["b"]) for p in expected)
     assert len(set(operands)) == len(operands)  # so "each once" is what the equality says
     for step, version, rollouts in trained:
         assert version == step
-        assert len(rollouts.episodes) == config.grpo.group_size * len(rollouts.problems)
+        assert len(rollouts.episodes) == config.grpo.group_size * len(rollouts.rows)
         for episode in rollouts.episodes:  # every trained sample within the staleness bound
             assert 0 <= step - episode.policy_version <= config.loop.max_policy_age
 
@@ -342,7 +341,7 @@ async def test_async_with_max_policy_age_0_trains_on_the_samples_and_losses_of_s
         run_sync = sync if step < 3 else resumed["sync"]
         run_async = async_ if step < 3 else resumed["async"]
         (_, a), (_, b) = run_sync.trained[step], run_async.trained[step]
-        assert a.problems == b.problems
+        assert a.rows == b.rows
         for x, y in zip(a.episodes, b.episodes, strict=True):
             assert (x.response_ids, x.policy_version) == (y.response_ids, y.policy_version)
             assert x.generator_logprobs == y.generator_logprobs

@@ -291,7 +291,7 @@ DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.y
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from apps.grpo.tokenizer import VOCAB_SIZE, save_tokenizer
+    from forge_ext.tasks.tokenizer import VOCAB_SIZE, save_tokenizer
     from forge_ext.hf_checkpoint import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("multihost_ckpt_cfg")

@@ -116,7 +116,7 @@ async def test_rerun_resumes_from_the_last_checkpoint(killed_run, checkpoint):
     assert history(output_dir)[-1]["policy_version"] == 4
     # From the restored version-3 weights, the same prompts and samples as the killed run's
     # step 4: the checkpoint written across hosts is exact.
-    assert app.rollouts[3].problems == killed.rollouts[3].problems
+    assert app.rollouts[3].rows == killed.rollouts[3].rows
     assert [ep.response_ids for ep in app.rollouts[3].episodes] == [
         ep.response_ids for ep in killed.rollouts[3].episodes
     ]

@@ -347,7 +347,7 @@ def app_checkpoints(real_checkpoints, tmp_path_factory):
     declares the model's own end id besides the tokenizer's ``<eos>``."""
     import shutil
 
-    from apps.grpo.tokenizer import save_tokenizer
+    from forge_ext.tasks.tokenizer import save_tokenizer
 
     out = {}
     for key, (name, model_type, fields, model, path) in real_checkpoints.items():

@@ -5,9 +5,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from apps.grpo.episode import Episode, pack_episodes
-from apps.grpo.task import AdditionProblem, AdditionTask
-from apps.grpo.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
+from forge_ext.episode import Episode, pack_episodes
+from forge_ext.tasks.addition import AdditionProblem, AdditionTask
+from forge_ext.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
 from forge_ext.losses import token_logprobs
 
 # Ids written out by hand from the documented vocabulary: <pad>0 <bos>1 <eos>2 <unk>3,

@@ -4,9 +4,11 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
 
     output_dir, seed
     model:     {hf_path}                      one checkpoint for trainer, reference, generator
-    task:      AdditionTask.Config            the embedded verifiable task
+    task:      {source, ...}                  forge_ext.tasks: addition (default), dataset,
+                                              reasoning_gym, or "package.module:factory"
+    reward:    forge_ext.tasks.RewardConfig   reward functions, weights, timeout, on_error
     grpo:      {prompts_per_step, group_size}
-    prompt:    {template, chat_template}      how a problem is shown to the model
+    prompt:    forge_ext.tasks.PromptConfig   template, chat_template: how a row becomes ids
     loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef, off_policy_correction
     loop:      forge_ext.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
@@ -26,7 +28,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from apps.grpo.task import AdditionTask
 from forge_ext.actors.generator import GeneratorConfig
 from forge_ext.actors.reference import data_parallel_size
 from forge_ext.actors.trainer import check_weights_transport, world_size_of
@@ -36,6 +37,7 @@ from forge_ext.losses.grpo import GRPOLoss
 from forge_ext.loop import LoopConfig
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import HostsConfig
+from forge_ext.tasks import PromptConfig, RewardConfig, task_config
 from forge_ext.weights.publish import WeightsConfig
 
 
@@ -64,25 +66,6 @@ class GRPOSection:
     def batch_size(self) -> int:
         """Sequences trained on per step."""
         return self.prompts_per_step * self.group_size
-
-
-@dataclass(kw_only=True, slots=True)
-class PromptSection:
-    template: str = "{a}+{b}="
-    """Prompt text of a problem, formatted with its operands ``a`` and ``b`` (the default is
-    the format the warm-start learned)."""
-    chat_template: bool = False
-    """Wrap the prompt in the checkpoint tokenizer's chat template as a user turn (for
-    instruction-tuned checkpoints such as Qwen3-0.6B); answers are compared after stripping
-    surrounding white space."""
-
-    def __post_init__(self) -> None:
-        try:
-            self.template.format(a=12, b=345)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"prompt.template={self.template!r} must format with only {{a}} and {{b}}: {e}"
-            ) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,9 +122,11 @@ class GRPOConfig:
     generator: GeneratorConfig
     seed: int = 0
     """Seeds prompt order and sampling (per step, so a resumed run samples the same way)."""
-    task: AdditionTask.Config = field(default_factory=AdditionTask.Config)
+    task: dict[str, Any] = field(default_factory=lambda: {"source": "addition"})
+    """``task.source`` and that source's fields (:mod:`forge_ext.tasks`)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
-    prompt: PromptSection = field(default_factory=PromptSection)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
     loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
     reference: dict[str, Any] | None = None
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -162,6 +147,7 @@ class GRPOConfig:
         Raises:
             ValueError: naming the fields that disagree and the fix.
         """
+        task_config(self.task)  # source, fields, files, import paths; the rows load later
         if self.loss.kl_coef != 0 and self.reference is None:
             raise ValueError(
                 f"loss.kl_coef={self.loss.kl_coef} needs a reference model; set the "

@@ -7,8 +7,9 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
   ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
   null``) and the ``Generator``, spawned concurrently on their host meshes; teardown stops
   them (concurrently), then torchstore, then the hosts.
-- ``build_rollouts``: the ``grpo.prompts_per_step`` prompts of the step (by stream position),
-  ``grpo.group_size`` samples each (seeded by the step), rewards (exact answer),
+- ``build_rollouts``: the ``grpo.prompts_per_step`` task rows of the step (by stream
+  position, :class:`forge_ext.tasks.PromptStream`), ``grpo.group_size`` samples each (seeded
+  by the step), rewards from the rubric (``reward:``, :mod:`forge_ext.tasks.rubric`),
   group-normalised advantages, reference log-probs. In ``loop.mode: async`` the loop's
   rollout task calls it for the next steps while the trainer trains.
 - ``policy_versions``: the version each episode was sampled with (the loop bounds and logs
@@ -17,7 +18,8 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
   ``loop.max_policy_age``) into the trainer's ``train_step``.
 - ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
   ``Generator.update_weights(N)`` (torchstore).
-- ``evaluate``: held-out accuracy (greedy by default) through the generator.
+- ``evaluate``: held-out accuracy (greedy by default) through the generator: the rate at
+  which the rubric's accuracy function (``reward.accuracy``, default the first) scores 1.
 
 Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
 in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
@@ -32,7 +34,6 @@ import asyncio
 import functools
 import math
 import os
-import random
 import shlex
 import sys
 import time
@@ -44,9 +45,11 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
-from apps.grpo.episode import Episode, pack_episodes
-from apps.grpo.task import AdditionProblem, AdditionTask
-from apps.grpo.tokenizer import CheckpointTokenizer
+from forge_ext.episode import Episode, pack_episodes
+from forge_ext.tasks import (
+    PromptRenderer, PromptStream, Row, Rubric, Sample, Scores, build_task, resolved_task,
+)
+from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
     scoped_env,
@@ -73,40 +76,15 @@ MAY_CHANGE_ON_RESUME = (
 )
 
 
-class PromptStream:
-    """Training problems in a reshuffled order each epoch, addressed by position: the
-    prompts of step ``s`` are positions ``s * prompts_per_step`` on, whichever run, mode or
-    call order builds them, so a resumed run continues with exactly the prompts an
-    uninterrupted run would have used."""
-
-    def __init__(self, problems: list[AdditionProblem], seed: int) -> None:
-        if not problems:
-            raise ValueError("task.num_train must be >= 1 to train")
-        self.problems = problems
-        self.seed = seed
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.problems)))
-        random.Random(self.seed * 100_003 + epoch).shuffle(order)
-        return order
-
-    def slice(self, start: int, count: int) -> list[AdditionProblem]:
-        """The problems at stream positions ``start .. start + count - 1``."""
-        out = []
-        for position in range(start, start + count):
-            epoch, index = divmod(position, len(self.problems))
-            out.append(self.problems[self._order(epoch)[index]])
-        return out
-
-
 @dataclass
 class Rollouts:
     """One step's samples: ``group_size`` consecutive episodes per prompt."""
 
-    problems: list[AdditionProblem]
+    rows: list[Row]
     episodes: list[Episode]
     rewards: list[float]
     correct: list[bool]
+    scores: Scores
     generator_version: int
     seconds: dict[str, float]
 
@@ -131,24 +109,23 @@ class GRPOApp(RLLoop):
             _refuse_mode_change(config, resume_step)
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
-        record = {**asdict(config), "model_files": _file_fingerprints(config.model.hf_path)}
-        record_run_config(
-            config.output_dir, record, may_change=MAY_CHANGE_ON_RESUME,
-            check=resume_step > 0,  # with nothing to resume, start over
-        )
-        _warn_if_task_differs_from_warm_start(config)
-        self.config = config
-        self.task = AdditionTask(config.task)
+        # The task, its rubric and every prompt's ids, before anything is written or spawned:
+        # a bad data file, field, reward or template is a config error now.
+        task = build_task(config.task)
+        rubric = Rubric(config.reward, task)
         self.tok = CheckpointTokenizer(config.model.hf_path)
-        self.prompts = PromptStream(self.task.train_problems, config.seed)
-        self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
-            ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
-        )
-        self.trainer = self.reference = self.generator = None
-        self.bar = None
-        self.eval_prompts = [self.prompt_ids(p) for p in self.task.eval_problems]
-        widest = 10**config.task.max_digits - 1
-        longest = len(self.prompt_ids(AdditionProblem(widest, widest)))
+        self.render = render = PromptRenderer(self.tok, config.prompt)
+        train_rows, self.eval_rows = list(task.train_rows()), list(task.eval_rows())
+        if not self.eval_rows:
+            raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
+                             "(or task.eval_path) to at least 1")
+        longest = 0
+        for split, rows in (("training", train_rows), ("held-out", self.eval_rows)):
+            for i, row in enumerate(rows):
+                try:
+                    longest = max(longest, len(render(row)))
+                except ValueError as e:
+                    raise ValueError(f"{split} row {i}: {e}") from None
         longest += config.generator.sampling.max_new_tokens
         seq_len = config.trainer.get("training", {}).get("seq_len")
         if seq_len is not None and longest > seq_len:
@@ -156,16 +133,33 @@ class GRPOApp(RLLoop):
                 f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
                 f"generator.sampling.max_new_tokens); raise trainer.training.seq_len"
             )
+        # The record also names the checkpoint files behind model.hf_path (the reference and
+        # the generator load them): rewritten weights at the same path are another run.
+        record = {**asdict(config), "task": resolved_task(config.task),
+                  "model_files": _file_fingerprints(config.model.hf_path)}
+        record_run_config(
+            config.output_dir, record, may_change=MAY_CHANGE_ON_RESUME,
+            check=resume_step > 0,  # with nothing to resume, start over
+        )
+        _warn_if_task_differs_from_warm_start(config)
+        self.config = config
+        self.task, self.rubric = task, rubric
+        self.prompts = PromptStream(train_rows, config.seed)
+        self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
+            ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
+        )
+        self.trainer = self.reference = self.generator = None
+        self.bar = None
 
-    def prompt_ids(self, problem: AdditionProblem) -> list[int]:
-        prompt = self.config.prompt
-        text = prompt.template.format(a=problem.a, b=problem.b)
-        return self.tok.encode_prompt(text, chat_template=prompt.chat_template)
-
-    def answer(self, response_ids: list[int]) -> str | None:
-        """The answer text of a response (None without ``<eos>``)."""
-        text = self.tok.answer_text(response_ids)
-        return text.strip() if text is not None and self.config.prompt.chat_template else text
+    def score(self, rows: list[Row], completions: list[Completion], group: int = 1):
+        """Awaitable rubric :class:`Scores` of ``completions``, ``group`` consecutive ones
+        per row."""
+        samples = []
+        for i, x in enumerate(completions):
+            text, finished = self.tok.completion_text(x.response_ids)
+            samples.append(Sample(row=rows[i // group], completion=text, finished=finished,
+                                  completion_ids=x.response_ids))
+        return self.rubric.score(samples)
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
@@ -188,6 +182,10 @@ class GRPOApp(RLLoop):
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        self.write(
+            f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
+            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}"
+        )
         self.write(f"spawning actors ({', '.join(roles)}) on {where}")
         placement.start()
 
@@ -289,19 +287,19 @@ class GRPOApp(RLLoop):
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
         c, tok = self.config, self.tok
-        problems = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
+        rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
         start = time.perf_counter()
         with self.busy("generator"):
             completions: list[Completion] = await self.generator.generate(
-                [self.prompt_ids(p) for p in problems], c.grpo.group_size,
+                [self.render(row) for row in rows], c.grpo.group_size,
                 seed=c.seed * 1_000_003 + step,
             )
         seconds = {"generate": time.perf_counter() - start}
-        group = c.grpo.group_size
-        answers = [self.answer(x.response_ids) for x in completions]
-        rewards = [self.task.score_text(problems[i // group], a) for i, a in enumerate(answers)]
-        correct = [a == self.task.expected(problems[i // group]) for i, a in enumerate(answers)]
-        advantages = compute_group_advantages(torch.tensor(rewards), group).tolist()
+        start = time.perf_counter()
+        scores = await self.score(rows, completions, c.grpo.group_size)
+        seconds["reward"] = time.perf_counter() - start
+        rewards = scores.rewards
+        advantages = compute_group_advantages(torch.tensor(rewards), c.grpo.group_size).tolist()
         episodes = [
             Episode(
                 prompt_ids=x.prompt_ids, response_ids=x.response_ids,
@@ -319,7 +317,7 @@ class GRPOApp(RLLoop):
                 ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
             seconds["reference"] = time.perf_counter() - start
         return Rollouts(
-            problems=problems, episodes=episodes, rewards=rewards, correct=correct,
+            rows=rows, episodes=episodes, rewards=rewards, correct=scores.correct, scores=scores,
             generator_version=min(x.policy_version for x in completions), seconds=seconds,
         )
 
@@ -354,6 +352,8 @@ class GRPOApp(RLLoop):
             "rollout/finished": sum(ep.response_ids[-1] in self.tok.stop_ids for ep in batch)
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
+            # Each reward function's mean and its failed calls this step (the rubric's).
+            **rollouts.scores.metrics(),
             "generator_version": rollouts.generator_version,
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
@@ -376,18 +376,22 @@ class GRPOApp(RLLoop):
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
-        answers: list[str | None] = []
+        completions: list[Completion] = []
         size = c.eval.batch_size
-        for lo in range(0, len(self.eval_prompts), size):
+        for lo in range(0, len(self.eval_rows), size):
             with self.busy("generator"):
-                completions = await self.generator.generate(
-                    self.eval_prompts[lo : lo + size], 1, greedy=c.eval.greedy,
+                completions += await self.generator.generate(
+                    [self.render(row) for row in self.eval_rows[lo : lo + size]], 1,
+                    greedy=c.eval.greedy,
                     seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
                 )
-            answers += [self.answer(x.response_ids) for x in completions]
+        scores = await self.score(self.eval_rows, completions)
         return {
-            "eval/accuracy": self.task.accuracy_text(self.task.eval_problems, answers),
-            "eval/num_prompts": len(answers),
+            "eval/accuracy": sum(scores.correct) / len(scores.correct),
+            "eval/reward": sum(scores.rewards) / len(scores.rewards),
+            "eval/num_prompts": len(completions),
+            **{k.replace("reward/", "eval/reward/", 1): v
+               for k, v in scores.metrics().items()},
         }
 
     async def save_checkpoint(self, step: int) -> None:
@@ -406,6 +410,10 @@ class GRPOApp(RLLoop):
                 f"acc {m['rollout/accuracy']:.3f}",
                 f"loss {m['loss']:+.4f}",
             ]
+            failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()
+                      if k.startswith("reward/errors/") and v}
+            if failed:  # a user's reward function raised, hung or returned garbage
+                parts.append("reward errors " + ", ".join(f"{k} {v}" for k, v in failed.items()))
             if self.reference is not None:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
             if "loss/tis_weight_mean" in m:
@@ -420,7 +428,8 @@ class GRPOApp(RLLoop):
             )
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "reference", "train", "push", "fetch") if f"time/{k}" in m
+                for k in ("generate", "reward", "reference", "train", "push", "fetch")
+                if f"time/{k}" in m
             )
             parts.append(times)
             parts.append(
@@ -442,7 +451,7 @@ class GRPOApp(RLLoop):
             "plot_keys": ["reward/mean", "eval/accuracy"],
             "labels": {
                 "reward/mean": "reward (training rollouts, sampled)",
-                "eval/accuracy": f"held-out accuracy ({len(self.task.eval_problems)} prompts, {how})",
+                "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             },
             "panels": [
                 PlotPanel(
@@ -476,10 +485,14 @@ class GRPOApp(RLLoop):
         start = "warm-start" if first_step == 0 else f"step {first_step}"
         how = "greedy" if self.config.eval.greedy else "sampled"
         print(
-            f"held-out accuracy ({len(self.task.eval_problems)} prompts, {how}): {start} "
+            f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
             f"{before:.1%} | after GRPO (step {last_step}) {after:.1%} | "
             f"{100 * (after - before):+.1f} points"
         )
+        failed = {name: n for name, n in self.rubric.error_counts.items() if n}
+        if failed:
+            print("reward calls that failed and scored reward.on_error: " + ", ".join(
+                f"{name} {n}" for name, n in failed.items()) + " (reward/errors/<name> per step)")
         log_dir = self.metrics.log_dir
         if self.metrics.config.plot:
             print(f"plot: {log_dir / self.metrics.config.plot}")
@@ -542,7 +555,12 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         return
     if warm_task is None:
         return
-    changes = config_changes(warm_task, config.task, may_change=("num_eval", "partial_credit"))
+    try:
+        warm_task = resolved_task(warm_task)
+    except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
+        return
+    changes = config_changes(warm_task, resolved_task(config.task),
+                             may_change=("num_eval", "partial_credit"))
     if changes:
         print(
             f"warning: task differs from the task model.hf_path={config.model.hf_path} was "

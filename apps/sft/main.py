@@ -1,7 +1,7 @@
 """Supervised warm-start: ``python -m apps.sft.main --config configs/sft_cpu_demo.yaml [k=v ...]``.
 
-Trains a causal LM on ``prompt -> answer <eos>`` of the embedded addition task (loss on the
-answer tokens only) with the engine in this process, then writes an HF checkpoint directory
+Trains a causal LM on ``prompt -> answer <eos>`` of the ``task:`` section's rows (any source of
+:mod:`forge_ext.tasks`, the same section the GRPO app reads; loss on the answer tokens only) with the engine in this process, then writes an HF checkpoint directory
 (``config.json`` + ``model.safetensors`` + tokenizer) to ``output_dir``, evaluates it on the
 held-out prompts with greedy decoding, and exits, recording its config in
 ``<output_dir>/run_config.yaml``. With ``skip_if_exists: true`` (default) an existing
@@ -10,8 +10,12 @@ checkpoint in ``output_dir`` is kept and nothing runs, if it was written with th
 
 Starting point: ``init.hf_path``. If that directory holds no checkpoint, a randomly
 initialised ``transformers`` model with ``init.architecture`` (HF ``config.json`` fields) and
-the task's tokenizer is written there first, so the engine loads it through the same
-``flavor: hf`` path as a downloaded checkpoint.
+a character tokenizer over the task's alphabet (:meth:`forge_ext.tasks.Task.characters`) is
+written there first, so the engine loads it through the same ``flavor: hf`` path as a
+downloaded checkpoint.
+
+Accuracy (validation and held-out) is the rubric's (``reward:``): the rate at which its
+accuracy function scores 1 on greedy completions.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
-from apps.grpo.episode import Episode, pack_episodes
-from apps.grpo.task import AdditionProblem, AdditionTask
-from apps.grpo.tokenizer import VOCAB_SIZE, CheckpointTokenizer, save_tokenizer
+from forge_ext.episode import Episode, pack_episodes
+from forge_ext.tasks import (
+    PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
+    resolved_task, task_config,
+)
+from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
 )
@@ -47,8 +54,8 @@ class InitConfig:
     model_type: str = "qwen3"
     """``transformers`` model type of the random model."""
     architecture: dict[str, Any] = field(default_factory=dict)
-    """HF ``config.json`` fields of the random model; ``vocab_size`` defaults to the task
-    tokenizer's, special token ids to its ``<bos>``/``<eos>``/``<pad>``."""
+    """HF ``config.json`` fields of the random model; ``vocab_size`` defaults to the task's
+    character tokenizer's, special token ids to its ``<bos>``/``<eos>``/``<pad>``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,14 +63,15 @@ class EvalConfig:
     every: int = 0
     """Steps between validation evaluations during training (0: only the final held-out one)."""
     num_validation: int = 200
-    """Training problems whose greedy accuracy is the validation metric (the held-out set is
+    """Training rows whose greedy accuracy is the validation metric (the held-out set is
     never used to decide anything)."""
     stop_at_accuracy: float | None = None
     """Stop once the validation accuracy reaches this (needs ``every``): a warm-start that is
     partly right whatever the seed or the machine's numerics, rather than after a fixed number
     of steps (addition is learnt abruptly, at a step that varies with the seed)."""
     max_new_tokens: int | None = None
-    """Longest greedy answer; default: the task's longest correct answer."""
+    """Longest greedy answer in tokens; default: the longest reference answer's, plus its
+    end token."""
 
     def __post_init__(self) -> None:
         if self.stop_at_accuracy is not None and not self.every:
@@ -87,8 +95,12 @@ class SFTConfig:
     skip_if_exists: bool = True
     """Keep an existing checkpoint in ``output_dir`` and do nothing."""
     seed: int = 0
-    """Seeds the random init and the order of training problems."""
-    task: AdditionTask.Config = field(default_factory=AdditionTask.Config)
+    """Seeds the random init and the order of training rows."""
+    task: dict[str, Any] = field(default_factory=lambda: {"source": "addition"})
+    """``task.source`` and that source's fields (:mod:`forge_ext.tasks`), as in the GRPO app."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How completions are scored for the accuracy metric (as in the GRPO app)."""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -107,22 +119,28 @@ def kept_checkpoint(config: SFTConfig) -> bool:
         return False
     if (out / RUN_CONFIG_FILE).exists():  # a checkpoint without one predates the records
         record_run_config(
-            out, config, may_change=MAY_CHANGE_ON_SKIP, rerun="keeps the checkpoint there"
+            out, run_record(config), may_change=MAY_CHANGE_ON_SKIP,
+            rerun="keeps the checkpoint there",
         )
     return True
 
 
-def ensure_init_checkpoint(config: SFTConfig) -> bool:
-    """Write a random model (and the task tokenizer) to ``init.hf_path`` unless a checkpoint
-    is there already; returns whether it wrote one."""
+def run_record(config: SFTConfig) -> dict[str, Any]:
+    """What ``run_config.yaml`` records: the config, its task with every default filled."""
+    return {**asdict(config), "task": resolved_task(config.task)}
+
+
+def ensure_init_checkpoint(config: SFTConfig, task: Task) -> bool:
+    """Write a random model (and a character tokenizer over the task's alphabet) to
+    ``init.hf_path`` unless a checkpoint is there already; returns whether it wrote one."""
     path = Path(config.init.hf_path)
     if is_hf_checkpoint(path):
         return False
     with tempfile.TemporaryDirectory() as tokenizer_dir:
-        save_tokenizer(tokenizer_dir)
+        save_tokenizer(tokenizer_dir, task.characters())
         tok = CheckpointTokenizer(tokenizer_dir)
         fields = {
-            "vocab_size": VOCAB_SIZE,
+            "vocab_size": len(tok.tokenizer),
             "bos_token_id": tok.tokenizer.bos_token_id,
             "eos_token_id": tok.eos_id,
             "pad_token_id": tok.pad_id,
@@ -135,34 +153,40 @@ def ensure_init_checkpoint(config: SFTConfig) -> bool:
 
 
 def sft_batch(
-    problems: list[AdditionProblem], task: AdditionTask, tok: CheckpointTokenizer
+    rows: list[Row], render: PromptRenderer, tok: CheckpointTokenizer
 ) -> dict[str, Any]:
     """``input_ids``/``labels`` ``[B, S]`` for ``prompt answer <eos>`` rows, labels only on the
-    answer and ``<eos>`` (the same alignment GRPO trains on, see :mod:`apps.grpo.episode`)."""
-    rows = []
-    for problem in problems:
-        answer = tok.encode_answer(task.expected(problem))
-        rows.append(Episode(
-            prompt_ids=tok.encode_prompt(problem.prompt), response_ids=answer,
+    answer and ``<eos>`` (the same alignment GRPO trains on, see :mod:`forge_ext.episode`)."""
+    episodes = []
+    for row in rows:
+        answer = tok.encode_answer(row.answer)
+        episodes.append(Episode(
+            prompt_ids=render(row), response_ids=answer,
             generator_logprobs=[0.0] * len(answer), advantage=0.0, policy_version=0,
         ))
-    packed = pack_episodes(rows, pad_id=tok.pad_id)
+    packed = pack_episodes(episodes, pad_id=tok.pad_id)
     return {"input_ids": packed["input_ids"], "labels": packed["labels"]}
 
 
 def greedy_accuracy(
-    sampler: HFSampler, task: AdditionTask, problems: list[AdditionProblem],
+    sampler: HFSampler, rubric: Rubric, rows: list[Row], render: PromptRenderer,
     tok: CheckpointTokenizer, max_new_tokens: int,
 ) -> float:
-    """Greedy accuracy on ``problems``, in [0, 1]."""
+    """Greedy accuracy on ``rows`` (the rubric's, module docstring), in [0, 1]."""
     completions = sampler.generate(
-        [tok.encode_prompt(p.prompt) for p in problems], 1,
-        SamplingConfig(max_new_tokens=max_new_tokens), greedy=True,
+        [render(row) for row in rows], 1, SamplingConfig(max_new_tokens=max_new_tokens),
+        greedy=True,
     )
-    return task.accuracy_text(problems, [tok.answer_text(c.response_ids) for c in completions])
+    samples = []
+    for row, c in zip(rows, completions, strict=True):
+        text, finished = tok.completion_text(c.response_ids)
+        samples.append(Sample(row=row, completion=text, finished=finished,
+                              completion_ids=c.response_ids))
+    correct = rubric.score_sync(samples).correct
+    return sum(correct) / len(correct)
 
 
-def run(config: SFTConfig) -> float | None:
+def run(config: SFTConfig, task: Task | None = None) -> float | None:
     """Train (until ``trainer.training.steps`` or ``eval.stop_at_accuracy``), save and
     evaluate on the held-out problems (see the module docstring).
 
@@ -179,11 +203,18 @@ def run(config: SFTConfig) -> float | None:
         print(f"warm-start: checkpoint {out} exists, skipping (skip_if_exists=false retrains)")
         return None
     apply_env(config.env)
-    task = AdditionTask(config.task)
-    ensure_init_checkpoint(config)
+    task = task or build_task(config.task)
+    rubric = Rubric(config.reward, task)
+    train_rows, eval_rows = list(task.train_rows()), list(task.eval_rows())
+    if not eval_rows:
+        raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval")
+    ensure_init_checkpoint(config, task)
     engine_config = engine_config_from_mapping(config.trainer)
     tok = CheckpointTokenizer(config.init.hf_path)
-    max_new_tokens = config.eval.max_new_tokens or task.max_response_tokens
+    render = PromptRenderer(tok, config.prompt)
+    max_new_tokens = config.eval.max_new_tokens or max(
+        len(tok.encode_answer(row.answer)) for row in train_rows + eval_rows
+    )
     init_single_process_env()
     engine = TitanEngine(engine_config)
     sampler = HFSampler(
@@ -193,11 +224,11 @@ def run(config: SFTConfig) -> float | None:
     if logger:
         logger.open()
 
-    validation = task.train_problems[: config.eval.num_validation]
+    validation = train_rows[: config.eval.num_validation]
 
     def validate(step: int) -> float:
         sampler.load_hf_state_dict(_full(engine.hf_state_dict()))
-        accuracy = greedy_accuracy(sampler, task, validation, tok, max_new_tokens)
+        accuracy = greedy_accuracy(sampler, rubric, validation, render, tok, max_new_tokens)
         if logger:
             logger.log(step, {"validation/accuracy": accuracy})
         return accuracy
@@ -208,7 +239,7 @@ def run(config: SFTConfig) -> float | None:
     step = 0
     bar = tqdm(range(1, steps + 1), desc="warm-start (SFT)", unit="step", file=sys.stdout)
     for step in bar:
-        batch = sft_batch([rng.choice(task.train_problems) for _ in range(batch_size)], task, tok)
+        batch = sft_batch([rng.choice(train_rows) for _ in range(batch_size)], render, tok)
         metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         if logger:
@@ -224,17 +255,17 @@ def run(config: SFTConfig) -> float | None:
 
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
     save_hf_checkpoint(out, engine.hf_state_dict(), hf_config, tokenizer_from=config.init.hf_path)
-    record_run_config(out, config, check=False)  # what wrote this checkpoint
+    record_run_config(out, run_record(config), check=False)  # what wrote this checkpoint
     # Evaluate the checkpoint as written, through the path the GRPO app loads it by.
     saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
-    accuracy = greedy_accuracy(saved, task, task.eval_problems, tok, max_new_tokens)
+    accuracy = greedy_accuracy(saved, rubric, eval_rows, render, tok, max_new_tokens)
     if logger:
         logger.log(step, {"eval/accuracy": accuracy})
         logger.close(plot_keys=["validation/accuracy", "eval/accuracy"], title="warm-start")
     engine.close()
     print(
         f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
-        f"{accuracy:.1%} on {len(task.eval_problems)} prompts (greedy); checkpoint {out}"
+        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); checkpoint {out}"
     )
     return accuracy
 
@@ -247,15 +278,22 @@ def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0])
     try:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
+        task_config(config.task)  # source, fields, files, import paths
         kept = kept_checkpoint(config)  # a kept checkpoint must come from the same config
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
+    task = None
     if not kept:
         from forge_ext.actors.trainer import world_size_of
         from forge_ext.engine import engine_config_from_mapping
 
         apply_env(config.env)
-        wrote = ensure_init_checkpoint(config)  # the trainer: section reads its config.json
+        try:
+            task = build_task(config.task)
+            Rubric(config.reward, task)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"config error: {e}")
+        wrote = ensure_init_checkpoint(config, task)  # the trainer: section reads its config.json
         try:
             engine = engine_config_from_mapping(config.trainer)
             processes = world_size_of(engine, None)
@@ -268,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             if wrote:  # a random model the engine refuses: not left for the next run to reuse
                 shutil.rmtree(config.init.hf_path, ignore_errors=True)
             sys.exit(f"config error: {e}")
-    run(config)
+    run(config, task)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
-"""Multi-digit addition as a verifiable RL task, generated in-process (no dataset download).
+"""Multi-digit addition as a verifiable RL task, generated in-process (no dataset download):
+the ``addition`` source of :mod:`forge_ext.tasks` (the default, and the CPU demo's task).
 
 A problem is two operands drawn uniformly from ``[0, 10**max_digits)``. Prompt text is
 ``"{a}+{b}="`` (e.g. ``"12+345="``), which the tokenizer encodes as ``<bos>`` followed by one
 token per character; the expected response is the decimal sum without leading zeros followed
-by ``<eos>`` (e.g. ``"357"`` then ``<eos>``). See :mod:`apps.grpo.tokenizer` for the ids.
+by ``<eos>`` (e.g. ``"357"`` then ``<eos>``). See :mod:`forge_ext.tasks.tokenizer` for the ids.
 
 Reward (:meth:`AdditionTask.reward`): ``1.0`` if the response up to its first ``<eos>`` is
 exactly the sum; ``partial_credit`` (default ``0.0``, off) if it is a wrong but well-formed
 number (one or more digits) followed by ``<eos>``; otherwise ``0.0`` (no ``<eos>``, empty
 answer, any non-digit token). Tokens after the first ``<eos>`` are ignored (the generator
 stops there).
+
+As a :class:`~forge_ext.tasks.base.Task`: rows have the prompt text, the expected answer
+(reversed with ``reverse_answer``) and ``metadata = {"a": a, "b": b}``; the task's reward
+function ``addition`` is :meth:`AdditionTask.score_text` of the completion (``None`` when
+the response has no end token), after stripping surrounding white space.
 
 Splits: the held-out set and the training set are disjoint even up to commutativity (no
 ``a+b`` in one split when ``a+b`` or ``b+a`` is in the other), and each unordered pair occurs
@@ -23,7 +29,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from apps.grpo.tokenizer import EOS_ID, build_tokenizer
+from forge_ext.tasks.base import Row, Task
+from forge_ext.tasks.tokenizer import CHARACTERS, EOS_ID, build_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +49,10 @@ class AdditionProblem:
         return str(self.a + self.b)
 
 
-class AdditionTask:
+class AdditionTask(Task):
     """Train/held-out addition problems plus their reward and accuracy."""
+
+    name = "addition"
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -68,6 +77,9 @@ class AdditionTask:
         carry out of the digit just written, which small transformers learn far more easily
         and more gradually than the usual order (Lee et al. 2023, "Teaching Arithmetic to Small
         Transformers", section 4)."""
+
+        def build(self) -> AdditionTask:
+            return AdditionTask(self)
 
         def __post_init__(self) -> None:
             if self.max_digits < 1:
@@ -100,6 +112,31 @@ class AdditionTask:
         )
         self.eval_problems: list[AdditionProblem] = problems[: config.num_eval]
         self.train_problems: list[AdditionProblem] = problems[config.num_eval :]
+
+    # ---- the Task interface ---------------------------------------------------------------
+    def _row(self, problem: AdditionProblem) -> Row:
+        return Row(prompt=problem.prompt, answer=self.expected(problem),
+                   metadata={"a": problem.a, "b": problem.b})
+
+    def train_rows(self) -> list[Row]:
+        return [self._row(p) for p in self.train_problems]
+
+    def eval_rows(self) -> list[Row]:
+        return [self._row(p) for p in self.eval_problems]
+
+    def rewards(self) -> dict:
+        def addition(completion: str, finished: bool, row: Row) -> float:
+            problem = AdditionProblem(row.metadata["a"], row.metadata["b"])
+            return self.score_text(problem, completion.strip() if finished else None)
+
+        return {"addition": addition}
+
+    def default_rewards(self) -> list[str]:
+        return ["addition"]
+
+    def characters(self) -> str:
+        """The character tokenizer's fixed alphabet (:mod:`forge_ext.tasks.tokenizer`)."""
+        return CHARACTERS
 
     @property
     def max_prompt_tokens(self) -> int:

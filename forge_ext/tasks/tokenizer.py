@@ -1,6 +1,9 @@
-"""Character-level tokenizer for the addition task, built with HuggingFace ``tokenizers``.
+"""Character-level tokenizers (for tasks trained from a random init) and the checkpoint
+tokenizer the apps encode prompts with.
 
-Vocabulary (16 ids, fixed): ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, the digits
+A character tokenizer over an alphabet (:func:`build_tokenizer`, ``characters``) has the four
+special tokens, then one id per character, in the alphabet's order. The addition task's
+(the default alphabet, :data:`CHARACTERS`), 16 ids, fixed: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, the digits
 ``'0'..'9'`` = 4..13, ``'+'``=14, ``'='``=15. Every character is one token
 (``FixedLength(length=1)`` pre-tokenizer, ``WordLevel`` model; any other character, spaces
 included, becomes ``<unk>``). Encoding adds ``<bos>`` in front (a ``TemplateProcessing``
@@ -33,9 +36,23 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = (VOCAB[t] for t in SPECIAL_TOKENS)
 VOCAB_SIZE = len(VOCAB)
 
 
-def build_tokenizer() -> Tokenizer:
-    """The task's character-level ``tokenizers.Tokenizer`` (vocabulary in the module doc)."""
-    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token=UNK_TOKEN))
+def character_vocab(characters: str = CHARACTERS) -> dict[str, int]:
+    """``{token: id}``: the special tokens, then each character of ``characters`` in order.
+
+    Raises:
+        ValueError: ``characters`` is empty or repeats a character.
+    """
+    if not characters or len(set(characters)) != len(characters):
+        raise ValueError(
+            f"a character tokenizer needs distinct characters, got {characters!r:.80}"
+        )
+    return {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
+
+
+def build_tokenizer(characters: str = CHARACTERS) -> Tokenizer:
+    """A character-level ``tokenizers.Tokenizer`` over ``characters`` (the addition task's by
+    default; vocabulary in the module doc)."""
+    tokenizer = Tokenizer(models.WordLevel(character_vocab(characters), unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.FixedLength(length=1)
     tokenizer.decoder = decoders.Fuse()
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -45,8 +62,9 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(directory: str | Path) -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created).
+def save_tokenizer(directory: str | Path, characters: str = CHARACTERS) -> Path:
+    """Write the character tokenizer over ``characters`` as ``tokenizer.json`` and
+    ``tokenizer_config.json`` into ``directory`` (created).
 
     Returns:
         The path of ``tokenizer.json``.
@@ -54,7 +72,7 @@ def save_tokenizer(directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
+        tokenizer_object=build_tokenizer(characters),
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -88,7 +106,7 @@ class CheckpointTokenizer:
                 f"model.hf_path={str(path)!r} has no tokenizer (none of {list(TOKENIZER_FILES)}):"
                 " the apps read it from the checkpoint. Save the model's tokenizer there "
                 "(tokenizer.save_pretrained(path)), or for the demo's addition task: python -c "
-                f"\"from apps.grpo.tokenizer import save_tokenizer; save_tokenizer({str(path)!r})\""
+                f"\"from forge_ext.tasks.tokenizer import save_tokenizer; save_tokenizer({str(path)!r})\""
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         if self.tokenizer.eos_token_id is None:
@@ -100,6 +118,12 @@ class CheckpointTokenizer:
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = self.eos_id if pad is None else pad
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint's tokenizer defines a chat template (``chat_template`` in
+        ``tokenizer_config.json`` or ``chat_template.jinja``)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode_prompt(self, text: str, chat_template: bool = False) -> list[int]:
         """Prompt ids with the tokenizer's special tokens (``<bos>`` for the demo's).
 
@@ -109,9 +133,22 @@ class CheckpointTokenizer:
         """
         if not chat_template:
             return self.tokenizer(text)["input_ids"]
+        return self.encode_messages([{"role": "user", "content": text}],
+                                    {"enable_thinking": False})
+
+    def encode_messages(self, messages: list[dict[str, str]],
+                        template_kwargs: dict | None = None) -> list[int]:
+        """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` ids:
+        the conversation, then the assistant turn's opening, exactly as the template renders
+        it (``template_kwargs`` are passed to the template, e.g. ``enable_thinking``).
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        if not self.has_chat_template:
+            raise ValueError("the tokenizer has no chat_template to render chat messages with")
         ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-            enable_thinking=False,
+            messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
@@ -130,3 +167,12 @@ class CheckpointTokenizer:
             return None
         cut = response_ids[:end]
         return self.tokenizer.decode(cut, skip_special_tokens=False)
+
+    def completion_text(self, response_ids: list[int]) -> tuple[str, bool]:
+        """``(text, finished)``: the decoded text before the first stop id and True, or the
+        whole response decoded and False when it has no stop id (cut at the length limit).
+        Special tokens are kept (see :meth:`answer_text`)."""
+        text = self.answer_text(response_ids)
+        if text is not None:
+            return text, True
+        return self.tokenizer.decode(list(response_ids), skip_special_tokens=False), False

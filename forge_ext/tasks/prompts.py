@@ -1,0 +1,109 @@
+"""How a task row becomes the prompt ids the generator receives and the trainer trains on.
+
+A row's prompt is text or chat messages (:class:`~forge_ext.tasks.base.Row`). Text is first
+formatted with ``prompt.template`` (``{prompt}`` is the row's text, and every metadata field
+may be named, e.g. ``"What is {a}+{b}?"`` for the addition task). Then:
+
+- with a chat template (``prompt.chat_template: true``, or unset and the checkpoint's
+  tokenizer has one), the messages (a text prompt is one user message) go through
+  ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``;
+- without one, the text is encoded as it is (with the tokenizer's special tokens, e.g.
+  ``<bos>``); chat messages are refused, since there is no faithful way to render them.
+
+The ids are made once, here, and travel as ids: the generator gets them as a token prompt and
+the trainer trains on the same list (no decode and re-encode between the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge_ext.tasks.base import Row
+from forge_ext.tasks.tokenizer import CheckpointTokenizer
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptConfig:
+    """YAML ``prompt:`` section."""
+
+    template: str = "{prompt}"
+    """Format string of a text prompt (or of a chat prompt's last user message): ``{prompt}``
+    is the row's prompt text, other names are the row's metadata fields."""
+    chat_template: bool | None = None
+    """Render prompts with the checkpoint tokenizer's chat template (``null``: when it has
+    one). ``true`` with a tokenizer without one is a config error."""
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"enable_thinking": False}
+    )
+    """Extra arguments of ``apply_chat_template`` (Qwen3's ``enable_thinking``; templates
+    ignore names they do not use)."""
+
+
+class PromptRenderer:
+    """Rows to prompt ids for one tokenizer and ``prompt:`` section (module docstring).
+
+    Raises (on construction):
+        ValueError: ``prompt.chat_template: true`` but the tokenizer has no chat template.
+    """
+
+    def __init__(self, tok: CheckpointTokenizer, config: PromptConfig) -> None:
+        if config.chat_template and not tok.has_chat_template:
+            raise ValueError(
+                "prompt.chat_template=true but model.hf_path's tokenizer has no chat_template; "
+                "set prompt.chat_template=false or use a chat checkpoint"
+            )
+        self.tok = tok
+        self.config = config
+        self._made: dict[int, tuple[Row, list[int]]] = {}  # id(row) -> (row, ids)
+        self.chat = tok.has_chat_template if config.chat_template is None else config.chat_template
+
+    def messages(self, row: Row) -> list[dict[str, str]] | str:
+        """The row's prompt after ``prompt.template``: text, or messages.
+
+        Raises:
+            ValueError: the template names a field the row lacks.
+        """
+        def fill(text: str) -> str:
+            if self.config.template == "{prompt}":
+                return text
+            try:
+                return self.config.template.format(**{**row.metadata, "prompt": text})
+            except (KeyError, IndexError, ValueError, AttributeError) as e:
+                raise ValueError(
+                    f"prompt.template={self.config.template!r} does not format with the row "
+                    f"(prompt and fields {sorted(row.metadata)}): {e!r}"
+                ) from None
+
+        if isinstance(row.prompt, str):
+            return fill(row.prompt)
+        messages = [dict(m) for m in row.prompt]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if users:
+            messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
+        return messages
+
+    def __call__(self, row: Row) -> list[int]:
+        """The prompt ids of ``row`` (module docstring), made once per row object.
+
+        Raises:
+            ValueError: chat messages without a chat template, or a template error.
+        """
+        made = self._made.get(id(row))
+        if made is None or made[0] is not row:
+            made = self._made[id(row)] = (row, self._encode(row))
+        return made[1]
+
+    def _encode(self, row: Row) -> list[int]:
+        prompt = self.messages(row)
+        if not self.chat:
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    "the task's rows are chat messages (a list prompt, or task.system_prompt) "
+                    "but the tokenizer of model.hf_path has no chat_template (or "
+                    "prompt.chat_template=false); give text prompts or use a chat tokenizer"
+                )
+            return self.tok.encode_prompt(prompt)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        return self.tok.encode_messages(prompt, self.config.chat_template_kwargs)

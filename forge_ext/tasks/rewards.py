@@ -1,0 +1,136 @@
+"""Built-in reward functions and the lookup of a user's own by ``"package.module:function"``.
+
+Every reward function takes keyword arguments (see :data:`forge_ext.tasks.base.RewardFn`)
+and returns a number; the :class:`~forge_ext.tasks.rubric.Rubric` calls them, bounds their
+time and counts their errors. Built-ins (``reward.functions[i].fn``):
+
+- ``math_verify``: 1.0 if HF ``math-verify`` finds the completion's final answer equal to the
+  reference, else 0.0. Both sides may be GSM8K-style (``... #### 42``: the text after the last
+  ``####`` is the answer) or LaTeX (``\\boxed{42}``, ``$\\frac{1}{2}$``) or plain numbers.
+  math-verify's own timeouts use SIGALRM, which fails off the main thread (Math-Verify issues
+  #50, #55): they are turned off here, and the rubric bounds the call instead.
+- ``exact_match``: 1.0 if the completion equals the reference answer after stripping white
+  space on both, else 0.0.
+- ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` of the completion (the text
+  inside ``<answer>...</answer>`` if it has such a tag, else the stripped completion) against
+  the row's reasoning-gym entry; for rows of the ``reasoning_gym`` source.
+
+A task may bring its own (the addition task's ``addition``); those are looked up first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from typing import Any
+
+from forge_ext.tasks.base import RewardFn, Row
+
+
+def _gsm8k_final(text: str) -> str:
+    """The text after the last ``####`` (GSM8K's answer marker), or ``text`` itself."""
+    return text.rsplit("####", 1)[1].strip() if "####" in text else text
+
+
+def math_verify(completion: str, answer: str, **_: Any) -> float:
+    """1.0 if math-verify finds the completion's final answer equal to ``answer`` (module
+    docstring), else 0.0. Raises nothing of its own; math-verify errors propagate (the rubric
+    counts them)."""
+    from math_verify import parse, verify
+
+    gold = parse(_gsm8k_final(answer), parsing_timeout=None)
+    prediction = parse(_gsm8k_final(completion), parsing_timeout=None)
+    if not gold or not prediction:
+        return 0.0
+    return float(verify(gold, prediction, timeout_seconds=None))
+
+
+def exact_match(completion: str, answer: str, **_: Any) -> float:
+    """1.0 if ``completion.strip() == answer.strip()``, else 0.0."""
+    return float(completion.strip() == answer.strip())
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str:
+    """The last ``<answer>...</answer>`` content of ``completion`` (reasoning-gym's answer
+    format), stripped; the stripped completion if it has no such tag."""
+    tags = _ANSWER_TAG.findall(completion)
+    return (tags[-1] if tags else completion).strip()
+
+
+def reasoning_gym(completion: str, row: Row, **_: Any) -> float:
+    """reasoning-gym's ``score_answer(answer, entry)`` of the task the row came from (its
+    entry's ``metadata.source_dataset``), for the completion's :func:`extract_answer`.
+
+    Raises:
+        ValueError: the row is not a reasoning-gym entry.
+    """
+    entry = row.metadata
+    source = (entry.get("metadata") or {}).get("source_dataset") if isinstance(entry, dict) else None
+    if source is None:
+        raise ValueError(
+            "the reasoning_gym reward needs rows of the reasoning_gym source (an entry with "
+            "metadata.source_dataset)"
+        )
+    return float(_score_answer_fn(source)(extract_answer(completion), entry))
+
+
+@functools.lru_cache(maxsize=None)
+def _score_answer_fn(source: str):
+    import reasoning_gym as rg
+
+    return rg.get_score_answer_fn(source)  # builds a dataset object: once per task
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "math_verify": math_verify,
+    "exact_match": exact_match,
+    "reasoning_gym": reasoning_gym,
+}
+
+
+def load_object(path: str, field: str) -> Any:
+    """The object named by ``"package.module:name"`` (``name`` may be dotted: ``Class.attr``).
+
+    Raises:
+        ValueError: ``path`` has no ``:``, the module does not import, or it has no such
+            name, each naming ``field`` and the path.
+    """
+    module_name, sep, name = path.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{field}={path!r} is not a 'package.module:name' import path")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own error at import
+        raise ValueError(f"{field}={path!r}: module {module_name!r} does not import: {e!r}") from None
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{field}={path!r}: {module_name!r} has no attribute {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_reward(fn: str, task_rewards: dict[str, RewardFn], field: str) -> RewardFn:
+    """The reward function ``fn`` names: one of the task's, a built-in, or an import path.
+
+    Raises:
+        ValueError: an unknown name or an import path that does not name a callable, naming
+            ``field`` and the names accepted.
+    """
+    if fn in task_rewards:
+        return task_rewards[fn]
+    if fn in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[fn]
+    if ":" not in fn:
+        names = sorted({*task_rewards, *BUILTIN_REWARDS})
+        raise ValueError(
+            f"{field}={fn!r} is not a reward function: use one of {names} or a "
+            "'package.module:function' import path"
+        )
+    obj = load_object(fn, field)
+    if not callable(obj):
+        raise ValueError(f"{field}={fn!r} names a {type(obj).__name__}, not a callable")
+    return obj

@@ -1,0 +1,294 @@
+"""The rubric: a task's reward functions with weights, called once per completion, with a time
+bound and error accounting written once for every task.
+
+A completion's reward is ``sum_i weight_i * score_i`` over ``reward.functions`` (as TRL's
+``reward_weights`` and verifiers' ``Rubric`` do). A call that raises, runs past
+``reward.timeout_s``, or returns anything but a finite real number (a string, None, NaN, inf)
+scores ``reward.on_error`` for that function and sample, is counted in
+``reward/errors/<name>``, and the first traceback of each function is printed once (to
+stderr); the run goes on. Synchronous functions run in daemon threads, so one that never
+returns costs its sample and a thread, never the run or its exit. Logged per batch:
+``reward/<name>`` (the function's mean score), ``reward/errors/<name>``.
+
+``accuracy`` of a batch is the fraction of completions whose ``reward.accuracy`` function
+(default: the first) scored at least 1.0: exact answers, not partial credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge_ext.tasks.base import RewardFn, Row, Task
+from forge_ext.tasks.rewards import resolve_reward
+
+# Keyword arguments a reward function may ask for; the first four are always offered.
+REWARD_KWARGS = ("completion", "prompt", "answer", "row", "finished", "completion_ids")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardFunctionConfig:
+    """One entry of ``reward.functions``."""
+
+    fn: str
+    """A built-in (``math_verify``, ``exact_match``, ``reasoning_gym``), one of the task's own
+    (the addition task's ``addition``), or ``"package.module:function"``."""
+    weight: float = 1.0
+    """Its weight in the completion's reward."""
+    name: str | None = None
+    """Its metric name (``reward/<name>``); default: ``fn``'s name (after the ``:``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """YAML ``reward:`` section."""
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    """Reward functions and weights; empty: the task's default (the addition task's
+    ``addition``, reasoning-gym's ``reasoning_gym``; the dataset source has none)."""
+    timeout_s: float = 30.0
+    """Longest a single reward call may take (seconds); a slower one scores ``on_error``."""
+    on_error: float = 0.0
+    """Score of a call that raised, timed out, or returned a non-number or non-finite value."""
+    accuracy: str | None = None
+    """Name of the function whose 1.0 rate is the logged accuracy (default: the first)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
+        if not math.isfinite(self.on_error):
+            raise ValueError(f"reward.on_error={self.on_error} must be a finite number")
+
+
+@dataclass(slots=True)
+class Sample:
+    """One completion to score."""
+
+    row: Row
+    completion: str
+    """Decoded response up to (not including) its end token."""
+    finished: bool = True
+    """False when the response was cut at the length limit."""
+    completion_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Scores:
+    """A batch's scores: ``rewards[i]`` is sample i's weighted reward, ``by_function[name][i]``
+    its score from one function, ``correct[i]`` whether the accuracy function gave >= 1."""
+
+    rewards: list[float]
+    by_function: dict[str, list[float]]
+    errors: dict[str, int]
+    correct: list[bool]
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """``{prefix}/<name>`` means and ``{prefix}/errors/<name>`` counts."""
+        n = max(len(self.rewards), 1)
+        out = {f"{prefix}/{name}": sum(v) / n for name, v in self.by_function.items()}
+        out.update({f"{prefix}/errors/{name}": float(c) for name, c in self.errors.items()})
+        return out
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+class Rubric:
+    """``reward:`` resolved against a task (module docstring).
+
+    Raises (on construction), each naming the field:
+        ValueError: no functions (and the task has no default), an unknown function or one
+            that needs an argument the rubric does not pass, duplicate names, weights summing
+            to 0, an unknown ``reward.accuracy``.
+    """
+
+    def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
+        entries = config.functions or [RewardFunctionConfig(fn=f) for f in task.default_rewards()]
+        if not entries:
+            raise ValueError(
+                f"reward.functions is empty and the task ({task.name}) has no default reward; "
+                "set e.g. reward.functions=[{fn: math_verify}] or [{fn: exact_match}], or "
+                "[{fn: 'my_module:my_reward'}]"
+            )
+        task_rewards = task.rewards()
+        self.config = config
+        self.functions: dict[str, tuple[RewardFn, float, set[str] | None]] = {}
+        for i, entry in enumerate(entries):
+            where = f"reward.functions[{i}].fn"
+            fn = resolve_reward(entry.fn, task_rewards, where)
+            name = entry.name or entry.fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            if name in self.functions:
+                raise ValueError(
+                    f"reward.functions[{i}]: a second function named {name!r}; give one a name"
+                )
+            if not math.isfinite(entry.weight):
+                raise ValueError(f"reward.functions[{i}].weight={entry.weight} must be finite")
+            self.functions[name] = (fn, float(entry.weight), _accepted_kwargs(fn, where))
+        if sum(w for _, w, _ in self.functions.values()) == 0:
+            raise ValueError(
+                "reward.functions weights sum to 0: every completion would get reward 0"
+            )
+        self.accuracy_name = config.accuracy or next(iter(self.functions))
+        if self.accuracy_name not in self.functions:
+            raise ValueError(
+                f"reward.accuracy={config.accuracy!r} is not one of the reward functions "
+                f"{list(self.functions)}"
+            )
+        self.error_counts = {name: 0 for name in self.functions}
+        """Errors per function over the rubric's life."""
+        self._reported: set[str] = set()
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.functions)
+
+    async def score(self, samples: Sequence[Sample]) -> Scores:
+        """Score every sample with every function, concurrently (module docstring)."""
+        names = list(self.functions)
+        results = await asyncio.gather(*(
+            self._call(name, sample) for sample in samples for name in names
+        ))
+        by_function = {name: [] for name in names}
+        errors = {name: 0 for name in names}
+        for k, (value, failed) in enumerate(results):
+            name = names[k % len(names)]
+            by_function[name].append(value)
+            errors[name] += failed
+        rewards = [
+            sum(self.functions[n][1] * by_function[n][i] for n in names)
+            for i in range(len(samples))
+        ]
+        correct = [v >= 1.0 for v in by_function[self.accuracy_name]]
+        return Scores(rewards=rewards, by_function=by_function, errors=errors, correct=correct)
+
+    def score_sync(self, samples: Sequence[Sample]) -> Scores:
+        """:meth:`score` from synchronous code (no event loop running in this thread)."""
+        return asyncio.run(self.score(samples))
+
+    async def _call(self, name: str, sample: Sample) -> tuple[float, bool]:
+        fn, _, accepted = self.functions[name]
+        offered = {
+            "completion": sample.completion, "prompt": sample.row.prompt,
+            "answer": sample.row.answer, "row": sample.row, "finished": sample.finished,
+            "completion_ids": list(sample.completion_ids),
+        }
+        kwargs = offered if accepted is None else {k: offered[k] for k in accepted}
+        timeout = self.config.timeout_s
+        try:
+            if inspect.iscoroutinefunction(fn):
+                value = await asyncio.wait_for(fn(**kwargs), timeout)
+            else:
+                if self._slots is None:
+                    value = await asyncio.wait_for(_in_daemon_thread(fn, kwargs), timeout)
+                else:
+                    async with self._slots:
+                        value = await asyncio.wait_for(_in_daemon_thread(fn, kwargs), timeout)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, timeout)
+            return _as_reward(value), False
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a user's function: any error costs the sample)
+            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                e = RewardTimeout(f"took longer than reward.timeout_s={timeout}")
+            self.error_counts[name] += 1
+            if name not in self._reported:
+                self._reported.add(name)
+                detail = "".join(traceback.format_exception(e)).rstrip()
+                print(
+                    f"reward function {name!r} failed; its sample scores reward.on_error="
+                    f"{self.config.on_error}, and later failures are only counted "
+                    f"(reward/errors/{name}):\n{detail}",
+                    file=sys.stderr, flush=True,
+                )
+            return float(self.config.on_error), True
+
+
+def _as_reward(value: Any) -> float:
+    """``value`` as a finite float.
+
+    Raises:
+        TypeError: not a real number (a string, None, a list, a tensor of several values).
+        ValueError: NaN or infinite.
+    """
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
+    if not isinstance(value, numbers.Real):  # a one-element tensor or numpy array
+        item = getattr(value, "item", None)
+        try:
+            scalar = item() if callable(item) else None
+        except (ValueError, RuntimeError):  # more than one element
+            scalar = None
+        if not isinstance(scalar, numbers.Real):
+            raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
+        value = scalar
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be finite, got {value}")
+    return value
+
+
+def _accepted_kwargs(fn: RewardFn, field: str) -> set[str] | None:
+    """The keyword arguments to pass ``fn``: all of :data:`REWARD_KWARGS` (None) if it takes
+    ``**kwargs`` or has no inspectable signature, else those it names.
+
+    Raises:
+        ValueError: ``fn`` requires an argument the rubric does not pass.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    required = [
+        p.name for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    unknown = [n for n in required if n not in REWARD_KWARGS]
+    if unknown:
+        raise ValueError(
+            f"{field}: the reward function requires {unknown}, but reward functions are called "
+            f"with keyword arguments from {list(REWARD_KWARGS)}"
+        )
+    return {p.name for p in params if p.name in REWARD_KWARGS}
+
+
+def _in_daemon_thread(fn: RewardFn, kwargs: dict[str, Any]) -> asyncio.Future:
+    """``fn(**kwargs)`` in a daemon thread, as a future of this event loop (a daemon thread
+    that never returns does not keep the process from exiting, unlike an executor's)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out and cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(**kwargs), None
+        except BaseException as e:  # noqa: BLE001  (delivered to the awaiting task)
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while this call ran
+            pass
+
+    threading.Thread(target=run, daemon=True, name="reward").start()
+    return future

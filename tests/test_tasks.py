@@ -1,0 +1,418 @@
+"""Tasks, rewards and prompts (forge_ext.tasks) without actors: the sources' rows and splits,
+the rubric's accounting of reward functions that fail, the built-in rewards against the
+libraries they wrap, prompt ids against ``apply_chat_template``, and every pre-spawn error."""
+
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import save_chat_tokenizer
+
+from forge_ext.tasks import (
+    PromptConfig, PromptRenderer, PromptStream, RewardConfig, RewardFunctionConfig, Row, Rubric,
+    Sample, build_task, task_config,
+)
+from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def records(n):
+    return [{"question": f"What is {i} plus {i}?", "solution": f"#### {2 * i}", "level": i % 3}
+            for i in range(n)]
+
+
+# ------------------------------------------------------------------------ dataset source
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv", "disk"])
+def test_dataset_rows_from_every_format_hold_out_a_fixed_disjoint_split(tmp_path, fmt):
+    import datasets
+
+    data = records(30)
+    path = tmp_path / f"data.{fmt}"
+    table = datasets.Dataset.from_list(data)
+    if fmt == "jsonl":
+        write_jsonl(path, data)
+    elif fmt == "parquet":
+        table.to_parquet(str(path))
+    elif fmt == "csv":
+        table.to_csv(str(path), index=False)
+    else:
+        table.save_to_disk(str(path))
+    spec = {"source": "dataset", "train_path": str(path), "num_eval": 5,
+            "prompt_field": "question", "answer_field": "solution", "seed": 3}
+    task = build_task(spec)
+    train, held_out = task.train_rows(), task.eval_rows()
+    assert len(train) == 25 and len(held_out) == 5
+    assert {r.prompt for r in train}.isdisjoint({r.prompt for r in held_out})
+    assert {r.prompt for r in train} | {r.prompt for r in held_out} == {d["question"] for d in data}
+    by_prompt = {d["question"]: d for d in data}
+    for row in train + held_out:
+        assert row.answer == by_prompt[row.prompt]["solution"]
+        assert row.metadata["level"] == by_prompt[row.prompt]["level"]  # every column kept
+    # Fixed by the seed; another seed holds out other rows.
+    assert build_task(spec).eval_rows() == held_out
+    assert build_task({**spec, "seed": 4}).eval_rows() != held_out
+
+
+def test_dataset_eval_path_messages_system_prompt_and_numeric_answers(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [
+        {"messages": [{"role": "user", "content": "2+2?"}], "answer": 4},
+        {"messages": [{"role": "user", "content": "3+3?"}], "answer": 6.5},
+    ])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [
+        {"messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1)}
+        for i in range(4)
+    ])
+    task = build_task({"source": "dataset", "train_path": train, "eval_path": held_out,
+                       "num_eval": 3, "prompt_field": "messages", "system_prompt": "Be brief."})
+    assert [r.answer for r in task.train_rows()] == ["4", "6.5"]
+    assert [r.answer for r in task.eval_rows()] == ["1", "2", "3"]  # the first num_eval
+    assert task.train_rows()[0].prompt == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}
+    ]
+
+
+def test_the_task_rows_are_the_same_in_a_fresh_process(tmp_path):
+    """What a resumed run relies on: every source builds the same rows in the same order in
+    another process (no dependence on hash seeds, set order or the clock)."""
+    data = write_jsonl(tmp_path / "d.jsonl", records(40))
+    specs = [
+        {"source": "addition", "max_digits": 2, "num_train": 50, "num_eval": 10},
+        {"source": "dataset", "train_path": data, "num_eval": 7, "prompt_field": "question",
+         "answer_field": "solution"},
+        {"source": "reasoning_gym", "name": "chain_sum", "num_train": 30, "num_eval": 10,
+         "config": {"max_terms": 3, "max_digits": 1}},
+    ]
+    script = textwrap.dedent(f"""
+        import json, sys
+        from forge_ext.tasks import build_task, PromptStream
+        out = []
+        for spec in {specs!r}:
+            task = build_task(spec)
+            stream = PromptStream(task.train_rows(), seed=5).slice(0, 70)
+            out.append([[r.text, r.answer] for r in list(task.eval_rows()) + stream])
+        json.dump(out, sys.stdout)
+    """)
+    runs = [json.loads(subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONHASHSEED": str(seed)},
+    ).stdout) for seed in (1, 2)]
+    assert runs[0] == runs[1]
+    here = []
+    for spec in specs:
+        task = build_task(spec)
+        stream = PromptStream(task.train_rows(), seed=5).slice(0, 70)
+        here.append([[r.text, r.answer] for r in list(task.eval_rows()) + stream])
+    assert here == runs[0]
+
+
+def test_prompt_stream_covers_each_row_once_per_epoch():
+    rows = [Row(prompt=str(i), answer="") for i in range(7)]
+    stream = PromptStream(rows, seed=1)
+    first, second = stream.slice(0, 7), stream.slice(7, 7)
+    assert sorted(r.prompt for r in first) == sorted(r.prompt for r in second) == [
+        str(i) for i in range(7)
+    ]
+    assert first != second  # reshuffled per epoch
+    assert stream.slice(3, 6) == first[3:] + second[:2]  # addressed by position
+
+
+# ------------------------------------------------------------------- reasoning-gym source
+def test_reasoning_gym_rows_are_disjoint_and_scored_by_its_own_score_answer():
+    import reasoning_gym
+
+    task = build_task({"source": "reasoning_gym", "name": "chain_sum", "num_train": 60,
+                       "num_eval": 20, "seed": 7, "config": {"max_terms": 2, "max_digits": 1}})
+    train, held_out = task.train_rows(), task.eval_rows()
+    assert len(train) == 60 and len(held_out) == 20
+    assert {r.prompt for r in train}.isdisjoint({r.prompt for r in held_out})
+    rubric = Rubric(RewardConfig(), task)  # the task's default: its own scorer
+    assert rubric.names == ["reasoning_gym"]
+    dataset = reasoning_gym.create_dataset("chain_sum", seed=7, size=10, max_terms=2,
+                                           max_digits=1)
+    samples = [
+        Sample(row=r, completion=c) for r in held_out[:5]
+        for c in ["", "0", "-3", r.answer, f" {r.answer} ", f"<answer>{r.answer}</answer>", "x"]
+    ]
+    scores = rubric.score_sync(samples)
+    for sample, value in zip(samples, scores.rewards):
+        entry = sample.row.metadata
+        answer = sample.completion
+        if "<answer>" in answer:
+            answer = answer.split("<answer>")[1].split("</answer>")[0]
+        expected = dataset.score_answer(answer.strip(), entry)
+        assert value == expected, (sample.completion, entry["answer"])
+    assert any(scores.rewards) and not all(scores.rewards)
+
+
+# ------------------------------------------------------------------------------- rubric
+RAISED = []
+
+
+def _sync_reward(completion, answer):
+    return float(completion == answer)
+
+
+async def _async_reward(completion, row):
+    await asyncio.sleep(0)
+    return 0.5 if row.answer in completion else 0.0
+
+
+def _raises(completion):
+    RAISED.append(completion)
+    raise RuntimeError("boom")
+
+
+def _hangs(completion):
+    time.sleep(30)
+    return 1.0
+
+
+async def _hangs_async(completion):
+    await asyncio.sleep(30)
+    return 1.0
+
+
+def _nan(completion):
+    return math.nan
+
+
+def _string(completion):
+    return "1.0"
+
+
+def _tensor(completion):
+    import torch
+
+    return torch.tensor(0.25)
+
+
+def rubric_of(*fns, **config):
+    class _Task:
+        name = "t"
+
+        def rewards(self):
+            return {f.__name__.strip("_"): f for f in fns}
+
+        def default_rewards(self):
+            return []
+
+    entries = [RewardFunctionConfig(fn=f.__name__.strip("_")) for f in fns]
+    return Rubric(RewardConfig(functions=entries, **config), _Task())
+
+
+def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys):
+    rubric = rubric_of(_sync_reward, _async_reward, _raises, _hangs, _hangs_async, _nan,
+                       _string, _tensor, timeout_s=0.5, on_error=-1.0)
+    rows = [Row(prompt="p", answer="42"), Row(prompt="q", answer="7")]
+    samples = [Sample(row=rows[0], completion="42"), Sample(row=rows[1], completion="no")]
+    start = time.perf_counter()
+    scores = rubric.score_sync(samples)
+    assert time.perf_counter() - start < 5  # the hung calls cost their timeout, once, at once
+    assert scores.by_function["sync_reward"] == [1.0, 0.0]
+    assert scores.by_function["async_reward"] == [0.5, 0.0]
+    assert scores.by_function["tensor"] == [0.25, 0.25]
+    for name in ("raises", "hangs", "hangs_async", "nan", "string"):
+        assert scores.by_function[name] == [-1.0, -1.0], name
+    assert scores.errors == {"sync_reward": 0, "async_reward": 0, "raises": 2, "hangs": 2,
+                             "hangs_async": 2, "nan": 2, "string": 2, "tensor": 0}
+    # The weighted total: weight 1 each.
+    assert scores.rewards == [1.0 + 0.5 - 5 + 0.25, 0.0 - 5 + 0.25]
+    metrics = scores.metrics()
+    assert metrics["reward/errors/raises"] == 2 and metrics["reward/sync_reward"] == 0.5
+    assert scores.correct == [True, False]  # the first function's 1.0 rate
+    err = capsys.readouterr().err
+    # One traceback per failing function, however many samples it failed.
+    assert err.count("failed; its sample scores") == 5
+    assert "RuntimeError: boom" in err and "reward.timeout_s=0.5" in err
+    assert "must be finite" in err and "must be a number, got str" in err
+    rubric.score_sync(samples)
+    assert "failed; its sample" not in capsys.readouterr().err
+    assert rubric.error_counts["raises"] == 4
+
+
+def test_weights_and_the_accuracy_function():
+    rubric = rubric_of(_sync_reward, _async_reward, accuracy="async_reward")
+    rubric.functions["sync_reward"] = (*rubric.functions["sync_reward"][:1], 2.0,
+                                       rubric.functions["sync_reward"][2])
+    scores = rubric.score_sync([Sample(row=Row(prompt="p", answer="4"), completion="4")])
+    assert scores.rewards == [2.0 * 1.0 + 0.5]
+    assert scores.correct == [False]  # async_reward gave 0.5, not 1
+
+
+# --------------------------------------------------------------------- built-in rewards
+@pytest.mark.parametrize(("completion", "answer", "expected"), [
+    ("Half of 84 is 42.\n#### 42", "Natalia sold 48/2 = 24 clips.\n#### 42", 1.0),
+    ("The answer is \\boxed{42}", "#### 42", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("#### 41", "#### 42", 0.0),
+    ("no number here", "#### 42", 0.0),
+])
+def test_math_verify_reads_gsm8k_and_latex_answers(completion, answer, expected):
+    from forge_ext.tasks.rewards import math_verify
+
+    assert math_verify(completion=completion, answer=answer) == expected
+
+
+def test_math_verify_runs_off_the_main_thread():
+    """math-verify's own timeouts use SIGALRM (main thread only): through the rubric, its
+    calls run in worker threads and must still score."""
+    from forge_ext.tasks import AdditionTask
+
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="math_verify")]),
+                    AdditionTask(AdditionTask.Config(num_train=1, num_eval=1)))
+    scores = rubric.score_sync([Sample(row=Row(prompt="p", answer="#### 12"), completion="12")])
+    assert scores.rewards == [1.0] and scores.errors == {"math_verify": 0}
+
+
+# ---------------------------------------------------------------------------- prompts
+def test_chat_prompt_ids_are_apply_chat_template_of_the_messages(tmp_path):
+    hf = save_chat_tokenizer(tmp_path)
+    tok = CheckpointTokenizer(tmp_path)
+    assert tok.has_chat_template and tok.eos_id == hf.convert_tokens_to_ids("<|im_end|>")
+    render = PromptRenderer(tok, PromptConfig())
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is 12 plus 30?"}]
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert render(Row(prompt=messages, answer="42")) == expected
+    # A text prompt is one user turn; the template sees the formatted text.
+    text = PromptRenderer(tok, PromptConfig(template="Compute: {prompt}"))
+    one = hf.apply_chat_template([{"role": "user", "content": "Compute: 7 times 6"}],
+                                 add_generation_prompt=True, tokenize=True)
+    one = list(one["input_ids"] if hasattr(one, "keys") else one)
+    assert text(Row(prompt="7 times 6", answer="42")) == one
+    assert hf.decode(one).endswith("<|im_start|>assistant\n")
+
+
+def test_plain_prompts_and_templates_over_metadata(tmp_path):
+    save_tokenizer(tmp_path)
+    tok = CheckpointTokenizer(tmp_path)
+    assert not tok.has_chat_template
+    render = PromptRenderer(tok, PromptConfig(template="{a}+{b}="))
+    assert render(Row(prompt="ignored", answer="3", metadata={"a": 1, "b": 2})) == \
+        tok.encode_prompt("1+2=")
+    with pytest.raises(ValueError, match=r"prompt.template='\{a\}\+\{b\}=' does not format"):
+        render(Row(prompt="x", answer="3", metadata={"a": 1}))
+    with pytest.raises(ValueError, match="rows are chat messages .* no chat_template"):
+        PromptRenderer(tok, PromptConfig())(
+            Row(prompt=[{"role": "user", "content": "1+2="}], answer="3"))
+    with pytest.raises(ValueError, match="prompt.chat_template=true but .* no chat_template"):
+        PromptRenderer(tok, PromptConfig(chat_template=True))
+
+
+# ------------------------------------------------------------------ errors before spawn
+def _module(tmp_path, body):
+    name = f"user_mod_{random.randrange(10**9)}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    sys.path.insert(0, str(tmp_path))
+    return name
+
+
+def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
+    tmp_path, demo_checkpoint
+):
+    """Each refused by the app's constructor (nothing spawned, nothing written), in one line
+    that names the field; all of them within 20 s."""
+    from apps.grpo.config import load_config
+    from apps.grpo.main import GRPOApp
+
+    data = write_jsonl(tmp_path / "d.jsonl", records(20))
+    holes = write_jsonl(tmp_path / "holes.jsonl", [
+        {"question": "q0", "solution": "1"}, {"question": "q1", "solution": None},
+    ])
+    mod = _module(tmp_path, """
+        VALUE = 3
+        def reward(completion, answer):
+            return 1.0
+        def needs(completion, extra):
+            return 1.0
+    """)
+    base = [f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / 'run'}"]
+    def task(**fields):  # dotted overrides; a new task.source replaces the demo's section
+        return [f"task.{k}={v}" for k, v in fields.items()]
+
+    ds = dict(source="dataset", train_path=data, prompt_field="question",
+              answer_field="solution", num_eval=5)
+    cases = [
+        (["task.source=nope"], r"task.source='nope' is not a task source"),
+        (task(source="dataset", train_path="/no/such.jsonl"),
+         r"task.train_path='/no/such.jsonl': no such file"),
+        (task(**{**ds, "prompt_field": "prompt"}),
+         r"task.prompt_field='prompt' is not a column of task.train_path=.*\['question', "),
+        (task(**{**ds, "train_path": holes, "num_eval": 1}),
+         r"row 1 of task.train_path=.*holes.jsonl.*: task.answer_field 'solution' is empty"),
+        (task(**ds, max_digits=3), r"unknown key 'task.max_digits'"),
+        (task(source="reasoning_gym", name="chain_summ"),
+         r"task.name='chain_summ' is not a reasoning-gym task"),
+        (task(source="reasoning_gym", name="chain_sum", config="{max_termz: 3}"),
+         r"task.config.max_termz is not a field of reasoning-gym's ChainSumConfig"),
+        (task(source="reasoning_gym", name="chain_sum", config="{min_terms: 0}"),
+         r"task.config=.* is refused by reasoning-gym's ChainSumConfig: min_terms must be positive"),
+        (["reward.functions=[{fn: nope}]"], r"reward.functions\[0\].fn='nope' is not a reward"),
+        (["reward.functions=[{fn: 'no_such_module_x:f'}]"],
+         r"reward.functions\[0\].fn='no_such_module_x:f': module 'no_such_module_x' does not "
+         r"import"),
+        ([f"reward.functions=[{{fn: '{mod}:missing'}}]"], rf"'{mod}' has no attribute 'missing'"),
+        ([f"reward.functions=[{{fn: '{mod}:VALUE'}}]"], r"names a int, not a callable"),
+        ([f"reward.functions=[{{fn: '{mod}:needs'}}]"], r"requires \['extra'\]"),
+        ([f"reward.functions=[{{fn: '{mod}:reward', weight: 1}}, {{fn: addition, weight: -1}}]"],
+         r"reward.functions weights sum to 0"),
+        (task(**ds), r"reward.functions is empty and the task \(dataset\) has no default reward"),
+        (task(source="'no_such_pkg_y:make'"), r"task.source='no_such_pkg_y:make': module"),
+        (["prompt.template='{x}+{b}='"], r"training row 0: prompt.template='\{x\}\+\{b\}=' does not"),
+        (["reward.timeout_s=0"], r"reward.timeout_s=0 must be > 0"),
+    ]
+    start = time.perf_counter()
+    for extra, pattern in cases:
+        with pytest.raises((ValueError, FileNotFoundError)) as error:
+            GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*base, *extra]))
+        message = str(error.value)
+        assert "\n" not in message, (extra, message)
+        import re
+
+        assert re.search(pattern, message), (extra, message)
+    assert time.perf_counter() - start < 20
+    assert not (tmp_path / "run").exists()  # nothing written for a refused config
+
+
+def test_a_user_task_factory_by_import_path(tmp_path):
+    mod = _module(tmp_path, """
+        class MyTask:
+            def __init__(self, n):
+                self.n = n
+            def train_rows(self):
+                return [{"prompt": f"{i}?", "answer": str(i), "tag": i} for i in range(self.n)]
+            def eval_rows(self):
+                return [{"prompt": "held?", "answer": "h"}]
+            def default_rewards(self):
+                return ["exact_match"]
+        def make(n=3):
+            return MyTask(n)
+        def broken():
+            return [1, 2]
+    """)
+    task = build_task({"source": f"{mod}:make", "n": 4})
+    assert [r.answer for r in task.train_rows()] == ["0", "1", "2", "3"]
+    assert task.train_rows()[2].metadata["tag"] == 2
+    assert Rubric(RewardConfig(), task).names == ["exact_match"]
+    with pytest.raises(ValueError, match=r"refused the task fields \['m'\]"):
+        build_task({"source": f"{mod}:make", "m": 4})
+    with pytest.raises(ValueError, match=r"returned a list, not a task"):
+        build_task({"source": f"{mod}:broken"})
+    assert task_config({"source": f"{mod}:make"}).fields == {}
