@@ -246,6 +246,16 @@ def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys):
     assert rubric.error_counts["raises"] == 4
 
 
+def test_a_rubric_scores_alike_in_every_event_loop():
+    """score_sync opens a new event loop per call (the SFT app validates many times): the
+    second call's samples, more than the rubric runs at once, must score as the first's."""
+    rubric = rubric_of(_sync_reward, _async_reward)
+    samples = [Sample(row=Row(prompt="p", answer=str(i)), completion=str(i % 2)) for i in range(40)]
+    first = rubric.score_sync(samples)
+    assert rubric.score_sync(samples) == first
+    assert first.errors == {"sync_reward": 0, "async_reward": 0} and sum(first.correct) == 2
+
+
 def test_weights_and_the_accuracy_function():
     rubric = rubric_of(_sync_reward, _async_reward, accuracy="async_reward")
     rubric.functions["sync_reward"] = (*rubric.functions["sync_reward"][:1], 2.0,

@@ -36,6 +36,7 @@ from forge_ext.tasks import (
     PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
     resolved_task, task_config,
 )
+from forge_ext.tasks.prompts import prompt_characters
 from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
@@ -131,13 +132,18 @@ def run_record(config: SFTConfig) -> dict[str, Any]:
 
 
 def ensure_init_checkpoint(config: SFTConfig, task: Task) -> bool:
-    """Write a random model (and a character tokenizer over the task's alphabet) to
-    ``init.hf_path`` unless a checkpoint is there already; returns whether it wrote one."""
+    """Write a random model (and a character tokenizer over the task's alphabet and the
+    characters its prompt template adds) to ``init.hf_path`` unless a checkpoint is there
+    already; returns whether it wrote one."""
     path = Path(config.init.hf_path)
     if is_hf_checkpoint(path):
         return False
+    # The task's alphabet, then what the prompt template adds to it, in a fixed order.
+    characters = task.characters()
+    extra = prompt_characters([*task.train_rows(), *task.eval_rows()], config.prompt.template)
+    characters += "".join(sorted(extra - set(characters)))
     with tempfile.TemporaryDirectory() as tokenizer_dir:
-        save_tokenizer(tokenizer_dir, task.characters())
+        save_tokenizer(tokenizer_dir, characters)
         tok = CheckpointTokenizer(tokenizer_dir)
         fields = {
             "vocab_size": len(tok.tokenizer),

@@ -40,6 +40,44 @@ class PromptConfig:
     ignore names they do not use)."""
 
 
+def format_prompt(row: Row, template: str = "{prompt}") -> list[dict[str, str]] | str:
+    """The row's prompt after ``prompt.template``: text, or messages whose last user message
+    is formatted.
+
+    Raises:
+        ValueError: the template names a field the row lacks.
+    """
+    def fill(text: str) -> str:
+        if template == "{prompt}":
+            return text
+        try:
+            return template.format(**{**row.metadata, "prompt": text})
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError(
+                f"prompt.template={template!r} does not format with the row "
+                f"(prompt and fields {sorted(row.metadata)}): {e!r}"
+            ) from None
+
+    if isinstance(row.prompt, str):
+        return fill(row.prompt)
+    messages = [dict(m) for m in row.prompt]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if users:
+        messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
+    return messages
+
+
+def prompt_characters(rows, template: str = "{prompt}") -> set[str]:
+    """Every character of the rows' formatted prompts and answers (a character tokenizer's
+    alphabet must cover what the template adds, e.g. the ``=`` of ``"{word}="``)."""
+    chars: set[str] = set()
+    for row in rows:
+        prompt = format_prompt(row, template)
+        chars.update(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt))
+        chars.update(row.answer)
+    return chars
+
+
 class PromptRenderer:
     """Rows to prompt ids for one tokenizer and ``prompt:`` section (module docstring).
 
@@ -59,29 +97,8 @@ class PromptRenderer:
         self.chat = tok.has_chat_template if config.chat_template is None else config.chat_template
 
     def messages(self, row: Row) -> list[dict[str, str]] | str:
-        """The row's prompt after ``prompt.template``: text, or messages.
-
-        Raises:
-            ValueError: the template names a field the row lacks.
-        """
-        def fill(text: str) -> str:
-            if self.config.template == "{prompt}":
-                return text
-            try:
-                return self.config.template.format(**{**row.metadata, "prompt": text})
-            except (KeyError, IndexError, ValueError, AttributeError) as e:
-                raise ValueError(
-                    f"prompt.template={self.config.template!r} does not format with the row "
-                    f"(prompt and fields {sorted(row.metadata)}): {e!r}"
-                ) from None
-
-        if isinstance(row.prompt, str):
-            return fill(row.prompt)
-        messages = [dict(m) for m in row.prompt]
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if users:
-            messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
-        return messages
+        """:func:`format_prompt` of ``row`` with this renderer's template."""
+        return format_prompt(row, self.config.template)
 
     def __call__(self, row: Row) -> list[int]:
         """The prompt ids of ``row`` (module docstring), made once per row object.

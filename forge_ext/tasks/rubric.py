@@ -112,6 +112,8 @@ class Rubric:
     """
 
     def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
         entries = config.functions or [RewardFunctionConfig(fn=f) for f in task.default_rewards()]
         if not entries:
             raise ValueError(
@@ -146,7 +148,7 @@ class Rubric:
         self.error_counts = {name: 0 for name in self.functions}
         """Errors per function over the rubric's life."""
         self._reported: set[str] = set()
-        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._max_concurrency = max_concurrency
 
     @property
     def names(self) -> list[str]:
@@ -155,8 +157,11 @@ class Rubric:
     async def score(self, samples: Sequence[Sample]) -> Scores:
         """Score every sample with every function, concurrently (module docstring)."""
         names = list(self.functions)
+        # A semaphore belongs to the event loop it first waits in: one per call, so that
+        # score_sync (a new loop each time) and an app's loop can share the rubric.
+        slots = asyncio.Semaphore(self._max_concurrency)
         results = await asyncio.gather(*(
-            self._call(name, sample) for sample in samples for name in names
+            self._call(name, sample, slots) for sample in samples for name in names
         ))
         by_function = {name: [] for name in names}
         errors = {name: 0 for name in names}
@@ -175,7 +180,8 @@ class Rubric:
         """:meth:`score` from synchronous code (no event loop running in this thread)."""
         return asyncio.run(self.score(samples))
 
-    async def _call(self, name: str, sample: Sample) -> tuple[float, bool]:
+    async def _call(self, name: str, sample: Sample, slots: asyncio.Semaphore
+                    ) -> tuple[float, bool]:
         fn, _, accepted = self.functions[name]
         offered = {
             "completion": sample.completion, "prompt": sample.row.prompt,
@@ -187,13 +193,10 @@ class Rubric:
         try:
             if inspect.iscoroutinefunction(fn):
                 value = await asyncio.wait_for(fn(**kwargs), timeout)
-            else:
-                if self._slots is None:
+            else:  # at most max_concurrency threads at once
+                async with slots:
                     value = await asyncio.wait_for(_in_daemon_thread(fn, kwargs), timeout)
-                else:
-                    async with self._slots:
-                        value = await asyncio.wait_for(_in_daemon_thread(fn, kwargs), timeout)
-                if inspect.isawaitable(value):
+                if inspect.isawaitable(value):  # a sync function that returned a coroutine
                     value = await asyncio.wait_for(value, timeout)
             return _as_reward(value), False
         except asyncio.CancelledError:
