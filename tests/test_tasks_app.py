@@ -1,0 +1,292 @@
+"""A user's own task through the real apps (Monarch actors, torchstore, gloo): local dataset
+files with a reward module of the user's (functions that work, and ones that raise, hang,
+return NaN or a string), chat prompts through a chat tokenizer trained here, both generator
+backends; and a reasoning-gym task through the SFT app and then the GRPO app, killed mid-run
+and resumed.
+
+What must hold: every sample's reward is what the user's function returned for that
+completion (plus the other functions' known values), advantages come from those rewards,
+failed calls score ``reward.on_error`` and are counted per function while the run finishes;
+prompt ids are ``apply_chat_template`` of the messages and the on-policy importance ratio is
+1; reasoning-gym rewards are its own ``score_answer``; a resumed run trains every prompt of
+the stream exactly once.
+"""
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from conftest import generator_logprob_gap, random_state_dict, save_chat_tokenizer
+
+from apps.grpo.config import load_config
+from apps.grpo.main import GRPOApp
+from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+from forge_ext.losses.grpo import compute_group_advantages
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+BASE = {"hf": str(CONFIGS / "grpo_cpu_demo.yaml"), "vllm": str(CONFIGS / "grpo_cpu_vllm.yaml")}
+
+REWARDS = '''
+import asyncio, math, time
+CALLS = {}
+
+def record(completion, prompt, answer, row, finished):
+    # Any deterministic function of the completion: what the test checks the app stored.
+    value = (sum(map(ord, completion)) % 7) / 6 + (0.5 if completion.strip() == answer else 0)
+    CALLS[completion] = value
+    return value
+
+async def constant(completion):
+    await asyncio.sleep(0)
+    return 0.25
+
+def raises(completion):
+    raise ZeroDivisionError("a user's bug")
+
+def hangs(completion):
+    time.sleep(3)
+    return 1.0
+
+def nan(completion):
+    return math.nan
+
+def string(completion):
+    return "0.5"
+'''
+
+FUNCTIONS = (
+    "reward.functions=[{fn: 'user_rewards:record'}, {fn: 'user_rewards:constant'}, "
+    "{fn: 'user_rewards:raises', weight: 0.5}, {fn: 'user_rewards:hangs', weight: 0.5}, "
+    "{fn: 'user_rewards:nan', weight: 0.5}, {fn: 'user_rewards:string', weight: 0.5}]"
+)
+FAILING = ("raises", "hangs", "nan", "string")
+
+
+def chat_checkpoint(root: Path) -> str:
+    """A tiny random Qwen3 whose tokenizer is a BPE with a ChatML template (conftest)."""
+    from safetensors.torch import load_file
+
+    tok = save_chat_tokenizer(root / "tok")
+    arch = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    init = init_hf_checkpoint(root / "init", "qwen3", arch, seed=0, tokenizer_from=root / "tok")
+    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=3, std=0.5)
+    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", arch),
+                                  tokenizer_from=init))
+
+
+class Recording(GRPOApp):
+    """The app as shipped, plus each step's rollouts and the generator-vs-trainer log-prob
+    gap on the sampled tokens (on-policy: the trainer holds the sampling weights)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.rollouts, self.trained, self.gap = {}, {}, {}
+
+    async def build_rollouts(self, step):
+        rollouts = await super().build_rollouts(step)
+        self.rollouts[step] = rollouts
+        self.gap[step] = await generator_logprob_gap(self.trainer, rollouts.episodes,
+                                                     self.tok.pad_id)
+        return rollouts
+
+    async def train_step(self, step, rollouts):
+        metrics = await super().train_step(step, rollouts)
+        self.trained[step] = rollouts
+        return metrics
+
+
+def history(output_dir):
+    return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+
+
+def small(output_dir, checkpoint, *extra):
+    return [
+        f"model.hf_path={checkpoint}", f"output_dir={output_dir}",
+        "grpo.prompts_per_step=2", "grpo.group_size=4",
+        "trainer.training.local_batch_size=8", "reference.training.local_batch_size=8",
+        "loop.steps=2", "loop.eval_every=2", "loop.save_every=0",
+        "trainer.checkpoint.enable=false", "procs.env={}", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def user_data(tmp_path_factory):
+    import datasets
+
+    root = tmp_path_factory.mktemp("user_task")
+    (root / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
+    sys.path.insert(0, str(root))
+    rows = [{"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                          {"role": "user", "content": f"What is {i} plus {i}?"}],
+             "question": f"Compute {i} times 2.", "answer": str(2 * i), "id": i}
+            for i in range(12)]
+    with open(root / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(root / "train.parquet"))
+    return root, chat_checkpoint(root)
+
+
+RUNS = {"hf": "jsonl", "vllm": "parquet"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(RUNS))
+async def user_run(request, user_data, tmp_path_factory):
+    root, checkpoint = user_data
+    backend, fmt = request.param, RUNS[request.param]
+    prompt = "messages" if fmt == "jsonl" else "question"  # chat messages, or text
+    output_dir = str(tmp_path_factory.mktemp(f"user_{backend}"))
+    config = load_config(BASE[backend], small(
+        output_dir, checkpoint, "task.source=dataset", f"task.train_path={root}/train.{fmt}",
+        f"task.prompt_field={prompt}", "task.num_eval=4", FUNCTIONS, "reward.timeout_s=0.3",
+        "reward.on_error=0.0", "trainer.training.seq_len=96", "reference.training.seq_len=96",
+        "generator.sampling.max_new_tokens=6",
+    ))
+    import user_rewards
+
+    user_rewards.CALLS.clear()
+    app = Recording(config)
+    await app.run()
+    return app, output_dir, dict(user_rewards.CALLS)
+
+
+async def test_each_sample_gets_what_the_users_reward_function_returned(user_run):
+    app, output_dir, calls = user_run
+    group = app.config.grpo.group_size
+    for step, rollouts in app.trained.items():
+        texts = [app.tok.completion_text(ep.response_ids)[0] for ep in rollouts.episodes]
+        # record's value + constant's 0.25; the failing functions scored on_error = 0.
+        assert [ep.reward for ep in rollouts.episodes] == pytest.approx(
+            [calls[t] + 0.25 for t in texts], abs=1e-12)
+        rewards = [ep.reward for ep in rollouts.episodes]
+        assert [ep.advantage for ep in rollouts.episodes] == pytest.approx(
+            compute_group_advantages(__import__("torch").tensor(rewards), group).tolist())
+    assert len({round(v, 6) for v in calls.values()}) > 1  # not vacuous: rewards vary
+
+
+async def test_failing_reward_functions_are_counted_and_the_run_finishes(user_run):
+    app, output_dir, _ = user_run
+    rows = {r["step"]: r for r in history(output_dir)}
+    assert sorted(s for s, r in rows.items() if "loss" in r) == [1, 2]
+    assert "eval/accuracy" in rows[2]
+    for step in (1, 2):
+        for name in FAILING:  # every call of each failed: 8 samples a step
+            assert rows[step][f"reward/errors/{name}"] == 8, (step, name)
+            assert rows[step][f"reward/{name}"] == 0.0
+        assert rows[step]["reward/errors/record"] == 0
+        assert rows[step]["reward/constant"] == 0.25
+    assert app.rubric.error_counts["raises"] == 2 * 8 + 2 * 4  # two steps, two evaluations of 4
+
+
+async def test_prompt_ids_are_the_chat_template_and_the_ratio_is_one(user_run):
+    from transformers import AutoTokenizer
+
+    app, output_dir, _ = user_run
+    hf = AutoTokenizer.from_pretrained(app.config.model.hf_path)
+    for rollouts in app.trained.values():
+        for i, ep in enumerate(rollouts.episodes):
+            row = rollouts.rows[i // app.config.grpo.group_size]
+            messages = row.prompt if isinstance(row.prompt, list) else [
+                {"role": "user", "content": row.prompt}]
+            ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            assert ep.prompt_ids == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert max(app.gap.values()) <= 1e-4, app.gap
+    for r in history(output_dir):
+        if "loss" in r:
+            assert r["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+# ------------------------------------------------------------------------- reasoning-gym
+RG_TASK = ["task.source=reasoning_gym", "task.name=chain_sum", "task.num_train=40",
+           "task.num_eval=6", "task.config={min_terms: 2, max_terms: 2, max_digits: 1}"]
+
+
+@pytest.fixture(scope="module")
+def rg_warmstart(tmp_path_factory):
+    """One SFT step of the reasoning-gym task (configs/sft_cpu_chain_sum.yaml, smaller)."""
+    from apps.sft.main import SFTConfig, run
+    from forge_ext.config import from_mapping, load_yaml
+
+    root = tmp_path_factory.mktemp("rg_sft")
+    config = from_mapping(SFTConfig, load_yaml(CONFIGS / "sft_cpu_chain_sum.yaml", [
+        f"output_dir={root / 'warm'}", f"init.hf_path={root / 'init'}", *RG_TASK,
+        "trainer.training.steps=1", "trainer.training.local_batch_size=8",
+        "eval.every=0", "eval.stop_at_accuracy=null", "metrics=null", "env={}",
+        "init.architecture.hidden_size=64", "init.architecture.intermediate_size=128",
+    ]))
+    accuracy = run(config)
+    assert 0.0 <= accuracy <= 1.0
+    return str(root / "warm")
+
+
+class Runs:
+    def __init__(self):
+        self.done = {}
+
+
+@pytest.fixture(scope="module")
+def rg_runs():
+    return Runs()
+
+
+async def rg_run(rg_runs, rg_warmstart, tmp_path_factory, which):
+    if which not in rg_runs.done:
+        if which == "crashed":
+            output_dir = str(tmp_path_factory.mktemp("rg_grpo"))
+            rg_runs.output_dir = output_dir
+        output_dir = rg_runs.output_dir
+        argv = small(output_dir, rg_warmstart, *RG_TASK, "loop.save_every=1",
+                     "trainer.checkpoint.enable=true", "loop.steps=3")
+        if which == "crashed":
+            app = Recording(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"),
+                                        [*argv, "debug.fail_at_step=3"]))
+            with pytest.raises(Exception, match="gradient norm is nan"):
+                await app.run()
+        else:
+            await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "crashed")
+            app = Recording(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"), argv))
+            await app.run()
+        rg_runs.done[which] = app
+    return rg_runs.done[which]
+
+
+async def test_reasoning_gym_rewards_are_its_own_score_answer(rg_runs, rg_warmstart,
+                                                              tmp_path_factory):
+    import reasoning_gym
+
+    app = await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "crashed")
+    scorer = reasoning_gym.create_dataset("chain_sum", size=1, seed=0).score_answer
+    scored = 0
+    for rollouts in app.rollouts.values():
+        for i, ep in enumerate(rollouts.episodes):
+            row = rollouts.rows[i // app.config.grpo.group_size]
+            text = app.tok.completion_text(ep.response_ids)[0]
+            assert ep.reward == scorer(text.strip(), row.metadata), (text, row.answer)
+            scored += 1
+    assert scored >= 16
+
+
+async def test_a_killed_reasoning_gym_run_resumes_its_prompt_stream_exactly(
+    rg_runs, rg_warmstart, tmp_path_factory
+):
+    from forge_ext.tasks import PromptStream, build_task
+
+    crashed = await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "crashed")
+    resumed = await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "resumed")
+    assert sorted(crashed.trained) == [0, 1] and sorted(resumed.trained) == [2]
+    trained = [row for run in (crashed, resumed) for rollouts in run.trained.values()
+               for row in rollouts.rows]
+    config = resumed.config
+    expected = PromptStream(build_task(config.task).train_rows(), config.seed).slice(
+        0, config.loop.steps * config.grpo.prompts_per_step)
+    assert [r.prompt for r in trained] == [r.prompt for r in expected]
+    assert len({r.prompt for r in trained}) == len(trained)  # so "each once" is what it says
