@@ -45,7 +45,8 @@ def test_configs_exist_for_demo_gpu_and_pp_ga():
             "grpo_qwen3_0.6b_gpu.yaml", "grpo_qwen3_1.7b_gpu.yaml"} <= set(names)
 
 
-@pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml"])
+@pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml",
+                                  "grpo_cpu_chain_sum.yaml"])
 def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
     assert isinstance(config, GRPOConfig)
@@ -91,6 +92,28 @@ def test_gpu_configs_validate_as_on_a_gpu_machine(size, tmp_path, monkeypatch):
     assert config.trainer["parallelism"]["data_parallel_shard_degree"] == 4
     assert config.prompt.chat_template
     assert config.procs.trainer.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_gsm8k_gpu_config_validates_with_its_data_and_reward(tmp_path, monkeypatch):
+    """The GSM8K config with a GSM8K-format jsonl written here: the dataset task and the
+    math_verify reward resolve, and the rows render through Qwen3's chat template."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = write_qwen3_config(tmp_path / "Qwen3-0.6B", "0.6b")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Q{i}?", "answer": f"so {i}\n#### {i}"}) + "\n"
+                            for i in range(10)))
+    config = load_config(str(CONFIGS / "grpo_qwen3_0.6b_gsm8k_gpu.yaml"), [
+        f"model.hf_path={path}", f"task.train_path={data}", f"task.eval_path={data}",
+    ])
+    assert config.task["source"] == "dataset" and "max_digits" not in config.task
+    assert [f.fn for f in config.reward.functions] == ["math_verify"]
+    assert config.trainer["training"]["seq_len"] == 1024
+    assert config.trainer["parallelism"]["data_parallel_shard_degree"] == 4  # from its base
+    from forge_ext.tasks import Rubric, build_task
+
+    task = build_task(config.task)
+    assert task.eval_rows()[0].prompt[0]["role"] == "system"
+    assert Rubric(config.reward, task).names == ["math_verify"]
 
 
 def test_sft_config_validates_and_shares_the_demo_task():
