@@ -13,6 +13,14 @@ with prompt ``p_0..p_{P-1}`` and response ``o_0..o_{R-1}``, the row's tokens are
 
 Example: prompt ``[1, 5, 15]``, response ``[6, 2]`` ->
 ``input_ids [1, 5, 15, 6, 2]``, ``labels [-100, -100, 6, 2, -100]``.
+
+A multi-turn episode is one token sequence too: its response holds every token after the
+first prompt, the model's turns and the environment's replies between them, and
+``response_mask`` marks the model's (1) apart from the environment's (0). A masked token is
+input to the model but never a label: ``labels`` is ``-100`` there, so the loss, reference
+log-probs, importance ratios and every token metric skip it. Example: prompt ``[1, 5]``, model
+``[6, 2]``, environment ``[9]``, model ``[7, 2]``: response ``[6, 2, 9, 7, 2]``, mask
+``[1, 1, 0, 1, 1]`` -> ``labels [-100, 6, 2, -100, 7, 2, -100]``.
 """
 
 from __future__ import annotations
@@ -54,13 +62,17 @@ class Episode:
     ref_logprobs: list[float] | None = None
     """Optional ``[len(response_ids)]`` log-probs under the reference model."""
 
+    response_mask: list[int] | None = None
+    """``[len(response_ids)]``: 1 on the model's tokens, 0 on an environment's (multi-turn);
+    None: every response token is the model's."""
+
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.response_ids:
             raise ValueError(
                 f"Episode needs a non-empty prompt and response; got {len(self.prompt_ids)} "
                 f"prompt and {len(self.response_ids)} response tokens"
             )
-        for name in ("generator_logprobs", "ref_logprobs"):
+        for name in ("generator_logprobs", "ref_logprobs", "response_mask"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.response_ids):
                 raise ValueError(
@@ -118,7 +130,10 @@ def pack_episodes(
         # Position t predicts token t + 1: response token i sits at input position
         # prompt_len + i and is the label of position prompt_len - 1 + i.
         targets = slice(prompt_len - 1, prompt_len - 1 + response_len)
-        labels[row, targets] = torch.tensor(ep.response_ids, dtype=torch.int64)
+        response = torch.tensor(ep.response_ids, dtype=torch.int64)
+        if ep.response_mask is not None:  # environment tokens are inputs, never labels
+            response[torch.tensor(ep.response_mask) == 0] = IGNORE_INDEX
+        labels[row, targets] = response
         generator_logprobs[row, targets] = torch.tensor(ep.generator_logprobs)
         if ref_logprobs is not None:
             ref_logprobs[row, targets] = torch.tensor(ep.ref_logprobs)

@@ -162,3 +162,39 @@ def save_chat_tokenizer(directory, corpus=None):
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(directory)
     return fast
+
+
+def chat_checkpoint(root, end_prone: float = 0.0) -> str:
+    """A tiny random Qwen3 (head_dim 32, a size vLLM's CPU attention takes) whose tokenizer
+    is :func:`save_chat_tokenizer`'s, saved under ``root``; returns its path.
+
+    ``end_prone > 0`` points the LM head's row of the end token along the mean final hidden
+    state (scaled by ``end_prone``), so that a turn often ends within a few tokens (a random
+    model otherwise almost never samples it): 1.0 gave it a mean probability of ~0.18 per
+    position, 1.5 about 0.4.
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+
+    tok = save_chat_tokenizer(root / "tok")
+    arch = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    init = init_hf_checkpoint(root / "init", "qwen3", arch, seed=0, tokenizer_from=root / "tok")
+    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=3, std=0.5)
+    if end_prone:
+        model = AutoModelForCausalLM.from_config(
+            __import__("transformers").AutoConfig.from_pretrained(init), torch_dtype=torch.float32)
+        model.load_state_dict(weights)
+        ids = torch.randint(0, len(tok), (8, 40), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, 64).mean(0)
+        head = weights["lm_head.weight"]
+        head[tok.eos_token_id] = end_prone * mean / mean.norm() * head.norm(dim=1).mean()
+    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", arch),
+                                  tokenizer_from=init))

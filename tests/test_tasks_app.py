@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from conftest import generator_logprob_gap, random_state_dict, save_chat_tokenizer
+from conftest import chat_checkpoint, generator_logprob_gap
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
-from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 from forge_ext.losses.grpo import compute_group_advantages
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -66,22 +65,6 @@ FUNCTIONS = (
     "{fn: 'user_rewards:nan', weight: 0.5}, {fn: 'user_rewards:string', weight: 0.5}]"
 )
 FAILING = ("raises", "hangs", "nan", "string")
-
-
-def chat_checkpoint(root: Path) -> str:
-    """A tiny random Qwen3 whose tokenizer is a BPE with a ChatML template (conftest)."""
-    from safetensors.torch import load_file
-
-    tok = save_chat_tokenizer(root / "tok")
-    arch = dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    init = init_hf_checkpoint(root / "init", "qwen3", arch, seed=0, tokenizer_from=root / "tok")
-    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=3, std=0.5)
-    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", arch),
-                                  tokenizer_from=init))
 
 
 class Recording(GRPOApp):

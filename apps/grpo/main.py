@@ -46,8 +46,10 @@ import torch
 
 from apps.grpo.config import GRPOConfig, load_config
 from forge_ext.episode import Episode, pack_episodes
+from forge_ext.rollout import EpisodeBatch, EpisodeRunner
 from forge_ext.tasks import (
-    PromptRenderer, PromptStream, Row, Rubric, Sample, Scores, build_task, resolved_task,
+    EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
+    resolved_task,
 )
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
@@ -84,7 +86,7 @@ class Rollouts:
     episodes: list[Episode]
     rewards: list[float]
     correct: list[bool]
-    scores: Scores
+    batch: EpisodeBatch
     generator_version: int
     seconds: dict[str, float]
 
@@ -107,8 +109,6 @@ class GRPOApp(RLLoop):
             )
         if resume_step > 0:
             _refuse_mode_change(config, resume_step)
-        # The record also names the checkpoint files behind model.hf_path (the reference and
-        # the generator load them): rewritten weights at the same path are another run.
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
         # a bad data file, field, reward or template is a config error now.
         task = build_task(config.task)
@@ -126,12 +126,19 @@ class GRPOApp(RLLoop):
                     longest = max(longest, len(render(row)))
                 except ValueError as e:
                     raise ValueError(f"{split} row {i}: {e}") from None
-        longest += config.generator.sampling.max_new_tokens
+        episodes = episode_config(config.task)
+        self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
+        # An episode after its first prompt: one turn, or up to task.max_episode_tokens.
+        after = (episodes.max_episode_tokens if self.runner.multi_turn
+                 else config.generator.sampling.max_new_tokens)
+        longest += after
         seq_len = config.trainer.get("training", {}).get("seq_len")
         if seq_len is not None and longest > seq_len:
+            what = ("task.max_episode_tokens" if self.runner.multi_turn
+                    else "generator.sampling.max_new_tokens")
             raise ValueError(
                 f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
-                f"generator.sampling.max_new_tokens); raise trainer.training.seq_len"
+                f"{what}); raise trainer.training.seq_len"
             )
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
@@ -151,15 +158,11 @@ class GRPOApp(RLLoop):
         self.trainer = self.reference = self.generator = None
         self.bar = None
 
-    def score(self, rows: list[Row], completions: list[Completion], group: int = 1):
-        """Awaitable rubric :class:`Scores` of ``completions``, ``group`` consecutive ones
-        per row."""
-        samples = []
-        for i, x in enumerate(completions):
-            text, finished = self.tok.completion_text(x.response_ids)
-            samples.append(Sample(row=rows[i // group], completion=text, finished=finished,
-                                  completion_ids=x.response_ids))
-        return self.rubric.score(samples)
+    async def generate(self, prompts: list[list[int]], n: int, *, greedy: bool = False,
+                       seed: int | None = None) -> list[Completion]:
+        """The generator's ``generate``, timed as generator-busy (:meth:`busy`)."""
+        with self.busy("generator"):
+            return await self.generator.generate(prompts, n, greedy=greedy, seed=seed)
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
@@ -289,24 +292,22 @@ class GRPOApp(RLLoop):
         c, tok = self.config, self.tok
         rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
         start = time.perf_counter()
-        with self.busy("generator"):
-            completions: list[Completion] = await self.generator.generate(
-                [self.render(row) for row in rows], c.grpo.group_size,
-                seed=c.seed * 1_000_003 + step,
-            )
-        seconds = {"generate": time.perf_counter() - start}
-        start = time.perf_counter()
-        scores = await self.score(rows, completions, c.grpo.group_size)
-        seconds["reward"] = time.perf_counter() - start
-        rewards = scores.rewards
+        batch = await self.runner.run(rows, c.grpo.group_size, self.generate,
+                                      seed=c.seed * 1_000_003 + step, version=self.trainer_version)
+        seconds = {"generate": time.perf_counter() - start - batch.env_seconds
+                   - batch.reward_seconds, "reward": batch.reward_seconds}
+        if batch.multi_turn:
+            seconds["env"] = batch.env_seconds
+        rewards = batch.rewards
         advantages = compute_group_advantages(torch.tensor(rewards), c.grpo.group_size).tolist()
         episodes = [
             Episode(
-                prompt_ids=x.prompt_ids, response_ids=x.response_ids,
-                generator_logprobs=x.logprobs, advantage=a, reward=r,
-                policy_version=x.policy_version,
+                prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                generator_logprobs=t.logprobs, advantage=a, reward=r,
+                policy_version=t.policy_version,
+                response_mask=t.response_mask if batch.multi_turn else None,
             )
-            for x, a, r in zip(completions, advantages, rewards)
+            for t, a, r in zip(batch.trajectories, advantages, rewards)
         ]
         if self.reference is not None:
             start = time.perf_counter()
@@ -317,8 +318,9 @@ class GRPOApp(RLLoop):
                 ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
             seconds["reference"] = time.perf_counter() - start
         return Rollouts(
-            rows=rows, episodes=episodes, rewards=rewards, correct=scores.correct, scores=scores,
-            generator_version=min(x.policy_version for x in completions), seconds=seconds,
+            rows=rows, episodes=episodes, rewards=rewards, correct=batch.scores.correct,
+            batch=batch, generator_version=min(ep.policy_version for ep in episodes),
+            seconds=seconds,
         )
 
     def policy_versions(self, rollouts: Rollouts) -> list[int]:
@@ -353,7 +355,7 @@ class GRPOApp(RLLoop):
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
             # Each reward function's mean and its failed calls this step (the rubric's).
-            **rollouts.scores.metrics(),
+            **rollouts.batch.metrics(),
             "generator_version": rollouts.generator_version,
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
@@ -376,22 +378,21 @@ class GRPOApp(RLLoop):
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
-        completions: list[Completion] = []
+        batches = []
         size = c.eval.batch_size
         for lo in range(0, len(self.eval_rows), size):
-            with self.busy("generator"):
-                completions += await self.generator.generate(
-                    [self.render(row) for row in self.eval_rows[lo : lo + size]], 1,
-                    greedy=c.eval.greedy,
-                    seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
-                )
-        scores = await self.score(self.eval_rows, completions)
+            batches.append(await self.runner.run(
+                self.eval_rows[lo : lo + size], 1, self.generate, greedy=c.eval.greedy,
+                seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
+                version=self.trainer_version,
+            ))
+        batch = EpisodeBatch.concat(batches)
+        n = len(batch.rewards)
         return {
-            "eval/accuracy": sum(scores.correct) / len(scores.correct),
-            "eval/reward": sum(scores.rewards) / len(scores.rewards),
-            "eval/num_prompts": len(completions),
-            **{k.replace("reward/", "eval/reward/", 1): v
-               for k, v in scores.metrics().items()},
+            "eval/accuracy": sum(batch.scores.correct) / n,
+            "eval/reward": sum(batch.rewards) / n,
+            "eval/num_prompts": n,
+            **{"eval/" + k: v for k, v in batch.metrics().items() if not k.startswith("time/")},
         }
 
     async def save_checkpoint(self, step: int) -> None:
@@ -414,6 +415,14 @@ class GRPOApp(RLLoop):
                       if k.startswith("reward/errors/") and v}
             if failed:  # a user's reward function raised, hung or returned garbage
                 parts.append("reward errors " + ", ".join(f"{k} {v}" for k, v in failed.items()))
+            if "episode/turns_mean" in m:  # multi-turn episodes
+                env_failed = int(m["episode/env_errors"] + m["episode/env_timeouts"])
+                parts.append(
+                    f"turns {m['episode/turns_mean']:.2f} (max {int(m['episode/turns_max'])}, "
+                    f"truncated {m['episode/truncated']:.0%}"
+                    + (f", env errors {int(m['episode/env_errors'])} timeouts "
+                       f"{int(m['episode/env_timeouts'])}" if env_failed else "") + ")"
+                )
             if self.reference is not None:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
             if "loss/tis_weight_mean" in m:
@@ -428,7 +437,7 @@ class GRPOApp(RLLoop):
             )
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "reward", "reference", "train", "push", "fetch")
+                for k in ("generate", "env", "reward", "reference", "train", "push", "fetch")
                 if f"time/{k}" in m
             )
             parts.append(times)
@@ -460,6 +469,13 @@ class GRPOApp(RLLoop):
                     labels={"time/step": "step (wall)", "time/generator_idle": "generator idle",
                             "time/trainer_idle": "trainer idle"},
                 ),
+                *([PlotPanel(
+                    keys=["episode/turns_mean", "episode/turns_max", "episode/truncated"],
+                    ylabel="turns / fraction",
+                    labels={"episode/turns_mean": "turns per episode (mean)",
+                            "episode/turns_max": "turns per episode (max)",
+                            "episode/truncated": "truncated episodes (fraction)"},
+                )] if self.runner.multi_turn else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
                 PlotPanel(
@@ -559,8 +575,9 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         warm_task = resolved_task(warm_task)
     except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
         return
+    # The warm-start is single-turn: GRPO may add an environment and its limits.
     changes = config_changes(warm_task, resolved_task(config.task),
-                             may_change=("num_eval", "partial_credit"))
+                             may_change=("num_eval", "partial_credit", *EPISODE_FIELDS))
     if changes:
         print(
             f"warning: task differs from the task model.hf_path={config.model.hf_path} was "

@@ -14,6 +14,9 @@ source                 fields (its ``Config``)                                  
                        arguments (or a class with a ``Config``, built from them)
 =====================  ==========================================================  ==========
 
+Every source also takes the multi-turn fields (:class:`~forge_ext.tasks.environments.
+EpisodeConfig`: ``environment``, ``max_turns``, ``max_episode_tokens``, ``env_timeout_s``).
+
 ``reward:`` (:class:`~forge_ext.tasks.rubric.RewardConfig`) lists reward functions and weights
 (:mod:`forge_ext.tasks.rewards`), ``prompt:`` (:class:`~forge_ext.tasks.prompts.PromptConfig`)
 how a row's prompt becomes token ids, and :class:`PromptStream` the order rows are trained in.
@@ -28,6 +31,7 @@ from typing import Any
 
 from forge_ext.tasks.addition import AdditionTask
 from forge_ext.tasks.base import Message, RewardFn, Row, Task
+from forge_ext.tasks.environments import EPISODE_FIELDS, ENVIRONMENTS, EpisodeConfig
 from forge_ext.tasks.prompts import PromptConfig, PromptRenderer
 from forge_ext.tasks.rewards import BUILTIN_REWARDS, load_object
 from forge_ext.tasks.rubric import RewardConfig, RewardFunctionConfig, Rubric, Sample, Scores
@@ -52,7 +56,7 @@ def task_config(mapping: Mapping[str, Any] | None, section: str = "task") -> Any
     """
     from forge_ext.config import from_mapping
 
-    fields = dict(mapping or {})
+    fields = {k: v for k, v in dict(mapping or {}).items() if k not in EPISODE_FIELDS}
     source = fields.pop("source", "addition")
     if not isinstance(source, str):
         raise ValueError(f"{section}.source={source!r} must be a string")
@@ -75,12 +79,24 @@ def task_config(mapping: Mapping[str, Any] | None, section: str = "task") -> Any
     return PluginTask(source, lambda: factory(**fields), fields)
 
 
+def episode_config(mapping: Mapping[str, Any] | None, section: str = "task") -> EpisodeConfig:
+    """The multi-turn fields of a ``task:`` section (environment, limits), validated.
+
+    Raises:
+        ValueError: an unknown environment, a bad limit.
+    """
+    from forge_ext.config import from_mapping
+
+    fields = {k: v for k, v in dict(mapping or {}).items() if k in EPISODE_FIELDS}
+    return from_mapping(EpisodeConfig, fields, path=section)
+
+
 def resolved_task(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
     """``task:`` with every default filled in (what a run record keeps)."""
     config = task_config(mapping)
     source = dict(mapping or {}).get("source", "addition")
     fields = config.fields if isinstance(config, PluginTask) else dataclasses.asdict(config)
-    return {"source": source, **fields}
+    return {"source": source, **fields, **dataclasses.asdict(episode_config(mapping))}
 
 
 def build_task(mapping: Mapping[str, Any] | None, section: str = "task") -> Task:
@@ -191,7 +207,8 @@ class PromptStream:
 
 
 __all__ = [
-    "SOURCES", "AdditionTask", "BUILTIN_REWARDS", "DatasetTask", "Message", "PluginTask",
+    "ENVIRONMENTS", "EPISODE_FIELDS", "SOURCES", "AdditionTask", "BUILTIN_REWARDS", "DatasetTask", "EpisodeConfig",
+    "Message", "PluginTask", "episode_config",
     "PromptConfig", "PromptRenderer", "PromptStream", "ReasoningGymTask", "RewardConfig",
     "RewardFn", "RewardFunctionConfig", "Row", "Rubric", "Sample", "Scores", "Task",
     "as_task", "build_task", "resolved_task", "task_config",

@@ -12,6 +12,16 @@ may be named, e.g. ``"What is {a}+{b}?"`` for the addition task). Then:
 
 The ids are made once, here, and travel as ids: the generator gets them as a token prompt and
 the trainer trains on the same list (no decode and re-encode between the two).
+
+An environment's reply in a multi-turn episode (:meth:`PromptRenderer.continuation`) is
+appended to the episode's ids as the chat template renders that message after an assistant
+turn: the template's tokens after the assistant's end token, the message, and the opening of
+the next assistant turn, taken as the difference of two renderings of a fixed conversation
+(``[user, assistant]`` and ``[user, assistant, reply]``). The model's own tokens are never
+re-rendered. A template whose rendering of the longer conversation does not start with that of
+the shorter one (one that rewrites earlier turns, e.g. drops an earlier ``<think>`` block) is
+refused by :meth:`PromptRenderer.check_continuation`: it could not reproduce the episode the
+model saw. Without a chat template a reply is its text's ids (no special tokens).
 """
 
 from __future__ import annotations
@@ -110,6 +120,52 @@ class PromptRenderer:
         if made is None or made[0] is not row:
             made = self._made[id(row)] = (row, self._encode(row))
         return made[1]
+
+    def continuation(self, reply: str | dict[str, str] | list[dict[str, str]]) -> list[int]:
+        """The ids that follow a model turn's end token when the environment answers
+        ``reply`` (text: a user message; or messages with their roles), up to the next
+        assistant turn's opening (module docstring).
+
+        Raises:
+            ValueError: the chat template is not prefix-preserving.
+        """
+        messages = [reply] if isinstance(reply, dict) else reply
+        if not self.chat:
+            text = messages if isinstance(messages, str) else "".join(
+                m["content"] for m in messages)
+            return self.tok.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        before, after = self._render_pair(messages)
+        return after[len(before):]
+
+    def _render_pair(self, reply: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """``(rest of [user, assistant] after the assistant's end token, ... of [user,
+        assistant, *reply] with the next assistant opening)``, checked to be prefix-preserving."""
+        turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+        kwargs = self.config.chat_template_kwargs
+        short = self.tok.encode_messages_plain(turns, kwargs)
+        long = self.tok.encode_messages(turns + reply, kwargs)
+        if long[: len(short)] != short:
+            raise ValueError(
+                "the chat template of model.hf_path is not prefix-preserving: rendering "
+                "[user, assistant, reply] does not start with the rendering of [user, "
+                "assistant] (it rewrites earlier turns, e.g. drops a <think> block), so "
+                "multi-turn episodes (task.environment) cannot be kept token-in/token-out; use a "
+                "template that keeps earlier turns as they were"
+            )
+        # Where the model's turn ends: after the last stop id of the short rendering.
+        ends = [i for i, t in enumerate(short) if t in self.tok.stop_ids]
+        if not ends:
+            raise ValueError("the chat template's assistant turn ends with none of the "
+                             f"tokenizer's stop ids {list(self.tok.stop_ids)}")
+        return short[: ends[-1] + 1], long
+
+    def check_continuation(self) -> None:
+        """Raise ``ValueError`` now if environment replies cannot be rendered
+        (:meth:`continuation`); a no-op without a chat template."""
+        if self.chat:
+            self.continuation("ok")
 
     def _encode(self, row: Row) -> list[int]:
         prompt = self.messages(row)

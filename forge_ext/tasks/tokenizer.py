@@ -152,6 +152,15 @@ class CheckpointTokenizer:
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def encode_messages_plain(self, messages: list[dict[str, str]],
+                              template_kwargs: dict | None = None) -> list[int]:
+        """:meth:`encode_messages` without the assistant turn's opening at the end
+        (``add_generation_prompt=False``)."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, tokenize=True, **(template_kwargs or {})
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
     def encode_answer(self, text: str) -> list[int]:
         """Response ids of ``text`` followed by ``<eos>`` (what a correct sample looks like)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_id]

@@ -1,0 +1,171 @@
+"""Environments of multi-turn episodes: what answers the model between its turns.
+
+An environment is a class with two async methods, one instance per episode (as TRL's
+``environment_factory``, OpenEnv's ``reset``/``step`` and torchtitan's ``MessageEnv``)::
+
+    async def reset(self, row: Row) -> str | list[Message]   # the first prompt
+    async def step(self, completion: str) -> tuple[str | Message | None, float, bool]
+        # (the reply to show the model, or None; this turn's reward; whether the episode is done)
+
+``completion`` is the model's turn decoded up to its end token. ``task.environment`` picks one:
+a built-in name (:data:`ENVIRONMENTS`) or ``"package.module:Class"`` (called with
+``task.environment_options`` as keyword arguments). An episode's reward is the rubric's score of
+its last model turn plus the sum of the environment's rewards.
+
+Built-ins:
+
+- ``feedback``: the row's prompt; a turn whose answer (stripped; the text inside
+  ``<answer>...</answer>`` if tagged) equals the row's answer ends the episode, a wrong one gets
+  ``feedback`` (default ``"wrong, try again"``) and another try, up to ``task.max_turns``.
+- ``calculator``: a tool. A turn containing ``<calc>EXPR</calc>`` (``+ - * / ( )``, numbers) is
+  answered with ``<result>VALUE</result>`` (or ``<result>error</result>``) and the model goes
+  on; a turn without a call is the final answer and ends the episode.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge_ext.tasks.base import Message, Row
+from forge_ext.tasks.rewards import extract_answer, load_object
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeConfig:
+    """The multi-turn fields of ``task:`` (they apply to every source)."""
+
+    environment: str | None = None
+    """``feedback``, ``calculator``, or ``"package.module:Class"``; None: one turn, no
+    environment."""
+    environment_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = 4
+    """Model turns per episode at most; an episode still running then ends (truncated)."""
+    max_episode_tokens: int = 256
+    """Tokens after the first prompt (the model's and the environment's) at most; an episode
+    that reaches it ends there (truncated; its last turn cut to fit)."""
+    env_timeout_s: float = 30.0
+    """Longest one ``reset`` or ``step`` call may take (seconds); a slower one ends its episode
+    with ``reward.on_error``, counted."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"task.max_turns={self.max_turns} must be >= 1")
+        if self.max_episode_tokens < 1:
+            raise ValueError(f"task.max_episode_tokens={self.max_episode_tokens} must be >= 1")
+        if not self.env_timeout_s > 0:
+            raise ValueError(f"task.env_timeout_s={self.env_timeout_s} must be > 0")
+        if self.environment is not None:
+            environment_class(self.environment)  # raises on an unknown name or import path
+
+    def make(self):
+        """A new environment instance (one per episode), or None without an environment."""
+        if self.environment is None:
+            return None
+        cls = environment_class(self.environment)
+        try:
+            return cls(**self.environment_options)
+        except TypeError as e:
+            raise ValueError(f"task.environment={self.environment!r} refused "
+                             f"task.environment_options={self.environment_options}: {e}") from None
+
+
+EPISODE_FIELDS = tuple(EpisodeConfig.__dataclass_fields__)
+"""The ``task:`` keys that configure episodes rather than the source."""
+
+
+class FeedbackEnv:
+    """``feedback`` (module docstring)."""
+
+    def __init__(self, feedback: str = "wrong, try again") -> None:
+        self.feedback = feedback
+        self.row: Row | None = None
+
+    async def reset(self, row: Row) -> str | list[Message]:
+        self.row = row
+        return row.prompt
+
+    async def step(self, completion: str) -> tuple[str | None, float, bool]:
+        if extract_answer(completion) == self.row.answer.strip():
+            return None, 0.0, True
+        return self.feedback, 0.0, False
+
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> float | int:
+    """The value of an arithmetic expression of numbers, ``+ - * /`` and parentheses.
+
+    Raises:
+        ValueError: anything else (names, calls, powers), a syntax error, division by zero,
+            or an expression longer than 200 characters.
+    """
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an expression: {e.msg}") from None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+                and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError(f"unsupported: {ast.dump(node)[:40]}")
+
+    return value(tree.body)
+
+
+class CalculatorEnv:
+    """``calculator`` (module docstring)."""
+
+    async def reset(self, row: Row) -> str | list[Message]:
+        return row.prompt
+
+    async def step(self, completion: str) -> tuple[str | None, float, bool]:
+        calls = _CALL.findall(completion)
+        if not calls:
+            return None, 0.0, True  # the final answer
+        try:
+            result = calculate(calls[-1])
+            if isinstance(result, float) and result.is_integer():
+                result = int(result)
+            text = str(result)
+        except (ValueError, ArithmeticError):
+            text = "error"
+        return f"<result>{text}</result>", 0.0, False
+
+
+ENVIRONMENTS: dict[str, type] = {"feedback": FeedbackEnv, "calculator": CalculatorEnv}
+
+
+def environment_class(name: str) -> Any:
+    """The environment class ``task.environment`` names.
+
+    Raises:
+        ValueError: an unknown name, or an import path that does not import or names an
+            object without async ``reset`` and ``step``.
+    """
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ValueError(f"task.environment={name!r} is not an environment: use one of "
+                         f"{sorted(ENVIRONMENTS)} or a 'package.module:Class' import path")
+    cls = load_object(name, "task.environment")
+    if not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
+        raise ValueError(f"task.environment={name!r} has no reset() and step() methods")
+    return cls

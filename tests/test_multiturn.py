@@ -1,0 +1,274 @@
+"""Multi-turn episodes without actors: forge_ext.rollout.EpisodeRunner driving a real
+transformers sampler (HFSampler) and real environments, a chat tokenizer trained here.
+
+What must hold: every turn's prompt is exactly the episode's ids so far; the environment's
+replies are the chat template's continuation, masked (0) and without log-probs; limits
+(max_turns, max_episode_tokens, env_timeout_s) bound every episode; an environment that
+raises or hangs costs its episode (reward.on_error, counted), not the batch; a template that
+rewrites earlier turns is refused; and masked tokens carry no gradient through the GRPO loss.
+"""
+
+import asyncio
+import random
+
+import pytest
+import torch
+from conftest import chat_checkpoint
+
+from forge_ext.episode import Episode, pack_episodes
+from forge_ext.generation import HFSampler, SamplingConfig
+from forge_ext.rollout import EpisodeRunner
+from forge_ext.tasks import (
+    EpisodeConfig, PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig, Row,
+    Rubric, episode_config,
+)
+from forge_ext.tasks.environments import CalculatorEnv, FeedbackEnv, calculate
+from forge_ext.tasks.tokenizer import CheckpointTokenizer
+
+
+class VaryingEnv:
+    """Replies of varying length (seeded by the completion), done after ``turns`` turns."""
+
+    def __init__(self, turns: int = 3):
+        self.turns, self.seen = turns, 0
+
+    async def reset(self, row):
+        return [{"role": "user", "content": row.prompt}]
+
+    async def step(self, completion):
+        self.seen += 1
+        rng = random.Random(completion)
+        reply = " ".join(rng.choice(["more", "please", "go on", "what?"])
+                         for _ in range(rng.randint(1, 6)))
+        return reply, 0.1, self.seen >= self.turns
+
+
+class NeverDone:
+    async def reset(self, row):
+        return row.prompt
+
+    async def step(self, completion):
+        return "again", 0.0, False
+
+
+class RaisesAtStep:
+    async def reset(self, row):
+        return row.prompt
+
+    async def step(self, completion):
+        raise RuntimeError("an environment bug")
+
+
+class HangsAtReset:
+    async def reset(self, row):
+        await asyncio.sleep(30)
+
+    async def step(self, completion):
+        return None, 0.0, True
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = chat_checkpoint(tmp_path_factory.mktemp("mt"), end_prone=2.0)
+    tok = CheckpointTokenizer(path)
+    sampler = HFSampler(path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    return path, tok, sampler
+
+
+def runner_for(setup, env, **limits):
+    """A runner of ``env`` (a class of this module, by import path) with an exact_match
+    rubric, and a ``generate`` over the real sampler that records every prompt it gets."""
+    path, tok, sampler = setup
+    render = PromptRenderer(tok, PromptConfig())
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
+                                 on_error=-1.0), _NoTask())
+    config = EpisodeConfig(environment=f"{__name__}:{env.__name__}", **limits)
+    prompts = []
+
+    async def generate(batch, n, *, greedy=False, seed=None):
+        prompts.append([list(p) for p in batch])
+        return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
+                                seed=seed, policy_version=3)
+
+    return EpisodeRunner(tok, render, rubric, config), generate, prompts
+
+
+class _NoTask:
+    name = "t"
+
+    def rewards(self):
+        return {}
+
+    def default_rewards(self):
+        return []
+
+
+ROWS = [Row(prompt="What is 12 plus 30?", answer="42"), Row(prompt="Compute 7 times 6.", answer="42")]
+
+
+def test_every_turn_prompt_is_the_episode_so_far_and_replies_are_masked(setup):
+    _, tok, _ = setup
+    runner, generate, prompts = runner_for(setup, VaryingEnv, max_turns=5,
+                                           max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=11))
+    assert len(batch.trajectories) == 4
+    render = runner.render
+    for i, t in enumerate(batch.trajectories):
+        assert t.turns == 3 and not t.truncated and t.env_error is None
+        assert t.prompt_ids == render(Row(prompt=[{"role": "user", "content": t.row.prompt}],
+                                          answer=""))
+        assert len(t.response_ids) == len(t.response_mask) == len(t.logprobs)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask) if m == 0)
+        assert all(lp < 0.0 for lp, m in zip(t.logprobs, t.response_mask) if m == 1)
+        assert t.versions == [3, 3, 3] and t.policy_version == 3
+        assert batch.rewards[i] == pytest.approx(batch.scores.rewards[i] + 0.3)
+    # Turn k's prompt of an episode is exactly its ids before that turn's tokens.
+    assert [len(p) for p in prompts] == [4, 4, 4]
+    for turn, batch_prompts in enumerate(prompts):
+        for t, prompt in zip(batch.trajectories, batch_prompts):
+            model_turn_starts = [j for j in range(len(t.response_mask))
+                                 if t.response_mask[j] == 1 and (j == 0 or t.response_mask[j - 1] == 0)]
+            assert prompt == t.prompt_ids + t.response_ids[: model_turn_starts[turn]]
+    # Each environment run is the chat template's rendering of the reply after the turn.
+    t = batch.trajectories[0]
+    runs, j = [], 0
+    while j < len(t.response_mask):
+        k = j
+        while k < len(t.response_mask) and t.response_mask[k] == t.response_mask[j]:
+            k += 1
+        runs.append((t.response_mask[j], t.response_ids[j:k]))
+        j = k
+    env_runs = [ids for m, ids in runs if m == 0]
+    assert len(env_runs) == 2
+    for ids in env_runs:
+        text = tok.tokenizer.decode(ids)
+        assert text.startswith("\n<|im_start|>user\n") and text.endswith(
+            "<|im_end|>\n<|im_start|>assistant\n")
+    metrics = batch.metrics()
+    assert metrics["episode/turns_mean"] == 3 and metrics["episode/truncated"] == 0
+    assert len({len(tr.response_ids) for tr in batch.trajectories}) > 1  # replies vary
+
+
+def test_max_turns_and_max_episode_tokens_bound_every_episode(setup):
+    runner, generate, _ = runner_for(setup, NeverDone, max_turns=3, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+    assert [t.turns for t in batch.trajectories] == [3] * 4
+    assert all(t.truncated for t in batch.trajectories)
+    assert batch.metrics()["episode/truncated"] == 1.0
+    runner, generate, _ = runner_for(setup, NeverDone, max_turns=10, max_episode_tokens=20)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+    for t in batch.trajectories:
+        assert len(t.response_ids) <= 20 and t.truncated
+
+
+def test_an_environment_that_raises_or_hangs_costs_its_episode_and_is_counted(setup, capsys):
+    runner, generate, _ = runner_for(setup, RaisesAtStep, max_turns=3, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+    assert [t.env_error for t in batch.trajectories] == ["error"] * 4
+    assert batch.rewards == [-1.0] * 4 and batch.scores.correct == [False] * 4
+    assert batch.metrics()["episode/env_errors"] == 4
+    assert capsys.readouterr().err.count("step() failed (error)") == 1  # one traceback
+    runner, generate, _ = runner_for(setup, HangsAtReset, max_turns=3, max_episode_tokens=400,
+                                     env_timeout_s=0.2)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=1, version=7))
+    assert [t.env_error for t in batch.trajectories] == ["timeout"] * 4
+    assert batch.metrics()["episode/env_timeouts"] == 4
+    for t in batch.trajectories:  # kept, with no valid token, so the group stays whole
+        assert t.response_mask == [0] and t.versions == [7]
+        ep = Episode(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                     generator_logprobs=t.logprobs, advantage=0.0, policy_version=7,
+                     response_mask=t.response_mask)
+        assert (pack_episodes([ep], pad_id=0)["labels"] != -100).sum() == 0
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    from conftest import save_chat_tokenizer
+
+    hf = save_chat_tokenizer(tmp_path)
+    # Like Qwen3's: an assistant turn shows its content only while it is the last one.
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    hf.save_pretrained(tmp_path)
+    tok = CheckpointTokenizer(tmp_path)
+    render = PromptRenderer(tok, PromptConfig())
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), _NoTask())
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        EpisodeRunner(tok, render, rubric, EpisodeConfig(environment="feedback"))
+    EpisodeRunner(tok, render, rubric, EpisodeConfig())  # single-turn: nothing to check
+
+
+def test_built_in_environments():
+    async def play():
+        feedback = FeedbackEnv(feedback="no")
+        assert await feedback.reset(ROWS[0]) == ROWS[0].prompt
+        assert await feedback.step(" 41 ") == ("no", 0.0, False)
+        assert await feedback.step("<answer>42</answer>") == (None, 0.0, True)
+        calc = CalculatorEnv()
+        assert await calc.step("let me <calc>12*(3+4)</calc>") == ("<result>84</result>", 0.0,
+                                                                    False)
+        assert await calc.step("<calc>1/0</calc>") == ("<result>error</result>", 0.0, False)
+        assert await calc.step("<calc>__import__('os')</calc>") == ("<result>error</result>",
+                                                                   0.0, False)
+        assert await calc.step("84") == (None, 0.0, True)
+
+    asyncio.run(play())
+    assert calculate("7/2") == 3.5 and calculate("-(2+3)*4") == -20
+    with pytest.raises(ValueError):
+        calculate("2**100000")
+
+
+def test_episode_fields_are_checked_before_anything_runs():
+    with pytest.raises(ValueError, match="task.environment='nope' is not an environment"):
+        episode_config({"environment": "nope"})
+    with pytest.raises(ValueError, match="task.max_turns=0 must be >= 1"):
+        episode_config({"max_turns": 0})
+    with pytest.raises(ValueError, match="task.environment='no_mod_z:Env': module"):
+        episode_config({"environment": "no_mod_z:Env"})
+    assert episode_config({"environment": "feedback", "max_digits": 2}).max_turns == 4
+
+
+def test_environment_and_prompt_tokens_carry_no_gradient(setup):
+    """The GRPO loss on packed multi-turn episodes through a real model: changing the
+    log-prob inputs (generator's, reference's) at prompt and environment positions leaves
+    every gradient bitwise unchanged; changing them at one model token does not."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.losses import grpo_loss
+
+    path, tok, _ = setup
+    runner, generate, _ = runner_for(setup, VaryingEnv, max_turns=3, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=5))
+    episodes = [Episode(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                        generator_logprobs=t.logprobs, advantage=a, policy_version=3,
+                        ref_logprobs=[lp - 0.1 for lp in t.logprobs],
+                        response_mask=t.response_mask)
+                for t, a in zip(batch.trajectories, [1.0, -0.5, 0.25, -1.0])]
+    packed = pack_episodes(episodes, pad_id=tok.pad_id)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+
+    def gradients(mb):
+        model.zero_grad()
+        logits = model(input_ids=mb["input_ids"]).logits
+        grpo_loss(logits, mb, kl_coef=0.1).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    base = gradients(packed)
+    masked = packed["labels"] == -100
+    assert masked.any() and (~masked).any()
+    changed = {k: v.clone() for k, v in packed.items()}
+    for key in ("generator_logprobs", "ref_logprobs"):
+        changed[key][masked] = torch.randn(int(masked.sum())) * 5
+    assert all(torch.equal(a, b) for a, b in zip(base, gradients(changed)))
+    one = {k: v.clone() for k, v in packed.items()}
+    row, col = (~masked).nonzero()[0].tolist()
+    one["generator_logprobs"][row, col] -= 1.0
+    assert not all(torch.equal(a, b) for a, b in zip(base, gradients(one)))
+    # The environment's positions are masked exactly where the episode says.
+    for r, ep in enumerate(episodes):
+        first = len(ep.prompt_ids) - 1
+        labels = packed["labels"][r, first : first + len(ep.response_ids)]
+        assert ((labels != -100).int().tolist()) == ep.response_mask
