@@ -198,3 +198,49 @@ def chat_checkpoint(root, end_prone: float = 0.0) -> str:
         head[tok.eos_token_id] = end_prone * mean / mean.norm() * head.norm(dim=1).mean()
     return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", arch),
                                   tokenizer_from=init))
+
+
+def _grpo_app():
+    from apps.grpo.main import GRPOApp
+
+    return GRPOApp
+
+
+class Recording(_grpo_app()):
+    """The app as shipped, plus each step's rollouts and the generator-vs-trainer log-prob
+    gap on the sampled tokens (on-policy: the trainer holds the sampling weights)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.rollouts, self.trained, self.gap = {}, {}, {}
+
+    async def build_rollouts(self, step):
+        rollouts = await super().build_rollouts(step)
+        self.rollouts[step] = rollouts
+        self.gap[step] = await generator_logprob_gap(self.trainer, rollouts.episodes,
+                                                     self.tok.pad_id)
+        return rollouts
+
+    async def train_step(self, step, rollouts):
+        metrics = await super().train_step(step, rollouts)
+        self.trained[step] = rollouts
+        return metrics
+
+
+def history(output_dir):
+    """The rows of a run's ``metrics.jsonl``."""
+    import json
+    import os
+
+    return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+
+
+def small(output_dir, checkpoint, *extra):
+    """Overrides of a GRPO config for a 2-step run of 2 prompts x 4 samples, checkpoints off."""
+    return [
+        f"model.hf_path={checkpoint}", f"output_dir={output_dir}",
+        "grpo.prompts_per_step=2", "grpo.group_size=4",
+        "trainer.training.local_batch_size=8", "reference.training.local_batch_size=8",
+        "loop.steps=2", "loop.eval_every=2", "loop.save_every=0",
+        "trainer.checkpoint.enable=false", "procs.env={}", *extra,
+    ]

@@ -272,3 +272,65 @@ def test_environment_and_prompt_tokens_carry_no_gradient(setup):
         first = len(ep.prompt_ids) - 1
         labels = packed["labels"][r, first : first + len(ep.response_ids)]
         assert ((labels != -100).int().tolist()) == ep.response_mask
+
+
+# --------------------------------------------------------------------------------- OpenEnv
+from openenv.core.env_server.interfaces import Environment as _OpenEnvEnvironment  # noqa: E402
+from openenv.core.env_server.types import Action as _Action  # noqa: E402
+from openenv.core.env_server.types import Observation as _Observation  # noqa: E402
+from openenv.core.env_server.types import State as _State  # noqa: E402
+
+
+class GuessAction(_Action):
+    message: str
+
+
+class GuessObservation(_Observation):
+    message: str = ""
+
+
+class GuessEnv(_OpenEnvEnvironment):
+    """An OpenEnv environment: three guesses; each turn's reward is 0.5, the episode ends
+    at the third guess or at the guess "7"."""
+
+    def __init__(self, greeting: str = "Guess a digit."):
+        super().__init__()
+        self.greeting, self.turns = greeting, 0
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.turns = 0
+        return GuessObservation(message=self.greeting)
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self.turns += 1
+        done = self.turns >= 3 or action.message.strip() == "7"
+        return GuessObservation(message="no, again", done=done, reward=0.5)
+
+    @property
+    def state(self):
+        return _State(step_count=self.turns)
+
+
+def test_an_openenv_environment_runs_through_the_same_interface(setup):
+    path, tok, sampler = setup
+    render = PromptRenderer(tok, PromptConfig())
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), _NoTask())
+    config = episode_config({"environment": "openenv", "max_turns": 5, "environment_options": {
+        "env": f"{__name__}:GuessEnv", "action": f"{__name__}:GuessAction",
+        "env_options": {"greeting": "Guess a digit from 0 to 9."}}})
+    runner = EpisodeRunner(tok, render, rubric, config)
+
+    async def generate(batch, n, *, greedy=False, seed=None):
+        return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
+                                seed=seed, policy_version=0)
+
+    batch = asyncio.run(runner.run(ROWS[:1], 3, generate, seed=2))
+    assert any(not t.truncated for t in batch.trajectories)
+    for i, t in enumerate(batch.trajectories):
+        assert t.prompt_ids == render(Row(prompt="Guess a digit from 0 to 9.", answer=""))
+        assert batch.rewards[i] == pytest.approx(batch.scores.rewards[i] + t.env_reward)
+        if not t.truncated:  # every turn was stepped: 0.5 each, done by the third
+            assert t.env_reward == pytest.approx(0.5 * t.turns) and t.turns <= 3
+        if t.turns > 1:
+            replies = [i for i, m in zip(t.response_ids, t.response_mask) if m == 0]
+            assert "no, again" in tok.tokenizer.decode(replies)

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from conftest import chat_checkpoint, generator_logprob_gap
+from conftest import Recording, chat_checkpoint, history, small
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
 from forge_ext.losses.grpo import compute_group_advantages
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -65,41 +64,6 @@ FUNCTIONS = (
     "{fn: 'user_rewards:nan', weight: 0.5}, {fn: 'user_rewards:string', weight: 0.5}]"
 )
 FAILING = ("raises", "hangs", "nan", "string")
-
-
-class Recording(GRPOApp):
-    """The app as shipped, plus each step's rollouts and the generator-vs-trainer log-prob
-    gap on the sampled tokens (on-policy: the trainer holds the sampling weights)."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.rollouts, self.trained, self.gap = {}, {}, {}
-
-    async def build_rollouts(self, step):
-        rollouts = await super().build_rollouts(step)
-        self.rollouts[step] = rollouts
-        self.gap[step] = await generator_logprob_gap(self.trainer, rollouts.episodes,
-                                                     self.tok.pad_id)
-        return rollouts
-
-    async def train_step(self, step, rollouts):
-        metrics = await super().train_step(step, rollouts)
-        self.trained[step] = rollouts
-        return metrics
-
-
-def history(output_dir):
-    return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-
-
-def small(output_dir, checkpoint, *extra):
-    return [
-        f"model.hf_path={checkpoint}", f"output_dir={output_dir}",
-        "grpo.prompts_per_step=2", "grpo.group_size=4",
-        "trainer.training.local_batch_size=8", "reference.training.local_batch_size=8",
-        "loop.steps=2", "loop.eval_every=2", "loop.save_every=0",
-        "trainer.checkpoint.enable=false", "procs.env={}", *extra,
-    ]
 
 
 @pytest.fixture(scope="module")

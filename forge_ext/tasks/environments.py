@@ -20,6 +20,7 @@ Built-ins:
 - ``calculator``: a tool. A turn containing ``<calc>EXPR</calc>`` (``+ - * / ( )``, numbers) is
   answered with ``<result>VALUE</result>`` (or ``<result>error</result>``) and the model goes
   on; a turn without a call is the final answer and ends the episode.
+- ``openenv``: an OpenEnv ``Environment`` in this process (:class:`OpenEnvAdapter`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,50 @@ class CalculatorEnv:
         return f"<result>{text}</result>", 0.0, False
 
 
-ENVIRONMENTS: dict[str, type] = {"feedback": FeedbackEnv, "calculator": CalculatorEnv}
+class OpenEnvAdapter:
+    """``openenv``: an OpenEnv (``openenv-core``) ``Environment`` run in this process through
+    the same interface. Options (``task.environment_options``):
+
+    - ``env``: ``"package.module:Class"`` of an ``openenv.core.env_server.interfaces.
+      Environment`` subclass, built with ``env_options``;
+    - ``action``: ``"package.module:Class"`` of its ``Action`` type; the model's completion
+      goes into its field ``action_field`` (default ``"message"``);
+    - ``observation_field``: the ``Observation`` field shown to the model (default
+      ``"message"``); the first prompt is the row's prompt when ``reset``'s is empty.
+
+    ``reset_async()`` starts an episode and ``step_async(action)`` plays a turn; the
+    observation's ``reward`` (None: 0) and ``done`` are the turn's.
+
+    Raises (on construction):
+        ValueError: ``env`` or ``action`` does not import.
+    """
+
+    def __init__(self, env: str, action: str, env_options: dict | None = None,
+                 action_field: str = "message", observation_field: str = "message") -> None:
+        env_cls = load_object(env, "task.environment_options.env")
+        self.action_cls = load_object(action, "task.environment_options.action")
+        self.env = env_cls(**(env_options or {}))
+        self.action_field, self.observation_field = action_field, observation_field
+
+    def _text(self, observation: Any) -> str:
+        return str(getattr(observation, self.observation_field, "") or "")
+
+    async def reset(self, row: Row) -> str | list[Message]:
+        first = self._text(await self.env.reset_async())
+        return first or row.prompt
+
+    async def step(self, completion: str) -> tuple[str | None, float, bool]:
+        observation = await self.env.step_async(
+            self.action_cls(**{self.action_field: completion}))
+        reward = float(observation.reward or 0.0)
+        if observation.done:
+            return None, reward, True
+        return self._text(observation), reward, False
+
+
+ENVIRONMENTS: dict[str, type] = {
+    "feedback": FeedbackEnv, "calculator": CalculatorEnv, "openenv": OpenEnvAdapter,
+}
 
 
 def environment_class(name: str) -> Any:
