@@ -109,7 +109,8 @@ class EpisodeBatch:
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
         ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction),
-        ``episode/env_errors``, ``episode/env_timeouts`` (counts), ``time/env`` (seconds)."""
+        ``episode/env_errors``, ``episode/env_timeouts`` (counts); :attr:`env_seconds` is
+        the environment's share of the time."""
         out = self.scores.metrics()
         if self.multi_turn:
             t = self.trajectories
@@ -119,7 +120,6 @@ class EpisodeBatch:
                 "episode/truncated": sum(x.truncated for x in t) / len(t),
                 "episode/env_errors": float(sum(x.env_error == "error" for x in t)),
                 "episode/env_timeouts": float(sum(x.env_error == "timeout" for x in t)),
-                "time/env": self.env_seconds,
             })
         return out
 

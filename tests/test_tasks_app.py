@@ -95,7 +95,8 @@ async def user_run(request, user_data, tmp_path_factory):
     config = load_config(BASE[backend], small(
         output_dir, checkpoint, "task.source=dataset", f"task.train_path={root}/train.{fmt}",
         f"task.prompt_field={prompt}", "task.num_eval=4", FUNCTIONS, "reward.timeout_s=0.3",
-        "reward.on_error=0.0", "trainer.training.seq_len=96", "reference.training.seq_len=96",
+        "reward.on_error=0.0", "trainer.training.seq_len=96",
+        "reference=null", "loss.kl_coef=0",  # no KL here: one process fewer to spawn
         "generator.sampling.max_new_tokens=6",
     ))
     import user_rewards
@@ -192,7 +193,8 @@ async def rg_run(rg_runs, rg_warmstart, tmp_path_factory, which):
             rg_runs.output_dir = output_dir
         output_dir = rg_runs.output_dir
         argv = small(output_dir, rg_warmstart, *RG_TASK, "loop.save_every=1",
-                     "trainer.checkpoint.enable=true", "loop.steps=3")
+                     "trainer.checkpoint.enable=true", "loop.steps=3", "reference=null",
+                     "loss.kl_coef=0")
         if which == "crashed":
             app = Recording(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"),
                                         [*argv, "debug.fail_at_step=3"]))

@@ -392,7 +392,7 @@ class GRPOApp(RLLoop):
             "eval/accuracy": sum(batch.scores.correct) / n,
             "eval/reward": sum(batch.rewards) / n,
             "eval/num_prompts": n,
-            **{"eval/" + k: v for k, v in batch.metrics().items() if not k.startswith("time/")},
+            **{"eval/" + k: v for k, v in batch.metrics().items()},
         }
 
     async def save_checkpoint(self, step: int) -> None:
