@@ -1,6 +1,7 @@
 """Shared test helpers. ``import forge_ext`` first: it makes torchtitan pick the CPU device
 on machines without an accelerator."""
 
+import contextlib
 import os
 
 # Monarch polls its meshes' supervision state every 10 s by default, so a killed proc is
@@ -244,3 +245,35 @@ def small(output_dir, checkpoint, *extra):
         "loop.steps=2", "loop.eval_every=2", "loop.save_every=0",
         "trainer.checkpoint.enable=false", "procs.env={}", *extra,
     ]
+
+
+@contextlib.contextmanager
+def engine_core_in_this_process():
+    """vLLM engines started inside run their engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), their workers in processes of their own as
+    always: a process less to start (mostly imports), ~10 s less per engine here.
+
+    The engine core then sets this process's torch threads to 1, seeds its global RNGs,
+    freezes its heap and caches vLLM's environment variables (``vllm/v1/engine/core.py``,
+    ``vllm/engine/arg_utils.py``): all undone on leaving, for the tests that follow.
+    """
+    import gc
+    import random
+
+    import numpy
+    import vllm.envs
+
+    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
+             numpy.random.get_state())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            yield
+        finally:
+            vllm.envs.disable_envs_cache()
+            gc.unfreeze()
+            threads, torch_rng, python_rng, numpy_rng = saved
+            torch.set_num_threads(threads)
+            torch.set_rng_state(torch_rng)
+            random.setstate(python_rng)
+            numpy.random.set_state(numpy_rng)

@@ -206,6 +206,37 @@ def test_only_the_newest_keep_latest_k_checkpoints_remain(reference_weights, tmp
     assert TitanEngine(cfg).load_checkpoint() == 4
 
 
+def test_a_crashed_save_never_counts_toward_keep_latest_k_and_is_never_loaded(
+    reference_weights, tmp_path
+):
+    """A ``step-9`` left by a save that crashed (shard files, no ``.metadata``), newer than
+    anything the run saves: torchtitan 0.3.0 kept it as one of the newest ``keep_latest_k: 2``
+    and deleted ``step-2`` for it (issue 26). It is set aside under a name that says so, both
+    complete checkpoints stay, and neither the latest-step load nor a load of step 9 reads it."""
+    import os
+
+    cfg = config()
+    cfg.update(checkpoint={"enable": True, "folder": "ckpt", "keep_latest_k": 2},
+               dump_folder=str(tmp_path))
+    crashed = tmp_path / "ckpt" / "step-9"
+    crashed.mkdir(parents=True)
+    (crashed / "__0_0.distcp").write_bytes(b"half a shard")
+    engine = TitanEngine(cfg)
+    assert engine.load_checkpoint() == 0  # nothing complete to resume from: a fresh start
+    with pytest.raises(FileNotFoundError, match="step-9 is incomplete"):
+        engine.load_checkpoint(9)
+    batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
+    for _ in range(3):
+        engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+        engine.save_checkpoint(engine.step)
+    engine.close()  # waits for torchtitan's background purge
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-9.incomplete"]
+    assert os.listdir(tmp_path / "ckpt" / "step-9.incomplete") == ["__0_0.distcp"]
+    resumed = TitanEngine(cfg)
+    assert resumed.load_checkpoint() == 3
+    assert resumed.load_checkpoint(2) == 2
+
+
 @pytest.mark.parametrize(
     "mapping, message",
     [

@@ -11,11 +11,9 @@ Llama-3 with ``llama3`` RoPE scaling (KV heads > tp), each at tp=2 (one vLLM eng
 ``merge_vllm_shards`` of its tp=2 shards (and, for a Qwen3, against vLLM's log-probs at tp=1 in tests/test_vllm.py).
 """
 
-import contextlib
-
 import pytest
 import torch
-from conftest import random_state_dict
+from conftest import engine_core_in_this_process, random_state_dict
 from safetensors.torch import load_file
 
 from forge_ext.generation.vllm_sampler import VLLMSampler
@@ -54,38 +52,6 @@ def _checkpoint(directory, model_type, fields):
     if model.config.tie_word_embeddings:
         state_dict.pop("lm_head.weight")
     return state_dict, model.config
-
-
-@contextlib.contextmanager
-def engine_core_in_this_process():
-    """vLLM engines started inside run their engine core in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), their workers in processes of their own as
-    always: a process less to start (mostly imports), ~10 s less per engine here.
-
-    The engine core then sets this process's torch threads to 1, seeds its global RNGs,
-    freezes its heap and caches vLLM's environment variables (``vllm/v1/engine/core.py``,
-    ``vllm/engine/arg_utils.py``): all undone on leaving, for the tests that follow.
-    """
-    import gc
-    import random
-
-    import numpy
-    import vllm.envs
-
-    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
-             numpy.random.get_state())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            yield
-        finally:
-            vllm.envs.disable_envs_cache()
-            gc.unfreeze()
-            threads, torch_rng, python_rng, numpy_rng = saved
-            torch.set_num_threads(threads)
-            torch.set_rng_state(torch_rng)
-            random.setstate(python_rng)
-            numpy.random.set_state(numpy_rng)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-tp{t}" for n, t in CASES])

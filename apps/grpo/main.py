@@ -518,18 +518,16 @@ class GRPOApp(RLLoop):
 
 def latest_checkpoint_step(config: GRPOConfig) -> int:
     """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
-    folder (with ``.metadata``), 0 if none or checkpoints are off."""
+    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), 0 if none or
+    checkpoints are off."""
     from forge_ext.engine import engine_config_from_mapping
+    from forge_ext.engine.checkpoint import complete_checkpoint_steps
 
     engine = engine_config_from_mapping(config.trainer)
     if not engine.checkpoint.enable:
         return 0
     folder = Path(engine.dump_folder) / engine.checkpoint.folder
-    steps = [
-        int(step.name.split("-", 1)[1]) for step in folder.glob("step-*")
-        if step.name.split("-", 1)[1].isdigit() and (step / ".metadata").is_file()
-    ]
-    return max(steps, default=0)
+    return max(complete_checkpoint_steps(folder), default=0)
 
 
 def _file_fingerprints(hf_path: str) -> dict[str, str]:

@@ -13,7 +13,8 @@ The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
       activation_checkpoint: {mode: none}
 
 ``training``, ``parallelism``, ``lr_scheduler``, ``checkpoint`` and ``compile`` are torchtitan's
-own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``,
+own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``
+(built as :class:`forge_ext.engine.checkpoint.CheckpointManager`),
 ``LRSchedulersContainer.Config``), so every torchtitan field is accepted under its torchtitan
 name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``.
 
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 import torch
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
@@ -44,6 +44,8 @@ from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from forge_ext.config import check_keys, from_mapping
+# torchtitan's manager with retention that counts only complete checkpoints (same fields).
+from forge_ext.engine.checkpoint import CheckpointManager
 
 # torchtitan warnings (through the root logger, torchtitan/tools/logging.py) about defaults
 # that do not apply to the engine, printed by every process for every engine config or model:

@@ -379,7 +379,9 @@ class TitanEngine(BaseEngine):
     def save_checkpoint(self, step: int) -> None:
         """Save model, optimizer, LR scheduler and train state for ``step`` with DCP under
         ``<dump_folder>/<checkpoint.folder>/step-<step>`` (``.metadata`` written last, so a
-        half-written step is never picked by :meth:`load_checkpoint`).
+        half-written step is never picked by :meth:`load_checkpoint`). Then only the newest
+        ``checkpoint.keep_latest_k`` complete checkpoints are kept; a folder a crashed save
+        left is set aside as ``step-<N>.incomplete`` (:mod:`forge_ext.engine.checkpoint`).
 
         Raises:
             ValueError: if ``checkpoint.enable`` is false.
@@ -395,7 +397,8 @@ class TitanEngine(BaseEngine):
 
         Raises:
             ValueError: if ``checkpoint.enable`` is false.
-            FileNotFoundError: if ``step`` is given and was not saved.
+            FileNotFoundError: if ``step`` is given and was not saved, or its save did not
+                finish (no ``.metadata``).
         """
         if not self.checkpointer.enable:
             raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")

@@ -120,6 +120,64 @@ def stop_token_ids(hf_path: str | os.PathLike, tokenizer_eos_id: int | None) -> 
     return as_stop_ids(ids)
 
 
+#: ``transformers.GenerationConfig`` options that shape the sampled distribution, at the
+#: value that turns each off. transformers 5 reads an option passed as None as *unset* and
+#: fills it from the model's ``generation_config`` and then from its own defaults
+#: (``GenerationMixin._prepare_generation_config``, ``GenerationConfig
+#: ._get_default_generation_params``): ``top_k=None`` became ``top_k=50`` (issue 26). Those
+#: that are off only as None (``top_h``, ``bad_words_ids``, ``sequence_bias``,
+#: ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
+#: ``forced_eos_token_id``, ``exponential_decay_length_penalty``, ``watermarking_config``)
+#: have no default there and :class:`HFSampler` gives the model a ``generation_config``
+#: without them. The list follows ``GenerationMixin._get_logits_processor`` (5.19).
+HF_NEUTRAL_LOGITS_PROCESSING = {
+    "num_beams": 1,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "guidance_scale": 1.0,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+}
+#: The same for the warpers transformers applies only when sampling (``do_sample=True``).
+HF_NEUTRAL_SAMPLING_WARPERS = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+}
+
+
+def hf_generation_config(
+    sampling: SamplingConfig, *, greedy: bool, stop_token_ids: Sequence[int], pad_token_id: int
+):
+    """The ``transformers.GenerationConfig`` of one :meth:`HFSampler.generate` call: softmax
+    of the logits at ``sampling.temperature``, then nucleus ``sampling.top_p``, and nothing
+    else (every other option that could change a draw set to off, see
+    :data:`HF_NEUTRAL_LOGITS_PROCESSING`); ``greedy``: the argmax of the raw logits."""
+    from transformers import GenerationConfig
+
+    warpers = {} if greedy else {
+        **HF_NEUTRAL_SAMPLING_WARPERS,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    return GenerationConfig(
+        do_sample=not greedy,
+        **HF_NEUTRAL_LOGITS_PROCESSING,
+        **warpers,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=list(stop_token_ids),
+        pad_token_id=pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
 class HFSampler:
     """``transformers`` ``AutoModelForCausalLM`` sampling with KV cache (``generate``).
 
@@ -142,7 +200,9 @@ class HFSampler:
         ).to(device)
         self.model.eval()
         # Forget the checkpoint's sampling defaults (generation_config.json, e.g. Qwen3's
-        # top_k=20, temperature=0.6): transformers fills unset generate() options from them.
+        # top_k=20, temperature=0.6): transformers fills every generate() option left None
+        # from them. The options that are off only as None stay off because this config
+        # leaves them None too (see HF_NEUTRAL_LOGITS_PROCESSING).
         from transformers import GenerationConfig
 
         self.model.generation_config = GenerationConfig(
@@ -176,8 +236,6 @@ class HFSampler:
         Returns:
             ``len(prompts) * n`` completions, prompt-major (``n`` consecutive per prompt).
         """
-        from transformers import GenerationConfig
-
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
         rows = [list(p) for p in prompts for _ in range(n)]
@@ -187,16 +245,9 @@ class HFSampler:
         for i, row in enumerate(rows):
             input_ids[i, width - len(row) :] = torch.tensor(row)
             attention_mask[i, width - len(row) :] = 1
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=list(self.stop_token_ids),
+        config = hf_generation_config(
+            sampling, greedy=greedy, stop_token_ids=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
         )
         with _fork_rng(seed):
             out = self.model.generate(

@@ -149,6 +149,12 @@ def sampling_params(
     checkpoint's ``generation_config.json`` (``SamplingParams.update_from_generation_config``,
     ``vllm/sampling_params.py``), ids the caller did not pass. Callers that want them pass
     them (:func:`~forge_ext.generation.sampling.stop_token_ids` does).
+
+    Draws come from the softmax at ``sampling.temperature`` restricted to nucleus
+    ``sampling.top_p`` and nothing else: every other option that shapes the distribution is
+    passed at its off value, not left to vLLM's defaults (issue 26). Parameters passed here are
+    used as given: ``generation_config.json``'s sampling defaults (top-k, min-p, penalties)
+    apply only to requests without ``SamplingParams`` (``LLM.get_default_sampling_params``).
     """
     from vllm import SamplingParams
 
@@ -157,6 +163,16 @@ def sampling_params(
         temperature=0.0 if greedy else sampling.temperature,
         top_p=1.0 if greedy else sampling.top_p,
         top_k=0,
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias=None,
+        allowed_token_ids=None,
+        bad_words=None,
+        structured_outputs=None,
+        watermarking=False,  # None means "the engine's watermark, if it has one"
+        min_tokens=0,
         max_tokens=sampling.max_new_tokens,
         logprobs=0,  # the sampled token's log-prob only
         seed=seed,
