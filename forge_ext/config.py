@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -149,9 +150,33 @@ def check_keys(cls: type, mapping: Any, path: str = "") -> None:
         keys = ", ".join(repr(_join(path, k)) for k in unknown)
         raise ValueError(f"unknown key {keys}; accepted keys of {where}: {names}")
     for key, value in mapping.items():
-        field_cls = _dataclass_of(hints[key])
+        hint = hints[key]
+        is_list, item_cls = _list_of(hint)
+        if is_list:
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"{_join(path, key)}: {value!r} is not a list; write a YAML list, e.g. "
+                    f"{_join(path, key)}=[...]"
+                )
+            for i, item in enumerate(value or []):
+                if item_cls is not None and isinstance(item, Mapping):
+                    check_keys(item_cls, item, f"{_join(path, key)}[{i}]")
+            continue
+        field_cls = _dataclass_of(hint)
         if field_cls is not None and isinstance(value, Mapping):
             check_keys(field_cls, value, _join(path, key))
+
+
+def _list_of(hint: Any) -> tuple[bool, type | None]:
+    """``(True, X or None)`` for a ``list[X]`` (or ``list[X] | None``) field, X when it is a
+    dataclass; ``(False, None)`` otherwise."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or (
+        typing.get_origin(hint) is typing.Union) else (hint,)
+    for member in members:
+        if typing.get_origin(member) is list:
+            args = typing.get_args(member)
+            return True, (args[0] if args and dataclasses.is_dataclass(args[0]) else None)
+    return False, None
 
 
 def _dataclass_of(hint: Any) -> type | None:

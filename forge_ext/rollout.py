@@ -25,6 +25,8 @@ by the oldest).
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import sys
 import time
 import traceback
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 from forge_ext.generation import Completion
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
+from forge_ext.tasks.rubric import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
 Generate = Callable[..., Awaitable[list[Completion]]]
@@ -138,6 +141,7 @@ class EpisodeRunner:
         if config.environment is not None:
             render.check_continuation()
         self._reported: set[str] = set()
+        self._pool = DaemonPool(8)  # environments' sync reset/step
 
     @property
     def multi_turn(self) -> bool:
@@ -170,7 +174,7 @@ class EpisodeRunner:
                         for row in rows for _ in range(group)]
         env_seconds = 0.0
         start = time.perf_counter()
-        firsts = await asyncio.gather(*(self._env_call(t, t.env.reset(t.row), "reset")
+        firsts = await asyncio.gather(*(self._env_call(t, t.env.reset, t.row)
                                         for t in trajectories))
         env_seconds += time.perf_counter() - start
         for t, first in zip(trajectories, firsts):
@@ -203,7 +207,7 @@ class EpisodeRunner:
             stepping = [t for t in replies if not t.done]
             start = time.perf_counter()
             results = await asyncio.gather(*(
-                self._env_call(t, t.env.step(self.tok.completion_text(t.last_turn)[0]), "step")
+                self._env_call(t, t.env.step, self.tok.completion_text(t.last_turn)[0])
                 for t in stepping
             ))
             env_seconds += time.perf_counter() - start
@@ -241,9 +245,18 @@ class EpisodeRunner:
                 t.add([self.tok.eos_id], False)
         return await self._score(trajectories, env_seconds)
 
-    async def _env_call(self, t: Trajectory, call, what: str):
+    async def _env_call(self, t: Trajectory, method, argument):
+        """``method(argument)`` (an environment's ``reset`` or ``step``, async or not: a sync
+        one runs on a daemon worker) within ``task.env_timeout_s``; None if it failed, which
+        ends the episode."""
+        what, timeout = method.__name__, self.config.env_timeout_s
         try:
-            return await asyncio.wait_for(call, self.config.env_timeout_s)
+            if inspect.iscoroutinefunction(method):
+                return await asyncio.wait_for(method(argument), timeout)
+            result = await self._pool.call(functools.partial(method, argument), {}, timeout)
+            if inspect.isawaitable(result):
+                result = await asyncio.wait_for(result, timeout)
+            return result
         except asyncio.CancelledError:
             raise
         except (asyncio.TimeoutError, TimeoutError):

@@ -10,6 +10,7 @@ rewrites earlier turns is refused; and masked tokens carry no gradient through t
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -57,6 +58,21 @@ class RaisesAtStep:
 
     async def step(self, completion):
         raise RuntimeError("an environment bug")
+
+
+class SyncEnv:
+    """Plain ``def`` methods (a newcomer's first environment): run on a worker thread; a
+    row whose answer is "slow" hangs its reset."""
+
+    def reset(self, row):
+        if row.answer == "slow":
+            import time
+
+            time.sleep(30)
+        return row.prompt
+
+    def step(self, completion):
+        return None, 0.5, True
 
 
 class HangsAtReset:
@@ -179,6 +195,20 @@ def test_an_environment_that_raises_or_hangs_costs_its_episode_and_is_counted(se
                      generator_logprobs=t.logprobs, advantage=0.0, policy_version=7,
                      response_mask=t.response_mask)
         assert (pack_episodes([ep], pad_id=0)["labels"] != -100).sum() == 0
+
+
+def test_an_environment_with_plain_methods_runs_and_its_hangs_time_out(setup):
+    runner, generate, _ = runner_for(setup, SyncEnv, max_turns=3, max_episode_tokens=400,
+                                     env_timeout_s=1.0)
+    rows = [ROWS[0], Row(prompt="What is 1 plus 1?", answer="slow")]
+    start = time.perf_counter()
+    batch = asyncio.run(runner.run(rows, 2, generate, seed=3))
+    assert time.perf_counter() - start < 20  # the hung resets cost their timeout, not 30 s
+    normal, slow = batch.trajectories[:2], batch.trajectories[2:]
+    assert [t.env_error for t in slow] == ["timeout", "timeout"]
+    for t in normal:
+        assert t.env_error is None
+        assert t.truncated or (t.turns == 1 and t.env_reward == 0.5)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):

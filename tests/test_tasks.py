@@ -387,6 +387,12 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
         (task(source="'no_such_pkg_y:make'"), r"task.source='no_such_pkg_y:make': module"),
         (["prompt.template='{x}+{b}='"], r"training row 0: prompt.template='\{x\}\+\{b\}=' does not"),
         (["reward.timeout_s=0"], r"reward.timeout_s=0 must be > 0"),
+        # A typo inside a list entry, and a string where the list goes (a newcomer's tries).
+        (["reward.functions=[{fn: exact_match, wieght: 2}]"],
+         r"unknown key 'reward.functions\[0\].wieght'; accepted keys of reward.functions\[0\]"),
+        (["reward.functions=[{fn:exact_match}]"], r"unknown key 'reward.functions\[0\].fn:exact_match'"),
+        (["reward.functions=my_rewards:exact"],
+         r"reward.functions: 'my_rewards:exact' is not a list; write a YAML list"),
     ]
     start = time.perf_counter()
     for extra, pattern in cases:
@@ -416,6 +422,11 @@ def test_a_user_task_factory_by_import_path(tmp_path):
             return MyTask(n)
         def broken():
             return [1, 2]
+        class DictDefaults(MyTask):
+            def default_rewards(self):
+                return [{"fn": "exact_match"}]
+        def dict_defaults():
+            return DictDefaults(2)
     """)
     task = build_task({"source": f"{mod}:make", "n": 4})
     assert [r.answer for r in task.train_rows()] == ["0", "1", "2", "3"]
@@ -426,3 +437,6 @@ def test_a_user_task_factory_by_import_path(tmp_path):
     with pytest.raises(ValueError, match=r"returned a list, not a task"):
         build_task({"source": f"{mod}:broken"})
     assert task_config({"source": f"{mod}:make"}).fields == {}
+    with pytest.raises(ValueError, match=r"default_rewards\(\) must return reward function "
+                                         r"names \(a list of str\)"):
+        Rubric(RewardConfig(), build_task({"source": f"{mod}:dict_defaults"}))

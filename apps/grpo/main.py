@@ -119,13 +119,20 @@ class GRPOApp(RLLoop):
         if not self.eval_rows:
             raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
                              "(or task.eval_path) to at least 1")
-        longest = 0
+        longest, unknown = 0, 0
+        unk = self.tok.tokenizer.unk_token_id
         for split, rows in (("training", train_rows), ("held-out", self.eval_rows)):
             for i, row in enumerate(rows):
                 try:
-                    longest = max(longest, len(render(row)))
+                    ids = render(row)
                 except ValueError as e:
                     raise ValueError(f"{split} row {i}: {e}") from None
+                longest = max(longest, len(ids))
+                unknown += unk is not None and unk in ids
+        if unknown:  # e.g. the demo's character tokenizer on English prompts
+            print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
+                  f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
+                  "(characters or words outside its vocabulary)", file=sys.stderr)
         episodes = episode_config(config.task)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # An episode after its first prompt: one turn, or up to task.max_episode_tokens.

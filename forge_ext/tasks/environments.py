@@ -1,7 +1,8 @@
 """Environments of multi-turn episodes: what answers the model between its turns.
 
-An environment is a class with two async methods, one instance per episode (as TRL's
-``environment_factory``, OpenEnv's ``reset``/``step`` and torchtitan's ``MessageEnv``)::
+An environment is a class with two methods, one instance per episode (as TRL's
+``environment_factory``, OpenEnv's ``reset``/``step`` and torchtitan's ``MessageEnv``), async
+or not (a sync one runs on a daemon worker thread, so a hung call costs only its episode)::
 
     async def reset(self, row: Row) -> str | list[Message]   # the first prompt
     async def step(self, completion: str) -> tuple[str | Message | None, float, bool]

@@ -116,14 +116,25 @@ class Rubric:
     def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
-        entries = config.functions or [RewardFunctionConfig(fn=f) for f in task.default_rewards()]
+        defaults, task_rewards = list(task.default_rewards()), task.rewards()
+        if not all(isinstance(f, str) for f in defaults):
+            raise ValueError(
+                f"the task ({task.name})'s default_rewards() must return reward function names "
+                f"(a list of str), got {defaults!r:.100}"
+            )
+        if not (isinstance(task_rewards, dict) and all(
+                isinstance(k, str) and callable(v) for k, v in task_rewards.items())):
+            raise ValueError(
+                f"the task ({task.name})'s rewards() must return {{name: function}}, got "
+                f"{task_rewards!r:.100}"
+            )
+        entries = config.functions or [RewardFunctionConfig(fn=f) for f in defaults]
         if not entries:
             raise ValueError(
                 f"reward.functions is empty and the task ({task.name}) has no default reward; "
                 "set e.g. reward.functions=[{fn: math_verify}] or [{fn: exact_match}], or "
                 "[{fn: 'my_module:my_reward'}]"
             )
-        task_rewards = task.rewards()
         self.config = config
         self.functions: dict[str, tuple[RewardFn, float, set[str] | None]] = {}
         for i, entry in enumerate(entries):
