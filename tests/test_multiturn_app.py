@@ -39,7 +39,7 @@ def argv(root, checkpoint, output_dir, *extra):
         "task.num_eval=2", "task.environment=test_multiturn:VaryingEnv", "task.max_turns=4",
         "task.max_episode_tokens=96", "reward.functions=[{fn: exact_match}]",
         "trainer.training.seq_len=128", "reference.training.seq_len=128",
-        "generator.sampling.max_new_tokens=16", *extra,
+        "generator.sampling.max_new_tokens=16", "generator.vllm.max_model_len=160", *extra,
     )
 
 

@@ -387,6 +387,8 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
         (task(source="'no_such_pkg_y:make'"), r"task.source='no_such_pkg_y:make': module"),
         (["prompt.template='{x}+{b}='"], r"training row 0: prompt.template='\{x\}\+\{b\}=' does not"),
         (["reward.timeout_s=0"], r"reward.timeout_s=0 must be > 0"),
+        (["task.environment=feedback", "task.max_episode_tokens=100"],
+         r"trainer.training.seq_len=32 < 107 tokens \(longest prompt \+ task.max_episode_tokens\)"),
         # A typo inside a list entry, and a string where the list goes (a newcomer's tries).
         (["reward.functions=[{fn: exact_match, wieght: 2}]"],
          r"unknown key 'reward.functions\[0\].wieght'; accepted keys of reward.functions\[0\]"),
@@ -440,3 +442,19 @@ def test_a_user_task_factory_by_import_path(tmp_path):
     with pytest.raises(ValueError, match=r"default_rewards\(\) must return reward function "
                                          r"names \(a list of str\)"):
         Rubric(RewardConfig(), build_task({"source": f"{mod}:dict_defaults"}))
+
+
+def test_an_episode_longer_than_vllms_context_is_refused_before_any_spawn(tmp_path,
+                                                                         demo_checkpoint):
+    from apps.grpo.config import load_config
+    from apps.grpo.main import GRPOApp
+
+    config = load_config(str(CONFIGS / "grpo_cpu_vllm.yaml"), [
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / 'run'}",
+        "task.environment=feedback", "task.max_episode_tokens=50",
+        "trainer.training.seq_len=64", "reference.training.seq_len=64",
+        "generator.vllm.max_model_len=48",
+    ])
+    with pytest.raises(ValueError, match=r"generator.vllm.max_model_len=48 < 57 tokens "
+                                         r"\(longest prompt \+ task.max_episode_tokens\)"):
+        GRPOApp(config)

@@ -139,14 +139,18 @@ class GRPOApp(RLLoop):
         after = (episodes.max_episode_tokens if self.runner.multi_turn
                  else config.generator.sampling.max_new_tokens)
         longest += after
-        seq_len = config.trainer.get("training", {}).get("seq_len")
-        if seq_len is not None and longest > seq_len:
-            what = ("task.max_episode_tokens" if self.runner.multi_turn
-                    else "generator.sampling.max_new_tokens")
-            raise ValueError(
-                f"trainer.training.seq_len={seq_len} < {longest} tokens (longest prompt + "
-                f"{what}); raise trainer.training.seq_len"
-            )
+        what = ("task.max_episode_tokens" if self.runner.multi_turn
+                else "generator.sampling.max_new_tokens")
+        # Where an episode must fit: the trainer's rows and vLLM's context.
+        limits = {"trainer.training.seq_len": config.trainer.get("training", {}).get("seq_len")}
+        if config.generator.backend == "vllm":
+            limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
+        for field_name, limit in limits.items():
+            if limit is not None and longest > limit:
+                raise ValueError(
+                    f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
+                    f"raise {field_name}"
+                )
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "task": resolved_task(config.task),
