@@ -255,7 +255,10 @@ def engine_core_in_this_process():
 
     The engine core then sets this process's torch threads to 1, seeds its global RNGs,
     freezes its heap and caches vLLM's environment variables (``vllm/v1/engine/core.py``,
-    ``vllm/engine/arg_utils.py``): all undone on leaving, for the tests that follow.
+    ``vllm/engine/arg_utils.py``), and ``VLLMSampler`` sets defaults in ``os.environ``
+    (``VLLM_CPU_OMP_THREADS_BIND`` for its tensor-parallel size: left set, a later tp=2
+    engine's workers failed on tp=1's binding): all undone on leaving, for the tests that
+    follow.
     """
     import gc
     import random
@@ -265,11 +268,14 @@ def engine_core_in_this_process():
 
     saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
              numpy.random.get_state())
+    environ = dict(os.environ)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             yield
         finally:
+            os.environ.clear()
+            os.environ.update(environ)
             vllm.envs.disable_envs_cache()
             gc.unfreeze()
             threads, torch_rng, python_rng, numpy_rng = saved

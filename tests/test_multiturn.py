@@ -305,62 +305,72 @@ def test_environment_and_prompt_tokens_carry_no_gradient(setup):
 
 
 # --------------------------------------------------------------------------------- OpenEnv
-from openenv.core.env_server.interfaces import Environment as _OpenEnvEnvironment  # noqa: E402
-from openenv.core.env_server.types import Action as _Action  # noqa: E402
-from openenv.core.env_server.types import Observation as _Observation  # noqa: E402
-from openenv.core.env_server.types import State as _State  # noqa: E402
+# The OpenEnv run happens in a subprocess: importing openenv (it imports gradio) leaves a
+# werkzeug context proxy among the process's module globals, and vLLM engines started in a
+# process afterwards fail walking them (``register_triton_kernel_overrides``: "Working
+# outside of application context"); the tests that start vLLM engines in the pytest process
+# must not see it.
+OPENENV_RUN = """
+import asyncio, json, sys
+from forge_ext.generation import HFSampler, SamplingConfig
+from forge_ext.rollout import EpisodeRunner
+from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig,
+                             Row, Rubric, episode_config)
+from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
+class NoTask:
+    name = "t"
+    def rewards(self): return {}
+    def default_rewards(self): return []
 
-class GuessAction(_Action):
-    message: str
+path = sys.argv[1]
+tok = CheckpointTokenizer(path)
+sampler = HFSampler(path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+render = PromptRenderer(tok, PromptConfig())
+rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), NoTask())
+config = episode_config({"environment": "openenv", "max_turns": 5, "environment_options": {
+    "env": "openenv_guess:GuessEnv", "action": "openenv_guess:GuessAction",
+    "env_options": {"greeting": "Guess a digit from 0 to 9."}}})
+runner = EpisodeRunner(tok, render, rubric, config)
 
+async def generate(batch, n, *, greedy=False, seed=None):
+    return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
+                            seed=seed, policy_version=0)
 
-class GuessObservation(_Observation):
-    message: str = ""
-
-
-class GuessEnv(_OpenEnvEnvironment):
-    """An OpenEnv environment: three guesses; each turn's reward is 0.5, the episode ends
-    at the third guess or at the guess "7"."""
-
-    def __init__(self, greeting: str = "Guess a digit."):
-        super().__init__()
-        self.greeting, self.turns = greeting, 0
-
-    def reset(self, seed=None, episode_id=None, **kwargs):
-        self.turns = 0
-        return GuessObservation(message=self.greeting)
-
-    def step(self, action, timeout_s=None, **kwargs):
-        self.turns += 1
-        done = self.turns >= 3 or action.message.strip() == "7"
-        return GuessObservation(message="no, again", done=done, reward=0.5)
-
-    @property
-    def state(self):
-        return _State(step_count=self.turns)
+batch = asyncio.run(runner.run([Row(prompt="unused", answer="7")], 3, generate, seed=2))
+json.dump({
+    "expected_prompt": render(Row(prompt="Guess a digit from 0 to 9.", answer="")),
+    "episodes": [{"prompt_ids": t.prompt_ids, "turns": t.turns, "truncated": t.truncated,
+                  "env_reward": t.env_reward, "reward": r, "rubric": s,
+                  "replies": tok.tokenizer.decode(
+                      [i for i, m in zip(t.response_ids, t.response_mask) if m == 0])}
+                 for t, r, s in zip(batch.trajectories, batch.rewards, batch.scores.rewards)],
+}, sys.stdout)
+"""
 
 
 def test_an_openenv_environment_runs_through_the_same_interface(setup):
-    path, tok, sampler = setup
-    render = PromptRenderer(tok, PromptConfig())
-    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), _NoTask())
-    config = episode_config({"environment": "openenv", "max_turns": 5, "environment_options": {
-        "env": f"{__name__}:GuessEnv", "action": f"{__name__}:GuessAction",
-        "env_options": {"greeting": "Guess a digit from 0 to 9."}}})
-    runner = EpisodeRunner(tok, render, rubric, config)
+    """An OpenEnv ``Environment`` (tests/openenv_guess.py: three guesses, 0.5 each) through
+    the ``openenv`` adapter: its reset is the first prompt, its observations the replies,
+    its rewards the episode's."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    async def generate(batch, n, *, greedy=False, seed=None):
-        return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
-                                seed=seed, policy_version=0)
-
-    batch = asyncio.run(runner.run(ROWS[:1], 3, generate, seed=2))
-    assert any(not t.truncated for t in batch.trajectories)
-    for i, t in enumerate(batch.trajectories):
-        assert t.prompt_ids == render(Row(prompt="Guess a digit from 0 to 9.", answer=""))
-        assert batch.rewards[i] == pytest.approx(batch.scores.rewards[i] + t.env_reward)
-        if not t.truncated:  # every turn was stepped: 0.5 each, done by the third
-            assert t.env_reward == pytest.approx(0.5 * t.turns) and t.turns <= 3
-        if t.turns > 1:
-            replies = [i for i, m in zip(t.response_ids, t.response_mask) if m == 0]
-            assert "no, again" in tok.tokenizer.decode(replies)
+    path = setup[0]
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", OPENENV_RUN, path], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])},
+    )
+    result = json.loads(out.stdout)
+    episodes = result["episodes"]
+    assert len(episodes) == 3 and any(not e["truncated"] for e in episodes)
+    for e in episodes:
+        assert e["prompt_ids"] == result["expected_prompt"]
+        assert e["reward"] == pytest.approx(e["rubric"] + e["env_reward"])
+        if not e["truncated"]:  # every turn was stepped: 0.5 each, done by the third
+            assert e["env_reward"] == pytest.approx(0.5 * e["turns"]) and e["turns"] <= 3
+        if e["turns"] > 1:
+            assert "no, again" in e["replies"]
