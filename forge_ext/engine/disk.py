@@ -1,0 +1,155 @@
+"""Checkpoint writes that run out of space (or hit any other OSError), reported in one line
+(issue 26, fault 3).
+
+A full disk used to surface as a dead trainer host and a traceback. :func:`write_checkpoint`
+wraps one save: before writing it compares the free space with the size of the last
+complete save (when known) and refuses early; an ``OSError`` during the write (raised
+directly or inside DCP's ``CheckpointException``, a ``BaseException``) becomes a
+:class:`CheckpointWriteError` naming what was written, where, the free and the needed space,
+and the last complete checkpoint. The half-written folder is removed (it frees space and is
+never loadable: DCP writes ``.metadata`` last).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+STEP_FOLDER = re.compile(r"step-(\d+)$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message is the one line to show the user.
+
+    Attributes: ``path`` (the folder being written), ``errno`` (None for the pre-save
+    refusal), ``free_bytes``, ``needed_bytes`` (None when unknown), ``last_complete``
+    (path of the newest complete checkpoint, or None)."""
+
+    def __init__(self, message: str, *, path: str, errno: int | None, free_bytes: int | None,
+                 needed_bytes: int | None, last_complete: str | None) -> None:
+        super().__init__(message)
+        self.path, self.errno = path, errno
+        self.free_bytes, self.needed_bytes, self.last_complete = (
+            free_bytes, needed_bytes, last_complete)
+
+    def __reduce__(self):  # picklable with its fields, so it reaches the controller intact
+        return (_rebuild, (str(self), self.path, self.errno, self.free_bytes,
+                           self.needed_bytes, self.last_complete))
+
+
+def _rebuild(message, path, errno_, free, needed, last):
+    return CheckpointWriteError(message, path=path, errno=errno_, free_bytes=free,
+                                needed_bytes=needed, last_complete=last)
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes for an unprivileged writer on the filesystem that holds (or will hold)
+    ``path``; None if it cannot be measured."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path``."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def last_complete_checkpoint(folder: str) -> str | None:
+    """The newest ``<folder>/step-N`` holding DCP's ``.metadata`` (written last)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    steps = [
+        (int(m.group(1)), name) for name in names if (m := STEP_FOLDER.match(name))
+        and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    ]
+    return os.path.join(folder, max(steps)[1]) if steps else None
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError that caused ``error``: itself, one it was raised from, or (DCP) one in a
+    ``CheckpointException``'s per-rank failures."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            for failure in e.failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _mb(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def write_checkpoint(
+    write: Callable[[], object], *, what: str, path: str, folder: str,
+    needed_bytes: int | None,
+) -> int:
+    """Run ``write()`` (which writes the checkpoint folder ``path`` inside ``folder``) and
+    return the bytes it wrote. ``needed_bytes``: the last complete save's size, None before
+    the first.
+
+    Raises:
+        CheckpointWriteError: before writing, when the free space is measurably short of
+            ``needed_bytes``; or when ``write`` raised an OSError (ENOSPC, EACCES, EROFS,
+            EDQUOT...), directly or inside DCP's ``CheckpointException``.
+    """
+    last = last_complete_checkpoint(folder)
+    last_text = f"last complete checkpoint: {last or 'none'}"
+    free = free_bytes(path)
+    if needed_bytes is not None and free is not None and free < needed_bytes:
+        raise CheckpointWriteError(
+            f"not writing {what} to {path}: {_mb(free)} free on its filesystem, "
+            f"{_mb(needed_bytes)} needed (the last checkpoint's size); free space or set "
+            f"a larger output_dir filesystem; {last_text}",
+            path=path, errno=None, free_bytes=free, needed_bytes=needed_bytes,
+            last_complete=last,
+        )
+    existed = os.path.exists(path)
+    try:
+        write()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised unless an OSError
+        os_error = os_error_in(e)
+        if os_error is None:
+            raise
+        if not existed:  # half-written: never loadable, and it holds the space
+            shutil.rmtree(path, ignore_errors=True)
+        free = free_bytes(path)
+        reason = (errno.errorcode.get(os_error.errno, str(os_error.errno))
+                  if os_error.errno is not None else type(os_error).__name__)
+        basis = "" if needed_bytes is None else " (the last checkpoint's size)"
+        raise CheckpointWriteError(
+            f"writing {what} to {path} failed: {reason} ({os_error.strerror or os_error}); "
+            f"{_mb(free)} free, {_mb(needed_bytes)} needed{basis}; {last_text}",
+            path=path, errno=os_error.errno, free_bytes=free, needed_bytes=needed_bytes,
+            last_complete=last,
+        ) from None
+    return tree_bytes(path)
