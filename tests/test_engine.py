@@ -313,7 +313,7 @@ def test_a_checkpoint_save_that_runs_out_of_space_is_one_line_naming_what_where_
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from forge_ext.engine.disk import CheckpointWriteError
+    from forge_ext.disk import CheckpointWriteError
 
     engine, cfg = _disk_engine(reference_weights, tmp_path)
     real_write_item, calls = dcp_fs._write_item, []
@@ -345,7 +345,7 @@ def test_a_save_with_measurably_too_little_free_space_is_refused_before_writing(
     import os
     import shutil
 
-    from forge_ext.engine import disk
+    from forge_ext import disk
 
     engine, _ = _disk_engine(reference_weights, tmp_path)
     usage = shutil.disk_usage(tmp_path)

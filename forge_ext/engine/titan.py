@@ -28,7 +28,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 
-from forge_ext.engine import disk
+from forge_ext import disk
 from forge_ext.engine.base import (
     Batch,
     BaseEngine,
@@ -387,7 +387,7 @@ class TitanEngine(BaseEngine):
 
         Raises:
             ValueError: if ``checkpoint.enable`` is false.
-            forge_ext.engine.disk.CheckpointWriteError: before writing, if the free space is
+            forge_ext.disk.CheckpointWriteError: before writing, if the free space is
                 short of the last save's size; or if the write hit an OSError (no space,
                 permissions, read-only filesystem, quota). One line: what, where, free and
                 needed space, the last complete checkpoint.

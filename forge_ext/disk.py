@@ -1,7 +1,11 @@
-"""Checkpoint writes that run out of space (or hit any other OSError), reported in one line
-(issue 26, fault 3).
+"""Writes of a run's outputs (checkpoints, metric files) that run out of space or hit any
+other OSError, reported in one line (issue 26, fault 3).
 
-A full disk used to surface as a dead trainer host and a traceback. :func:`write_checkpoint`
+A full disk used to surface as a dead trainer host and a traceback: DCP raised its
+``CheckpointException`` (a ``BaseException``), which ended the trainer's process. Such
+failures become an :class:`OutputWriteError` (a ``RuntimeError``: the actor survives and
+the caller gets it), whose message is the one line the app prints
+(:func:`find_output_write_error` finds it behind a remote call's error). :func:`write_checkpoint`
 wraps one save: before writing it compares the free space with the size of the last
 complete save (when known) and refuses early; an ``OSError`` during the write (raised
 directly or inside DCP's ``CheckpointException``, a ``BaseException``) becomes a
@@ -18,33 +22,69 @@ import re
 import shutil
 from collections.abc import Callable
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 STEP_FOLDER = re.compile(r"step-(\d+)$")
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; the message is the one line to show the user.
+class OutputWriteError(RuntimeError):
+    """An output of the run could not be written; the message is the one line to show.
 
-    Attributes: ``path`` (the folder being written), ``errno`` (None for the pre-save
-    refusal), ``free_bytes``, ``needed_bytes`` (None when unknown), ``last_complete``
+    Attributes: ``path`` (what was being written), ``errno`` (None for a refusal before
+    writing), ``free_bytes``, ``needed_bytes`` (None when unknown), ``last_complete``
     (path of the newest complete checkpoint, or None)."""
 
-    def __init__(self, message: str, *, path: str, errno: int | None, free_bytes: int | None,
-                 needed_bytes: int | None, last_complete: str | None) -> None:
+    def __init__(self, message: str, *, path: str, errno: int | None = None,
+                 free_bytes: int | None = None, needed_bytes: int | None = None,
+                 last_complete: str | None = None) -> None:
         super().__init__(message)
         self.path, self.errno = path, errno
         self.free_bytes, self.needed_bytes, self.last_complete = (
             free_bytes, needed_bytes, last_complete)
 
     def __reduce__(self):  # picklable with its fields, so it reaches the controller intact
-        return (_rebuild, (str(self), self.path, self.errno, self.free_bytes,
+        return (_rebuild, (type(self), str(self), self.path, self.errno, self.free_bytes,
                            self.needed_bytes, self.last_complete))
 
 
-def _rebuild(message, path, errno_, free, needed, last):
-    return CheckpointWriteError(message, path=path, errno=errno_, free_bytes=free,
-                                needed_bytes=needed, last_complete=last)
+class CheckpointWriteError(OutputWriteError):
+    """A checkpoint could not be written (see :func:`write_checkpoint`)."""
+
+
+def _rebuild(cls, message, path, errno_, free, needed, last):
+    return cls(message, path=path, errno=errno_, free_bytes=free, needed_bytes=needed,
+               last_complete=last)
+
+
+def find_output_write_error(error: BaseException) -> OutputWriteError | None:
+    """The :class:`OutputWriteError` behind ``error``: itself, its cause or context, or the
+    exception a remote call's error carries (Monarch's ``ActorError.exception``)."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OutputWriteError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "exception", None)]
+    return None
+
+
+def describe(os_error: OSError) -> str:
+    """``ENOSPC (No space left on device)``: the errno's name and its text."""
+    if os_error.errno is None:
+        return f"{type(os_error).__name__} ({os_error})"
+    name = errno.errorcode.get(os_error.errno, str(os_error.errno))
+    return f"{name} ({os_error.strerror or os_error})"
+
+
+def write_failed(what: str, path: str, os_error: OSError) -> OutputWriteError:
+    """The one-line error of a write of ``what`` to ``path`` that raised ``os_error``."""
+    return OutputWriteError(
+        f"writing {what} to {path} failed: {describe(os_error)}; "
+        f"{_mb(free_bytes(path))} free", path=path, errno=os_error.errno,
+        free_bytes=free_bytes(path),
+    )
 
 
 def free_bytes(path: str) -> int | None:
@@ -98,9 +138,10 @@ def os_error_in(error: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError):
             return e
-        if isinstance(e, CheckpointException):
-            for failure in e.failures.values():
-                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        # DCP's CheckpointException: {rank: (exception, traceback)}; not imported here, so
+        # that writers of small files need not import torch.distributed.
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
         todo += [e.__cause__, e.__context__]
     return None
 
@@ -136,18 +177,16 @@ def write_checkpoint(
     existed = os.path.exists(path)
     try:
         write()
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised unless an OSError
-        os_error = os_error_in(e)
+    except BaseException as e:  # DCP's CheckpointException is one; re-raised unless an OSError
+        os_error = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else os_error_in(e)
         if os_error is None:
             raise
         if not existed:  # half-written: never loadable, and it holds the space
             shutil.rmtree(path, ignore_errors=True)
         free = free_bytes(path)
-        reason = (errno.errorcode.get(os_error.errno, str(os_error.errno))
-                  if os_error.errno is not None else type(os_error).__name__)
         basis = "" if needed_bytes is None else " (the last checkpoint's size)"
         raise CheckpointWriteError(
-            f"writing {what} to {path} failed: {reason} ({os_error.strerror or os_error}); "
+            f"writing {what} to {path} failed: {describe(os_error)}; "
             f"{_mb(free)} free, {_mb(needed_bytes)} needed{basis}; {last_text}",
             path=path, errno=os_error.errno, free_bytes=free, needed_bytes=needed_bytes,
             last_complete=last,
