@@ -1023,3 +1023,40 @@ async def test_a_killed_publisher_leaves_no_slot_once_the_next_one_starts(
             await weights_fetch.fetch_weights(1, key_prefix=prefix)  # committed, slot gone
     finally:
         restarted.close()
+
+
+async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folder(
+    store, tmp_path, monkeypatch
+):
+    """Issue 26 (3), the DCP weights transport: ENOSPC part-way through ``dcp.save`` fails
+    the publish with a one-line ``OutputWriteError`` (the app prints it) naming the folder
+    and the free space; the version is absent and the next publish goes through."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from forge_ext import disk
+
+    prefix = "dcp_full_disk"
+    publisher = make_publisher("dcp", tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+
+    def write_item(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    with pytest.raises(weights_publish.WeightsPublishError) as raised:
+        await publisher.publish(versioned_state_dict(2), 2)
+    monkeypatch.undo()
+    error = raised.value
+    folder = str(tmp_path / "weights" / "2")
+    assert disk.find_output_write_error(error) is error and error.path == folder
+    assert "\n" not in str(error)
+    assert f"writing the DCP weights to {folder} failed: ENOSPC" in str(error)
+    assert " MiB free" in str(error)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert not os.path.exists(folder)
+    await publisher.publish(versioned_state_dict(2), 2)
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )

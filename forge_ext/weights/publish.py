@@ -94,6 +94,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
+from forge_ext import disk
 from forge_ext.compat import torchstore_monarch
 from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
@@ -214,6 +215,11 @@ class WeightsPublishError(RuntimeError):
     """A publish failed on at least one rank; nothing of that version is visible."""
 
 
+class WeightsWriteError(WeightsPublishError, disk.OutputWriteError):
+    """A publish failed because a rank could not write its data (dcp: a full disk, a
+    read-only or unwritable ``weights.dcp_path``, a quota); ``path`` is what it wrote."""
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     """What ``publish`` did on this rank."""
@@ -270,7 +276,9 @@ class _Group:
 
 
 def _status(error: BaseException | None, **fields: Any) -> dict[str, Any]:
-    return {"error": None if error is None else f"{type(error).__name__}: {error}", **fields}
+    path = error.path if isinstance(error, disk.OutputWriteError) else None
+    return {"error": None if error is None else f"{type(error).__name__}: {error}",
+            "write_path": path, **fields}
 
 
 def _raise_if_any_failed(
@@ -280,6 +288,9 @@ def _raise_if_any_failed(
     failing rank chains its own exception."""
     failed = {rank: s["error"] for rank, s in enumerate(statuses) if s["error"] is not None}
     if failed:
+        paths = [s["write_path"] for s in statuses if s["write_path"] is not None]
+        if paths:  # one line naming the file, the error and the free space (the app shows it)
+            raise WeightsWriteError(f"{what} failed on rank(s) {failed}", path=paths[0]) from own
         raise WeightsPublishError(f"{what} failed on rank(s) {failed}") from own
 
 
@@ -696,9 +707,16 @@ class WeightsPublisher:
         # DCP reports a failure on any rank to every rank, so all ranks leave together.
         with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            metadata = dcp.save(
-                staged, checkpoint_id=dcp_dir, process_group=group.group, no_dist=group.size == 1
-            )
+            try:
+                metadata = dcp.save(
+                    staged, checkpoint_id=dcp_dir, process_group=group.group,
+                    no_dist=group.size == 1,
+                )
+            except TRANSPORT_ERRORS as e:  # an OSError (full disk...) inside DCP's exception
+                os_error = disk.os_error_in(e)
+                if os_error is None:
+                    raise
+                raise disk.write_failed("the DCP weights", dcp_dir, os_error) from None
         written = sum(_local_nbytes(t, group.rank) for t in staged.values())
         if on_progress is not None:
             on_progress(written, written)
