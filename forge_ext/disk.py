@@ -152,11 +152,13 @@ def _mb(n: int | None) -> str:
 
 def write_checkpoint(
     write: Callable[[], object], *, what: str, path: str, folder: str,
-    needed_bytes: int | None,
+    needed_bytes: int | None, gather: Callable[[object], list] | None = None,
 ) -> int:
     """Run ``write()`` (which writes the checkpoint folder ``path`` inside ``folder``) and
     return the bytes it wrote. ``needed_bytes``: the last complete save's size, None before
-    the first.
+    the first. ``gather``: an all-gather over the ranks that save together (``write`` is a
+    collective there): every rank then refuses if any rank is short of space, so none is
+    left waiting inside the collective save; None for a single process.
 
     Raises:
         CheckpointWriteError: before writing, when the free space is measurably short of
@@ -166,12 +168,17 @@ def write_checkpoint(
     last = last_complete_checkpoint(folder)
     last_text = f"last complete checkpoint: {last or 'none'}"
     free = free_bytes(path)
-    if needed_bytes is not None and free is not None and free < needed_bytes:
+    spaces = [(free, needed_bytes)] if gather is None else gather((free, needed_bytes))
+    short = [(rank, f, n) for rank, (f, n) in enumerate(spaces)
+             if f is not None and n is not None and f < n]
+    if short:
+        rank, free_there, needed_there = short[0]
+        on_rank = "" if len(spaces) == 1 else f" (rank {rank})"
         raise CheckpointWriteError(
-            f"not writing {what} to {path}: {_mb(free)} free on its filesystem, "
-            f"{_mb(needed_bytes)} needed (the last checkpoint's size); free space or set "
-            f"a larger output_dir filesystem; {last_text}",
-            path=path, errno=None, free_bytes=free, needed_bytes=needed_bytes,
+            f"not writing {what} to {path}: {_mb(free_there)} free on its filesystem"
+            f"{on_rank}, {_mb(needed_there)} needed (the last checkpoint's size); free space "
+            f"or point output_dir at a larger filesystem; {last_text}",
+            path=path, errno=None, free_bytes=free_there, needed_bytes=needed_there,
             last_complete=last,
         )
     existed = os.path.exists(path)

@@ -83,3 +83,22 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
     with pytest.raises(SystemExit) as exited:
         app_main.main(["--config", str(tmp_path / "c.yaml")])
     assert exited.value.code == f"error: {line}"
+
+
+def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
+    """The save is collective: a rank with enough space must not enter it alone (it would
+    wait for the refusing rank forever), so the free-space check is agreed on by all."""
+    (tmp_path / "ckpt" / "step-1").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-1" / ".metadata").write_bytes(b"")
+    written = []
+    gathered = lambda mine: [mine, (1 << 20, 8 << 20)]  # rank 1: 1 MiB free of 8 needed
+    with pytest.raises(disk.CheckpointWriteError, match=(
+        r"not writing checkpoint step 2 to .*step-2: 1.0 MiB free on its filesystem \(rank 1\), "
+        r"8.0 MiB needed .*last complete checkpoint: .*step-1$"
+    )):
+        disk.write_checkpoint(
+            lambda: written.append(1), what="checkpoint step 2",
+            path=str(tmp_path / "ckpt" / "step-2"), folder=str(tmp_path / "ckpt"),
+            needed_bytes=8 << 20, gather=gathered,
+        )
+    assert written == []

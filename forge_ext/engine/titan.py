@@ -402,6 +402,7 @@ class TitanEngine(BaseEngine):
             path=os.path.join(folder, f"step-{step}"),
             folder=folder,
             needed_bytes=self._last_checkpoint_bytes,
+            gather=_all_gather if dist.is_initialized() and dist.get_world_size() > 1 else None,
         )
 
     def load_checkpoint(self, step: int | None = None) -> int:
@@ -419,6 +420,13 @@ class TitanEngine(BaseEngine):
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank of the default group (the ranks that save a checkpoint)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def validate_batch(batch: Batch, config: EngineConfig) -> None:
