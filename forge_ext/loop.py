@@ -75,6 +75,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from forge_ext.disk import OutputWriteError
 from forge_ext.metrics import MetricLogger, MetricsConfig
 
 logger = logging.getLogger(__name__)
@@ -494,6 +495,8 @@ class RLLoop(ABC):
             self._background_error.exception()  # raised where it mattered; retrieved, not lost
         try:
             self.metrics.close(**self.plot_spec())
+        except OutputWriteError as e:  # one line, no traceback (e.g. a full disk)
+            logger.error("closing the metric loggers failed: %s", e)
         except Exception:  # noqa: BLE001 - never let logging block stopping the actors
             logger.exception("closing the metric loggers failed")
         while self._stop:

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forge_ext import disk
+
 
 @dataclass(kw_only=True, slots=True)
 class MetricsConfig:
@@ -81,8 +83,11 @@ class MetricLogger:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self._merge(row)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(_nan_to_null(row)) + "\n")
-            self._jsonl.flush()
+            try:
+                self._jsonl.write(json.dumps(_nan_to_null(row)) + "\n")
+                self._jsonl.flush()
+            except OSError as e:  # e.g. a full disk: one line naming the file and the space
+                raise disk.write_failed("the metrics file", str(self.jsonl_path), e) from None
         if self._writer is not None:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, float(value), step)
@@ -115,13 +120,17 @@ class MetricLogger:
             The plot's path, or None if none was written.
         """
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
             # Rewrite the lines compacted: one per step (see the module docstring).
             staged = self.jsonl_path.with_name(self.jsonl_path.name + ".tmp")
-            with open(staged, "w") as f:
-                f.writelines(json.dumps(_nan_to_null(row)) + "\n" for row in self.history)
-            staged.replace(self.jsonl_path)
+            try:
+                jsonl.close()
+                with open(staged, "w") as f:
+                    f.writelines(json.dumps(_nan_to_null(row)) + "\n" for row in self.history)
+                staged.replace(self.jsonl_path)
+            except OSError as e:  # e.g. a full disk: the uncompacted file stays as written
+                staged.unlink(missing_ok=True)
+                raise disk.write_failed("the metrics file", str(self.jsonl_path), e) from None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -321,3 +321,69 @@ def test_hf_checkpoint_saved_by_transformers_loads_with_equal_logits(tmp_path, r
     with torch.no_grad():
         expected = hf_model(batch["input_ids"]).logits
     torch.testing.assert_close(engine.forward_batch(batch), expected, rtol=1e-4, atol=1e-4)
+
+
+def _disk_engine(reference_weights, tmp_path):
+    cfg = config()
+    cfg.update(checkpoint={"enable": True, "folder": "ckpt"}, dump_folder=str(tmp_path))
+    engine = TitanEngine(cfg)
+    engine.load_model_state_dict(reference_weights)
+    engine.train_batch(make_lm_batch(8, 32, 256, seed=0), cross_entropy_loss, valid_tokens)
+    engine.save_checkpoint(engine.step)  # step-1
+    return engine, cfg
+
+
+def test_a_checkpoint_save_that_runs_out_of_space_is_one_line_naming_what_where_and_space(
+    reference_weights, tmp_path, monkeypatch
+):
+    """Issue 26 (3): ENOSPC part-way through a save ends in one CheckpointWriteError line
+    naming the step, the folder, the free and needed space and the last complete checkpoint;
+    the half-written folder is gone and the last checkpoint still loads."""
+    import errno
+    import os
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from forge_ext.disk import CheckpointWriteError
+
+    engine, cfg = _disk_engine(reference_weights, tmp_path)
+    real_write_item, calls = dcp_fs._write_item, []
+
+    def write_item(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # part-way: some items are on disk already
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_item(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    with pytest.raises(CheckpointWriteError) as raised:
+        engine.save_checkpoint(2)
+    monkeypatch.undo()
+    message = str(raised.value)
+    step1, step2 = str(tmp_path / "ckpt" / "step-1"), str(tmp_path / "ckpt" / "step-2")
+    assert "\n" not in message and raised.value.__cause__ is None
+    assert f"writing checkpoint step 2 to {step2} failed: ENOSPC" in message
+    assert " MiB free, " in message and "MiB needed (the last checkpoint's size)" in message
+    assert message.endswith(f"last complete checkpoint: {step1}")
+    assert raised.value.errno == errno.ENOSPC and raised.value.needed_bytes > 0
+    assert not os.path.exists(step2)
+    assert TitanEngine(cfg).load_checkpoint() == 1
+
+
+def test_a_save_with_measurably_too_little_free_space_is_refused_before_writing(
+    reference_weights, tmp_path, monkeypatch
+):
+    import os
+    import shutil
+
+    from forge_ext import disk
+
+    engine, _ = _disk_engine(reference_weights, tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    with pytest.raises(disk.CheckpointWriteError, match=(
+        r"not writing checkpoint step 2 to .*step-2: 1.0 MiB free on its filesystem, "
+        r"[0-9.]+ MiB needed \(the last checkpoint's size\).*last complete checkpoint: .*step-1$"
+    )):
+        engine.save_checkpoint(2)
+    assert not os.path.exists(tmp_path / "ckpt" / "step-2")

@@ -558,6 +558,104 @@ async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
     publisher.close()
 
 
+class ReplyLost(ConnectionError):
+    """The fault of a commit whose reply never came: the store holds the record."""
+
+
+def lose_the_commit_reply(monkeypatch, client, prefix: str, version: int) -> list[str]:
+    """The store client's put of ``version``'s commit record stores it, then raises (a
+    timeout on the reply, a connection dropped after the write); returns the list of the
+    keys whose reply was lost so far."""
+    real_put, lost = client.put, []
+
+    async def put(key, value, *args, **kwargs):
+        result = await real_put(key, value, *args, **kwargs)
+        if key == weights_fetch.commit_key(prefix, version):
+            lost.append(key)
+            raise ReplyLost(f"no reply to the put of {key}")
+        return result
+
+    monkeypatch.setattr(client, "put", put)
+    return lost
+
+
+@pytest.mark.parametrize("transport", WITH_RDMA)
+async def test_a_commit_whose_reply_is_lost_is_reported_as_readers_see_it(
+    store, tmp_path, monkeypatch, transport
+):
+    """Issue 26 (2): the commit record's put stores the record and then raises. What
+    ``publish`` answers and what readers see agree: either the publish succeeded and the
+    version reads back exactly, or it failed, the version is not visible, nothing of it is
+    left and it can be published again."""
+    prefix = f"lost_reply_{transport}"
+    publisher = make_publisher(transport, tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+    client = await ts.client()
+    lose_the_commit_reply(monkeypatch, client, prefix, 2)
+    try:
+        await publisher.publish(versioned_state_dict(2), 2)
+        failed = False
+    except weights_publish.WeightsPublishError:
+        failed = True
+    monkeypatch.undo()
+
+    if failed:
+        assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+        assert await client.keys(f"{prefix}.v2") == []
+        await publisher.publish(versioned_state_dict(2), 2)  # may be published again
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 2]
+    assert publisher.published_versions == [1, 2]
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
+    # The publisher goes on publishing and retiring (keep_versions=2).
+    await publisher.publish(versioned_state_dict(3), 3)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2, 3]
+    assert await keys_outside(prefix, [2, 3]) == []
+    if transport == "dcp":
+        assert sorted(os.listdir(tmp_path / "weights")) == ["2", "3"]
+    publisher.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_commit_whose_outcome_cannot_be_checked_keeps_its_data_and_can_be_redone(
+    store, tmp_path, monkeypatch, transport
+):
+    """The commit's reply is lost and the store cannot be asked whether the record is there:
+    ``publish`` fails saying the outcome is unknown and deletes nothing a record may point
+    at (readers of the stored record read the whole version); publishing the same version
+    again replaces it."""
+    prefix = f"unknown_commit_{transport}"
+    publisher = make_publisher(transport, tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+    client = await ts.client()
+    lost = lose_the_commit_reply(monkeypatch, client, prefix, 2)
+    real_keys = client.keys
+
+    async def keys(*args, **kwargs):  # unreachable from the lost reply on
+        if lost:
+            raise ConnectionError("store unreachable")
+        return await real_keys(*args, **kwargs)
+
+    monkeypatch.setattr(client, "keys", keys)
+    with pytest.raises(weights_publish.WeightsPublishError, match="outcome is unknown"):
+        await publisher.publish(versioned_state_dict(2), 2)
+    monkeypatch.undo()
+
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 2]
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )
+    await publisher.publish(versioned_state_dict(12), 2)  # redone: the new data replace it
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(12)
+    )
+    await publisher.publish(versioned_state_dict(3), 3)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2, 3]
+    assert await keys_outside(prefix, [2, 3]) == []
+    publisher.close()
+
+
 async def test_a_publish_cancelled_while_its_chunks_are_put_leaves_none_of_them(
     store, tmp_path, monkeypatch
 ):
@@ -925,3 +1023,40 @@ async def test_a_killed_publisher_leaves_no_slot_once_the_next_one_starts(
             await weights_fetch.fetch_weights(1, key_prefix=prefix)  # committed, slot gone
     finally:
         restarted.close()
+
+
+async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folder(
+    store, tmp_path, monkeypatch
+):
+    """Issue 26 (3), the DCP weights transport: ENOSPC part-way through ``dcp.save`` fails
+    the publish with a one-line ``OutputWriteError`` (the app prints it) naming the folder
+    and the free space; the version is absent and the next publish goes through."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from forge_ext import disk
+
+    prefix = "dcp_full_disk"
+    publisher = make_publisher("dcp", tmp_path, prefix)
+    await publisher.publish(versioned_state_dict(1), 1)
+
+    def write_item(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    with pytest.raises(weights_publish.WeightsPublishError) as raised:
+        await publisher.publish(versioned_state_dict(2), 2)
+    monkeypatch.undo()
+    error = raised.value
+    folder = str(tmp_path / "weights" / "2")
+    assert disk.find_output_write_error(error) is error and error.path == folder
+    assert "\n" not in str(error)
+    assert f"writing the DCP weights to {folder} failed: ENOSPC" in str(error)
+    assert " MiB free" in str(error)
+    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert not os.path.exists(folder)
+    await publisher.publish(versioned_state_dict(2), 2)
+    assert_same_tensors(
+        await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
+    )

@@ -56,6 +56,7 @@ from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
     scoped_env,
 )
+from forge_ext.disk import find_output_write_error
 from forge_ext.generation import Completion
 from forge_ext.losses.grpo import compute_group_advantages
 from forge_ext.loop import RLLoop
@@ -609,6 +610,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except RoleFailure as failure:  # a process or host died: one message, no traceback
         sys.exit(failure_message(failure, app.config, argv))
+    except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
+        write_error = find_output_write_error(error)
+        if write_error is None:
+            raise
+        # A full disk, a read-only folder, a quota: the line names what, where, the space
+        # and the last complete checkpoint.
+        sys.exit(f"error: {write_error}")
 
 
 def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -27,6 +28,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 
+from forge_ext import disk
 from forge_ext.engine.base import (
     Batch,
     BaseEngine,
@@ -106,6 +108,8 @@ class TitanEngine(BaseEngine):
             optimizers=self.optimizers, training_steps=config.training.steps
         )
         self.step = 0
+        # Size of the last complete checkpoint save, for the free-space check before the next.
+        self._last_checkpoint_bytes: int | None = None
         self.checkpointer = config.checkpoint.build(
             dataloader=None,
             model_parts=self.model_parts,
@@ -385,11 +389,23 @@ class TitanEngine(BaseEngine):
 
         Raises:
             ValueError: if ``checkpoint.enable`` is false.
+            forge_ext.disk.CheckpointWriteError: before writing, if the free space is
+                short of the last save's size; or if the write hit an OSError (no space,
+                permissions, read-only filesystem, quota). One line: what, where, free and
+                needed space, the last complete checkpoint.
         """
         if not self.checkpointer.enable:
             raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        folder = self.checkpointer.folder
         # Not last_step=True: torchtitan's last-step save skips the keep_latest_k purge.
-        self.checkpointer.save(step)
+        self._last_checkpoint_bytes = disk.write_checkpoint(
+            lambda: self.checkpointer.save(step),
+            what=f"checkpoint step {step}",
+            path=os.path.join(folder, f"step-{step}"),
+            folder=folder,
+            needed_bytes=self._last_checkpoint_bytes,
+            gather=_all_gather if dist.is_initialized() and dist.get_world_size() > 1 else None,
+        )
 
     def load_checkpoint(self, step: int | None = None) -> int:
         """Restore ``step`` (the latest complete one when None); return the step restored,
@@ -407,6 +423,13 @@ class TitanEngine(BaseEngine):
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank of the default group (the ranks that save a checkpoint)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def validate_batch(batch: Batch, config: EngineConfig) -> None:

@@ -48,7 +48,13 @@ a later collective, and every rank raises the same ``WeightsPublishError``).
    creating (same host: the slot becomes reusable). Nothing is found by listing keys or
    directories, so nothing this publisher did not create is touched. Exchange, so that when
    ``publish`` returns on any rank the version is fetchable and the retired ones are gone.
-   If the commit record's put fails, nothing is retired.
+   If the commit record's put fails, nothing is retired, and rank 0 asks the store whether
+   the record is there anyway (a put can fail after the store wrote it: a timeout on the
+   reply, a connection dropped after the write): listed, the version is committed and
+   ``publish`` succeeds; not listed, the version is cleaned up as after any failure and may
+   be published again; if the store cannot be asked, ``publish`` fails saying the outcome is
+   unknown and deletes nothing the record may point at (the next publish asks again and
+   retires the version if it is absent; publishing the same version again replaces it).
 
 Interruptions (Ctrl-C, a cancelled task, a caller's deadline): every torchstore put that was
 started is waited for before the cancellation goes on (its messages are sent, so it lands
@@ -88,6 +94,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
+from forge_ext import disk
 from forge_ext.compat import torchstore_monarch
 from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
@@ -208,6 +215,11 @@ class WeightsPublishError(RuntimeError):
     """A publish failed on at least one rank; nothing of that version is visible."""
 
 
+class WeightsWriteError(WeightsPublishError, disk.OutputWriteError):
+    """A publish failed because a rank could not write its data (dcp: a full disk, a
+    read-only or unwritable ``weights.dcp_path``, a quota); ``path`` is what it wrote."""
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     """What ``publish`` did on this rank."""
@@ -264,7 +276,9 @@ class _Group:
 
 
 def _status(error: BaseException | None, **fields: Any) -> dict[str, Any]:
-    return {"error": None if error is None else f"{type(error).__name__}: {error}", **fields}
+    path = error.path if isinstance(error, disk.OutputWriteError) else None
+    return {"error": None if error is None else f"{type(error).__name__}: {error}",
+            "write_path": path, **fields}
 
 
 def _raise_if_any_failed(
@@ -274,6 +288,9 @@ def _raise_if_any_failed(
     failing rank chains its own exception."""
     failed = {rank: s["error"] for rank, s in enumerate(statuses) if s["error"] is not None}
     if failed:
+        paths = [s["write_path"] for s in statuses if s["write_path"] is not None]
+        if paths:  # one line naming the file, the error and the free space (the app shows it)
+            raise WeightsWriteError(f"{what} failed on rank(s) {failed}", path=paths[0]) from own
         raise WeightsPublishError(f"{what} failed on rank(s) {failed}") from own
 
 
@@ -307,6 +324,11 @@ class WeightsPublisher:
         self._same_host: bool | None = None  # decided at the first publish
         self._orphans_removed = False
         self._slots: same_host.SlotRing | None = None  # rank 0, same host
+        # Rank 0: versions in _published whose commit outcome could not be learnt (the put of
+        # the record failed and the store did not answer whether it holds it); every rank:
+        # the version whose data a failed publish kept for that reason.
+        self._unresolved: set[int] = set()
+        self._kept_version: int | None = None
         self._mapped_slots: set[str] = set()  # slot files other ranks mapped
         # Same host, reused while the published names, dtypes and shapes stay the same:
         # (tensors, slot layout entries, slot bytes, digest), and the slots' tensor views.
@@ -397,6 +419,7 @@ class WeightsPublisher:
             _check_values(state_dict)
             tensors = self._published_tensors(state_dict, exclude)
             if group.rank == 0:
+                await self._resolve_unknown_commits(version)
                 await self._retire_excess()  # what an interrupted publish left to retire
                 await self._check_new_version(version)
                 if dcp_dir is not None:
@@ -472,10 +495,13 @@ class WeightsPublisher:
         except BaseException:
             # Unless the commit record was stored (then the version is committed, even if
             # what follows was interrupted): leave nothing of this version behind.
-            if self._last_version != version:
+            if self._last_version != version and self._kept_version != version:
                 if slot is not None:
                     self._slots.abort(slot)
-                await self._delete_keys(stored)
+                # The record first (readers then see "missing"), then what it points at.
+                commit = commit_key(self.config.key_prefix, version)
+                await self._delete_keys([key for key in stored if key == commit])
+                await self._delete_keys([key for key in stored if key != commit])
                 if created_dir:
                     shutil.rmtree(dcp_dir, ignore_errors=True)
             raise
@@ -681,9 +707,16 @@ class WeightsPublisher:
         # DCP reports a failure on any rank to every rank, so all ranks leave together.
         with warnings.catch_warnings():  # no_dist's "assuming ... a single process" notice
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            metadata = dcp.save(
-                staged, checkpoint_id=dcp_dir, process_group=group.group, no_dist=group.size == 1
-            )
+            try:
+                metadata = dcp.save(
+                    staged, checkpoint_id=dcp_dir, process_group=group.group,
+                    no_dist=group.size == 1,
+                )
+            except TRANSPORT_ERRORS as e:  # an OSError (full disk...) inside DCP's exception
+                os_error = disk.os_error_in(e)
+                if os_error is None:
+                    raise
+                raise disk.write_failed("the DCP weights", dcp_dir, os_error) from None
         written = sum(_local_nbytes(t, group.rank) for t in staged.values())
         if on_progress is not None:
             on_progress(written, written)
@@ -727,22 +760,79 @@ class WeightsPublisher:
         (:meth:`_retire_excess`); every rank raises if the put failed, and the earlier
         versions are then untouched. Why not the put and the deletes at once (3 ms sooner
         after a 60 MB copy here): a failed or cancelled put would take the retired versions
-        with it, leaving none at ``keep_versions=1``."""
+        with it, leaving none at ``keep_versions=1``.
+
+        A put that raised may still have stored the record, so rank 0 asks the store
+        (:meth:`_record_listed`) before anyone deletes data: listed, the version is
+        committed; unknown, every rank raises and keeps its data (``_kept_version``)."""
         error: BaseException | None = None
+        unknown = False
         if self._group.rank == 0:
+            key = commit_key(self.config.key_prefix, version)
             try:
-                await _put_recorded(
-                    commit_key(self.config.key_prefix, version), record, stored, self.store_name
-                )
+                await _put_recorded(key, record, stored, self.store_name)
+            except asyncio.CancelledError:
+                if key not in stored:  # it may land anyway: the cleanup deletes it first
+                    stored.append(key)
+                raise
             except Exception as e:  # noqa: BLE001 - every rank must reach the exchange
-                error = e
-            else:
+                listed = await self._record_listed(key)
+                if listed:
+                    logger.warning(
+                        "the put of %s raised %s: %s, but the store holds the record: "
+                        "policy_version=%d is committed", key, type(e).__name__, e, version,
+                    )
+                else:
+                    error, unknown = e, listed is None
+                    if unknown:  # the record may point at the data: keep them, ask later
+                        self._published.append(published)
+                        self._unresolved.add(version)
+            if error is None:
                 self._last_version = version  # committed, whatever interrupts what follows
                 self._published.append(published)
                 await self._retire_excess()
-        statuses = self._group.all_gather(_status(error))
+        statuses = self._group.all_gather(_status(error, unknown=unknown))
+        if statuses[0]["unknown"]:
+            self._kept_version = version
+            raise WeightsPublishError(
+                f"commit of policy_version={version}: the outcome is unknown: the put of its "
+                f"record failed ({statuses[0]['error']}) and the store could not be asked "
+                "whether it holds the record; its data are kept (readers may see the version "
+                "as committed). The next publish asks again and removes the version if it is "
+                "absent; publishing the same policy_version again replaces it."
+            ) from error
         _raise_if_any_failed(statuses, f"commit of policy_version={version}", error)
         self._last_version = version
+
+    async def _record_listed(self, key: str) -> bool | None:
+        """Rank 0: whether the store lists ``key`` (a commit record), None if it cannot be
+        asked. Listed means stored: torchstore indexes a key (``notify_put``) only after its
+        value is written."""
+        try:
+            client = await ts.client(self.store_name)
+            return key in await client.keys(key)
+        except Exception as e:  # noqa: BLE001 - the caller reports the outcome as unknown
+            logger.warning("could not ask the store whether it holds %s: %s: %s",
+                           key, type(e).__name__, e)
+            return None
+
+    async def _resolve_unknown_commits(self, version: int) -> None:
+        """Rank 0, before publishing ``version``: for each version whose commit outcome was
+        unknown, ask the store again. Absent, its data are deleted; present, it stays
+        committed (retention retires it in turn), unless it is ``version`` itself, published
+        again: then it is retired first (record, then data) and replaced."""
+        for old in [p for p in self._published if p.version in self._unresolved]:
+            listed = await self._record_listed(commit_key(self.config.key_prefix, old.version))
+            if listed is None:
+                continue  # still unknown: keep the data
+            self._unresolved.discard(old.version)
+            if listed and old.version != version:
+                self._last_version = max(self._last_version or old.version, old.version)
+                continue
+            await self._retire(old)
+            self._published.remove(old)
+            if self._slots is not None:
+                self._slots.release(old.version)
 
     async def _delete_keys(self, keys: list[str]) -> None:
         """Best effort, all at once: a key that is already gone (or never got indexed) is

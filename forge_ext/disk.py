@@ -1,0 +1,201 @@
+"""Writes of a run's outputs (checkpoints, metric files) that run out of space or hit any
+other OSError, reported in one line (issue 26, fault 3).
+
+A full disk used to surface as a dead trainer host and a traceback: DCP raised its
+``CheckpointException`` (a ``BaseException``), which ended the trainer's process. Such
+failures become an :class:`OutputWriteError` (a ``RuntimeError``: the actor survives and
+the caller gets it), whose message is the one line the app prints
+(:func:`find_output_write_error` finds it behind a remote call's error). :func:`write_checkpoint`
+wraps one save: before writing it compares the free space with the size of the last
+complete save (when known) and refuses early; an ``OSError`` during the write (raised
+directly or inside DCP's ``CheckpointException``, a ``BaseException``) becomes a
+:class:`CheckpointWriteError` naming what was written, where, the free and the needed space,
+and the last complete checkpoint. The half-written folder is removed (it frees space and is
+never loadable: DCP writes ``.metadata`` last).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+STEP_FOLDER = re.compile(r"step-(\d+)$")
+
+
+class OutputWriteError(RuntimeError):
+    """An output of the run could not be written; the message is the one line to show.
+
+    Attributes: ``path`` (what was being written), ``errno`` (None for a refusal before
+    writing), ``free_bytes``, ``needed_bytes`` (None when unknown), ``last_complete``
+    (path of the newest complete checkpoint, or None)."""
+
+    def __init__(self, message: str, *, path: str, errno: int | None = None,
+                 free_bytes: int | None = None, needed_bytes: int | None = None,
+                 last_complete: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.errno = path, errno
+        self.free_bytes, self.needed_bytes, self.last_complete = (
+            free_bytes, needed_bytes, last_complete)
+
+    def __reduce__(self):  # picklable with its fields, so it reaches the controller intact
+        return (_rebuild, (type(self), str(self), self.path, self.errno, self.free_bytes,
+                           self.needed_bytes, self.last_complete))
+
+
+class CheckpointWriteError(OutputWriteError):
+    """A checkpoint could not be written (see :func:`write_checkpoint`)."""
+
+
+def _rebuild(cls, message, path, errno_, free, needed, last):
+    return cls(message, path=path, errno=errno_, free_bytes=free, needed_bytes=needed,
+               last_complete=last)
+
+
+def find_output_write_error(error: BaseException) -> OutputWriteError | None:
+    """The :class:`OutputWriteError` behind ``error``: itself, its cause or context, or the
+    exception a remote call's error carries (Monarch's ``ActorError.exception``)."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OutputWriteError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "exception", None)]
+    return None
+
+
+def describe(os_error: OSError) -> str:
+    """``ENOSPC (No space left on device)``: the errno's name and its text."""
+    if os_error.errno is None:
+        return f"{type(os_error).__name__} ({os_error})"
+    name = errno.errorcode.get(os_error.errno, str(os_error.errno))
+    return f"{name} ({os_error.strerror or os_error})"
+
+
+def write_failed(what: str, path: str, os_error: OSError) -> OutputWriteError:
+    """The one-line error of a write of ``what`` to ``path`` that raised ``os_error``."""
+    return OutputWriteError(
+        f"writing {what} to {path} failed: {describe(os_error)}; "
+        f"{_mb(free_bytes(path))} free", path=path, errno=os_error.errno,
+        free_bytes=free_bytes(path),
+    )
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes for an unprivileged writer on the filesystem that holds (or will hold)
+    ``path``; None if it cannot be measured."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path``."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def last_complete_checkpoint(folder: str) -> str | None:
+    """The newest ``<folder>/step-N`` holding DCP's ``.metadata`` (written last)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    steps = [
+        (int(m.group(1)), name) for name in names if (m := STEP_FOLDER.match(name))
+        and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    ]
+    return os.path.join(folder, max(steps)[1]) if steps else None
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError that caused ``error``: itself, one it was raised from, or (DCP) one in a
+    ``CheckpointException``'s per-rank failures."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        # DCP's CheckpointException: {rank: (exception, traceback)}; not imported here, so
+        # that writers of small files need not import torch.distributed.
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _mb(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def write_checkpoint(
+    write: Callable[[], object], *, what: str, path: str, folder: str,
+    needed_bytes: int | None, gather: Callable[[object], list] | None = None,
+) -> int:
+    """Run ``write()`` (which writes the checkpoint folder ``path`` inside ``folder``) and
+    return the bytes it wrote. ``needed_bytes``: the last complete save's size, None before
+    the first. ``gather``: an all-gather over the ranks that save together (``write`` is a
+    collective there): every rank then refuses if any rank is short of space, so none is
+    left waiting inside the collective save; None for a single process.
+
+    Raises:
+        CheckpointWriteError: before writing, when the free space is measurably short of
+            ``needed_bytes``; or when ``write`` raised an OSError (ENOSPC, EACCES, EROFS,
+            EDQUOT...), directly or inside DCP's ``CheckpointException``.
+    """
+    last = last_complete_checkpoint(folder)
+    last_text = f"last complete checkpoint: {last or 'none'}"
+    free = free_bytes(path)
+    spaces = [(free, needed_bytes)] if gather is None else gather((free, needed_bytes))
+    short = [(rank, f, n) for rank, (f, n) in enumerate(spaces)
+             if f is not None and n is not None and f < n]
+    if short:
+        rank, free_there, needed_there = short[0]
+        on_rank = "" if len(spaces) == 1 else f" (rank {rank})"
+        raise CheckpointWriteError(
+            f"not writing {what} to {path}: {_mb(free_there)} free on its filesystem"
+            f"{on_rank}, {_mb(needed_there)} needed (the last checkpoint's size); free space "
+            f"or point output_dir at a larger filesystem; {last_text}",
+            path=path, errno=None, free_bytes=free_there, needed_bytes=needed_there,
+            last_complete=last,
+        )
+    existed = os.path.exists(path)
+    try:
+        write()
+    except BaseException as e:  # DCP's CheckpointException is one; re-raised unless an OSError
+        os_error = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else os_error_in(e)
+        if os_error is None:
+            raise
+        if not existed:  # half-written: never loadable, and it holds the space
+            shutil.rmtree(path, ignore_errors=True)
+        free = free_bytes(path)
+        basis = "" if needed_bytes is None else " (the last checkpoint's size)"
+        raise CheckpointWriteError(
+            f"writing {what} to {path} failed: {describe(os_error)}; "
+            f"{_mb(free)} free, {_mb(needed_bytes)} needed{basis}; {last_text}",
+            path=path, errno=os_error.errno, free_bytes=free, needed_bytes=needed_bytes,
+            last_complete=last,
+        ) from None
+    return tree_bytes(path)

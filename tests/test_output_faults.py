@@ -1,0 +1,104 @@
+"""Outputs that cannot be written end the run in one line (issue 26, fault 3).
+
+The disk is filled for real where the kernel lets a test do it without privileges:
+``/dev/full`` answers every write with ENOSPC. Checkpoint saves are covered in
+``test_engine.py``."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from forge_ext import disk
+from forge_ext.metrics import MetricLogger, MetricsConfig
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+
+
+def open_logger(tmp_path) -> MetricLogger:
+    logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot=None))
+    logger.open()
+    logger.log(0, {"reward/mean": 0.5})
+    return logger
+
+
+@needs_dev_full
+def test_a_metric_line_that_cannot_be_written_is_one_line_naming_the_file(tmp_path):
+    logger = open_logger(tmp_path)
+    logger._jsonl.close()
+    logger._jsonl = open("/dev/full", "a")  # the disk is full from now on
+    with pytest.raises(disk.OutputWriteError) as raised:
+        logger.log(1, {"reward/mean": 0.6})
+    message = str(raised.value)
+    assert "\n" not in message and raised.value.__cause__ is None
+    assert message.startswith(
+        f"writing the metrics file to {tmp_path / 'metrics.jsonl'} failed: ENOSPC"
+    )
+    assert " free" in message and raised.value.errno == errno.ENOSPC
+
+
+@needs_dev_full
+def test_closing_the_metrics_on_a_full_disk_keeps_the_written_file(tmp_path):
+    """The compacting rewrite at close fails: one line, the file written so far intact, no
+    staged file left."""
+    logger = open_logger(tmp_path)
+    staged = tmp_path / "metrics.jsonl.tmp"
+    os.symlink("/dev/full", staged)
+    with pytest.raises(disk.OutputWriteError, match="metrics.jsonl failed: ENOSPC"):
+        logger.close()
+    assert not os.path.lexists(staged)
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [
+        {"step": 0, "reward/mean": 0.5}
+    ]
+
+
+def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch, tmp_path):
+    """What the trainer's endpoint raised reaches the controller inside Monarch's
+    ActorError; the app prints the one line and exits, no traceback."""
+    import pickle
+
+    from monarch.actor import ActorError
+
+    import apps.grpo.main as app_main
+
+    line = ("writing checkpoint step 2 to /out/ckpt/step-2 failed: ENOSPC (No space left on "
+            "device); 0.1 MiB free, 45.0 MiB needed (the last checkpoint's size); last "
+            "complete checkpoint: /out/ckpt/step-1")
+    sent = disk.CheckpointWriteError(line, path="/out/ckpt/step-2", errno=errno.ENOSPC)
+    received = pickle.loads(pickle.dumps(sent))  # as it crosses from the actor
+    assert type(received) is disk.CheckpointWriteError and received.errno == errno.ENOSPC
+
+    class App:
+        def __init__(self, config):
+            self.config = config
+
+        async def run(self):
+            raise ActorError(received)
+
+    monkeypatch.setattr(app_main, "load_config", lambda path, overrides: None)
+    monkeypatch.setattr(app_main, "GRPOApp", App)
+    with pytest.raises(SystemExit) as exited:
+        app_main.main(["--config", str(tmp_path / "c.yaml")])
+    assert exited.value.code == f"error: {line}"
+
+
+def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
+    """The save is collective: a rank with enough space must not enter it alone (it would
+    wait for the refusing rank forever), so the free-space check is agreed on by all."""
+    (tmp_path / "ckpt" / "step-1").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-1" / ".metadata").write_bytes(b"")
+    written = []
+    gathered = lambda mine: [mine, (1 << 20, 8 << 20)]  # rank 1: 1 MiB free of 8 needed
+    with pytest.raises(disk.CheckpointWriteError, match=(
+        r"not writing checkpoint step 2 to .*step-2: 1.0 MiB free on its filesystem \(rank 1\), "
+        r"8.0 MiB needed .*last complete checkpoint: .*step-1$"
+    )):
+        disk.write_checkpoint(
+            lambda: written.append(1), what="checkpoint step 2",
+            path=str(tmp_path / "ckpt" / "step-2"), folder=str(tmp_path / "ckpt"),
+            needed_bytes=8 << 20, gather=gathered,
+        )
+    assert written == []
