@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 from collections.abc import Callable
 
-STEP_FOLDER = re.compile(r"step-(\d+)$")
 
 
 class OutputWriteError(RuntimeError):
@@ -114,16 +112,15 @@ def tree_bytes(path: str) -> int:
 
 
 def last_complete_checkpoint(folder: str) -> str | None:
-    """The newest ``<folder>/step-N`` holding DCP's ``.metadata`` (written last)."""
+    """The newest complete ``<folder>/step-N`` (:mod:`forge_ext.engine.checkpoint`'s test:
+    DCP's ``.metadata``, written last), None if there is none."""
+    from forge_ext.engine.checkpoint import checkpoint_folders, complete_checkpoint_steps
+
     try:
-        names = os.listdir(folder)
+        steps = complete_checkpoint_steps(folder)
     except OSError:
         return None
-    steps = [
-        (int(m.group(1)), name) for name in names if (m := STEP_FOLDER.match(name))
-        and os.path.isfile(os.path.join(folder, name, ".metadata"))
-    ]
-    return os.path.join(folder, max(steps)[1]) if steps else None
+    return checkpoint_folders(folder)[steps[-1]] if steps else None
 
 
 def os_error_in(error: BaseException) -> OSError | None:

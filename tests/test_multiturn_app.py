@@ -8,7 +8,6 @@ killed mid-step and resumed trains every prompt of the stream exactly once, in b
 modes.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -26,16 +25,17 @@ BASE = {"hf": str(CONFIGS / "grpo_cpu_demo.yaml"), "vllm": str(CONFIGS / "grpo_c
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mt_app")
-    with open(root / "train.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n")
+    import datasets
+
+    root = tmp_path_factory.mktemp("mt_app")  # a parquet file (test_tasks_app has jsonl)
+    datasets.Dataset.from_list([{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)}
+                                for i in range(16)]).to_parquet(str(root / "train.parquet"))
     return root, chat_checkpoint(root, end_prone=2.0)
 
 
 def argv(root, checkpoint, output_dir, *extra):
     return small(
-        output_dir, checkpoint, "task.source=dataset", f"task.train_path={root}/train.jsonl",
+        output_dir, checkpoint, "task.source=dataset", f"task.train_path={root}/train.parquet",
         "task.num_eval=2", "task.environment=test_multiturn:VaryingEnv", "task.max_turns=4",
         "task.max_episode_tokens=96", "reward.functions=[{fn: exact_match}]",
         "trainer.training.seq_len=128", "reference.training.seq_len=128",

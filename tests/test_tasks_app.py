@@ -1,7 +1,8 @@
 """A user's own task through the real apps (Monarch actors, torchstore, gloo): local dataset
 files with a reward module of the user's (functions that work, and ones that raise, hang,
-return NaN or a string), chat prompts through a chat tokenizer trained here, both generator
-backends; and a reasoning-gym task through the SFT app and then the GRPO app, killed mid-run
+return NaN or a string), chat prompts through a chat tokenizer trained here, with the
+transformers generator (a parquet file through vLLM: tests/test_multiturn_app.py); and a
+reasoning-gym task through the SFT app and then the GRPO app, killed mid-run
 and resumed.
 
 What must hold: every sample's reward is what the user's function returned for that
@@ -68,8 +69,6 @@ FAILING = ("raises", "hangs", "nan", "string")
 
 @pytest.fixture(scope="module")
 def user_data(tmp_path_factory):
-    import datasets
-
     root = tmp_path_factory.mktemp("user_task")
     (root / "user_rewards.py").write_text(textwrap.dedent(REWARDS))
     sys.path.insert(0, str(root))
@@ -79,11 +78,12 @@ def user_data(tmp_path_factory):
             for i in range(12)]
     with open(root / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    datasets.Dataset.from_list(rows).to_parquet(str(root / "train.parquet"))
     return root, chat_checkpoint(root)
 
 
-RUNS = {"hf": "jsonl", "vllm": "parquet"}
+# The parquet file and vLLM go through the app in tests/test_multiturn_app.py (a vLLM start
+# costs ~90 s here: one module has it).
+RUNS = {"hf": "jsonl"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=sorted(RUNS))
