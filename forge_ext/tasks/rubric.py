@@ -110,7 +110,11 @@ class Rubric:
     Raises (on construction), each naming the field:
         ValueError: no functions (and the task has no default), an unknown function or one
             that needs an argument the rubric does not pass, duplicate names, weights summing
-            to 0, an unknown ``reward.accuracy``.
+            to 0, an unknown ``reward.accuracy``; a task whose ``rewards()`` or
+            ``default_rewards()`` returns the wrong type.
+
+    ``max_concurrency``: worker threads for synchronous reward functions (calls beyond it
+    queue; a call's timeout counts from when it starts).
     """
 
     def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
