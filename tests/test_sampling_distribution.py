@@ -12,16 +12,15 @@ fault this guards: transformers reads ``top_k=None`` as unset and fills in its o
 50 (issue 26): 50 distinct tokens where the softmax gives hundreds, while the recorded
 log-probs still read as the full softmax's.
 
-The transformers cases take ~4 s each; the vLLM cases share one engine (~30-70 s to start,
-its engine core in this process, see ``conftest.engine_core_in_this_process``).
+The transformers cases take ~4 s each; the vLLM cases share one engine (~30-70 s to start).
 """
 
 import json
 import math
+import os
 
 import pytest
 import torch
-from conftest import engine_core_in_this_process
 
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
@@ -175,12 +174,17 @@ def vllm_sampler(checkpoint):
     pytest.importorskip("vllm")
     from forge_ext.generation.vllm_sampler import VLLMSampler
 
-    with engine_core_in_this_process():
-        sampler = VLLMSampler(checkpoint, stop_token_ids=0, engine_args={"max_model_len": 64})
-        try:
-            yield sampler
-        finally:
-            sampler.close()
+    # Not conftest.engine_core_in_this_process: with tp=1 vLLM then also runs its worker in
+    # the pytest process, which walks every loaded module's globals and failed on a werkzeug
+    # proxy an earlier test's imports left ("Working outside of application context").
+    environ = dict(os.environ)
+    sampler = VLLMSampler(checkpoint, stop_token_ids=0, engine_args={"max_model_len": 64})
+    os.environ.clear()  # its defaults (the tp=1 thread binding) must not reach later engines
+    os.environ.update(environ)
+    try:
+        yield sampler
+    finally:
+        sampler.close()
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), CASES, ids=CASE_IDS)
