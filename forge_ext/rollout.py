@@ -217,10 +217,10 @@ class EpisodeRunner:
                 try:
                     reply, reward, done = result
                     t.env_reward += float(reward)
-                except (TypeError, ValueError) as e:
+                except (TypeError, ValueError):
                     self._fail(t, "error", TypeError(
                         f"step() must return (reply or None, reward, done), got {result!r:.80}"
-                    ) if not isinstance(e, TypeError) else e, "step")
+                    ), "step")
                     continue
                 if done or reply is None:
                     t.done = True
@@ -228,7 +228,13 @@ class EpisodeRunner:
                 if t.turns == c.max_turns:
                     t.truncated = t.done = True
                     continue
-                ids = self.render.continuation(reply)
+                try:
+                    ids = self.render.continuation(reply)
+                except (TypeError, ValueError, KeyError) as e:  # a reply of the wrong shape
+                    self._fail(t, "error", TypeError(
+                        f"step()'s reply must be text or {{role, content}} messages, got "
+                        f"{reply!r:.80} ({e})"), "step")
+                    continue
                 if len(t.response_ids) + len(ids) >= c.max_episode_tokens:
                     t.truncated = t.done = True  # no room for another model token
                     continue

@@ -374,3 +374,22 @@ def test_an_openenv_environment_runs_through_the_same_interface(setup):
             assert e["env_reward"] == pytest.approx(0.5 * e["turns"]) and e["turns"] <= 3
         if e["turns"] > 1:
             assert "no, again" in e["replies"]
+
+
+class BadReplies:
+    """A reply that is neither text nor messages, and a step result of the wrong shape."""
+
+    async def reset(self, row):
+        return row.prompt
+
+    async def step(self, completion):
+        return (42, 0.0, False) if len(completion) % 2 else "just a string"
+
+
+def test_a_step_result_or_reply_of_the_wrong_shape_costs_its_episode(setup):
+    runner, generate, _ = runner_for(setup, BadReplies, max_turns=3, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=4))
+    for t in batch.trajectories:
+        if not t.truncated:
+            assert t.env_error == "error"
+    assert batch.metrics()["episode/env_errors"] >= 1
