@@ -14,7 +14,6 @@ the stream exactly once.
 """
 
 import json
-import os
 import sys
 import textwrap
 from pathlib import Path

@@ -107,9 +107,6 @@ class Task:
     def characters(self) -> str:
         """The alphabet of a character-level tokenizer for this task (the SFT app's random
         init uses it): every character of every row's prompt and answer, sorted."""
-        chars = set()
-        for rows in (self.train_rows(), self.eval_rows()):
-            for row in rows:
-                chars.update(row.text)
-                chars.update(row.answer)
-        return "".join(sorted(chars))
+        from forge_ext.tasks.prompts import prompt_characters  # (prompts imports this module)
+
+        return "".join(sorted(prompt_characters([*self.train_rows(), *self.eval_rows()])))
