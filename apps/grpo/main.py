@@ -597,7 +597,10 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
+    from apps.config_reference import grpo_help
+
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
+                                prog="python -m apps.grpo.main")
     try:
         app = GRPOApp(load_config(path, overrides))
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix

@@ -103,7 +103,9 @@ class SFTConfig:
     """How completions are scored for the accuracy metric (as in the GRPO app)."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation during training and the final held-out evaluation."""
     metrics: MetricsConfig | None = None
+    """Where metrics go (null: none)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
     :func:`forge_ext.config.apply_env`)."""
@@ -281,7 +283,10 @@ def _full(state_dict: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
+    from apps.config_reference import sft_help
+
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
+                                prog="python -m apps.sft.main")
     try:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
         task_config(config.task)  # source, fields, files, import paths

@@ -105,11 +105,17 @@ class OptimizerConfig:
     """One optimizer over all parameters, torchforge style (torchtitan's ``default_adamw``)."""
 
     name: Literal["AdamW", "Adam"] = "AdamW"
+    """``torch.optim`` class."""
     lr: float = 1e-3
+    """Peak learning rate (the LR schedule scales it, see ``lr_scheduler``)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates ``[beta1, beta2]``."""
     eps: float = 1e-8
+    """Adam's denominator epsilon."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """``torch.optim`` kernel choice (``fused`` needs an accelerator)."""
 
     def to_titan(self) -> OptimizersContainer.Config:
         return OptimizersContainer.Config(
@@ -130,6 +136,8 @@ class OptimizerConfig:
 @dataclass(kw_only=True, slots=True)
 class ActivationCheckpointConfig:
     mode: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward instead of keeping them: ``full`` per layer,
+    ``selective`` torchtitan's op-level policy; ``none`` keeps them all."""
 
     def to_titan(self):
         """torchtitan AC config, or None for ``mode: none``."""
@@ -140,18 +148,28 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
+    """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
+    parallelised, and its checkpoints (module docstring)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """torchtitan's parallelism degrees (DP replicate/shard, TP, PP, CP) and their options."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulersContainer.Config = field(
         default_factory=LRSchedulersContainer.Config
     )
+    """torchtitan's learning-rate schedule (warm-up, decay) over ``training.steps``."""
     checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    """torchtitan's DCP checkpoints under ``<dump_folder>/<checkpoint.folder>`` (forge_ext's
+    manager keeps ``keep_latest_k`` complete ones)."""
     compile: CompileConfig = field(default_factory=CompileConfig)
+    """torchtitan's ``torch.compile`` settings."""
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    """Activation checkpointing (recomputation in backward)."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
