@@ -92,7 +92,8 @@ class SFTConfig:
     init: InitConfig
     trainer: dict[str, Any]
     """Engine config (:func:`forge_ext.engine.engine_config_from_mapping`);
-    ``trainer.model`` should be ``{name: qwen3, flavor: hf, hf_path: ${init.hf_path}}``."""
+    ``trainer.model`` should be ``{flavor: hf, hf_path: ${init.hf_path}}`` (``model.name``
+    follows config.json's ``model_type``)."""
     skip_if_exists: bool = True
     """Keep an existing checkpoint in ``output_dir`` and do nothing."""
     seed: int = 0

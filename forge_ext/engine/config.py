@@ -71,8 +71,10 @@ if not any(isinstance(f, _NotApplicableTitanNotices) for f in logging.getLogger(
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    name: str = "qwen3"
-    """Model family: ``qwen3`` or ``llama3``."""
+    name: str | None = None
+    """Model family: ``qwen3`` or ``llama3``. Default: the family of ``hf_path``'s
+    config.json ``model_type`` (``qwen3``; ``llama`` -> ``llama3``), ``qwen3`` without
+    ``hf_path``. A name given must read that ``model_type`` (checked before spawning)."""
     flavor: str = "tiny"
     """A torchtitan registry flavor, a small forge_ext flavor (``tiny``, ``small``), or ``hf``."""
     hf_path: str | None = None
@@ -82,6 +84,12 @@ class ModelConfig:
     checked before spawning."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            from forge_ext.engine.models import model_name_of
+
+            self.name = model_name_of(self.hf_path)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -345,6 +353,15 @@ def engine_config_from_mapping(
     raw = copy.deepcopy(dict(mapping or {}))
     check_keys(EngineConfig, raw, section)
     _defaults(raw)
+    model = raw.get("model")
+    if isinstance(model, Mapping) and model.get("name") is None:
+        # The name from the checkpoint here, so that a refusal names the section.
+        from forge_ext.engine.models import model_name_of
+
+        try:
+            raw["model"] = {**model, "name": model_name_of(model.get("hf_path"))}
+        except ValueError as e:
+            raise ValueError(f"{section}: {e}") from None
     config = from_mapping(EngineConfig, raw, section)
     try:
         config.validate()
