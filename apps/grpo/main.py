@@ -430,7 +430,19 @@ class GRPOApp(RLLoop):
     async def save_checkpoint(self, step: int) -> None:
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return  # checkpoints off (loop.save_every must then be 0): nothing to keep
+        start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
+        self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
+                   f"{self.checkpoint_folder() / f'step-{step}'}")
+
+    def checkpoint_folder(self) -> Path:
+        """``<trainer.dump_folder>/<trainer.checkpoint.folder>``."""
+        from forge_ext.engine import engine_config_from_mapping
+
+        if getattr(self, "_checkpoint_folder", None) is None:
+            engine = engine_config_from_mapping(self.config.trainer)
+            self._checkpoint_folder = Path(engine.dump_folder) / engine.checkpoint.folder
+        return self._checkpoint_folder
 
     # ---- output --------------------------------------------------------------------------
     def log_line(self, step: int, m: dict[str, float]) -> str | None:
@@ -550,14 +562,11 @@ class GRPOApp(RLLoop):
 
     def outputs_line(self) -> str:
         """The run's last console line: where everything was written."""
-        from forge_ext.engine import engine_config_from_mapping
-
         out = Path(self.config.output_dir)
         parts = [f"run config {out / RUN_CONFIG_FILE}",
                  f"metrics {self.metrics.jsonl_path}"]
-        engine = engine_config_from_mapping(self.config.trainer)
-        if engine.checkpoint.enable:
-            parts.append(f"checkpoints {Path(engine.dump_folder) / engine.checkpoint.folder}")
+        if self.config.trainer.get("checkpoint", {}).get("enable"):
+            parts.append(f"checkpoints {self.checkpoint_folder()}")
         return f"written to {out}: " + ", ".join(parts)
 
 
