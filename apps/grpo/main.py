@@ -662,8 +662,6 @@ def main(argv: list[str] | None = None) -> None:
         # A full disk, a read-only folder, a quota: the line names what, where, the space
         # and the last complete checkpoint.
         sys.exit(f"error: {write_error}")
-    finally:  # now, not in Monarch's 1-second atexit hook (see shutdown_monarch)
-        shutdown_monarch()
 
 
 def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | None) -> str:
@@ -686,4 +684,7 @@ def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | No
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the program's end: not in Monarch's 1-second atexit hook (see shutdown_monarch)
+        shutdown_monarch()
