@@ -219,6 +219,15 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval")
     ensure_init_checkpoint(config, task)
     engine_config = engine_config_from_mapping(config.trainer)
+    # What the run will do, before it starts; its last line says where it wrote.
+    model = engine_config.model
+    print(
+        f"SFT warm-start: {engine_config.training.steps} steps of "
+        f"{engine_config.training.local_batch_size} rows from {config.init.hf_path} "
+        f"({model.name}); task "
+        f"{task.name}: {len(train_rows)} training rows, {len(eval_rows)} held-out; "
+        f"output_dir {out}", flush=True,
+    )
     tok = CheckpointTokenizer(config.init.hf_path)
     render = PromptRenderer(tok, config.prompt)
     max_new_tokens = config.eval.max_new_tokens or max(
@@ -274,7 +283,9 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     engine.close()
     print(
         f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
-        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); checkpoint {out}"
+        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); written to {out}: checkpoint, "
+        f"run config {out / RUN_CONFIG_FILE}"
+        + (f", metrics {logger.jsonl_path}" if logger else "")
     )
     return accuracy
 
