@@ -33,6 +33,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.train_step
+	$(PY) -m bench.token_budget
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert
