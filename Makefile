@@ -37,6 +37,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.train_step
+	$(PY) -m bench.token_budget
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert

@@ -37,6 +37,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-5):
+    """Equal to fp32 rounding: ``rel`` relative, and ``rel`` of the tensor's largest entry
+    absolute (a sum of microbatch or rank terms in another order differs by that where entries
+    cancel)."""
+    atol = rel * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=rel, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
 def random_state_dict(state_dict: dict, seed: int, std: float = 0.2) -> dict:
     """Random weights shaped like ``state_dict`` (the default init leaves logits near zero,
     which makes parity tests pass vacuously)."""

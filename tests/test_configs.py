@@ -246,6 +246,10 @@ def test_cross_section_checks(demo_checkpoint):
          r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
         ("trainer.parallelism.pipeline_parallel_degree=3",
          r"weights.transport='direct' needs the same tensors on every trainer rank"),
+        ("trainer.training.max_tokens_per_microbatch=0",
+         r"trainer: training.max_tokens_per_microbatch=0 must be >= "),
+        ("reference.training.packing=true",
+         r"reference: training.packing=true needs training.max_tokens_per_microbatch"),
     ],
 )
 def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning(

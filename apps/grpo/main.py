@@ -359,7 +359,9 @@ class GRPOApp(RLLoop):
         return [ep.policy_version for ep in rollouts.episodes]
 
     async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
-        from forge_ext.actors.reference import data_parallel_size, split_for_data_parallel
+        from forge_ext.actors.reference import (
+            data_parallel_rows, data_parallel_size, split_for_data_parallel,
+        )
 
         c = self.config
         for episode in rollouts.episodes:
@@ -375,9 +377,10 @@ class GRPOApp(RLLoop):
         if c.debug.fail_at_step == step + 1:
             packed["advantages"].fill_(math.nan)  # debug.fail_at_step: see DebugSection
         dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
+        rows = data_parallel_rows(packed, self.trainer.config, dp)  # by tokens with a budget
         start = time.perf_counter()
         result = await self.trainer.train_step(
-            *split_for_data_parallel(packed, dp), return_metrics=True
+            *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
         )
         seconds = {**rollouts.seconds, "train": time.perf_counter() - start}
         metrics = {

@@ -293,7 +293,7 @@ class RLTrainer(Actor):
             batches.append({**inp, **tgt})
         # Every rank checks every rank's batch: all accept or all reject, in step.
         for batch in batches:
-            self.engine.microbatches(batch)
+            self.engine.check_batch(batch)
         return batches[self.engine.dp_rank]
 
 

@@ -96,8 +96,8 @@ class ModelConfig:
 class TrainingConfig(TitanTrainingConfig):
     """torchtitan's ``TrainingConfig`` plus the microbatch split of ``local_batch_size``.
 
-    Set at most one of ``microbatch_size`` and ``gradient_accumulation_steps``; with neither,
-    the batch is one microbatch.
+    Set at most one of ``microbatch_size``, ``gradient_accumulation_steps`` and
+    ``max_tokens_per_microbatch``; with none, the batch is one microbatch.
     """
 
     seq_len: int = 512
@@ -106,6 +106,18 @@ class TrainingConfig(TitanTrainingConfig):
     """Sequences per microbatch (per data-parallel rank)."""
     gradient_accumulation_steps: int | None = None
     """Microbatches per step (per data-parallel rank)."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of a microbatch (padded positions, per data-parallel rank) instead of a row
+    count: rows are grouped by length so that rows x their longest row stays within it, each
+    microbatch padded only to its own longest row; a rank's batch may then hold any number of
+    rows (see :mod:`forge_ext.engine.microbatch`)."""
+    pad_to_multiple_of: int = 1
+    """Round each microbatch's padded length (packed row length with ``packing``) up to a
+    multiple of this (e.g. 8 or 64 for GPU kernels); only with ``max_tokens_per_microbatch``."""
+    packing: bool = False
+    """Pack several sequences into one row of at most ``max_tokens_per_microbatch`` tokens,
+    positions restarting and attention confined per sequence (document masking). Pays on
+    long-tailed lengths; on equal lengths it only adds masked attention work."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,12 +207,16 @@ class EngineConfig:
                 they do not divide, or when both microbatch fields are set.
         """
         t = self.training
-        if t.microbatch_size is not None and t.gradient_accumulation_steps is not None:
-            raise ValueError(
-                "set only one of training.microbatch_size="
-                f"{t.microbatch_size} and training.gradient_accumulation_steps="
-                f"{t.gradient_accumulation_steps}"
-            )
+        chosen = [
+            f"training.{name}={getattr(t, name)}"
+            for name in ("microbatch_size", "gradient_accumulation_steps",
+                         "max_tokens_per_microbatch")
+            if getattr(t, name) is not None
+        ]
+        if len(chosen) > 1:
+            raise ValueError(f"set only one of {' and '.join(chosen)}")
+        if t.max_tokens_per_microbatch is not None:
+            return 1  # per step, from the rows' lengths (forge_ext.engine.microbatch)
         if t.microbatch_size is not None:
             if t.microbatch_size <= 0 or t.local_batch_size % t.microbatch_size:
                 raise ValueError(
@@ -261,6 +277,7 @@ class EngineConfig:
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
             )
         self.num_microbatches()
+        self._validate_token_budget()
         spec = build_model_spec(
             self.model.name, self.model.flavor, hf_path=self.model.hf_path,
             attn_backend=self.model.attn_backend,
@@ -292,6 +309,40 @@ class EngineConfig:
             raise ValueError(
                 f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
                 "model.attn_backend=sdpa on a machine without CUDA"
+            )
+
+    def _validate_token_budget(self) -> None:
+        t, par = self.training, self.parallelism
+        budget = t.max_tokens_per_microbatch
+        if t.pad_to_multiple_of < 1:
+            raise ValueError(f"training.pad_to_multiple_of={t.pad_to_multiple_of} must be >= 1")
+        if budget is None:
+            if t.packing:
+                raise ValueError(
+                    "training.packing=true needs training.max_tokens_per_microbatch (the "
+                    "packed row length), e.g. training.max_tokens_per_microbatch=4096"
+                )
+            if t.pad_to_multiple_of != 1:
+                raise ValueError(
+                    "training.pad_to_multiple_of applies to token-budget microbatches; set "
+                    "training.max_tokens_per_microbatch too, or leave it at 1"
+                )
+            return
+        if budget < t.pad_to_multiple_of:
+            raise ValueError(
+                f"training.max_tokens_per_microbatch={budget} must be >= "
+                f"training.pad_to_multiple_of={t.pad_to_multiple_of} (and > 0)"
+            )
+        if self.pp_degree > 1:
+            raise ValueError(
+                "training.max_tokens_per_microbatch does not work with pipeline parallelism "
+                "(its schedules fix the microbatch shapes); use training."
+                "gradient_accumulation_steps, or parallelism.pipeline_parallel_degree=1"
+            )
+        if t.packing and par.context_parallel_degree > 1:
+            raise ValueError(
+                "training.packing=true does not work with parallelism.context_parallel_degree"
+                f"={par.context_parallel_degree} (document masks are not sharded by sequence)"
             )
 
 

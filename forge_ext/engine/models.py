@@ -30,11 +30,12 @@ import torch
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
+
+from forge_ext.engine.attention import DocumentMaskedSDPA
 
 # Small flavors, as HF config.json fields (Qwen3Config / LlamaConfig names).
 SMALL_FLAVORS: dict[str, dict[str, dict[str, Any]]] = {
@@ -505,7 +506,8 @@ def build_model_spec(
     """Look up a model by name and flavor and set its inner attention backend.
 
     ``attn_backend="sdpa"`` replaces each layer's inner attention with torchtitan's
-    ``ScaledDotProductAttention`` (causal, no document masks): the only backend with a CPU
+    ``ScaledDotProductAttention`` (causal), extended with document masks for packed rows
+    (:class:`forge_ext.engine.attention.DocumentMaskedSDPA`): the only backend with a CPU
     backward (FlexAttention has none on CPU, varlen is CUDA-only). Batches are right-padded,
     so causal attention is exact for every valid token.
 
@@ -546,5 +548,5 @@ def build_model_spec(
         spec.state_dict_adapter = Llama3HFStateDictAdapter
     if attn_backend == "sdpa":
         for layer in spec.model.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            layer.attention.inner_attention = DocumentMaskedSDPA.Config()
     return spec

@@ -221,8 +221,8 @@ def grpo_loss_and_metrics(
     Args:
         logits: ``[batch, seq, vocab]`` current-policy logits (fp32).
         mb: one microbatch with ``labels`` ``[batch, seq]`` int64 (``-100`` = not a response
-            token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]``,
-            ``generator_logprobs`` ``[batch, seq]`` aligned with ``labels``, and
+            token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]`` (or
+            ``[batch, seq]``, one per token, in a packed row), ``generator_logprobs`` ``[batch, seq]`` aligned with ``labels``, and
             ``ref_logprobs`` ``[batch, seq]`` (needed only when ``kl_coef != 0``). Values of
             ``generator_logprobs``/``ref_logprobs`` at ignored positions (even inf/NaN) do
             not affect the loss or its gradient.
@@ -265,7 +265,12 @@ def grpo_loss_and_metrics(
     labels = mb["labels"]
     logprobs = token_logprobs(logits, labels)
     batch, seq = labels.shape
-    advantages = _require(mb, "advantages", (batch,)).to(logprobs.dtype)[:, None]
+    # One advantage per row, or per token in a packed row (forge_ext.engine.microbatch).
+    advantages = mb.get("advantages")
+    if advantages is not None and advantages.dim() == 2:
+        advantages = _require(mb, "advantages", (batch, seq)).to(logprobs.dtype)
+    else:
+        advantages = _require(mb, "advantages", (batch,)).to(logprobs.dtype)[:, None]
     generator_logprobs = _require(mb, "generator_logprobs", (batch, seq))
 
     mask = labels != IGNORE_INDEX
