@@ -110,9 +110,10 @@ def parse_report(text: str) -> dict[str, Any] | None:
     ``MeshFailure.report()`` or a ``SupervisionError``'s text); None if it names none.
 
     Returns:
-        ``{"name", "rank", "host", "signum", "code", "no_status", "unanswered"}``: ``host``
-        is the host's index in the mesh, None when the report does not say (a poll that went
-        unanswered names the proc's rank only).
+        ``{"name", "proc", "rank", "host", "signum", "code", "no_status", "unanswered"}``:
+        ``name`` the actor mesh's, ``proc`` the proc mesh's (None where the report names no
+        proc), ``host`` the host's index in the mesh, None when the report does not say (a
+        poll that went unanswered names the proc's rank only).
     """
     match = None
     for candidate in _POINT.finditer(text):
@@ -123,9 +124,9 @@ def parse_report(text: str) -> dict[str, Any] | None:
         unanswered = _UNANSWERED.search(text)
         if unanswered is None:
             return None
-        return {"name": unanswered.group("mesh"), "rank": int(unanswered.group("rank")),
-                "host": None, "signum": None, "code": None, "no_status": False,
-                "unanswered": True}
+        return {"name": unanswered.group("mesh"), "proc": unanswered.group("proc"),
+                "rank": int(unanswered.group("rank")), "host": None, "signum": None,
+                "code": None, "no_status": False, "unanswered": True}
     coords = {
         c.group("dim"): (int(c.group("index")), int(c.group("size")))
         for c in _COORD.finditer(match.group("coords"))
@@ -134,6 +135,7 @@ def parse_report(text: str) -> dict[str, Any] | None:
     killed, exited = _KILLED.search(text), _EXITED.search(text)
     return {
         "name": name,
+        "proc": None,
         "rank": rank_of(coords),
         "host": coords.get("hosts", (0, 1))[0],
         "signum": int(killed.group("sig")) if killed else None,
@@ -256,6 +258,10 @@ class FailureWatch:
         if parsed is None:
             return None
         name = parsed["name"]
+        if name not in self.roles and parsed["proc"] in self.roles:
+            # An unanswered poll of a helper actor (its logger, Monarch's set-up actor) on a
+            # role's proc: proc meshes are named after their role too (Placement.spawn_procs).
+            name = parsed["proc"]
         if name.startswith(TORCHSTORE_VOLUME):
             name = "torchstore"
         elif roles_only and name not in self.roles:

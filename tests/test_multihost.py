@@ -455,6 +455,11 @@ def test_monarch_reports_read_as_role_rank_host_and_cause():
         "the trainer's rank 3 on host 1 of 2 stopped answering: Monarch's poll of its state "
         "timed out, so it crashed or hangs while its host is up: its log says why, and "
         "`dmesg` whether the out-of-memory killer ended it")
+    # The same about a helper actor of that proc (its logger) names the proc's role: the
+    # proc meshes are named after their roles too.
     helper = unanswered.format("logger-y7AhvDHcjEf")
-    assert two_per_host.explain_text(helper, roles_only=True) is None
+    assert str(two_per_host.explain_text(helper, roles_only=True)).startswith(
+        "the trainer's rank 3 on host 1 of 2 stopped answering")
+    other = helper.replace("trainer-3<", "anon-0<")
+    assert two_per_host.explain_text(other, roles_only=True) is None
     assert watch.explain_text("no point in this text") is None
