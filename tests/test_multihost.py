@@ -313,6 +313,8 @@ async def test_a_dead_proc_on_this_machine_is_one_error_not_an_interrupt(tmp_pat
 # Reference and generator share one host (hosts.<role>.group).
 SHARED_HOST = HostsConfig(launcher="processes", reference=RoleHosts(group="rollout"),
                           generator=RoleHosts(group="rollout"))
+SHARED_HOST_VICTIMS = {"reference": lambda run: run.pids["reference"][0],  # its proc
+                       "host": lambda run: run.workers["rollout_0"]}  # the host's worker
 
 
 @pytest.mark.parametrize("killed", ["reference", "host"])
@@ -321,11 +323,7 @@ async def test_the_dead_proc_or_host_is_named_by_its_own_roles(tmp_path, killed)
     """Reference and generator on one host: a dead reference proc is named by its role
     alone (not "the trainer's", not the other role on its host, not the host's group), a
     dead host by both roles, with the rank and the host."""
-    if killed == "host":
-        victim = lambda run: run.workers["rollout_0"]  # noqa: E731
-    else:
-        victim = lambda run: run.pids[killed][0]  # noqa: E731
-    run = KilledRun(tmp_path, victim=victim, hosts=SHARED_HOST,
+    run = KilledRun(tmp_path, victim=SHARED_HOST_VICTIMS[killed], hosts=SHARED_HOST,
                     processes={"reference": 1, "generator": 1})
     with pytest.raises(RoleFailure) as failure:
         await asyncio.wait_for(run.run(), 90)
