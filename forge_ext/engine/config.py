@@ -71,8 +71,10 @@ if not any(isinstance(f, _NotApplicableTitanNotices) for f in logging.getLogger(
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    name: str = "qwen3"
-    """Model family: ``qwen3`` or ``llama3``."""
+    name: str | None = None
+    """Model family: ``qwen3`` or ``llama3``. Default: the family of ``hf_path``'s
+    config.json ``model_type`` (``qwen3``; ``llama`` -> ``llama3``), ``qwen3`` without
+    ``hf_path``. A name given must read that ``model_type`` (checked before spawning)."""
     flavor: str = "tiny"
     """A torchtitan registry flavor, a small forge_ext flavor (``tiny``, ``small``), or ``hf``."""
     hf_path: str | None = None
@@ -82,6 +84,12 @@ class ModelConfig:
     checked before spawning."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            from forge_ext.engine.models import model_name_of
+
+            self.name = model_name_of(self.hf_path)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,11 +125,17 @@ class OptimizerConfig:
     """One optimizer over all parameters, torchforge style (torchtitan's ``default_adamw``)."""
 
     name: Literal["AdamW", "Adam"] = "AdamW"
+    """``torch.optim`` class."""
     lr: float = 1e-3
+    """Peak learning rate (the LR schedule scales it, see ``lr_scheduler``)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates ``[beta1, beta2]``."""
     eps: float = 1e-8
+    """Adam's denominator epsilon."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """``torch.optim`` kernel choice (``fused`` needs an accelerator)."""
 
     def to_titan(self) -> OptimizersContainer.Config:
         return OptimizersContainer.Config(
@@ -142,6 +156,8 @@ class OptimizerConfig:
 @dataclass(kw_only=True, slots=True)
 class ActivationCheckpointConfig:
     mode: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward instead of keeping them: ``full`` per layer,
+    ``selective`` torchtitan's op-level policy; ``none`` keeps them all."""
 
     def to_titan(self):
         """torchtitan AC config, or None for ``mode: none``."""
@@ -152,18 +168,28 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
+    """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
+    parallelised, and its checkpoints (module docstring)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """torchtitan's parallelism degrees (DP replicate/shard, TP, PP, CP) and their options."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulersContainer.Config = field(
         default_factory=LRSchedulersContainer.Config
     )
+    """torchtitan's learning-rate schedule (warm-up, decay) over ``training.steps``."""
     checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    """torchtitan's DCP checkpoints under ``<dump_folder>/<checkpoint.folder>`` (forge_ext's
+    manager keeps ``keep_latest_k`` complete ones)."""
     compile: CompileConfig = field(default_factory=CompileConfig)
+    """torchtitan's ``torch.compile`` settings."""
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    """Activation checkpointing (recomputation in backward)."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
@@ -378,6 +404,15 @@ def engine_config_from_mapping(
     raw = copy.deepcopy(dict(mapping or {}))
     check_keys(EngineConfig, raw, section)
     _defaults(raw)
+    model = raw.get("model")
+    if isinstance(model, Mapping) and model.get("name") is None:
+        # The name from the checkpoint here, so that a refusal names the section.
+        from forge_ext.engine.models import model_name_of
+
+        try:
+            raw["model"] = {**model, "name": model_name_of(model.get("hf_path"))}
+        except ValueError as e:
+            raise ValueError(f"{section}: {e}") from None
     config = from_mapping(EngineConfig, raw, section)
     try:
         config.validate()

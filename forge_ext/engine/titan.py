@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -44,6 +45,9 @@ from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.engine.models import build_model_spec
 
 logger = logging.getLogger(__name__)
+
+# torch/distributed/tensor/_dispatch.py, at init_weights on a CPU device mesh.
+DTENSOR_CPU_RANDOM_NOTICE = "DTensor random operators may not have complete support on cpu"
 
 
 class TitanEngine(BaseEngine):
@@ -176,7 +180,11 @@ class TitanEngine(BaseEngine):
             if self.device.type == "cpu":
                 _force_sum_reduction(part)
             part.to_empty(device=self.device)
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                if config.model.hf_path:
+                    # Every weight is replaced from the checkpoint right after: torch's
+                    # notice about random init of DTensors on a CPU mesh does not apply.
+                    warnings.filterwarnings("ignore", message=DTENSOR_CPU_RANDOM_NOTICE)
                 part.init_weights(buffer_device=None)
             part.train()
         return parts
