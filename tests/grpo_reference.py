@@ -50,12 +50,12 @@ def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
             trunc = mb["truncated"]
             if bool(trunc[b0] if trunc.dim() == 1 else trunc[b0, t0]):
                 continue
-        logp = torch.stack([logp_all[b, t, int(labels[b, t])] for b, t in toks])
-        gen = torch.tensor([float(mb["generator_logprobs"][b, t]) for b, t in toks],
-                           dtype=torch.float64)
+        bs = torch.tensor([b for b, _ in toks])
+        ts = torch.tensor([t for _, t in toks])
+        logp = logp_all[bs, ts, labels[bs, ts]]
+        gen = mb["generator_logprobs"][bs, ts].double()
         adv_t = mb["advantages"]
-        adv = torch.tensor([float(adv_t[b] if adv_t.dim() == 1 else adv_t[b, t])
-                            for b, t in toks], dtype=torch.float64)
+        adv = (adv_t[bs] if adv_t.dim() == 1 else adv_t[bs, ts]).double()
         if correction == "token_tis":
             old = logp.detach()
             gap = old - gen
@@ -71,8 +71,7 @@ def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
             ratio = torch.exp(logp - old)
         surrogate = w * torch.minimum(ratio * adv, torch.clamp(ratio, 1 - low, 1 + high) * adv)
         if kl_coef:
-            ref = torch.tensor([float(mb["ref_logprobs"][b, t]) for b, t in toks],
-                               dtype=torch.float64)
+            ref = mb["ref_logprobs"][bs, ts].double()
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             surrogate = surrogate - kl_coef * kl
         losses.append(-surrogate)
@@ -106,3 +105,40 @@ def reference_advantages(rewards, group_size, scaling, eps=1e-6):
                  "batch_std": batch_std + eps}[scaling]
         out += [(r - mean) / scale for r in group]
     return out
+
+
+ENGINE_VARIANTS = (
+    {"aggregation": "token_mean"},
+    {"aggregation": "seq_mean_token_mean"},
+    {"aggregation": "seq_mean_token_sum"},
+    {"aggregation": "seq_mean_token_sum_norm", "max_response_tokens": 32},
+    {"aggregation": "seq_mean_token_mean", "ratio_level": "sequence"},  # GSPO
+)
+"""Loss fields of the variants the engine-level tests run (GRPO, Dr. GRPO, DAPO, GSPO
+aggregations and ratio levels), each with ``kl_coef`` added by the test."""
+
+
+def variant_name(variant):
+    return "-".join(str(v) for v in variant.values())
+
+
+def reference_kwargs(variant, kl_coef):
+    """``reference_loss`` keyword arguments of an ``ENGINE_VARIANTS`` entry."""
+    from forge_ext.losses.grpo import default_clip_eps
+
+    level = variant.get("ratio_level", "token")
+    return {**variant, "kl_coef": kl_coef, "clip": default_clip_eps(level)}
+
+
+def grpo_targets(logits, labels, seed, noise=0.3):
+    """``generator_logprobs``, ``ref_logprobs`` (the policy's log-probs of ``labels`` under
+    ``logits`` plus noise) and ``advantages [B]`` for a GRPO step on an LM batch."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(logits.double(), -1).gather(
+        -1, labels.clamp(min=0)[..., None])[..., 0].float()
+    logprobs = torch.where(labels == -100, 0.0, logprobs)
+    return {
+        "generator_logprobs": logprobs + noise * torch.randn(logprobs.shape, generator=g),
+        "ref_logprobs": logprobs + noise * torch.randn(logprobs.shape, generator=g),
+        "advantages": torch.randn(labels.shape[0], generator=g),
+    }
