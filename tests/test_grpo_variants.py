@@ -261,3 +261,87 @@ def test_sequence_ratio_defaults_to_gspo_clip_range_and_sum_norm_needs_its_const
     assert (GRPOLoss.Config().clip_eps_low, GRPOLoss.Config().clip_eps_high) == (0.2, 0.2)
     with pytest.raises(ValueError, match="loss.max_response_tokens=None"):
         GRPOLoss(GRPOLoss.Config(aggregation="seq_mean_token_sum_norm"))
+
+
+# ---- config: presets and bad combinations, refused before any process is spawned --------
+def demo_without_loss_section(tmp_path):
+    """configs/grpo_cpu_demo.yaml without its ``loss:`` section (which sets clip and KL
+    explicitly, and explicit fields win over a preset)."""
+    from pathlib import Path
+
+    import yaml
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml"
+    mapping = yaml.safe_load(demo.read_text())
+    mapping.pop("loss")
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    return str(path)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_presets_set_their_papers_fields_and_each_field_stays_overridable(tmp_path, preset):
+    from dataclasses import asdict
+
+    from apps.grpo.config import load_config
+    from forge_ext.losses.presets import PRESETS
+
+    path = demo_without_loss_section(tmp_path)
+    config = load_config(path, [f"loss.preset={preset}"], check_model=False)
+    record = asdict(config)  # what GRPOApp writes to run_config.yaml (resolved values)
+    for section, fields in PRESETS[preset].items():
+        for key, value in fields.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    assert record[section][key][sub] == v, (section, key, sub)
+            else:
+                assert record[section][key] == value, (section, key)
+    assert record["loss"]["preset"] == preset
+    assert record["loss"]["max_response_tokens"] == 5  # generator.sampling.max_new_tokens
+    summary = config.variant_summary()
+    assert summary.startswith(f"GRPO variant: {preset} |") and "(preset" not in summary
+    overridden = load_config(path, [f"loss.preset={preset}", "loss.kl_coef=0.5",
+                                    "grpo.advantage_scaling=batch_std"], check_model=False)
+    assert overridden.loss.kl_coef == 0.5 and overridden.grpo.advantage_scaling == "batch_std"
+    assert overridden.loss.aggregation == PRESETS[preset]["loss"]["aggregation"]
+    assert "loss.kl_coef=0.5 (preset" in overridden.variant_summary()
+
+
+def test_no_preset_keeps_todays_defaults_and_dapo_resolves_its_overlong_interval(tmp_path):
+    from apps.grpo.config import load_config
+
+    path = demo_without_loss_section(tmp_path)
+    config = load_config(path, [], check_model=False)
+    assert (config.loss.aggregation, config.loss.ratio_level, config.grpo.advantage_scaling,
+            config.loss.clip_eps_low, config.loss.clip_eps_high, config.grpo.dynamic_sampling,
+            config.reward.overlong.enable) == ("token_mean", "token", "group_std", 0.2, 0.2,
+                                               False, False)
+    dapo = load_config(path, ["loss.preset=dapo", "generator.sampling.max_new_tokens=20"],
+                       check_model=False)
+    overlong = dapo.reward.overlong
+    assert (overlong.enable, overlong.max_tokens, overlong.cache_tokens) == (True, 20, 4)
+    assert [overlong.penalty(n) for n in (16, 17, 18, 20)] == [0.0, -0.25, -0.5, -1.0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.aggregation=seq_mean"], "loss.aggregation"),
+    (["loss.preset=ppo"], "loss.preset='ppo' must be one of"),
+    (["loss.ratio_level=sequence", "loss.clip_eps_high=1.5"],
+     "loss.clip_eps_high=1.5 with loss.ratio_level=sequence must lie in \\(0, 1\\)"),
+    (["loss.preset=gspo", "loss.clip_eps_low=0"], "loss.clip_eps_low=0"),
+    (["reward.overlong.enable=true", "reward.overlong.cache_tokens=8"],
+     "reward.overlong.cache_tokens=8 is longer than reward.overlong.max_tokens=5 "
+     "\\(generator.sampling.max_new_tokens=5\\)"),
+    (["reward.overlong.max_tokens=9"], "reward.overlong.max_tokens=9 > "
+     "generator.sampling.max_new_tokens=5"),
+    (["grpo.advantage_scaling=std"], "grpo.advantage_scaling"),
+    (["grpo.dynamic_sampling=true", "grpo.max_rollout_batches=0"],
+     "grpo.max_rollout_batches=0 must be >= 1"),
+])
+def test_bad_variant_config_is_refused_before_any_spawn_naming_the_field(
+    tmp_path, overrides, message
+):
+    from apps.grpo.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(demo_without_loss_section(tmp_path), overrides, check_model=False)

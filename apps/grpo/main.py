@@ -161,6 +161,7 @@ class GRPOApp(RLLoop):
             check=resume_step > 0,  # with nothing to resume, start over
         )
         _warn_if_task_differs_from_warm_start(config)
+        print(config.variant_summary(), flush=True)
         self.config = config
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
@@ -311,15 +312,22 @@ class GRPOApp(RLLoop):
         if batch.multi_turn:
             seconds["env"] = batch.env_seconds
         rewards = batch.rewards
-        advantages = compute_group_advantages(torch.tensor(rewards), c.grpo.group_size).tolist()
+        # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
+        # logged reward/mean stays the rubric's, comparable across variants.
+        penalties = [c.reward.overlong.penalty(len(t.response_ids)) for t in batch.trajectories]
+        shaped = [r + p for r, p in zip(rewards, penalties)]
+        advantages = compute_group_advantages(
+            torch.tensor(shaped), c.grpo.group_size, scaling=c.grpo.advantage_scaling
+        ).tolist()
         episodes = [
             Episode(
                 prompt_ids=t.prompt_ids, response_ids=t.response_ids,
                 generator_logprobs=t.logprobs, advantage=a, reward=r,
                 policy_version=t.policy_version,
                 response_mask=t.response_mask if batch.multi_turn else None,
+                truncated=t.truncated,
             )
-            for t, a, r in zip(batch.trajectories, advantages, rewards)
+            for t, a, r in zip(batch.trajectories, advantages, shaped)
         ]
         if self.reference is not None:
             start = time.perf_counter()
