@@ -142,3 +142,10 @@ def grpo_targets(logits, labels, seed, noise=0.3):
         "ref_logprobs": logprobs + noise * torch.randn(logprobs.shape, generator=g),
         "advantages": torch.randn(labels.shape[0], generator=g),
     }
+
+
+def parity_reward(completion, **_):
+    """A reward whose groups are often all equal: 1.0 when the completion's first character
+    has an odd code point (about half of them), else 0.0 (a group of 2 has no spread half
+    the time)."""
+    return float(bool(completion) and ord(completion[0]) % 2 == 1)

@@ -372,6 +372,23 @@ def compute_group_advantages(
     return advantages.view(-1).to(out_dtype)
 
 
+def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[num_groups]`` bool: True for a group whose rewards are not all equal. The others
+    get exactly zero advantage (:func:`compute_group_advantages`) and so no policy
+    gradient: DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) drops them.
+
+    Raises:
+        ValueError: ``rewards`` not 1-D with a length that is a multiple of ``group_size``.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
+            f"multiple of group_size={group_size}"
+        )
+    grouped = rewards.view(-1, group_size)
+    return grouped.amax(dim=1) != grouped.amin(dim=1)
+
+
 def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
     if key not in mb:
         raise ValueError(f"GRPO microbatch is missing {key!r}; it has {sorted(mb)}")
