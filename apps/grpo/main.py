@@ -563,6 +563,12 @@ class GRPOApp(RLLoop):
                     + (f", env errors {int(m['episode/env_errors'])} timeouts "
                        f"{int(m['episode/env_timeouts'])}" if env_failed else "") + ")"
                 )
+            if "rollout/dropped_groups" in m:  # grpo.dynamic_sampling
+                parts.append(
+                    f"groups dropped {int(m['rollout/dropped_groups'])} short "
+                    f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
+                    "rollouts)"
+                )
             if self.reference is not None:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
             if "loss/tis_weight_mean" in m:

@@ -103,8 +103,8 @@ class RLTrainer(Actor):
             rank), or with ``return_metrics`` a dict with ``loss``, ``grad_norm``, ``lr``,
             ``num_tokens``, ``tokens_per_second``, ``policy_version``, plus the loss's own
             metrics as ``loss/<name>`` (GRPO: ``loss/kl``, ``loss/ratio_mean``,
-            ``loss/clip_fraction``; means over the global batch's valid tokens, before the
-            update).
+            ``loss/clip_fraction``; means over the global batch's valid tokens, or its
+            sequences for the ``seq_mean_*`` aggregations, before the update).
 
         Raises:
             ValueError: ``inputs``/``targets`` lengths differ from each other or from the DP
