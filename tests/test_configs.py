@@ -126,7 +126,7 @@ def test_sft_config_validates_and_shares_the_demo_task():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded as model.name='qwen3'"),
+        ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded"),
         ("trainer.parallelism.data_parallel_shard_degree=2",
          "degrees multiply to 2 processes, but the SFT app trains in this one process"),
     ],
@@ -150,6 +150,45 @@ def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
         os.environ.clear()
         os.environ.update(environ)
     assert not init.exists()
+
+
+def write_llama_config(directory: Path) -> str:
+    """config.json of a tiny Llama as transformers writes it (validation reads no weights)."""
+    from forge_ext.hf_checkpoint import hf_config_dict
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    (directory / "config.json").write_text(json.dumps(hf_config_dict("llama", fields)))
+    return str(directory)
+
+
+def test_model_name_follows_config_json_model_type_unless_given(tmp_path):
+    from forge_ext.engine import engine_config_from_mapping
+
+    llama, qwen3 = write_llama_config(tmp_path / "llama"), write_qwen3_config(tmp_path / "q", "0.6b")
+    for path, name in ((llama, "llama3"), (qwen3, "qwen3")):
+        config = engine_config_from_mapping({"model": {"flavor": "hf", "hf_path": path}})
+        assert config.model.name == name
+    given = engine_config_from_mapping({"model": {"name": "llama3", "flavor": "hf",
+                                                  "hf_path": llama}})
+    assert given.model.name == "llama3"
+    assert engine_config_from_mapping({"model": {"flavor": "tiny"}}).model.name == "qwen3"
+
+
+def test_a_model_name_that_contradicts_config_json_is_one_line_naming_the_fix(tmp_path):
+    llama = write_llama_config(tmp_path / "llama")
+    with pytest.raises(SystemExit) as error:
+        from apps.grpo.main import main
+
+        main(["--config", str(CONFIGS / "grpo_cpu_demo.yaml"), f"model.hf_path={llama}",
+              f"output_dir={tmp_path / 'out'}", "trainer.model.name=qwen3"])
+    message = str(error.value.code)
+    assert "\n" not in message
+    assert message.startswith("config error: trainer: model.hf_path config.json "
+                              "model_type='llama' cannot be loaded as model.name='qwen3'; set "
+                              "model.name=llama3 or leave model.name out"), message
+    assert not (tmp_path / "out").exists()  # refused before anything was written or spawned
 
 
 def test_unknown_keys_are_named_with_their_path():
@@ -207,6 +246,10 @@ def test_cross_section_checks(demo_checkpoint):
          r"tensor_parallel_degree=3 must divide the model's n_heads=4"),
         ("trainer.parallelism.pipeline_parallel_degree=3",
          r"weights.transport='direct' needs the same tensors on every trainer rank"),
+        ("trainer.training.max_tokens_per_microbatch=0",
+         r"trainer: training.max_tokens_per_microbatch=0 must be >= "),
+        ("reference.training.packing=true",
+         r"reference: training.packing=true needs training.max_tokens_per_microbatch"),
     ],
 )
 def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning(

@@ -98,7 +98,9 @@ def test_step_loss_is_the_full_batch_token_mean(reference_weights):
     metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
     assert metrics["loss"] == pytest.approx(float(reference), rel=1e-5)
     assert metrics["num_tokens"] == float(valid_tokens(batch))
-    assert set(metrics) == {"loss", "grad_norm", "lr", "num_tokens", "tokens_per_second"}
+    assert set(metrics) == {"loss", "grad_norm", "lr", "num_tokens", "tokens_per_second",
+                            "num_microbatches", "computed_tokens"}
+    assert metrics["num_microbatches"] == 4 and metrics["computed_tokens"] == 8 * 32
 
 
 @pytest.mark.parametrize("correction", ["none", "token_tis"])

@@ -10,8 +10,9 @@
 - weights its ranks publish from both hosts are fetched on a third host, with the weight
   transport's same-host shortcut off (``weights.same_host: off``);
 - its checkpoint saves and resumes;
-- a proc that dies on the local launcher stops an RL loop with one error naming the role,
-  rank and signal (not the Ctrl-C Monarch's default fault hook looked like);
+- a proc that dies stops an RL loop with one error naming the role, rank and signal (not
+  the Ctrl-C Monarch's default fault hook looked like), on the local launcher and on a host
+  that two roles share: a dead proc is named by its own role, a dead host by both roles;
 - config errors of the ``hosts:`` section come before any process starts.
 """
 
@@ -37,7 +38,7 @@ from forge_ext.actors import spawn_trainer
 from forge_ext.loop import LoopConfig, RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import HostsConfig, Placement, RoleHosts
-from forge_ext.supervision import RoleFailure, watch_run
+from forge_ext.supervision import UNANSWERED, RoleFailure, watch_run
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the probe actors by value.
@@ -212,7 +213,7 @@ async def test_a_two_host_checkpoint_saves_and_resumes(trainers):
         torch.testing.assert_close(w_again[k], w_first[k], rtol=0, atol=0, msg=k)
 
 
-# ---- a dead proc on the local launcher ------------------------------------------------------
+# ---- a dead proc or host: one error naming its role(s) ----------------------------------------
 class Sleeper(Actor):
     @endpoint
     async def pid(self) -> int:
@@ -224,24 +225,40 @@ class Sleeper(Actor):
 
 
 class KilledRun(RLLoop):
-    """An RL loop whose "trainer" (2 procs on this machine) loses rank 1 mid-step."""
+    """An RL loop whose roles (a :class:`Sleeper` each, spawned as the app spawns a role: a
+    proc mesh and an actor both named after it, through :class:`Placement`, under
+    :func:`watch_run`) lose a process mid-step: ``victim(run)`` is the pid SIGKILLed (a
+    role's proc, or a host's worker process), as an out-of-memory kill would."""
 
-    def __init__(self, log_dir):
+    def __init__(self, log_dir, victim, hosts=None, processes=None):
         super().__init__(LoopConfig(steps=3), MetricsConfig(log_dir=str(log_dir),
                                                             tensorboard=False, plot=None))
-        self.lines = []
+        self.victim, self.hosts = victim, hosts or HostsConfig()
+        self.processes = processes or {"trainer": 2}
+        self.lines, self.actors, self.pids, self.workers = [], {}, {}, {}
 
     async def setup(self):
-        self.placement = Placement(HostsConfig(), {"trainer": 2})
+        self.placement = Placement(self.hosts, self.processes)
         self.watch = watch_run(self, self.placement)
-        procs = self.placement.spawn_procs("trainer")
-        self.track("trainer", procs.stop)
-        self.actor = procs.spawn("trainer", Sleeper)
-        self.pids = list((await self.actor.pid.call()).values())
+        self.placement.start()
+
+        async def stop_hosts():
+            self.placement.stop()
+
+        self.track("hosts", stop_hosts)
+        if self.placement.owns_workers:
+            self.workers = {name: state.pid
+                            for name, state in self.placement.job._host_to_pid.items()}
+        for role in self.processes:
+            procs = self.placement.spawn_procs(role)
+            if not self.placement.owns_workers:  # else the job's kill stops them at once
+                self.track(role, procs.stop)
+            self.actors[role] = procs.spawn(role, Sleeper)
+            self.pids[role] = list((await self.actors[role].pid.call()).values())
 
     async def build_rollouts(self, step):
-        os.kill(self.pids[1], signal.SIGKILL)  # as an out-of-memory kill would
-        await self.actor.work.call()
+        os.kill(self.victim(self), signal.SIGKILL)
+        await asyncio.gather(*(actor.work.call() for actor in self.actors.values()))
 
     def policy_versions(self, rollouts):
         return []
@@ -271,18 +288,51 @@ class KilledRun(RLLoop):
         pass
 
 
+SIGKILL_HINT = ("was killed by SIGKILL (signal 9): most often the kernel's out-of-memory "
+                "killer (see `dmesg` or the node's memory), else a `kill -9` or the scheduler")
+
+
+def sigkill_messages(what: str) -> set[str]:
+    """What a SIGKILLed proc may be reported as: Monarch's report names the signal, unless
+    its poll of the proc's state was in flight (then ~30 s later, without the signal)."""
+    return {f"{what} {SIGKILL_HINT}", f"{what} {UNANSWERED[0]}: {UNANSWERED[1]}"}
+
+
 @module_loop
 async def test_a_dead_proc_on_this_machine_is_one_error_not_an_interrupt(tmp_path):
-    run = KilledRun(tmp_path)
+    run = KilledRun(tmp_path, victim=lambda run: run.pids["trainer"][1])
     with pytest.raises(RoleFailure) as failure:
         await asyncio.wait_for(run.run(), 90)
-    assert str(failure.value).startswith(
-        "the trainer's rank 1 on this machine was killed by SIGKILL (signal 9): most often "
-        "the kernel's out-of-memory killer"
-    )
+    assert str(failure.value) in sigkill_messages("the trainer's rank 1 on this machine")
     assert not any("interrupt" in line for line in run.lines), run.lines
-    assert not psutil.pid_exists(run.pids[0]) or psutil.Process(run.pids[0]).status() == \
+    survivor = run.pids["trainer"][0]
+    assert not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == \
         psutil.STATUS_ZOMBIE
+
+
+# Reference and generator share one host (hosts.<role>.group).
+SHARED_HOST = HostsConfig(launcher="processes", reference=RoleHosts(group="rollout"),
+                          generator=RoleHosts(group="rollout"))
+SHARED_HOST_VICTIMS = {"reference": lambda run: run.pids["reference"][0],  # its proc
+                       "host": lambda run: run.workers["rollout_0"]}  # the host's worker
+
+
+@pytest.mark.parametrize("killed", ["reference", "host"])
+@module_loop
+async def test_the_dead_proc_or_host_is_named_by_its_own_roles(tmp_path, killed):
+    """Reference and generator on one host: a dead reference proc is named by its role
+    alone (not "the trainer's", not the other role on its host, not the host's group), a
+    dead host by both roles, with the rank and the host."""
+    run = KilledRun(tmp_path, victim=SHARED_HOST_VICTIMS[killed], hosts=SHARED_HOST,
+                    processes={"reference": 1, "generator": 1})
+    with pytest.raises(RoleFailure) as failure:
+        await asyncio.wait_for(run.run(), 90)
+    where = f"host 0 of 1 (worker pid {run.workers['rollout_0']})"
+    if killed == "host":
+        assert str(failure.value) == f"the reference and generator's {where} {SIGKILL_HINT}"
+    else:
+        assert str(failure.value) in sigkill_messages(f"the {killed}'s rank 0 on {where}")
+        assert (failure.value.role, failure.value.rank) == (killed, 0)
 
 
 # ---- config errors -------------------------------------------------------------------------
@@ -390,4 +440,24 @@ def test_monarch_reports_read_as_role_rank_host_and_cause():
               "descendants have failed:\n  the process this actor was running on failed: "
               "Killed(sig=9)")
     assert watch.explain_text(helper, roles_only=True) is None
+    # A proc killed while Monarch's poll of its state was in flight (or one that hangs):
+    # reported ~30 s later by its proc and the actor mesh polled, without signal or point.
+    unanswered = ("Endpoint call trainer.work() failed, The actor trainer-3<Fg3oP5eihCy>@"
+                  "trainer-3<Fg3oP5eihCy>.ipc:///tmp/monarch_process_job_eosnx8hs/trainer_1,"
+                  "proc_agent and all its descendants have failed:\n  timeout waiting for "
+                  "message from proc mesh agent while querying for \"{}\". The process "
+                  "likely crashed")
+    two_per_host = FailureWatch({"trainer": "trainer"}, lambda role, host: f"host {host} of 2",
+                                lambda failure: None, procs_per_host={"trainer": 2})
+    assert str(two_per_host.explain_text(unanswered.format("trainer-cXSgrxKEYJh"))) == (
+        "the trainer's rank 3 on host 1 of 2 stopped answering: Monarch's poll of its state "
+        "timed out, so it crashed or hangs while its host is up: its log says why, and "
+        "`dmesg` whether the out-of-memory killer ended it")
+    # The same about a helper actor of that proc (its logger) names the proc's role: the
+    # proc meshes are named after their roles too.
+    helper = unanswered.format("logger-y7AhvDHcjEf")
+    assert str(two_per_host.explain_text(helper, roles_only=True)).startswith(
+        "the trainer's rank 3 on host 1 of 2 stopped answering")
+    other = helper.replace("trainer-3<", "anon-0<")
+    assert two_per_host.explain_text(other, roles_only=True) is None
     assert watch.explain_text("no point in this text") is None

@@ -312,6 +312,9 @@ def test_environment_and_prompt_tokens_carry_no_gradient(setup):
 # must not see it.
 OPENENV_RUN = """
 import asyncio, json, sys
+# Without OpenEnv's optional web UI (openenv/core/env_server/__init__.py imports it only when
+# gradio imports; the adapter never uses it): gradio's import is ~5 s of CPU here.
+sys.modules["gradio"] = None
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.rollout import EpisodeRunner
 from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig,

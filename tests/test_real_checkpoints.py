@@ -371,7 +371,8 @@ def test_sft_runs_a_step_and_writes_the_checkpoints_config(app_checkpoints, key,
 
     name, model_type, fields, path = app_checkpoints[key]
     config = from_mapping(SFTConfig, load_yaml(CONFIGS / "sft_cpu_demo.yaml", [
-        f"output_dir={tmp_path / 'out'}", f"init.hf_path={path}", f"trainer.model.name={name}",
+        # No trainer.model.name: it follows config.json's model_type (llama -> llama3).
+        f"output_dir={tmp_path / 'out'}", f"init.hf_path={path}",
         "metrics=null", "env={}", "trainer.training.steps=1", "trainer.training.seq_len=16",
         "trainer.training.local_batch_size=4", "task.num_eval=4", "eval.every=0",
         "eval.stop_at_accuracy=null",
@@ -415,7 +416,8 @@ async def test_grpo_runs_a_step_with_trainer_reference_and_generator_agreeing(
 
     name, _, _, path = app_checkpoints[key]
     app = App(load_config(CONFIGS / "grpo_cpu_demo.yaml", [
-        f"model.hf_path={path}", f"output_dir={tmp_path}", f"trainer.model.name={name}",
+        # No trainer.model.name: it follows config.json's model_type (llama -> llama3).
+        f"model.hf_path={path}", f"output_dir={tmp_path}",
         "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
         "trainer.training.local_batch_size=4", "reference.training.local_batch_size=4",
         "trainer.training.seq_len=16", "reference.training.seq_len=16",

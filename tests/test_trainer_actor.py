@@ -7,7 +7,7 @@ import copy
 import pytest
 import pytest_asyncio
 import torch
-from conftest import make_lm_batch, random_state_dict, spawn_all
+from conftest import assert_grad_close, make_lm_batch, random_state_dict, spawn_all
 
 from forge_ext.actors import spawn_trainer
 
@@ -27,6 +27,7 @@ PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
 # Under DP=2, rank 0 gets rows 0-3 with 4+3+2+1 = 10 valid tokens (of 31 per row) and rank 1
 # rows 4-7 with 31+30+29+30 = 120: a rank-local normalisation is far off the global one.
 DP_PREFIX = [27, 28, 29, 30, 0, 1, 2, 1]
+BUDGET = 96  # training.max_tokens_per_microbatch of the token-budget trainer
 
 
 def trainer_config(dp: int, fsdp: bool = False, **extra):
@@ -48,7 +49,10 @@ def split(batch, dp):
 async def trainers(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"}, "dump_folder": ckpt_dir}
-    dp1, dp2, fsdp2, grpo = await spawn_all(
+    budget = trainer_config(2, fsdp=True)
+    budget["training"].pop("microbatch_size")
+    budget["training"]["max_tokens_per_microbatch"] = BUDGET
+    dp1, dp2, fsdp2, grpo, budget2 = await spawn_all(
         spawn_trainer(trainer_config(1, **ckpt)),
         spawn_trainer(trainer_config(
             2, checkpoint={"enable": True, "folder": "ckpt"},
@@ -56,9 +60,11 @@ async def trainers(tmp_path_factory):
         )),
         spawn_trainer(trainer_config(2, fsdp=True)),
         spawn_trainer(trainer_config(2), loss=GRPO_LOSS),
+        spawn_trainer(budget),
     )
-    yield {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "grpo": grpo, "ckpt": ckpt}
-    await asyncio.gather(*(handle.stop() for handle in (dp1, dp2, fsdp2, grpo)))
+    handles = {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "grpo": grpo, "budget2": budget2}
+    yield {**handles, "ckpt": ckpt}
+    await asyncio.gather(*(handle.stop() for handle in handles.values()))
 
 
 async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
@@ -203,6 +209,54 @@ async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_rank
         assert result[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
     assert result["loss"] == pytest.approx(expected["loss"], rel=1e-4)
     assert 0 < result["loss/clip_fraction"] < 1  # the comparison is not vacuous
+
+
+async def test_token_budget_under_fsdp2_balances_ranks_by_tokens_and_equals_dp1(trainers):
+    """DP=2 (FSDP) with a token budget, one half of the rows 20x longer than the other: the
+    controller's split balances tokens, both ranks run as many microbatches (FSDP's
+    collectives need it; a rank with fewer splits or pads), and the gradient equals DP=1's
+    fixed-row gradient, even for the count split that sends every long row to rank 0."""
+    from forge_ext.actors.reference import (
+        ReferenceModel, data_parallel_rows, split_for_data_parallel,
+    )
+
+    dp1, budget2 = trainers["dp1"], trainers["budget2"]
+    weights = random_state_dict(await dp1.get_hf_state_dict(), seed=5, std=0.05)
+    for handle in (dp1, budget2):
+        await handle.load_hf_state_dict(weights)
+    batch = make_lm_batch(GLOBAL_BATCH, 64, 256, seed=8)
+    lengths = [60] * 4 + [3] * 4
+    for row, n in enumerate(lengths):
+        batch["labels"][row, n:] = -100
+        batch["labels"][row, : n // 2] = -100  # a prompt
+    await dp1.forward_backward(*split(batch, 1))
+    want = await dp1.get_gradients()
+
+    rows = data_parallel_rows(batch, budget2.config, 2)
+    rank_tokens = [sum(lengths[i] for i in r) for r in rows]
+    assert rank_tokens == [126, 126]
+    for split_rows in (rows, [[0, 1, 2, 3], [4, 5, 6, 7]]):  # by tokens; by count
+        inputs, targets = split_for_data_parallel(batch, 2, rows=split_rows)
+        await budget2.load_hf_state_dict(weights)  # the train_step below moves them
+        await budget2.forward_backward(inputs, targets)
+        got = await budget2.get_gradients()
+        for name in want:
+            assert_grad_close(got[name], want[name], name)
+        values = list((await budget2.actor.train_step.call(
+            inputs, targets, return_metrics=True)).values())
+        counts = [v["num_microbatches"] for v in values]
+        assert counts[0] == counts[1], counts
+        computed = [v["computed_tokens"] for v in values]
+        if split_rows is rows:
+            assert max(computed) <= 1.1 * min(computed), computed
+        else:  # rank 1's 4 short rows fit one microbatch; it runs 4 (split, then padding)
+            assert counts == [4, 4] and computed[0] > 10 * computed[1], computed
+    # Reference log-probs through the token-balanced split come back in the batch's row order.
+    await budget2.load_hf_state_dict(weights)
+    ref = await ReferenceModel(budget2).logprobs(batch)
+    want = await dp1.forward(*split(batch, 1), output="logprobs")
+    assert rows != [[0, 1, 2, 3], [4, 5, 6, 7]]
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
 
 
 async def test_every_grpo_variant_under_dp2_equals_dp1(trainers):

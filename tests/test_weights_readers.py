@@ -9,6 +9,8 @@ tests/test_weights_publish.py)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import mmap
 import os
 
 import pytest
@@ -18,7 +20,7 @@ from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
 from forge_ext.weights import same_host
-from forge_ext.weights.shared_buffer import open_shared_tensors
+from forge_ext.weights.shared_buffer import open_shared_tensors, views_of
 from test_weights_publish import (
     TRANSPORTS,
     assert_same_tensors,
@@ -114,6 +116,94 @@ async def test_a_slot_replaced_by_a_bigger_one_stays_valid_for_the_block_that_ho
     finally:
         publisher.close()
     assert slot_files(os.getpid(), prefix) == []
+
+
+def reuse_slot_if_free(record, new_tensors) -> bool:
+    """Be the writer that wants the slot of ``record``'s version: the non-blocking
+    ``LOCK_EX`` that ``SlotRing.acquire`` takes before it overwrites a slot (granted only
+    while no reader holds a lease on it), then, if granted, what a writer does next: stamp
+    the slot as being written and put ``new_tensors`` (``record``'s names and shapes) in
+    place. Returns whether the slot was free."""
+    segment = record["segment"]
+    fd = os.open(segment["path"], os.O_RDWR | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if new_tensors is not None:
+            with mmap.mmap(fd, segment["size"]) as mapped:
+                data = torch.frombuffer(mapped, dtype=torch.uint8)
+                data[8:16].view(torch.int64)[0] = same_host.WRITING
+                entries = same_host.record_entries(record, new_tensors)
+                for name, view in views_of(data, entries).items():
+                    view.copy_(new_tensors[name])
+                del data, view
+        return True
+    finally:
+        os.close(fd)  # drops the lock
+
+
+async def test_fetch_copies_out_of_the_slot_before_its_lease_lets_a_writer_in(store, tmp_path):
+    """``fetch_weights`` of a same-host version copies every tensor out of the slot while
+    its lease still keeps writers out. Observed through ``allocate``: its tensors call back
+    at every torch function applied to them (the copies into them included), and each time
+    a writer tries to take the slot and, where it may, overwrites it with version 2, as a
+    publisher reusing the slot would. A copy after the lease ended gets version 2's bytes."""
+    prefix = "copy_in_lease"
+    publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
+    try:
+        await publisher.publish(versioned_state_dict(1), 1)
+        record = await weights_fetch.fetch_commit_record(
+            1, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME
+        )
+        seen: dict[int, list[str]] = {}  # id(tensor) -> functions applied to it
+        let_in: list[str] = []  # functions during which a writer could take the slot
+
+        def observe(func, tensor) -> None:
+            name = getattr(func, "__name__", str(func))
+            if name == "__get__":  # a property (requires_grad, shape): name the property
+                name = getattr(getattr(func, "__self__", None), "__name__", name)
+            seen.setdefault(id(tensor), []).append(name)
+            if reuse_slot_if_free(record, None if let_in else versioned_state_dict(2)):
+                let_in.append(seen[id(tensor)][-1])
+
+        class Observed(torch.Tensor):
+            armed = True
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                if cls.armed and args and isinstance(args[0], Observed):
+                    observe(func, args[0])
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+
+        allocated = {}
+
+        def allocate(specs):
+            allocated.update({name: torch.empty(shape, dtype=dtype).as_subclass(Observed)
+                              for name, (shape, dtype) in specs.items()})
+            return allocated
+
+        try:
+            got = await weights_fetch.fetch_weights(1, key_prefix=prefix, allocate=allocate)
+        finally:
+            Observed.armed = False
+        assert let_in == [], (
+            f"a writer could take the slot of version 1 while fetch_weights still applied "
+            f"{', '.join(dict.fromkeys(let_in))} to the tensors it fills: copy out of the "
+            "slot before the lease ends"
+        )
+        for name, tensor in allocated.items():
+            assert "copy_" in seen.get(id(tensor), []), (
+                f"{name}: no copy_ into allocate's tensor was observed; observe the function "
+                "fetch_weights now fills it with"
+            )
+        assert_same_tensors({k: t.as_subclass(torch.Tensor) for k, t in got.items()},
+                            versioned_state_dict(1))
+        assert reuse_slot_if_free(record, None), "the test's writer never gets the slot"
+    finally:
+        publisher.close()
 
 
 @pytest.mark.parametrize("slot", ["reused", "replaced", "publisher_stopped"])

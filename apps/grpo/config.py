@@ -109,8 +109,11 @@ class ProcsSection:
     """Environment of every process, set in the controller before anything is spawned
     (e.g. ``OMP_NUM_THREADS: "1"`` on a small CPU, see :func:`forge_ext.config.apply_env`)."""
     trainer: RoleProcs = field(default_factory=RoleProcs)
+    """The trainer's processes."""
     reference: RoleProcs = field(default_factory=RoleProcs)
+    """The reference model's processes."""
     generator: RoleProcs = field(default_factory=RoleProcs)
+    """The generator's process."""
 
     def __post_init__(self) -> None:
         if self.generator.num_procs not in (None, 1):
@@ -142,8 +145,11 @@ class GRPOConfig:
     output_dir: str
     """Run folder: checkpoints (``trainer.dump_folder``), metrics, TensorBoard, plot."""
     model: ModelSection
+    """The checkpoint the run starts from (its trainer, reference and generator)."""
     loop: LoopConfig
     trainer: dict[str, Any]
+    """The policy's engine (:class:`forge_ext.engine.config.EngineConfig`): model, training,
+    parallelism, optimizer, LR schedule, checkpoints."""
     generator: GeneratorConfig
     seed: int = 0
     """Seeds prompt order and sampling (per step, so a resumed run samples the same way)."""
@@ -151,15 +157,25 @@ class GRPOConfig:
     """``task.source`` and that source's fields (:mod:`forge_ext.tasks`)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    """Prompts per step, samples per prompt, advantage scaling and dynamic sampling."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
     loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
+    """The GRPO loss: its variant (``preset``, aggregation, ratio level), clipping, KL
+    coefficient, truncation masking, off-policy correction."""
     reference: dict[str, Any] | None = None
+    """The frozen reference model's engine (an engine section like ``trainer:``, usually
+    ``model: ${trainer.model}``) for the KL term; null needs ``loss.kl_coef: 0``."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
+    """Processes per role and their environment variables."""
     hosts: HostsConfig = field(default_factory=HostsConfig)
     eval: EvalSection = field(default_factory=EvalSection)
+    """How held-out accuracy is measured."""
     metrics: MetricsConfig | None = None
+    """Where metrics go (default: ``metrics.jsonl``, TensorBoard and a plot in
+    ``output_dir``)."""
     debug: DebugSection = field(default_factory=DebugSection)
+    """Fault injection for tests."""
 
     def __post_init__(self) -> None:
         # Lengths that default to the response limit, filled here so that the run record

@@ -63,7 +63,7 @@ from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
-from forge_ext.supervision import RoleFailure
+from forge_ext.supervision import RoleFailure, shutdown_monarch
 
 
 # Config keys (dotted prefixes) that may differ when a run is resumed in its output_dir: how
@@ -205,14 +205,9 @@ class GRPOApp(RLLoop):
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it.
         self.watch = watch_run(self, placement)
-        where = "this machine" if c.hosts.launcher == "local" else ", ".join(
-            f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
-        ) + f" (hosts x procs, launcher {c.hosts.launcher})"
-        self.write(
-            f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}"
-        )
-        self.write(f"spawning actors ({', '.join(roles)}) on {where}")
+        # What the run will do, before anything starts: model, steps, task, roles, output.
+        for line in self.plan_lines(roles, placement):
+            self.write(line)
         placement.start()
 
         async def stop_hosts() -> None:
@@ -285,6 +280,31 @@ class GRPOApp(RLLoop):
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
+        """The run's first console lines: model, steps and batch, task, roles and where
+        they run, output_dir."""
+        from forge_ext.engine.models import model_name_of
+
+        c = self.config
+        model = c.trainer.get("model", {})
+        name = model.get("name") or model_name_of(model.get("hf_path"))
+        procs = ", ".join(
+            f"{r} ({c.generator.backend}, 1 proc)" if r == "generator"
+            else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)})"
+            for r in roles
+        )
+        where = "this machine" if c.hosts.launcher == "local" else ", ".join(
+            f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
+        ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        return [
+            f"GRPO: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
+            f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
+            f"{c.output_dir}",
+            f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
+            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
+            f"spawning {procs} on {where}",
+        ]
 
     def explain_error(self, error: BaseException) -> BaseException | None:
         watch = getattr(self, "watch", None)
@@ -463,7 +483,9 @@ class GRPOApp(RLLoop):
         return [ep.policy_version for ep in rollouts.episodes]
 
     async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
-        from forge_ext.actors.reference import data_parallel_size, split_for_data_parallel
+        from forge_ext.actors.reference import (
+            data_parallel_rows, data_parallel_size, split_for_data_parallel,
+        )
 
         c = self.config
         for episode in rollouts.episodes:
@@ -479,9 +501,10 @@ class GRPOApp(RLLoop):
         if c.debug.fail_at_step == step + 1:
             packed["advantages"].fill_(math.nan)  # debug.fail_at_step: see DebugSection
         dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
+        rows = data_parallel_rows(packed, self.trainer.config, dp)  # by tokens with a budget
         start = time.perf_counter()
         result = await self.trainer.train_step(
-            *split_for_data_parallel(packed, dp), return_metrics=True
+            *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
         )
         seconds = {**rollouts.seconds, "train": time.perf_counter() - start}
         metrics = {
@@ -538,7 +561,19 @@ class GRPOApp(RLLoop):
             return  # checkpoints off (loop.save_every must then be 0): nothing to keep
         if self.config.grpo.dynamic_sampling:
             self._save_stream_position(step)
+        start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
+        self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
+                   f"{self.checkpoint_folder() / f'step-{step}'}")
+
+    def checkpoint_folder(self) -> Path:
+        """``<trainer.dump_folder>/<trainer.checkpoint.folder>``."""
+        from forge_ext.engine import engine_config_from_mapping
+
+        if getattr(self, "_checkpoint_folder", None) is None:
+            engine = engine_config_from_mapping(self.config.trainer)
+            self._checkpoint_folder = Path(engine.dump_folder) / engine.checkpoint.folder
+        return self._checkpoint_folder
 
     # ---- output --------------------------------------------------------------------------
     def log_line(self, step: int, m: dict[str, float]) -> str | None:
@@ -660,6 +695,16 @@ class GRPOApp(RLLoop):
             print(f"plot: {log_dir / self.metrics.config.plot}")
         if self.metrics.config.tensorboard:
             print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
+        print(self.outputs_line())
+
+    def outputs_line(self) -> str:
+        """The run's last console line: where everything was written."""
+        out = Path(self.config.output_dir)
+        parts = [f"run config {out / RUN_CONFIG_FILE}",
+                 f"metrics {self.metrics.jsonl_path}"]
+        if self.config.trainer.get("checkpoint", {}).get("enable"):
+            parts.append(f"checkpoints {self.checkpoint_folder()}")
+        return f"written to {out}: " + ", ".join(parts)
 
 
 def latest_checkpoint_step(config: GRPOConfig) -> int:
@@ -731,7 +776,10 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
+    from apps.config_reference import grpo_help
+
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
+                                prog="python -m apps.grpo.main")
     try:
         app = GRPOApp(load_config(path, overrides))
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
@@ -773,4 +821,7 @@ def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | No
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the program's end: not in Monarch's 1-second atexit hook (see shutdown_monarch)
+        shutdown_monarch()

@@ -92,7 +92,8 @@ class SFTConfig:
     init: InitConfig
     trainer: dict[str, Any]
     """Engine config (:func:`forge_ext.engine.engine_config_from_mapping`);
-    ``trainer.model`` should be ``{name: qwen3, flavor: hf, hf_path: ${init.hf_path}}``."""
+    ``trainer.model`` should be ``{flavor: hf, hf_path: ${init.hf_path}}`` (``model.name``
+    follows config.json's ``model_type``)."""
     skip_if_exists: bool = True
     """Keep an existing checkpoint in ``output_dir`` and do nothing."""
     seed: int = 0
@@ -103,7 +104,9 @@ class SFTConfig:
     """How completions are scored for the accuracy metric (as in the GRPO app)."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation during training and the final held-out evaluation."""
     metrics: MetricsConfig | None = None
+    """Where metrics go (null: none)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
     :func:`forge_ext.config.apply_env`)."""
@@ -216,6 +219,15 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval")
     ensure_init_checkpoint(config, task)
     engine_config = engine_config_from_mapping(config.trainer)
+    # What the run will do, before it starts; its last line says where it wrote.
+    model = engine_config.model
+    print(
+        f"SFT warm-start: {engine_config.training.steps} steps of "
+        f"{engine_config.training.local_batch_size} rows from {config.init.hf_path} "
+        f"({model.name}); task "
+        f"{task.name}: {len(train_rows)} training rows, {len(eval_rows)} held-out; "
+        f"output_dir {out}", flush=True,
+    )
     tok = CheckpointTokenizer(config.init.hf_path)
     render = PromptRenderer(tok, config.prompt)
     max_new_tokens = config.eval.max_new_tokens or max(
@@ -271,7 +283,9 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     engine.close()
     print(
         f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
-        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); checkpoint {out}"
+        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); written to {out}: checkpoint, "
+        f"run config {out / RUN_CONFIG_FILE}"
+        + (f", metrics {logger.jsonl_path}" if logger else "")
     )
     return accuracy
 
@@ -281,7 +295,10 @@ def _full(state_dict: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0])
+    from apps.config_reference import sft_help
+
+    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
+                                prog="python -m apps.sft.main")
     try:
         config = from_mapping(SFTConfig, load_yaml(path, overrides))
         task_config(config.task)  # source, fields, files, import paths

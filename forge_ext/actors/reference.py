@@ -16,6 +16,7 @@ import torch
 
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
 from forge_ext.engine import EngineConfig
+from forge_ext.engine.microbatch import balance_rows, row_lengths
 
 
 def data_parallel_size(config: EngineConfig, world_size: int) -> int:
@@ -27,19 +28,36 @@ def data_parallel_size(config: EngineConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
+def data_parallel_rows(
+    batch: dict[str, torch.Tensor], config: EngineConfig, dp: int
+) -> list[list[int]] | None:
+    """Rows of ``batch`` per data-parallel rank, balanced by tokens (the lengths the engine's
+    token budget computes, :func:`forge_ext.engine.microbatch.row_lengths`) when ``config``
+    has ``training.max_tokens_per_microbatch``; None (equal row blocks) otherwise."""
+    if config.training.max_tokens_per_microbatch is None or dp == 1:
+        return None
+    return balance_rows(row_lengths(batch).tolist(), dp)
+
+
 def split_for_data_parallel(
-    batch: dict[str, torch.Tensor], dp: int, input_keys: tuple[str, ...] = ("input_ids",)
+    batch: dict[str, torch.Tensor], dp: int, input_keys: tuple[str, ...] = ("input_ids",),
+    rows: list[list[int]] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """``(inputs, targets)`` lists indexed by data-parallel rank, as the trainer's endpoints
-    take them: each tensor of ``batch`` ``[B, ...]`` is cut into ``dp`` equal row blocks.
+    take them: each tensor of ``batch`` ``[B, ...]`` is cut into ``dp`` equal row blocks, or
+    into the row sets ``rows[r]`` (see :func:`data_parallel_rows`).
 
     Raises:
-        ValueError: ``B`` is not a multiple of ``dp``.
+        ValueError: ``B`` is not a multiple of ``dp`` (equal blocks only).
     """
-    rows = batch["input_ids"].shape[0]
-    if rows % dp:
-        raise ValueError(f"batch of {rows} rows does not split over {dp} data-parallel ranks")
-    chunks = {k: v.chunk(dp) for k, v in batch.items()}
+    if rows is None:
+        count = batch["input_ids"].shape[0]
+        if count % dp:
+            raise ValueError(f"batch of {count} rows does not split over {dp} data-parallel ranks")
+        chunks = {k: v.chunk(dp) for k, v in batch.items()}
+    else:
+        index = [torch.tensor(r, dtype=torch.int64) for r in rows]
+        chunks = {k: [v.index_select(0, i) for i in index] for k, v in batch.items()}
     inputs = [{k: chunks[k][r] for k in batch if k in input_keys} for r in range(dp)]
     targets = [{k: chunks[k][r] for k in batch if k not in input_keys} for r in range(dp)]
     return inputs, targets
@@ -62,10 +80,15 @@ class ReferenceModel:
             ``[B, S]`` float32, 0 where the label is ignored.
         """
         dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
-        inputs, targets = split_for_data_parallel(
-            {"input_ids": batch["input_ids"], "labels": batch["labels"]}, dp
-        )
-        return await self.trainer.forward(inputs, targets, output="logprobs")
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        rows = data_parallel_rows(batch, self.trainer.config, dp)
+        inputs, targets = split_for_data_parallel(batch, dp, rows=rows)
+        out = await self.trainer.forward(inputs, targets, output="logprobs")
+        if rows is None:
+            return out
+        # Outputs come in rank order; put each row back where the batch had it.
+        order = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+        return out[torch.argsort(order)]
 
     async def stop(self) -> None:
         await self.trainer.stop()

@@ -65,6 +65,11 @@ class RLTrainer(Actor):
         Returns:
             ``{"rank", "dp_rank", "dp_size", "policy_version"}`` of this process.
         """
+        # Monarch starts procs with the root logger at INFO, and the first module-level
+        # logging.info() gives it basicConfig's stderr handler: torchtitan's INFO lines
+        # (three per checkpoint save, "Destroying the purge thread") then reached the console
+        # from every rank. Warnings and errors still do; the app prints its own save line.
+        logging.getLogger().setLevel(logging.WARNING)
         self.loss_fn, self.loss_weight_fn = build_loss(**self.loss_config)
         self.engine = TitanEngine(engine_config_from_mapping(self.trainer_config))
         return {
@@ -296,7 +301,7 @@ class RLTrainer(Actor):
             batches.append({**inp, **tgt})
         # Every rank checks every rank's batch: all accept or all reject, in step.
         for batch in batches:
-            self.engine.microbatches(batch)
+            self.engine.check_batch(batch)
         return batches[self.engine.dp_rank]
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from forge_ext.engine.microbatch import count_tokens, restore_rows
+
 Batch = dict[str, torch.Tensor]
 LossMetrics = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, LossMetrics]"]
@@ -137,7 +139,9 @@ class BaseEngine(ABC):
         Returns:
             ``loss`` (weighted mean over the global batch), ``grad_norm`` (pre-clip),
             ``lr`` (used by this step), ``num_tokens`` (global weight, e.g. valid tokens),
-            ``tokens_per_second`` (this rank's ``input_ids.numel()`` / step seconds), and the
+            ``tokens_per_second`` (this rank's ``input_ids.numel()`` / step seconds),
+            ``num_microbatches`` and ``computed_tokens`` (this rank's microbatches and the
+            positions they hold, padding included: what the split costs), and the
             loss function's metrics, if any, as ``loss/<name>`` (see
             :attr:`ForwardBackwardOutputs.metrics`; measured before this step's update).
         """
@@ -155,6 +159,8 @@ class BaseEngine(ABC):
             "lr": lr,
             "num_tokens": out.global_weight,
             "tokens_per_second": batch["input_ids"].numel() / seconds,
+            "num_microbatches": len(microbatches),
+            "computed_tokens": count_tokens(microbatches),
             **{f"loss/{name}": value for name, value in out.metrics.items()},
         }
 
@@ -189,15 +195,20 @@ class BaseEngine(ABC):
 
         Returns:
             ``aggregate_fn`` of the per-microbatch outputs (``[B, S, V]`` logits by default);
-            None on PP stages other than the last.
+            None on PP stages other than the last. With token-budget microbatches
+            (``training.max_tokens_per_microbatch``) the outputs are first put back in row
+            order as one ``[B, S, ...]`` tensor, zero past each row's last valid label
+            (:func:`forge_ext.engine.microbatch.restore_rows`).
         """
+        microbatches = self.microbatches(batch)
         out = self.forward_backward_batch(
-            self.microbatches(batch), None, None, output_post_hook=post_hook,
+            microbatches, None, None, output_post_hook=post_hook,
             return_outputs=True, forward_only=True,
         )
         if not out.mb_outputs:
             return None
-        result = aggregate_fn(out.mb_outputs)
+        ids = batch["input_ids"]
+        result = aggregate_fn(restore_rows(out.mb_outputs, microbatches, *ids.shape[:2]))
         if output_seqlens is not None:
             result = [row[row.shape[0] - n :] for row, n in zip(result, output_seqlens)]
         return result

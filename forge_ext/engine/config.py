@@ -71,8 +71,10 @@ if not any(isinstance(f, _NotApplicableTitanNotices) for f in logging.getLogger(
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    name: str = "qwen3"
-    """Model family: ``qwen3`` or ``llama3``."""
+    name: str | None = None
+    """Model family: ``qwen3`` or ``llama3``. Default: the family of ``hf_path``'s
+    config.json ``model_type`` (``qwen3``; ``llama`` -> ``llama3``), ``qwen3`` without
+    ``hf_path``. A name given must read that ``model_type`` (checked before spawning)."""
     flavor: str = "tiny"
     """A torchtitan registry flavor, a small forge_ext flavor (``tiny``, ``small``), or ``hf``."""
     hf_path: str | None = None
@@ -83,13 +85,19 @@ class ModelConfig:
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
 
+    def __post_init__(self) -> None:
+        if self.name is None:
+            from forge_ext.engine.models import model_name_of
+
+            self.name = model_name_of(self.hf_path)
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig(TitanTrainingConfig):
     """torchtitan's ``TrainingConfig`` plus the microbatch split of ``local_batch_size``.
 
-    Set at most one of ``microbatch_size`` and ``gradient_accumulation_steps``; with neither,
-    the batch is one microbatch.
+    Set at most one of ``microbatch_size``, ``gradient_accumulation_steps`` and
+    ``max_tokens_per_microbatch``; with none, the batch is one microbatch.
     """
 
     seq_len: int = 512
@@ -98,6 +106,18 @@ class TrainingConfig(TitanTrainingConfig):
     """Sequences per microbatch (per data-parallel rank)."""
     gradient_accumulation_steps: int | None = None
     """Microbatches per step (per data-parallel rank)."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of a microbatch (padded positions, per data-parallel rank) instead of a row
+    count: rows are grouped by length so that rows x their longest row stays within it, each
+    microbatch padded only to its own longest row; a rank's batch may then hold any number of
+    rows (see :mod:`forge_ext.engine.microbatch`)."""
+    pad_to_multiple_of: int = 1
+    """Round each microbatch's padded length (packed row length with ``packing``) up to a
+    multiple of this (e.g. 8 or 64 for GPU kernels); only with ``max_tokens_per_microbatch``."""
+    packing: bool = False
+    """Pack several sequences into one row of at most ``max_tokens_per_microbatch`` tokens,
+    positions restarting and attention confined per sequence (document masking). Pays on
+    long-tailed lengths; on equal lengths it only adds masked attention work."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,11 +125,17 @@ class OptimizerConfig:
     """One optimizer over all parameters, torchforge style (torchtitan's ``default_adamw``)."""
 
     name: Literal["AdamW", "Adam"] = "AdamW"
+    """``torch.optim`` class."""
     lr: float = 1e-3
+    """Peak learning rate (the LR schedule scales it, see ``lr_scheduler``)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates ``[beta1, beta2]``."""
     eps: float = 1e-8
+    """Adam's denominator epsilon."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """``torch.optim`` kernel choice (``fused`` needs an accelerator)."""
 
     def to_titan(self) -> OptimizersContainer.Config:
         return OptimizersContainer.Config(
@@ -130,6 +156,8 @@ class OptimizerConfig:
 @dataclass(kw_only=True, slots=True)
 class ActivationCheckpointConfig:
     mode: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward instead of keeping them: ``full`` per layer,
+    ``selective`` torchtitan's op-level policy; ``none`` keeps them all."""
 
     def to_titan(self):
         """torchtitan AC config, or None for ``mode: none``."""
@@ -140,18 +168,28 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
+    """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
+    parallelised, and its checkpoints (module docstring)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """torchtitan's parallelism degrees (DP replicate/shard, TP, PP, CP) and their options."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulersContainer.Config = field(
         default_factory=LRSchedulersContainer.Config
     )
+    """torchtitan's learning-rate schedule (warm-up, decay) over ``training.steps``."""
     checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    """torchtitan's DCP checkpoints under ``<dump_folder>/<checkpoint.folder>`` (forge_ext's
+    manager keeps ``keep_latest_k`` complete ones)."""
     compile: CompileConfig = field(default_factory=CompileConfig)
+    """torchtitan's ``torch.compile`` settings."""
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    """Activation checkpointing (recomputation in backward)."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
@@ -169,12 +207,16 @@ class EngineConfig:
                 they do not divide, or when both microbatch fields are set.
         """
         t = self.training
-        if t.microbatch_size is not None and t.gradient_accumulation_steps is not None:
-            raise ValueError(
-                "set only one of training.microbatch_size="
-                f"{t.microbatch_size} and training.gradient_accumulation_steps="
-                f"{t.gradient_accumulation_steps}"
-            )
+        chosen = [
+            f"training.{name}={getattr(t, name)}"
+            for name in ("microbatch_size", "gradient_accumulation_steps",
+                         "max_tokens_per_microbatch")
+            if getattr(t, name) is not None
+        ]
+        if len(chosen) > 1:
+            raise ValueError(f"set only one of {' and '.join(chosen)}")
+        if t.max_tokens_per_microbatch is not None:
+            return 1  # per step, from the rows' lengths (forge_ext.engine.microbatch)
         if t.microbatch_size is not None:
             if t.microbatch_size <= 0 or t.local_batch_size % t.microbatch_size:
                 raise ValueError(
@@ -235,6 +277,7 @@ class EngineConfig:
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
             )
         self.num_microbatches()
+        self._validate_token_budget()
         spec = build_model_spec(
             self.model.name, self.model.flavor, hf_path=self.model.hf_path,
             attn_backend=self.model.attn_backend,
@@ -266,6 +309,40 @@ class EngineConfig:
             raise ValueError(
                 f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
                 "model.attn_backend=sdpa on a machine without CUDA"
+            )
+
+    def _validate_token_budget(self) -> None:
+        t, par = self.training, self.parallelism
+        budget = t.max_tokens_per_microbatch
+        if t.pad_to_multiple_of < 1:
+            raise ValueError(f"training.pad_to_multiple_of={t.pad_to_multiple_of} must be >= 1")
+        if budget is None:
+            if t.packing:
+                raise ValueError(
+                    "training.packing=true needs training.max_tokens_per_microbatch (the "
+                    "packed row length), e.g. training.max_tokens_per_microbatch=4096"
+                )
+            if t.pad_to_multiple_of != 1:
+                raise ValueError(
+                    "training.pad_to_multiple_of applies to token-budget microbatches; set "
+                    "training.max_tokens_per_microbatch too, or leave it at 1"
+                )
+            return
+        if budget < t.pad_to_multiple_of:
+            raise ValueError(
+                f"training.max_tokens_per_microbatch={budget} must be >= "
+                f"training.pad_to_multiple_of={t.pad_to_multiple_of} (and > 0)"
+            )
+        if self.pp_degree > 1:
+            raise ValueError(
+                "training.max_tokens_per_microbatch does not work with pipeline parallelism "
+                "(its schedules fix the microbatch shapes); use training."
+                "gradient_accumulation_steps, or parallelism.pipeline_parallel_degree=1"
+            )
+        if t.packing and par.context_parallel_degree > 1:
+            raise ValueError(
+                "training.packing=true does not work with parallelism.context_parallel_degree"
+                f"={par.context_parallel_degree} (document masks are not sharded by sequence)"
             )
 
 
@@ -327,6 +404,15 @@ def engine_config_from_mapping(
     raw = copy.deepcopy(dict(mapping or {}))
     check_keys(EngineConfig, raw, section)
     _defaults(raw)
+    model = raw.get("model")
+    if isinstance(model, Mapping) and model.get("name") is None:
+        # The name from the checkpoint here, so that a refusal names the section.
+        from forge_ext.engine.models import model_name_of
+
+        try:
+            raw["model"] = {**model, "name": model_name_of(model.get("hf_path"))}
+        except ValueError as e:
+            raise ValueError(f"{section}: {e}") from None
     config = from_mapping(EngineConfig, raw, section)
     try:
         config.validate()

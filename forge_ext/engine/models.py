@@ -30,11 +30,12 @@ import torch
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
+
+from forge_ext.engine.attention import DocumentMaskedSDPA
 
 # Small flavors, as HF config.json fields (Qwen3Config / LlamaConfig names).
 SMALL_FLAVORS: dict[str, dict[str, dict[str, Any]]] = {
@@ -325,17 +326,53 @@ def check_hf_model_type(name: str, hf: dict[str, Any]) -> None:
     """Refuse a checkpoint of another architecture than ``model.name``.
 
     Raises:
-        ValueError: naming ``config.json`` ``model_type`` and the ``model.name`` it needs.
+        ValueError: naming ``config.json`` ``model_type``, the ``model.name`` it needs and
+            the fix.
     """
     model_type = hf.get("model_type")
     if model_type is not None and model_type != HF_MODEL_TYPES[name]:
-        supported = ", ".join(f"{t!r} (model.name: {n})" for n, t in HF_MODEL_TYPES.items())
+        fits = {t: n for n, t in HF_MODEL_TYPES.items()}.get(model_type)
+        fix = (f"; set model.name={fits} or leave model.name out to take it from config.json"
+               if fits else "")
         raise ValueError(
             f"model.hf_path config.json model_type={model_type!r} cannot be loaded as "
-            f"model.name={name!r}; the engine reads model_type {supported}"
-            + (" (torchtitan 0.3.0 has no Qwen2 model: q/k/v biases, no q/k norm)"
-               if model_type == "qwen2" else "")
+            f"model.name={name!r}{fix}; the engine reads model_type {_supported_types()}"
+            + _qwen2_note(model_type)
         )
+
+
+def _supported_types() -> str:
+    return ", ".join(f"{t!r} (model.name: {n})" for n, t in HF_MODEL_TYPES.items())
+
+
+def _qwen2_note(model_type: Any) -> str:
+    return (" (torchtitan 0.3.0 has no Qwen2 model: q/k/v biases, no q/k norm)"
+            if model_type == "qwen2" else "")
+
+
+def model_name_of(hf_path: str | None) -> str:
+    """The default ``model.name``: the one that reads ``hf_path``'s config.json
+    ``model_type`` (``qwen3`` -> ``qwen3``, ``llama`` -> ``llama3``, :data:`HF_MODEL_TYPES`);
+    ``qwen3`` without a checkpoint (or without its config.json, which the engine's
+    validation then reports).
+
+    Raises:
+        ValueError: a ``model_type`` the engine has no model for, naming it and the
+            supported ones.
+    """
+    path = os.path.join(hf_path, "config.json") if hf_path else None
+    if path is None or not os.path.isfile(path):
+        return "qwen3"
+    model_type = read_hf_config(hf_path).get("model_type")
+    if model_type is None:
+        return "qwen3"
+    for name, hf_type in HF_MODEL_TYPES.items():
+        if hf_type == model_type:
+            return name
+    raise ValueError(
+        f"model.hf_path config.json model_type={model_type!r} cannot be loaded: the engine "
+        f"reads model_type {_supported_types()}" + _qwen2_note(model_type)
+    )
 
 
 # config.json fields the engine's torchtitan decoders do not implement, with the values they
@@ -469,7 +506,8 @@ def build_model_spec(
     """Look up a model by name and flavor and set its inner attention backend.
 
     ``attn_backend="sdpa"`` replaces each layer's inner attention with torchtitan's
-    ``ScaledDotProductAttention`` (causal, no document masks): the only backend with a CPU
+    ``ScaledDotProductAttention`` (causal), extended with document masks for packed rows
+    (:class:`forge_ext.engine.attention.DocumentMaskedSDPA`): the only backend with a CPU
     backward (FlexAttention has none on CPU, varlen is CUDA-only). Batches are right-padded,
     so causal attention is exact for every valid token.
 
@@ -510,5 +548,5 @@ def build_model_spec(
         spec.state_dict_adapter = Llama3HFStateDictAdapter
     if attn_backend == "sdpa":
         for layer in spec.model.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            layer.attention.inner_attention = DocumentMaskedSDPA.Config()
     return spec

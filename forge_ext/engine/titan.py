@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -37,11 +38,16 @@ from forge_ext.engine.base import (
     LossWeightFn,
     split_batch,
 )
+from forge_ext.engine import microbatch as token_budget
+from forge_ext.engine.attention import DocumentMask
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
 from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.engine.models import build_model_spec
 
 logger = logging.getLogger(__name__)
+
+# torch/distributed/tensor/_dispatch.py, at init_weights on a CPU device mesh.
+DTENSOR_CPU_RANDOM_NOTICE = "DTensor random operators may not have complete support on cpu"
 
 
 class TitanEngine(BaseEngine):
@@ -174,7 +180,11 @@ class TitanEngine(BaseEngine):
             if self.device.type == "cpu":
                 _force_sum_reduction(part)
             part.to_empty(device=self.device)
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                if config.model.hf_path:
+                    # Every weight is replaced from the checkpoint right after: torch's
+                    # notice about random init of DTensors on a CPU mesh does not apply.
+                    warnings.filterwarnings("ignore", message=DTENSOR_CPU_RANDOM_NOTICE)
                 part.init_weights(buffer_device=None)
             part.train()
         return parts
@@ -231,16 +241,34 @@ class TitanEngine(BaseEngine):
         return [p for m in self.model_parts for p in m.parameters()]
 
     # ---- microbatching -----------------------------------------------------------------
+    def check_batch(self, batch: Batch) -> None:
+        """Raise the errors :meth:`microbatches` would, without splitting (no collective)."""
+        validate_batch(batch, self.config)
+
     def microbatches(self, batch: Batch) -> list[Batch]:
-        """Check ``batch`` against the config and split it into microbatches.
+        """Check ``batch`` against the config and split it into microbatches: fixed row
+        counts, or with ``training.max_tokens_per_microbatch`` token-budget microbatches
+        (packed with ``training.packing``), as many on every data-parallel rank (a
+        collective over the DP group: every rank calls it once per step).
 
         Raises:
             ValueError: missing/mistyped ``input_ids``, a tensor whose leading dimension or
                 sequence length disagrees with ``input_ids``, a batch size other than
-                ``training.local_batch_size``, or ``seq_len > training.seq_len``.
+                ``training.local_batch_size`` (fixed rows only), or
+                ``seq_len > training.seq_len``.
         """
         validate_batch(batch, self.config)
-        return split_batch(batch, self.num_microbatches)
+        t = self.config.training
+        if t.max_tokens_per_microbatch is None:
+            return split_batch(batch, self.num_microbatches)
+        lengths = token_budget.row_lengths(batch).tolist()
+        plan = (token_budget.plan_packing if t.packing else token_budget.plan_token_budget)(
+            lengths, t.max_tokens_per_microbatch, t.pad_to_multiple_of
+        )
+        count = self._dp_max(torch.tensor(max(len(plan), 1), device=self.device))
+        plan = token_budget.equalize(plan, int(count), lengths)
+        build = token_budget.packed_microbatch if t.packing else token_budget.padded_microbatch
+        return [build(batch, rows, lengths, t.pad_to_multiple_of) for rows in plan]
 
     # ---- the microbatch core -----------------------------------------------------------
     def forward_backward_batch(
@@ -285,7 +313,7 @@ class TitanEngine(BaseEngine):
             if self.pp_schedule is None:
                 model = self.model_parts[0]
                 for i, mb in enumerate(units):
-                    scaled = loss_term(model(mb["input_ids"]), mb, i)
+                    scaled = loss_term(self._model_forward(model, mb), mb, i)
                     if loss_fn is not None and not forward_only:
                         # FSDP reduces (and reshards) gradients after every backward unless
                         # told otherwise; reduce once, after the last microbatch.
@@ -337,6 +365,26 @@ class TitanEngine(BaseEngine):
             offset += n
         self._pp_loss.term, self._pp_loss.units = None, []
 
+    def _model_forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """Logits ``[b, L, V]``; a packed microbatch (``position_ids``) runs with positions
+        restarting per sequence and attention confined to each (document masks)."""
+        if "position_ids" not in mb:
+            return model(mb["input_ids"])
+        positions = mb["position_ids"]
+        if self.config.model.attn_backend == "sdpa":
+            masks = DocumentMask(token_budget.block_causal_mask(positions))
+        else:  # flex / varlen: torchtitan's own document masks
+            masks = model.get_attention_masks(positions)
+        return model(mb["input_ids"], positions=positions, attention_masks=masks)
+
+    def _dp_max(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s maximum over this rank's data-parallel group (a collective)."""
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.dp_mesh.get_group())
+        return x
+
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over this rank's data-parallel group (a collective: every rank of
         the group must call it); ``x`` itself when there is one DP rank. ``x`` must be on
@@ -348,7 +396,8 @@ class TitanEngine(BaseEngine):
         return x
 
     def _to_device(self, mb: Batch) -> Batch:
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        return mb.with_tensors(tensors) if isinstance(mb, token_budget.Microbatch) else tensors
 
     # ---- optimizer verbs ---------------------------------------------------------------
     def optimizer_zero_grad(self) -> None:
@@ -442,7 +491,8 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
             f"batch['input_ids'] must be [batch, seq] int64, got {tuple(ids.shape)} {ids.dtype}"
         )
     bsz, seq = ids.shape
-    if bsz != config.training.local_batch_size:
+    # A token budget takes any number of rows (the controller balances ranks by tokens).
+    if config.training.max_tokens_per_microbatch is None and bsz != config.training.local_batch_size:
         raise ValueError(
             f"batch['input_ids'] has batch size {bsz}, expected "
             f"training.local_batch_size={config.training.local_batch_size}"
@@ -453,6 +503,8 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
             f"{config.training.seq_len}"
         )
     for key, value in batch.items():
+        if key in token_budget.RESERVED_KEYS:
+            raise ValueError(f"batch[{key!r}] is set by the engine's packing; rename it")
         if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != bsz:
             shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise ValueError(f"batch[{key!r}] must be a tensor with leading dim {bsz}, got {shape}")

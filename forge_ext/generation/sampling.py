@@ -136,7 +136,8 @@ HF_NEUTRAL_LOGITS_PROCESSING = {
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0,
-    "min_length": 0,
+    # min_new_tokens=0 alone: it takes precedence over min_length (which it then sets to
+    # the prompt's length, no minimum), and both set logged a warning at every generate.
     "min_new_tokens": 0,
     "guidance_scale": 1.0,
     "remove_invalid_values": False,
@@ -194,10 +195,18 @@ class HFSampler:
         dtype: str = "float32", device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            hf_path, dtype=getattr(torch, dtype)
-        ).to(device)
+        # No "Loading weights" bar in the middle of a run's console (restored after).
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                hf_path, dtype=getattr(torch, dtype)
+            ).to(device)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         self.model.eval()
         # Forget the checkpoint's sampling defaults (generation_config.json, e.g. Qwen3's
         # top_k=20, temperature=0.6): transformers fills every generate() option left None

@@ -67,6 +67,7 @@ class OverlongConfig:
     """
 
     enable: bool = False
+    """Add the length penalty to each response's reward (the ``dapo`` preset turns it on)."""
     cache_tokens: int | None = None
     """``L_cache``, the interval before the limit over which the penalty grows; unset: a
     fifth of ``max_tokens`` (the paper's 4096 of 20480)."""

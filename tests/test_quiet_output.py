@@ -1,0 +1,60 @@
+"""A run's console output is quiet and honest (issue 28, test 3): the GRPO demo run from the
+command line, as a user types it, for 2 steps of a demo-shaped checkpoint, prints what it
+will do first and where everything went last, and no traceback (Monarch's atexit shutdown,
+vLLM's chat-template warm-up) nor torchtitan's notices about defaults that do not apply.
+
+A test session's own end is covered by ``tests/conftest.py``'s ``pytest_unconfigure``
+(:func:`forge_ext.supervision.shutdown_monarch`)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from forge_ext.engine.config import TITAN_NOTICES_NOT_APPLICABLE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_traceback(
+    demo_checkpoint, tmp_path
+):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "apps.grpo.main", "--config", "configs/grpo_cpu_demo.yaml",
+        f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=2",
+        "loop.eval_every=2", "loop.save_every=2",
+        "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "trainer.training.local_batch_size=4", "eval.batch_size=2",
+        # No reference (one proc fewer to start, mostly torchtitan's import), no plot.
+        "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
+    ]
+    # A user's shell: not this process's environment, which torchstore's import (here, in
+    # the test process) gave the frame-limit variable that hides its logging setup.
+    env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_CODEC_MAX_FRAME_LENGTH"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output
+    # Lines that said nothing to a user: torchtitan's about defaults that do not apply, its
+    # INFO lines per checkpoint save (via torchstore's root-logger setup and Monarch's INFO
+    # root level in procs), torchstore's note on the frame limit, transformers' loading bar
+    # and min_length warning, torch's DTensor random-init notice before weights are loaded.
+    for notice in (*TITAN_NOTICES_NOT_APPLICABLE, "INFO:root:", "HYPERACTOR_CODEC_MAX_FRAME",
+                   "Loading weights", "min_new_tokens", "DTensor random operators"):
+        assert notice not in output, notice
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    first, last = lines[0], lines[-1]
+    assert first.startswith(
+        f"GRPO: 2 steps (sync) of 2 prompts x 2 samples from {demo_checkpoint} (qwen3); "
+        f"output_dir {out}"
+    ), first
+    assert lines[1].startswith("task addition: 8 training rows, 2 held-out"), lines[1]
+    assert lines[2] == "spawning trainer (1 proc), generator (hf, 1 proc) on this machine"
+    assert f"checkpoint of step 2 saved in " in result.stdout
+    assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
+                    f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}"), last
+    assert (out / "metrics.jsonl").is_file() and (out / "run_config.yaml").is_file()
