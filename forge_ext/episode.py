@@ -66,6 +66,10 @@ class Episode:
     """``[len(response_ids)]``: 1 on the model's tokens, 0 on an environment's (multi-turn);
     None: every response token is the model's."""
 
+    truncated: bool = False
+    """The response was cut at the length limit (no end token, or the episode's token or
+    turn budget ran out); ``loss.mask_truncated`` drops such responses from the loss."""
+
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.response_ids:
             raise ValueError(
@@ -93,8 +97,8 @@ def pack_episodes(
 
     Returns:
         ``input_ids`` ``[B, S]`` int64, ``labels`` ``[B, S]`` int64, ``generator_logprobs``
-        ``[B, S]`` fp32, ``advantages`` ``[B]`` fp32, and ``ref_logprobs`` ``[B, S]`` fp32 if
-        every episode has them.
+        ``[B, S]`` fp32, ``advantages`` ``[B]`` fp32, ``truncated`` ``[B]`` bool, and
+        ``ref_logprobs`` ``[B, S]`` fp32 if every episode has them.
 
     Raises:
         ValueError: if ``episodes`` is empty, an episode is longer than ``seq_len``, or only
@@ -143,6 +147,7 @@ def pack_episodes(
         "labels": labels,
         "generator_logprobs": generator_logprobs,
         "advantages": torch.tensor([ep.advantage for ep in episodes], dtype=torch.float32),
+        "truncated": torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
     }
     if ref_logprobs is not None:
         packed["ref_logprobs"] = ref_logprobs

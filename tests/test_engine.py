@@ -138,6 +138,42 @@ def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights,
     assert metrics["loss/kl"] == pytest.approx(expected["kl"], rel=1e-5)
 
 
+def test_every_grpo_variant_is_exact_under_gradient_accumulation(reference_weights):
+    """GA=1 and GA=4 give the same gradient and the float64 reference's loss
+    (tests/grpo_reference.py; its gradient w.r.t. the logits is checked in
+    test_grpo_variants.py) for each aggregation and GSPO, on rows of very unequal length (one
+    without a valid token), where the variants give different losses."""
+    from grpo_reference import ENGINE_VARIANTS, grpo_targets, reference_kwargs, reference_loss
+
+    from forge_ext.engine.base import split_batch
+    from forge_ext.losses.grpo import GRPOLoss
+
+    batch = make_lm_batch(8, 32, 256, seed=7, ignore_prefix=PREFIX)
+    # One engine: gradient accumulation is forward_backward_batch over the microbatches
+    # (what engine.microbatches gives under gradient_accumulation_steps=k).
+    engine = build(reference_weights)
+    logits = engine.forward_batch(batch)
+    batch.update(grpo_targets(logits, batch["labels"], seed=7))
+    losses = []
+    for variant in ENGINE_VARIANTS:
+        expected = float(reference_loss(logits, batch, **reference_kwargs(variant, 0.1)))
+        loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.1, **variant))
+        results = {}
+        for k in (1, 4):
+            engine.optimizer_zero_grad()
+            out = engine.forward_backward_batch(split_batch(batch, k), loss_fn, loss_fn.weight)
+            assert len(out.losses) == k
+            assert out.loss == pytest.approx(expected, rel=1e-5), (variant, k)
+            results[k] = grads(engine)
+        for name, g in results[4].items():
+            atol = 1e-5 * float(results[1][name].abs().max())
+            torch.testing.assert_close(g, results[1][name], rtol=1e-4, atol=atol,
+                                       msg=f"{variant} {name}")
+        losses.append(expected)
+    values = sorted(losses)
+    assert all(b - a > 1e-3 * abs(b) for a, b in zip(values, values[1:])), losses
+
+
 def test_eval_batch_is_the_token_mean_cross_entropy_at_any_split(reference_weights):
     batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
     # Reference: one cross entropy over every valid token of the batch, from the logits.

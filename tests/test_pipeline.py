@@ -195,6 +195,49 @@ async def test_pipeline_trainer_pushes_complete_weights_with_dcp(meshes):
         await spawn_trainer(config(pp=2), weights={"transport": "direct"})
 
 
+async def test_every_grpo_variant_under_pipeline_equals_no_pipeline(meshes):
+    """Each aggregation and GSPO under PP=2 x DP=2 (Interleaved1F1B, GA=2, one row per PP
+    microbatch: the loss weights are per-row sequence counts, 0 for an empty row) gives the
+    PP=1 loss and gradients, and the float64 reference's loss (tests/grpo_reference.py)."""
+    from grpo_reference import ENGINE_VARIANTS, grpo_targets, reference_kwargs, reference_loss
+
+    ref, pp = meshes["pp1"], meshes["pp2dp2"]
+    prefix = [27, 31, 29, 30, 0, 1, 2, 1]  # row 1: no valid token
+    batch = make_lm_batch(BATCH, 32, 256, seed=14, ignore_prefix=prefix)
+    weights = await ref.get_hf_state_dict()
+    await pp.load_hf_state_dict(weights)
+    logits = await ref.forward(*split(batch, 1))
+    batch.update(grpo_targets(logits, batch["labels"], seed=14))
+    try:
+        for variant in ENGINE_VARIANTS:
+            loss = {"name": "grpo", "kl_coef": 0.1, **variant}
+            await asyncio.gather(ref.set_loss(loss), pp.set_loss(loss))
+            results = []
+            for handle, dp in ((ref, 1), (pp, 2)):
+                inputs, targets = split(batch, dp)
+                for target, part in zip(targets, range(dp)):
+                    rows = slice(part * BATCH // dp, (part + 1) * BATCH // dp)
+                    for key in ("generator_logprobs", "ref_logprobs", "advantages"):
+                        target[key] = batch[key][rows]
+                fb = await handle.forward_backward(inputs, targets)
+                results.append((fb, await handle.get_gradients()))
+                await handle.optim_step()  # consumes (zeroes) the gradients
+                await handle.load_hf_state_dict(weights)
+            expected = float(reference_loss(logits, batch, **reference_kwargs(variant, 0.1)))
+            (fb_ref, g_ref), (fb, g) = results
+            assert fb_ref["loss"] == pytest.approx(expected, rel=1e-5), variant
+            assert fb["loss"] == pytest.approx(expected, rel=1e-5), variant
+            assert fb["num_tokens"] == fb_ref["num_tokens"], variant
+            assert set(g) == set(g_ref)
+            for k in g_ref:
+                atol = 1e-5 * float(g_ref[k].abs().max())
+                torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=atol,
+                                           msg=f"{variant} {k}")
+    finally:
+        await asyncio.gather(ref.set_loss({"name": "cross_entropy"}),
+                             pp.set_loss({"name": "cross_entropy"}))
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

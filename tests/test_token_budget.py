@@ -147,6 +147,29 @@ def test_token_budget_and_packing_give_the_fixed_row_loss_metrics_and_gradients(
         assert_grad_close(g[name], g_ref[name], name)
 
 
+def test_every_grpo_variant_under_packing_gives_the_fixed_row_loss_and_gradients(
+    engine, split
+):
+    """The sequence-level aggregations and GSPO on packed rows (several sequences per row,
+    grouped by ``sequence_ids``; one row without a valid token; truncated rows masked) give
+    the fixed-row loss, sequence count and gradients."""
+    from grpo_reference import ENGINE_VARIANTS
+
+    batch = grpo_batch(engine, split)
+    batch["truncated"] = torch.tensor([False, False, True, False, False, False, False, True])
+    for variant in ENGINE_VARIANTS[1:]:  # token_mean is the test above
+        loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.1, mask_truncated=True, **variant))
+        split("rows")
+        ref, g_ref, _ = step(engine, batch, loss_fn, loss_fn.weight)
+        split("packing", multiple=8)
+        out, g, mbs = step(engine, batch, loss_fn, loss_fn.weight)
+        assert any(len(mb.rows) > 1 for mb in mbs)  # rows holding several sequences
+        assert out.global_weight == ref.global_weight == 5.0, variant  # 8 - empty - 2 cut
+        assert out.loss == pytest.approx(ref.loss, rel=1e-5), variant
+        for name in g_ref:
+            assert_grad_close(g[name], g_ref[name], name)
+
+
 def test_cross_entropy_train_and_eval_are_split_independent(engine, split):
     batch = lm_batch(seed=4)
     split("rows")

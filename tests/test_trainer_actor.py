@@ -257,3 +257,51 @@ async def test_token_budget_under_fsdp2_balances_ranks_by_tokens_and_equals_dp1(
     want = await dp1.forward(*split(batch, 1), output="logprobs")
     assert rows != [[0, 1, 2, 3], [4, 5, 6, 7]]
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+
+
+async def test_every_grpo_variant_under_dp2_equals_dp1(trainers):
+    """Each aggregation and GSPO: DP=2 on real procs (ranks of 10 and 120 valid tokens, and
+    unequal sequence counts: row 3 of rank 0 has no valid token) gives DP=1's loss and
+    gradient, the float64 reference's loss (tests/grpo_reference.py), and the variants give
+    different losses. Runs last in this module: it switches the trainers' losses and
+    restores them."""
+    from grpo_reference import ENGINE_VARIANTS, grpo_targets, reference_kwargs, reference_loss
+
+    dp1, dp2 = trainers["dp1"], trainers["grpo"]
+    prefix = [27, 28, 29, 31, 0, 1, 2, 1]
+    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=8, ignore_prefix=prefix)
+    weights = random_state_dict(await dp1.get_hf_state_dict(), seed=8, std=0.05)
+    await asyncio.gather(dp1.load_hf_state_dict(weights), dp2.load_hf_state_dict(weights))
+    logits = await dp1.forward(split(batch, 1)[0])
+    batch.update(grpo_targets(logits, batch["labels"], seed=8))
+    losses = []
+    try:
+        for variant in ENGINE_VARIANTS:
+            loss = {"name": "grpo", "kl_coef": 0.1, **variant}
+            await asyncio.gather(dp1.set_loss(loss), dp2.set_loss(loss))
+            results = {}
+            for name, handle, dp in (("dp1", dp1, 1), ("dp2", dp2, 2)):
+                inputs, targets = split(batch, dp)
+                for target, lo in zip(targets, range(0, GLOBAL_BATCH, GLOBAL_BATCH // dp)):
+                    for key in ("generator_logprobs", "ref_logprobs", "advantages"):
+                        target[key] = batch[key][lo : lo + GLOBAL_BATCH // dp]
+                fb = await handle.forward_backward(inputs, targets)
+                results[name] = (fb, await handle.get_gradients())
+                await handle.optim_step()  # consumes (zeroes) the gradients
+                await handle.load_hf_state_dict(weights)
+            expected = float(reference_loss(logits, batch, **reference_kwargs(variant, 0.1)))
+            (fb1, g1), (fb2, g2) = results["dp1"], results["dp2"]
+            assert fb1["loss"] == pytest.approx(expected, rel=1e-5), variant
+            assert fb2["loss"] == pytest.approx(expected, rel=1e-5), variant
+            assert fb2["num_tokens"] == fb1["num_tokens"]
+            for k in g1:
+                atol = 1e-5 * float(g1[k].abs().max())
+                torch.testing.assert_close(g2[k], g1[k], rtol=1e-4, atol=atol,
+                                           msg=f"{variant} {k}")
+            losses.append(expected)
+    finally:
+        await asyncio.gather(dp1.set_loss({"name": "cross_entropy"}), dp2.set_loss(GRPO_LOSS))
+    values = sorted(losses)
+    assert all(b - a > 1e-3 * abs(b) for a, b in zip(values, values[1:])), losses
+    with pytest.raises(ValueError, match="loss.aggregation='nope'"):
+        await dp2.set_loss({"name": "grpo", "aggregation": "nope"})

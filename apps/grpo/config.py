@@ -7,9 +7,11 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     task:      {source, ...}                  forge_ext.tasks: addition (default), dataset,
                                               reasoning_gym, or "package.module:factory"
     reward:    forge_ext.tasks.RewardConfig   reward functions, weights, timeout, on_error
-    grpo:      {prompts_per_step, group_size}
+    grpo:      {prompts_per_step, group_size, advantage_scaling, dynamic_sampling,
+                max_rollout_batches}
     prompt:    forge_ext.tasks.PromptConfig   template, chat_template: how a row becomes ids
-    loss:      GRPOLoss.Config                clip_eps_low/high, kl_coef, off_policy_correction
+    loss:      GRPOLoss.Config                preset, aggregation, ratio_level, clip_eps_low/high,
+                                              kl_coef, mask_truncated, off_policy_correction
     loop:      forge_ext.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
     reference: engine mapping or null         (null requires loss.kl_coef: 0)
@@ -26,7 +28,7 @@ from __future__ import annotations
 import os
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from forge_ext.actors.generator import GeneratorConfig
 from forge_ext.actors.reference import data_parallel_size
@@ -34,6 +36,7 @@ from forge_ext.actors.trainer import check_weights_transport, world_size_of
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.losses.grpo import GRPOLoss
+from forge_ext.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.loop import LoopConfig
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import HostsConfig
@@ -53,13 +56,35 @@ class GRPOSection:
     prompts_per_step: int = 8
     """Distinct training prompts per step."""
     group_size: int = 8
-    """Completions sampled per prompt; advantages are normalised within each group."""
+    """Completions sampled per prompt; advantages are relative to each group's mean."""
+    advantage_scaling: Literal["group_std", "none", "batch_std"] = "group_std"
+    """What the mean-centred rewards are divided by: the group's std (DeepSeekMath), nothing
+    (Dr. GRPO), or the whole batch's std (:func:`forge_ext.losses.compute_group_advantages`)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): groups whose rewards are all
+    equal (no gradient) are dropped, and more prompts are rolled out until the step has
+    ``prompts_per_step`` groups with spread or ``max_rollout_batches`` rollouts were made."""
+    max_rollout_batches: int = 4
+    """With ``dynamic_sampling``: the most rollouts of ``prompts_per_step`` prompts one step
+    makes; if they hold fewer groups with spread, the step fills up with dropped groups
+    (zero advantage: no policy gradient, counted in ``rollout/short_groups``)."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
             raise ValueError(
                 f"grpo.prompts_per_step={self.prompts_per_step} must be >= 1 and "
                 f"grpo.group_size={self.group_size} >= 2 (a group of one has no advantage)"
+            )
+        from forge_ext.losses.grpo import ADVANTAGE_SCALINGS
+
+        if self.advantage_scaling not in ADVANTAGE_SCALINGS:
+            raise ValueError(
+                f"grpo.advantage_scaling={self.advantage_scaling!r} must be one of "
+                f"{list(ADVANTAGE_SCALINGS)}"
+            )
+        if self.max_rollout_batches < 1:
+            raise ValueError(
+                f"grpo.max_rollout_batches={self.max_rollout_batches} must be >= 1"
             )
 
     @property
@@ -132,10 +157,11 @@ class GRPOConfig:
     """``task.source`` and that source's fields (:mod:`forge_ext.tasks`)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
-    """Prompts per step and samples per prompt."""
+    """Prompts per step, samples per prompt, advantage scaling and dynamic sampling."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
     loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
-    """The GRPO loss: clipping, KL coefficient, off-policy correction."""
+    """The GRPO loss: its variant (``preset``, aggregation, ratio level), clipping, KL
+    coefficient, truncation masking, off-policy correction."""
     reference: dict[str, Any] | None = None
     """The frozen reference model's engine (an engine section like ``trainer:``, usually
     ``model: ${trainer.model}``) for the KL term; null needs ``loss.kl_coef: 0``."""
@@ -150,6 +176,69 @@ class GRPOConfig:
     ``output_dir``)."""
     debug: DebugSection = field(default_factory=DebugSection)
     """Fault injection for tests."""
+
+    def __post_init__(self) -> None:
+        # Lengths that default to the response limit, filled here so that the run record
+        # holds the values the run used.
+        limit, what = self.response_limit()
+        overlong = self.reward.overlong
+        if overlong.max_tokens is None:
+            overlong.max_tokens = limit
+        if overlong.cache_tokens is None:
+            overlong.cache_tokens = max(1, overlong.max_tokens // 5)
+        if overlong.max_tokens > limit:
+            raise ValueError(
+                f"reward.overlong.max_tokens={overlong.max_tokens} > {what}={limit}: no "
+                f"response gets that long; set it to at most {limit} (or leave it unset)"
+            )
+        if overlong.cache_tokens > overlong.max_tokens:
+            raise ValueError(
+                f"reward.overlong.cache_tokens={overlong.cache_tokens} is longer than "
+                f"reward.overlong.max_tokens={overlong.max_tokens} ({what}={limit}); the "
+                f"penalty interval must fit below the limit: set it to at most "
+                f"{overlong.max_tokens}"
+            )
+        if self.loss.max_response_tokens is None:
+            self.loss.max_response_tokens = limit
+
+    def response_limit(self) -> tuple[int, str]:
+        """``(tokens, field)``: the longest response an episode can have after its first
+        prompt: ``generator.sampling.max_new_tokens``, or ``task.max_episode_tokens`` for a
+        multi-turn task (``task.environment``)."""
+        from forge_ext.tasks import episode_config
+
+        episodes = episode_config(self.task)
+        if episodes.environment is not None:
+            return episodes.max_episode_tokens, "task.max_episode_tokens"
+        return self.generator.sampling.max_new_tokens, "generator.sampling.max_new_tokens"
+
+    def variant_summary(self) -> str:
+        """One line: the preset and the resolved value of every field a preset sets, each
+        field the config overrode marked with the preset's value, e.g. ``GRPO variant: dapo
+        | loss.aggregation=token_mean ... loss.kl_coef=0.01 (preset 0.0) ...``."""
+        preset = self.loss.preset
+        table = PRESETS.get(preset or "", {})
+        parts = []
+        for name in preset_fields(preset or "grpo"):
+            section, *rest = name.split(".")
+            value: Any = getattr(self, section)
+            expected: Any = table.get(section, {})
+            for key in rest:
+                value = getattr(value, key)
+                expected = expected.get(key) if isinstance(expected, dict) else None
+            note = f" (preset {expected})" if preset and expected != value else ""
+            parts.append(f"{name}={value}{note}")
+        if self.loss.aggregation == "seq_mean_token_sum_norm":
+            parts.append(f"loss.max_response_tokens={self.loss.max_response_tokens}")
+        if self.grpo.dynamic_sampling:
+            parts.append(f"grpo.max_rollout_batches={self.grpo.max_rollout_batches}")
+        if self.reward.overlong.enable:
+            o = self.reward.overlong
+            parts.append(f"reward.overlong: max_tokens={o.max_tokens} "
+                         f"cache_tokens={o.cache_tokens} penalty_factor={o.penalty_factor}")
+        if self.loss.mask_truncated:
+            parts.append("loss.mask_truncated=True")
+        return f"GRPO variant: {preset or 'none (field defaults)'} | " + ", ".join(parts)
 
     def loss_spec(self) -> dict[str, Any]:
         """The trainer's ``loss`` argument (:func:`forge_ext.engine.losses.build_loss`)."""
@@ -250,7 +339,8 @@ def load_config(path: str, overrides: list[str] = (), *, check_model: bool = Tru
     Raises:
         ValueError: unknown keys (named), wrong types, or a failed :meth:`GRPOConfig.validate`.
     """
-    config = from_mapping(GRPOConfig, load_yaml(path, overrides))
+    mapping, _ = apply_preset(load_yaml(path, overrides))  # loss.preset: fills unset fields
+    config = from_mapping(GRPOConfig, mapping)
     config.validate(check_model=check_model)
     return config
 

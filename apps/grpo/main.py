@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from forge_ext.config import (
 )
 from forge_ext.disk import find_output_write_error
 from forge_ext.generation import Completion
-from forge_ext.losses.grpo import compute_group_advantages
+from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
@@ -72,6 +73,10 @@ from forge_ext.supervision import RoleFailure, shutdown_monarch
 # A new loop.steps also re-derives the LR schedule (warm-up and decay are laid out over
 # trainer.training.steps), so an extended run is not the run it would have been had it been
 # started with the new length.
+PROMPT_STREAM_FILE = "prompt_stream.json"
+"""In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
+prompt stream position where each checkpointed step's prompts begin."""
+
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "hosts", "debug",
@@ -90,6 +95,8 @@ class Rollouts:
     batch: EpisodeBatch
     generator_version: int
     seconds: dict[str, float]
+    stats: dict[str, float] = field(default_factory=dict)
+    """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
 class GRPOApp(RLLoop):
@@ -161,9 +168,13 @@ class GRPOApp(RLLoop):
             check=resume_step > 0,  # with nothing to resume, start over
         )
         _warn_if_task_differs_from_warm_start(config)
+        print(config.variant_summary(), flush=True)
         self.config = config
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
+        # Dynamic sampling: where each step's prompts begin and the range it consumed.
+        self._stream_starts: dict[int, int] = {0: 0}
+        self._stream_ranges: dict[int, tuple[int, int]] = {}
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
@@ -307,7 +318,18 @@ class GRPOApp(RLLoop):
     def fast_forward(self, step: int) -> None:
         from tqdm import tqdm
 
-        # Nothing to skip in the prompt stream: build_rollouts addresses it by step.
+        # Without dynamic sampling build_rollouts addresses the prompt stream by step; with
+        # it, the position of the resumed step is the one recorded with its checkpoint.
+        if self.config.grpo.dynamic_sampling and step > 0:
+            path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
+            positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
+            if str(step) not in positions:
+                raise ValueError(
+                    f"{path} has no prompt stream position for step {step} (the checkpoint "
+                    "resumed); without it the resumed run cannot know which prompts the "
+                    "dropped groups consumed. Use a new output_dir"
+                )
+            self._stream_starts[step] = positions[str(step)]
         self.bar = tqdm(
             total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
             dynamic_ncols=True,
@@ -322,25 +344,49 @@ class GRPOApp(RLLoop):
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
         c, tok = self.config, self.tok
-        rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
+        group = c.grpo.group_size
         start = time.perf_counter()
-        batch = await self.runner.run(rows, c.grpo.group_size, self.generate,
-                                      seed=c.seed * 1_000_003 + step, version=self.trainer_version)
+        if c.grpo.dynamic_sampling:
+            batches, chosen, fillers, stats = await self._dynamic_rollouts(step)
+        else:
+            rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
+            batches = [await self.runner.run(rows, group, self.generate,
+                                             seed=c.seed * 1_000_003 + step,
+                                             version=self.trainer_version)]
+            chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
+            fillers, stats = [], {}
+        batch = EpisodeBatch.concat(batches) if len(batches) > 1 else batches[0]
         seconds = {"generate": time.perf_counter() - start - batch.env_seconds
                    - batch.reward_seconds, "reward": batch.reward_seconds}
         if batch.multi_turn:
             seconds["env"] = batch.env_seconds
-        rewards = batch.rewards
-        advantages = compute_group_advantages(torch.tensor(rewards), c.grpo.group_size).tolist()
+        # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
+        # logged reward/mean stays the rubric's, comparable across variants.
+        shaped = [self._shaped_rewards(b) for b in batches]
+        groups = chosen + fillers
+        trajectories = [t for k, g in groups
+                        for t in batches[k].trajectories[g * group : (g + 1) * group]]
+        rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
+        trained = len(chosen) * group
+        advantages = compute_group_advantages(
+            torch.tensor(rewards[:trained]), group, scaling=c.grpo.advantage_scaling
+        ).tolist() + [0.0] * (len(rewards) - trained)
         episodes = [
             Episode(
                 prompt_ids=t.prompt_ids, response_ids=t.response_ids,
                 generator_logprobs=t.logprobs, advantage=a, reward=r,
                 policy_version=t.policy_version,
-                response_mask=t.response_mask if batch.multi_turn else None,
+                # A filler group (dynamic sampling found too few groups with spread) fills
+                # the step's fixed batch shape but carries no loss: every token masked.
+                response_mask=([0] * len(t.response_ids) if i >= trained else
+                               t.response_mask if batch.multi_turn else None),
+                truncated=t.truncated,
             )
-            for t, a, r in zip(batch.trajectories, advantages, rewards)
+            for i, (t, a, r) in enumerate(zip(trajectories, advantages, rewards))
         ]
+        if c.reward.overlong.enable:
+            penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
+            stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
         if self.reference is not None:
             start = time.perf_counter()
             packed = pack_episodes(episodes, pad_id=tok.pad_id)
@@ -350,10 +396,88 @@ class GRPOApp(RLLoop):
                 ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
             seconds["reference"] = time.perf_counter() - start
         return Rollouts(
-            rows=rows, episodes=episodes, rewards=rewards, correct=batch.scores.correct,
+            rows=[batches[k].trajectories[g * group].row for k, g in groups],
+            episodes=episodes, rewards=batch.rewards, correct=batch.scores.correct,
             batch=batch, generator_version=min(ep.policy_version for ep in episodes),
-            seconds=seconds,
+            seconds=seconds, stats=stats,
         )
+
+    def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
+        """The rubric's rewards plus ``reward.overlong``'s length penalty."""
+        overlong = self.config.reward.overlong
+        return [r + overlong.penalty(len(t.response_ids))
+                for r, t in zip(batch.rewards, batch.trajectories)]
+
+    async def _dynamic_rollouts(self, step: int):
+        """DAPO's dynamic sampling (``grpo.dynamic_sampling``, arXiv:2503.14476, section
+        3.2): roll out the next prompts of the stream, keep the groups whose (shaped)
+        rewards are not all equal, and roll out as many more prompts as groups are missing,
+        up to ``grpo.max_rollout_batches`` rollouts. Every prompt rolled out is consumed
+        (the next step starts after it), kept or dropped.
+
+        A step built again (async mode drops stale rollouts) rolls out the same prompts,
+        so the stream stays what the first build consumed.
+
+        Returns:
+            ``(batches, chosen, fillers, stats)``: the rollouts made; the ``(batch, group)``
+            indices of the groups trained on, then of the dropped groups that fill the step
+            when too few had spread (masked out of the loss); and metrics:
+            ``rollout/dropped_groups`` (groups without spread), ``rollout/short_groups``
+            (fillers), ``rollout/rollout_batches``, ``rollout/prompts_consumed``.
+        """
+        c = self.config
+        wanted, group = c.grpo.prompts_per_step, c.grpo.group_size
+        first = self._stream_start(step)
+        again = self._stream_ranges.get(step)  # a rebuild: the same prompts as before
+        position, batches, chosen, dropped = first, [], [], []
+        for k in range(c.grpo.max_rollout_batches):
+            count = again[1] - position if again else wanted - len(chosen)
+            if count <= 0:
+                break
+            rows = self.prompts.slice(position, count)
+            # The first rollout has the seed of a step without dynamic sampling.
+            batch = await self.runner.run(rows, group, self.generate,
+                                          seed=c.seed * 1_000_003 + step + k * 10_000_019,
+                                          version=self.trainer_version)
+            spread = groups_with_spread(torch.tensor(self._shaped_rewards(batch)), group)
+            for g, keep in enumerate(spread.tolist()):
+                (chosen if keep and len(chosen) < wanted else dropped).append((len(batches), g))
+            batches.append(batch)
+            position += count
+            if again:
+                break
+        self._stream_ranges[step] = (first, position)
+        self._stream_starts[step + 1] = position
+        fillers = dropped[: wanted - len(chosen)]
+        stats = {
+            "rollout/dropped_groups": float(len(dropped)),
+            "rollout/short_groups": float(len(fillers)),
+            "rollout/rollout_batches": float(len(batches)),
+            "rollout/prompts_consumed": float(position - first),
+        }
+        return batches, chosen, fillers, stats
+
+    def _stream_start(self, step: int) -> int:
+        """The prompt stream position where ``step``'s prompts begin (dynamic sampling: the
+        steps before consumed a varying number)."""
+        if step not in self._stream_starts:
+            raise RuntimeError(
+                f"the prompt stream position of step {step} is unknown: steps are built in "
+                "order, and a resumed run reads it from "
+                f"{Path(self.config.output_dir) / PROMPT_STREAM_FILE}"
+            )
+        return self._stream_starts[step]
+
+    def _save_stream_position(self, step: int) -> None:
+        """Record where step ``step``'s prompts begin in ``<output_dir>/prompt_stream.json``
+        (before the checkpoint of ``step`` is written, so a committed checkpoint always has
+        its position); every saved step's position is kept."""
+        path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
+        positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
+        positions[str(step)] = self._stream_start(step)
+        staged = path.with_name(path.name + ".tmp")
+        staged.write_text(json.dumps({"positions": positions}, indent=1, sort_keys=True))
+        staged.replace(path)
 
     def policy_versions(self, rollouts: Rollouts) -> list[int]:
         return [ep.policy_version for ep in rollouts.episodes]
@@ -389,6 +513,8 @@ class GRPOApp(RLLoop):
             "rollout/finished": sum(ep.response_ids[-1] in self.tok.stop_ids for ep in batch)
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
+            "rollout/truncated": sum(ep.truncated for ep in batch) / len(batch),
+            **rollouts.stats,
             # Each reward function's mean and its failed calls this step (the rubric's).
             **rollouts.batch.metrics(),
             "generator_version": rollouts.generator_version,
@@ -433,6 +559,8 @@ class GRPOApp(RLLoop):
     async def save_checkpoint(self, step: int) -> None:
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return  # checkpoints off (loop.save_every must then be 0): nothing to keep
+        if self.config.grpo.dynamic_sampling:
+            self._save_stream_position(step)
         start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
         self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
@@ -469,6 +597,12 @@ class GRPOApp(RLLoop):
                     f"truncated {m['episode/truncated']:.0%}"
                     + (f", env errors {int(m['episode/env_errors'])} timeouts "
                        f"{int(m['episode/env_timeouts'])}" if env_failed else "") + ")"
+                )
+            if "rollout/dropped_groups" in m:  # grpo.dynamic_sampling
+                parts.append(
+                    f"groups dropped {int(m['rollout/dropped_groups'])} short "
+                    f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
+                    "rollouts)"
                 )
             if self.reference is not None:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"

@@ -79,6 +79,14 @@ class RLTrainer(Actor):
             "policy_version": self.engine.step,
         }
 
+    @endpoint
+    async def set_loss(self, loss: dict[str, Any]) -> None:
+        """Train with another loss from the next step on (e.g. another GRPO aggregation):
+        ``loss`` as in the constructor. The handle validates it in the controller first
+        (:meth:`TrainerHandle.set_loss`), so every rank switches or none does."""
+        self.loss_fn, self.loss_weight_fn = build_loss(**loss)
+        self.loss_config = dict(loss)
+
     # ---- training verbs ----------------------------------------------------------------
     @endpoint
     async def train_step(
@@ -100,8 +108,8 @@ class RLTrainer(Actor):
             rank), or with ``return_metrics`` a dict with ``loss``, ``grad_norm``, ``lr``,
             ``num_tokens``, ``tokens_per_second``, ``policy_version``, plus the loss's own
             metrics as ``loss/<name>`` (GRPO: ``loss/kl``, ``loss/ratio_mean``,
-            ``loss/clip_fraction``; means over the global batch's valid tokens, before the
-            update).
+            ``loss/clip_fraction``; means over the global batch's valid tokens, or its
+            sequences for the ``seq_mean_*`` aggregations, before the update).
 
         Raises:
             ValueError: ``inputs``/``targets`` lengths differ from each other or from the DP
@@ -323,6 +331,15 @@ class TrainerHandle:
         outputs, so the last rank's value is returned."""
         values = await getattr(self.actor, verb).call(*args, **kwargs)
         return list(values.values())[-1]
+
+    async def set_loss(self, loss: dict[str, Any]) -> None:
+        """Switch every rank to ``loss`` (:meth:`RLTrainer.set_loss`).
+
+        Raises:
+            ValueError: a bad loss spec, before any rank is called.
+        """
+        build_loss(**loss)
+        await self.actor.set_loss.call(loss)
 
     async def train_step(self, inputs, targets, return_metrics: bool = False):
         return await self._call("train_step", inputs, targets, return_metrics)

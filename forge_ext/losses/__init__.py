@@ -8,8 +8,12 @@ from forge_ext.losses.grpo import (
     grpo_loss_and_metrics,
     grpo_metrics,
     k3_kl,
+    loss_mask,
+    per_token,
+    sequence_ids,
     token_logprobs,
     truncated_importance_weights,
+    valid_sequence_count,
     valid_token_count,
 )
 
@@ -21,7 +25,11 @@ __all__ = [
     "grpo_loss_and_metrics",
     "grpo_metrics",
     "k3_kl",
+    "loss_mask",
+    "per_token",
+    "sequence_ids",
     "token_logprobs",
     "truncated_importance_weights",
+    "valid_sequence_count",
     "valid_token_count",
 ]

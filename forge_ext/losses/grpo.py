@@ -11,17 +11,35 @@ with, per response token t of a sequence whose group-normalised advantage is ``A
 - ``KL_t = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1``: the k3 estimator of
   ``KL(pi_theta || pi_ref)`` (DeepSeekMath eq. 4; Schulman, "Approximating KL divergence",
   2020), always >= 0, against a frozen reference model's log-probs (``ref_logprobs``);
-- ``A = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath section 4.1.2), see
-  :func:`compute_group_advantages`.
+- ``A = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath section 4.1.2), or
+  another scaling (``grpo.advantage_scaling``), see :func:`compute_group_advantages`.
 
 Separate ``eps_low``/``eps_high`` are DAPO's "clip-higher" (Yu et al. 2025,
 arXiv:2503.14476, section 3.1); equal values give GRPO's symmetric clip.
 
-Normalisation: the loss is the *mean over the microbatch's valid tokens* (``labels != -100``),
-i.e. DAPO's token-level policy-gradient loss (arXiv:2503.14476, section 3.3), not
-DeepSeekMath's per-sequence ``1/|o_i|`` mean. The engine multiplies each microbatch mean by
-:func:`valid_token_count` and divides by the global token count, so the optimised quantity is
-the mean over every valid token of the step, independent of how it is split into microbatches.
+Aggregation (``loss.aggregation``; verl ``core_algos.py`` ``agg_loss``, TRL ``GRPOTrainer``
+``loss_type``). With ``l_{i,t}`` the loss of valid token ``t`` of sequence ``i``, ``|o_i|`` its
+valid tokens and ``N`` the sequences with at least one valid token, over the whole step:
+
+- ``token_mean`` (default; DAPO section 3.3, TRL ``dapo``/``bnpo``): ``sum_{i,t} l / sum_i |o_i|``;
+- ``seq_mean_token_mean`` (DeepSeekMath eq. 3, TRL ``grpo``): ``1/N sum_i 1/|o_i| sum_t l``;
+- ``seq_mean_token_sum`` (verl ``seq-mean-token-sum``): ``1/N sum_i sum_t l``;
+- ``seq_mean_token_sum_norm`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, eq. 3, TRL
+  ``dr_grpo``): ``1/N sum_i sum_t l / L`` with ``L = max_response_tokens``, a constant.
+
+A microbatch's loss is its own mean over the unit of the mode (valid tokens, or sequences
+with a valid token), and the engine weights it by that unit's count (:meth:`GRPOLoss.weight`)
+and divides by the count over every microbatch and data-parallel rank, so each mode is the
+full-step quantity above under any microbatching, gradient accumulation, DP or PP. Sequences
+are found by :func:`sequence_ids`, so a packed row holding several sequences aggregates as
+the same sequences in separate rows would.
+
+Sequence-level ratio (``loss.ratio_level: sequence``; GSPO, Zheng et al. 2025,
+arXiv:2507.18071, eq. 5-7): every token of sequence ``i`` uses
+``s_i = exp(1/|o_i| sum_t log(pi_theta(o_t) / pi_old(o_t)))``, the geometric mean of its token
+ratios, clipped per sequence to ``[1 - eps_low, 1 + eps_high]`` with GSPO's much smaller
+defaults (3e-4, 4e-4); with ``seq_mean_token_mean`` the objective is GSPO's
+``1/N sum_i min(s_i A_i, clip(s_i) A_i)``, and on one-token responses it is token-level GRPO.
 
 Off-policy correction (``off_policy_correction: token_tis``): token-level truncated
 importance sampling, the standard fix for samples drawn by a policy other than the one
@@ -62,6 +80,23 @@ MAX_LOG_RATIO = 10.0
 
 OFF_POLICY_CORRECTIONS = ("none", "token_tis")
 """Values of ``loss.off_policy_correction`` (module docstring)."""
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                "seq_mean_token_sum_norm")
+"""Values of ``loss.aggregation`` (module docstring, "Aggregation")."""
+
+RATIO_LEVELS = ("token", "sequence")
+"""Values of ``loss.ratio_level``: PPO/GRPO token ratios, or GSPO's sequence ratio."""
+
+ADVANTAGE_SCALINGS = ("group_std", "none", "batch_std")
+"""Values of ``grpo.advantage_scaling`` (:func:`compute_group_advantages`)."""
+
+TOKEN_CLIP_EPS = (0.2, 0.2)
+"""Default ``(clip_eps_low, clip_eps_high)`` of token ratios (PPO, DeepSeekMath)."""
+
+SEQUENCE_CLIP_EPS = (3e-4, 4e-4)
+"""Default ``(clip_eps_low, clip_eps_high)`` of GSPO's sequence ratio (arXiv:2507.18071,
+section 5.1)."""
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -116,10 +151,16 @@ def k3_kl(
 
 
 def truncated_importance_weights(
-    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
+    *, sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level truncated importance weights ``w = min(exp(logprobs - generator_logprobs),
-    cap)`` (module docstring), detached.
+    """Truncated importance weights ``w = min(exp(logprobs - generator_logprobs), cap)``
+    (module docstring), detached.
+
+    With ``sequence_ids`` (``loss.ratio_level: sequence``) the weight is per sequence and
+    consistent with GSPO's ratio: ``w_i = min(exp(mean_t (logprobs - generator_logprobs)),
+    cap)``, the capped geometric mean of the sequence's token ratios (verl's
+    ``rollout_is: geometric``), given to each of its tokens.
 
     Args:
         logprobs: ``[batch, seq]`` the trainer's log-probs of the sampled tokens (their
@@ -128,54 +169,183 @@ def truncated_importance_weights(
         mask: ``[batch, seq]`` bool, True on scored tokens; elsewhere the weight is 1 and
             not capped, whatever the inputs hold there.
         cap: ``C > 0``, the largest weight.
+        sequence_ids: ``[batch, seq]`` int64 (:func:`sequence_ids`), or None for
+            token-level weights.
 
     Returns:
         ``(weights, capped)``: ``[batch, seq]`` fp32 weights, and bool, True where the raw
         ratio exceeded ``cap`` (the log-ratio is clamped to ``+-MAX_LOG_RATIO`` first).
     """
     with torch.no_grad():
-        log_ratio = torch.where(mask, logprobs - generator_logprobs, torch.zeros_like(logprobs))
-        raw = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        zeros = torch.zeros_like(logprobs)
+        log_ratio = torch.where(mask, logprobs - generator_logprobs, zeros)
+        log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        if sequence_ids is not None:
+            slots = sequence_ids.numel()
+            counts = _sequence_sums(mask.to(logprobs.dtype), sequence_ids, mask, slots)
+            means = _sequence_sums(log_ratio, sequence_ids, mask, slots) / counts.clamp(min=1.0)
+            index = torch.where(mask, sequence_ids, torch.zeros_like(sequence_ids))
+            log_ratio = torch.where(mask, means[index], zeros)
+        raw = torch.exp(log_ratio)
         return raw.clamp(max=cap), (raw > cap) & mask
 
 
-def valid_token_count(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Number of valid (trained) tokens in a microbatch: ``(mb["labels"] != -100).sum()``.
+def sequence_ids(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The sequence each token of a microbatch belongs to: ``[batch, seq]`` int64.
 
-    This is the engine's ``loss_weight_fn``: it multiplies the per-microbatch mean returned by
-    :func:`grpo_loss` by this count and divides by the count summed over all microbatches and
-    data-parallel ranks, which makes gradient accumulation exact.
+    ``mb["sequence_ids"]`` when present (the index of each token's sequence within the
+    microbatch, ``-1`` on padding: a packed row may hold several sequences), else the row
+    index broadcast over ``seq`` (one sequence per row). Every per-sequence quantity of the
+    loss (GSPO's ratio, the sequence-mean weights, the sequence count the engine weights by)
+    groups tokens through this one function, never by assuming one sequence per row.
+
+    Raises:
+        ValueError: ``sequence_ids`` shaped unlike ``labels``.
+    """
+    labels = mb["labels"]
+    if "sequence_ids" in mb:
+        ids = mb["sequence_ids"]
+        if tuple(ids.shape) != tuple(labels.shape):
+            raise ValueError(
+                f"mb['sequence_ids'] has shape {tuple(ids.shape)}, expected labels' "
+                f"{tuple(labels.shape)} = [batch, seq]"
+            )
+        return ids.long()
+    batch, seq = labels.shape
+    return torch.arange(batch, device=labels.device)[:, None].expand(batch, seq)
+
+
+def _sequence_slots(mb: Mapping[str, torch.Tensor]) -> int:
+    """An upper bound on the number of sequences in ``mb`` (the size of per-sequence
+    buffers): ``batch`` rows, or ``batch * seq`` tokens when rows are packed. A bound known
+    from shapes alone, so grouping never waits on the device for ``max(sequence_ids)``."""
+    labels = mb["labels"]
+    return labels.numel() if "sequence_ids" in mb else labels.shape[0]
+
+
+def per_token(mb: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    """``mb[key]`` as ``[batch, seq]``: a per-row ``[batch]`` value (one sequence per row)
+    is broadcast over ``seq``; an already per-token ``[batch, seq]`` value (packed rows) is
+    returned as is.
+
+    Raises:
+        ValueError: ``key`` missing, or shaped neither ``[batch]`` nor ``[batch, seq]``.
+    """
+    if key not in mb:
+        raise ValueError(f"GRPO microbatch is missing {key!r}; it has {sorted(mb)}")
+    value, (batch, seq) = mb[key], mb["labels"].shape
+    if tuple(value.shape) == (batch,):
+        return value[:, None].expand(batch, seq)
+    if tuple(value.shape) == (batch, seq):
+        return value
+    raise ValueError(
+        f"mb[{key!r}] has shape {tuple(value.shape)}, expected [batch]=({batch},) or "
+        f"[batch, seq]=({batch}, {seq})"
+    )
+
+
+def loss_mask(mb: Mapping[str, torch.Tensor], mask_truncated: bool = False) -> torch.Tensor:
+    """``[batch, seq]`` bool, True on the tokens the loss trains on: ``labels != -100``, on
+    a sequence (``sequence_ids >= 0`` when given), and with ``mask_truncated`` not in a
+    response cut at the length limit (``mb["truncated"]``, ``[batch]`` or ``[batch, seq]``
+    bool; DAPO's overlong filtering, Yu et al. 2025, arXiv:2503.14476, section 3.4).
+
+    Raises:
+        ValueError: ``mask_truncated`` without ``mb["truncated"]``.
+    """
+    mask = mb["labels"] != IGNORE_INDEX
+    if "sequence_ids" in mb:
+        mask = mask & (sequence_ids(mb) >= 0)
+    if mask_truncated:
+        if "truncated" not in mb:
+            raise ValueError(
+                "loss.mask_truncated=true needs mb['truncated'] ([batch] bool, True for a "
+                f"response cut at the length limit); the microbatch has {sorted(mb)}"
+            )
+        mask = mask & ~per_token(mb, "truncated").bool()
+    return mask
+
+
+def _sequence_sums(values: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                   slots: int) -> torch.Tensor:
+    """``out[n] = sum of values[b, t] over the masked tokens of sequence n``: ``[slots]``."""
+    index = torch.where(mask, ids, torch.zeros_like(ids)).reshape(-1)
+    source = torch.where(mask, values, torch.zeros_like(values)).reshape(-1)
+    return values.new_zeros(slots).index_add(0, index, source)
+
+
+def valid_token_count(mb: Mapping[str, torch.Tensor], mask_truncated: bool = False) -> torch.Tensor:
+    """Number of valid (trained) tokens in a microbatch (:func:`loss_mask`'s True entries;
+    ``(mb["labels"] != -100).sum()`` for unpacked rows without ``mask_truncated``).
+
+    The engine's ``loss_weight_fn`` for ``aggregation: token_mean``: it multiplies the
+    per-microbatch mean returned by :func:`grpo_loss` by this count and divides by the count
+    summed over all microbatches and data-parallel ranks, which makes gradient accumulation
+    exact.
 
     Returns:
         0-dim int64 tensor on ``labels``' device.
     """
-    return (mb["labels"] != IGNORE_INDEX).sum()
+    return loss_mask(mb, mask_truncated).sum()
+
+
+def valid_sequence_count(
+    mb: Mapping[str, torch.Tensor], mask_truncated: bool = False
+) -> torch.Tensor:
+    """Number of sequences (:func:`sequence_ids`) with at least one valid token.
+
+    The engine's ``loss_weight_fn`` for the ``seq_mean_*`` aggregations, whose microbatch
+    loss is a mean over exactly these sequences: ``sum_i w_i * loss_i / sum_i w_i`` is then
+    the mean over every sequence of the step, whatever the microbatching, gradient
+    accumulation, DP or PP split (a sequence never straddles two microbatches).
+
+    Returns:
+        0-dim int64 tensor on ``labels``' device.
+    """
+    mask = loss_mask(mb, mask_truncated)
+    counts = _sequence_sums(mask.float(), sequence_ids(mb), mask, _sequence_slots(mb))
+    return (counts > 0).sum()
 
 
 def compute_group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scaling: str = "group_std"
 ) -> torch.Tensor:
-    """Group-normalised advantages: ``A_i = (r_i - mean(r_g)) / (std(r_g) + eps)``.
+    """Group-relative advantages ``A_i = (r_i - mean(r_g)) / s``.
 
-    DeepSeekMath (arXiv:2402.03300) section 4.1.2, outcome supervision. ``std`` is the
-    population standard deviation (divide by ``group_size``), as torchtitan's
+    ``s`` by ``scaling`` (``grpo.advantage_scaling``):
+
+    - ``group_std``: ``std(r_g) + eps``, the group's own spread (DeepSeekMath,
+      arXiv:2402.03300, section 4.1.2, outcome supervision);
+    - ``none``: 1, the mean-centred reward alone (Dr. GRPO, Liu et al. 2025,
+      arXiv:2503.20783, section 3.1: dividing by the group's std up-weights questions that
+      are too easy or too hard);
+    - ``batch_std``: ``std(r) + eps`` over the whole batch, group means still per group
+      (TRL ``GRPOTrainer`` ``scale_rewards="batch"``; Hu et al. 2025, REINFORCE++,
+      arXiv:2501.03262).
+
+    ``std`` is the population standard deviation (divide by the count), as torchtitan's
     ``AdvantageEstimator`` uses (``statistics.pstdev``), computed in float64. A group whose
-    rewards are all equal gets exactly 0 for every member, whatever their magnitude and dtype,
-    and ``group_size == 1`` is allowed (all zeros).
+    rewards are all equal gets exactly 0 for every member, whatever the scaling, magnitude
+    and dtype, and ``group_size == 1`` is allowed (all zeros).
 
     Args:
         rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
             group (the completions of one prompt).
         group_size: completions per prompt, >= 1.
         eps: added to the std to avoid division by zero.
+        scaling: ``group_std``, ``none`` or ``batch_std``.
 
     Returns:
         ``[num_groups * group_size]`` advantages, same dtype as ``rewards`` (fp32 if integer).
 
     Raises:
-        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, or its length is not a
-            multiple of ``group_size``.
+        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, its length is not a
+            multiple of ``group_size``, or ``scaling`` is unknown.
     """
+    if scaling not in ADVANTAGE_SCALINGS:
+        raise ValueError(
+            f"grpo.advantage_scaling={scaling!r} must be one of {list(ADVANTAGE_SCALINGS)}"
+        )
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
@@ -190,11 +360,33 @@ def compute_group_advantages(
     # (eight fp32 copies of 0.35 gave +0.029 each).
     grouped = rewards.to(torch.float64).view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, unbiased=False, keepdim=True)
-    advantages = (grouped - mean) / (std + eps)
+    if scaling == "group_std":
+        scale = grouped.std(dim=1, unbiased=False, keepdim=True) + eps
+    elif scaling == "batch_std":
+        scale = grouped.std(unbiased=False) + eps
+    else:
+        scale = torch.ones((), dtype=torch.float64)
+    advantages = (grouped - mean) / scale
     no_spread = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     advantages = advantages.masked_fill(no_spread, 0.0)
     return advantages.view(-1).to(out_dtype)
+
+
+def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[num_groups]`` bool: True for a group whose rewards are not all equal. The others
+    get exactly zero advantage (:func:`compute_group_advantages`) and so no policy
+    gradient: DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) drops them.
+
+    Raises:
+        ValueError: ``rewards`` not 1-D with a length that is a multiple of ``group_size``.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
+            f"multiple of group_size={group_size}"
+        )
+    grouped = rewards.view(-1, group_size)
+    return grouped.amax(dim=1) != grouped.amin(dim=1)
 
 
 def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -206,76 +398,139 @@ def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -
     return value
 
 
+def default_clip_eps(ratio_level: str) -> tuple[float, float]:
+    """``(clip_eps_low, clip_eps_high)`` when unset: ``(0.2, 0.2)`` for token ratios (PPO,
+    DeepSeekMath), ``(3e-4, 4e-4)`` for sequence ratios (GSPO, arXiv:2507.18071, section
+    5.1: a geometric-mean ratio moves far less than a token's)."""
+    return SEQUENCE_CLIP_EPS if ratio_level == "sequence" else TOKEN_CLIP_EPS
+
+
+def check_loss_options(
+    *, aggregation: str, ratio_level: str, off_policy_correction: str,
+    max_response_tokens: int | None, clip_eps_low: float, clip_eps_high: float,
+) -> None:
+    """Raise ``ValueError`` naming the ``loss.`` field of an unknown mode or a bad value."""
+    for name, value, known in (
+        ("aggregation", aggregation, AGGREGATIONS),
+        ("ratio_level", ratio_level, RATIO_LEVELS),
+        ("off_policy_correction", off_policy_correction, OFF_POLICY_CORRECTIONS),
+    ):
+        if value not in known:
+            raise ValueError(f"loss.{name}={value!r} must be one of {list(known)}")
+    if aggregation == "seq_mean_token_sum_norm" and (
+        max_response_tokens is None or max_response_tokens < 1
+    ):
+        raise ValueError(
+            f"loss.aggregation=seq_mean_token_sum_norm divides by the constant "
+            f"loss.max_response_tokens={max_response_tokens}; set it to a positive token "
+            "count (the GRPO app defaults it to generator.sampling.max_new_tokens)"
+        )
+    if ratio_level == "sequence":
+        for name, eps in (("clip_eps_low", clip_eps_low), ("clip_eps_high", clip_eps_high)):
+            if not 0 < eps < 1:
+                raise ValueError(
+                    f"loss.{name}={eps} with loss.ratio_level=sequence must lie in (0, 1) "
+                    "(GSPO clips the sequence ratio to [1 - low, 1 + high]; the paper uses "
+                    "3e-4 and 4e-4)"
+                )
+
+
 def grpo_loss_and_metrics(
     logits: torch.Tensor,
     mb: Mapping[str, torch.Tensor],
     *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
     kl_coef: float = 0.04,
     off_policy_correction: str = "none",
     tis_imp_ratio_cap: float = 2.0,
+    aggregation: str = "token_mean",
+    ratio_level: str = "token",
+    max_response_tokens: int | None = None,
+    mask_truncated: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss (token mean over valid tokens) and detached per-token-mean metrics.
+    """GRPO loss of one microbatch (a mean over the unit ``aggregation`` names) and detached
+    metrics (means over the same unit).
 
     Args:
         logits: ``[batch, seq, vocab]`` current-policy logits (fp32).
         mb: one microbatch with ``labels`` ``[batch, seq]`` int64 (``-100`` = not a response
-            token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]`` (or
-            ``[batch, seq]``, one per token, in a packed row), ``generator_logprobs`` ``[batch, seq]`` aligned with ``labels``, and
-            ``ref_logprobs`` ``[batch, seq]`` (needed only when ``kl_coef != 0``). Values of
+            token; label at ``t`` is the token at ``t + 1``), ``advantages`` ``[batch]`` (one
+            per row) or ``[batch, seq]`` (per token, packed rows), ``generator_logprobs``
+            ``[batch, seq]`` aligned with ``labels``, ``ref_logprobs`` ``[batch, seq]``
+            (needed only when ``kl_coef != 0``), optionally ``sequence_ids`` ``[batch, seq]``
+            (:func:`sequence_ids`) and ``truncated`` (``mask_truncated``). Values of
             ``generator_logprobs``/``ref_logprobs`` at ignored positions (even inf/NaN) do
             not affect the loss or its gradient.
-        clip_eps_low: ratio lower bound is ``1 - clip_eps_low``.
-        clip_eps_high: ratio upper bound is ``1 + clip_eps_high``.
+        clip_eps_low: ratio lower bound is ``1 - clip_eps_low``; None: the ratio level's
+            default (:func:`default_clip_eps`).
+        clip_eps_high: ratio upper bound is ``1 + clip_eps_high``; None: as above.
         kl_coef: ``beta``, weight of the k3 KL penalty.
         off_policy_correction: ``none``, or ``token_tis``: truncated importance weights
             against the generator and the clipped ratio against the trainer's own log-probs
             (module docstring).
         tis_imp_ratio_cap: ``C``, the largest importance weight (``token_tis`` only).
+        aggregation: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` or
+            ``seq_mean_token_sum_norm`` (module docstring, "Aggregation").
+        ratio_level: ``token`` or ``sequence`` (GSPO; module docstring).
+        max_response_tokens: the constant divisor of ``seq_mean_token_sum_norm``.
+        mask_truncated: drop responses with ``mb["truncated"]`` from the loss
+            (:func:`loss_mask`).
 
     Returns:
-        ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` averaged over valid tokens
-        (``0.0``, still attached to the graph, if there are none). ``metrics`` are 0-dim
-        detached tensors, each a mean over valid tokens (NaN when there are none):
+        ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` aggregated as
+        ``aggregation`` says (``0.0``, still attached to the graph, if no token is valid).
+        ``metrics`` are 0-dim detached tensors, each a mean over the loss's unit: valid
+        tokens for ``token_mean``; for the ``seq_mean_*`` modes, sequences (each
+        sequence's token mean, then the mean over sequences). NaN when there are none:
 
         - ``loss``: the loss value;
         - ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even
           when ``kl_coef == 0``);
-        - ``ratio_mean``: mean clipped-ratio argument ``r_t``: ``pi_theta / pi_gen``
-          (``none``), ``pi_theta / pi_old`` = 1 (``token_tis``);
+        - ``ratio_mean``: mean clipped-ratio argument: ``pi_theta / pi_gen`` (``none``),
+          ``pi_theta / pi_old`` = 1 (``token_tis``); per sequence for ``sequence``;
         - ``clip_fraction``: fraction of tokens where the clip binds (ratio below
           ``1 - eps_low`` with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token
           gets no policy gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
         - ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis`` only): mean importance
-          weight ``w_t`` and fraction of tokens whose ratio exceeded the cap;
-        - ``num_valid_tokens``: the count the means are over (a float, for weighting).
+          weight ``w`` and fraction of tokens (sequences, for ``sequence``) whose ratio
+          exceeded the cap;
+        - ``num_valid_tokens``, ``num_sequences``: the valid tokens and the sequences with
+          at least one (floats, for weighting).
 
     Raises:
-        ValueError: if a required key is missing, shapes disagree, or
-            ``off_policy_correction`` is unknown.
+        ValueError: if a required key is missing, shapes disagree, a mode is unknown, or
+            ``seq_mean_token_sum_norm`` lacks ``max_response_tokens``.
     """
-    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(
-            f"loss.off_policy_correction={off_policy_correction!r} must be one of "
-            f"{list(OFF_POLICY_CORRECTIONS)}"
-        )
+    default_low, default_high = default_clip_eps(ratio_level)
+    clip_eps_low = default_low if clip_eps_low is None else clip_eps_low
+    clip_eps_high = default_high if clip_eps_high is None else clip_eps_high
+    check_loss_options(
+        aggregation=aggregation, ratio_level=ratio_level,
+        off_policy_correction=off_policy_correction, max_response_tokens=max_response_tokens,
+        clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+    )
     if "labels" not in mb:
         raise ValueError(f"GRPO microbatch is missing 'labels'; it has {sorted(mb)}")
     labels = mb["labels"]
     logprobs = token_logprobs(logits, labels)
     batch, seq = labels.shape
-    # One advantage per row, or per token in a packed row (forge_ext.engine.microbatch).
-    advantages = mb.get("advantages")
-    if advantages is not None and advantages.dim() == 2:
-        advantages = _require(mb, "advantages", (batch, seq)).to(logprobs.dtype)
-    else:
-        advantages = _require(mb, "advantages", (batch,)).to(logprobs.dtype)[:, None]
+    advantages = per_token(mb, "advantages").to(logprobs.dtype)
     generator_logprobs = _require(mb, "generator_logprobs", (batch, seq))
 
-    mask = labels != IGNORE_INDEX
-    num_valid = mask.sum().to(logprobs.dtype)
+    mask = loss_mask(mb, mask_truncated)
     zeros = torch.zeros_like(logprobs)
+    ids, slots = sequence_ids(mb), _sequence_slots(mb)
+    seq_of = torch.where(mask, ids, torch.zeros_like(ids))  # a safe gather index everywhere
+    counts = _sequence_sums(mask.to(logprobs.dtype), ids, mask, slots)  # tokens per sequence
+    num_valid = counts.sum()
+    num_sequences = (counts > 0).sum().to(logprobs.dtype)
+    sequence_level = ratio_level == "sequence"
+
+    def sequence_mean(values: torch.Tensor) -> torch.Tensor:
+        """Each token's value replaced by its sequence's mean over valid tokens."""
+        means = _sequence_sums(values, ids, mask, slots) / counts.clamp(min=1.0)
+        return torch.where(mask, means[seq_of], zeros)
 
     tis = off_policy_correction == "token_tis"
     # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
@@ -283,12 +538,18 @@ def grpo_loss_and_metrics(
     old_logprobs = logprobs.detach() if tis else generator_logprobs
     # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
     log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
-    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if sequence_level:
+        # GSPO eq. 7: s_i = exp(mean_t log(pi_theta / pi_old)), the same for every token of
+        # the sequence; its gradient reaches each token through the mean.
+        log_ratio = sequence_mean(log_ratio)
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     if tis:
         is_weights, capped = truncated_importance_weights(
-            logprobs, generator_logprobs, mask, tis_imp_ratio_cap
+            logprobs, generator_logprobs, mask, tis_imp_ratio_cap,
+            sequence_ids=ids if sequence_level else None,
         )
         surrogate = is_weights * surrogate
 
@@ -304,37 +565,57 @@ def grpo_loss_and_metrics(
             kl = zeros
 
     token_loss = torch.where(mask, -objective, zeros)
-    loss = token_loss.sum() / num_valid.clamp(min=1.0)
+    # Each token's share of the microbatch mean (module docstring, "Aggregation"): the loss
+    # is sum_t coef_t * loss_t / unit_count, with unit_count the engine's loss weight.
+    per_sequence_mean = torch.where(mask, (1.0 / counts.clamp(min=1.0))[seq_of], zeros)
+    if aggregation == "token_mean":
+        coef, units = mask.to(logprobs.dtype), num_valid
+        metric_coef = coef
+    else:
+        if aggregation == "seq_mean_token_mean":
+            coef = per_sequence_mean
+        elif aggregation == "seq_mean_token_sum":
+            coef = mask.to(logprobs.dtype)
+        else:  # seq_mean_token_sum_norm (Dr. GRPO): a constant, not the sequence's length
+            coef = mask.to(logprobs.dtype) / float(max_response_tokens)
+        units = num_sequences
+        metric_coef = per_sequence_mean
+    loss = (token_loss * coef).sum() / units.clamp(min=1.0)
 
     # Tensor ops only (no .item()), so computing metrics never forces a device sync.
     with torch.no_grad():
         clipped = ((ratio < 1.0 - clip_eps_low) & (advantages < 0)) | (
             (ratio > 1.0 + clip_eps_high) & (advantages > 0)
         )
-        sums = {
-            "loss": token_loss.sum(),
-            "kl": (kl * mask).sum(),
-            "ratio_mean": (ratio * mask).sum(),
-            "clip_fraction": (clipped & mask).sum().to(logprobs.dtype),
+        values = {
+            "loss": token_loss * coef,
+            "kl": kl,
+            "ratio_mean": ratio,
+            "clip_fraction": clipped.to(logprobs.dtype),
         }
         if tis:
-            sums["tis_weight_mean"] = (is_weights * mask).sum()
-            sums["tis_capped_fraction"] = capped.sum().to(logprobs.dtype)
-        nan = torch.full_like(num_valid, math.nan)
+            values["tis_weight_mean"] = is_weights
+            values["tis_capped_fraction"] = capped.to(logprobs.dtype)
+        sums = {
+            name: (value if name == "loss" else value * metric_coef).masked_fill(~mask, 0).sum()
+            for name, value in values.items()
+        }
+        nan = torch.full_like(units, math.nan)
         metrics = {
-            name: torch.where(num_valid > 0, total / num_valid.clamp(min=1.0), nan)
+            name: torch.where(units > 0, total / units.clamp(min=1.0), nan)
             for name, total in sums.items()
         }
         metrics["num_valid_tokens"] = num_valid
+        metrics["num_sequences"] = num_sequences
     return loss, metrics
 
 
 def grpo_loss(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], **coefs: Any) -> torch.Tensor:
-    """The GRPO loss alone: a 0-dim tensor, mean over the microbatch's valid tokens.
+    """The GRPO loss alone: a 0-dim tensor, the microbatch's mean (over valid tokens or
+    sequences, by ``aggregation``).
 
-    ``coefs``: ``clip_eps_low``, ``clip_eps_high``, ``kl_coef``, ``off_policy_correction``,
-    ``tis_imp_ratio_cap``; see
-    :func:`grpo_loss_and_metrics` for them, the formula and errors.
+    ``coefs``: the keyword arguments of :func:`grpo_loss_and_metrics`, which gives the
+    formula and the errors raised.
     """
     return grpo_loss_and_metrics(logits, mb, **coefs)[0]
 
@@ -345,8 +626,9 @@ def grpo_metrics(
     """GRPO metrics for one microbatch as Python floats, computed without autograd.
 
     Keys, meaning and ``coefs`` as in :func:`grpo_loss_and_metrics`. Means are over valid
-    tokens; to combine microbatches or ranks, weight each by ``num_valid_tokens`` (sum the
-    products and the counts, then divide), never average the means.
+    tokens (``token_mean``) or sequences; to combine microbatches or ranks, weight each by
+    ``num_valid_tokens`` or ``num_sequences`` (sum the products and the counts, then divide),
+    never average the means.
     """
     with torch.no_grad():
         _, metrics = grpo_loss_and_metrics(logits, mb, **coefs)
@@ -358,16 +640,16 @@ class GRPOLoss:
 
     ``loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.0))`` satisfies the engine's
     ``loss_fn(logits, mb) -> (loss, metrics)`` contract (``forge_ext.engine.base.LossFn``):
-    ``loss`` as :func:`grpo_loss`, ``metrics`` the token means ``kl``, ``ratio_mean`` and
+    ``loss`` as :func:`grpo_loss`, ``metrics`` the means ``kl``, ``ratio_mean`` and
     ``clip_fraction`` of :func:`grpo_loss_and_metrics` (with ``token_tis`` also
-    ``tis_weight_mean`` and ``tis_capped_fraction``), which the engine weights by valid
-    tokens (``valid_token_count``, the loss's own weight) across microbatches and
-    data-parallel ranks and returns as ``loss/<name>``. Stateless: a repeated call (PP shape
-    inference) changes nothing.
+    ``tis_weight_mean`` and ``tis_capped_fraction``), which the engine weights by
+    :meth:`weight` (valid tokens for ``token_mean``, sequences with a valid token for the
+    ``seq_mean_*`` modes) across microbatches and data-parallel ranks and returns as
+    ``loss/<name>``. Stateless: a repeated call (PP shape inference) changes nothing.
     """
 
     metric_names = ("kl", "ratio_mean", "clip_fraction")
-    """The metrics every call returns with the loss (token means, see
+    """The metrics every call returns with the loss (means over the loss's unit, see
     grpo_loss_and_metrics)."""
 
     tis_metric_names = ("tis_weight_mean", "tis_capped_fraction")
@@ -375,45 +657,99 @@ class GRPOLoss:
 
     @dataclass(kw_only=True, slots=True)
     class Config:
-        clip_eps_low: float = 0.2
-        """Importance ratio lower clip: ``ratio >= 1 - clip_eps_low``."""
+        preset: str | None = None
+        """The named preset (``grpo``, ``dr_grpo``, ``dapo``, ``gspo``) the GRPO app filled
+        this section's unset fields from (:mod:`forge_ext.losses.presets`); recorded, not
+        applied here: a Python caller passes the fields."""
 
-        clip_eps_high: float = 0.2
-        """Importance ratio upper clip: ``ratio <= 1 + clip_eps_high`` (DAPO uses 0.28)."""
+        aggregation: Literal[
+            "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+        ] = "token_mean"
+        """How token losses become the step loss (module docstring, "Aggregation"):
+        ``token_mean`` over all valid tokens of the step (DAPO); the mean over sequences of
+        each sequence's token mean (GRPO's ``1/|o_i|``), token sum, or token sum divided by
+        ``max_response_tokens`` (Dr. GRPO)."""
+
+        ratio_level: Literal["token", "sequence"] = "token"
+        """``token``: PPO/GRPO per-token ratios; ``sequence``: GSPO's geometric-mean
+        sequence ratio, clipped per sequence."""
+
+        clip_eps_low: float | None = None
+        """Importance ratio lower clip: ``ratio >= 1 - clip_eps_low``; unset: 0.2 for token
+        ratios, 3e-4 for sequence ratios (GSPO)."""
+
+        clip_eps_high: float | None = None
+        """Importance ratio upper clip: ``ratio <= 1 + clip_eps_high`` (DAPO uses 0.28);
+        unset: 0.2 for token ratios, 4e-4 for sequence ratios (GSPO)."""
 
         kl_coef: float = 0.04
         """``beta`` in DeepSeekMath eq. 3; 0 disables the KL term and ``ref_logprobs``."""
 
+        max_response_tokens: int | None = None
+        """The constant divisor of ``seq_mean_token_sum_norm`` (Dr. GRPO's ``MAX_TOKENS``);
+        the GRPO app sets it to ``generator.sampling.max_new_tokens`` when unset."""
+
+        mask_truncated: bool = False
+        """Exclude responses cut at the length limit from the loss (DAPO's overlong
+        filtering, arXiv:2503.14476, section 3.4); needs ``truncated`` in the batch."""
+
         off_policy_correction: Literal["none", "token_tis"] = "none"
-        """``token_tis``: token-level truncated importance sampling between the trainer's
-        and the generator's log-probs (module docstring); ``none``: the ratio against the
-        generator's log-probs."""
+        """``token_tis``: truncated importance sampling between the trainer's and the
+        generator's log-probs (module docstring; per sequence with ``ratio_level:
+        sequence``); ``none``: the ratio against the generator's log-probs."""
 
         tis_imp_ratio_cap: float = 2.0
         """``C``, the largest importance weight of ``token_tis`` (verl's
         ``tis_imp_ratio_cap``; 2.0 is verl's default ``rollout_is_threshold``)."""
 
         def __post_init__(self) -> None:
+            from forge_ext.losses.presets import PRESETS
+
+            if self.preset is not None and self.preset not in PRESETS:
+                raise ValueError(
+                    f"loss.preset={self.preset!r} must be one of {sorted(PRESETS)} (or unset)"
+                )
+            default_low, default_high = default_clip_eps(self.ratio_level)
+            if self.clip_eps_low is None:
+                self.clip_eps_low = default_low
+            if self.clip_eps_high is None:
+                self.clip_eps_high = default_high
             for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
                 if getattr(self, name) < 0:
-                    raise ValueError(f"GRPOLoss.Config.{name}={getattr(self, name)} must be >= 0")
-            if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+                    raise ValueError(f"loss.{name}={getattr(self, name)} must be >= 0")
+            if self.max_response_tokens is not None and self.max_response_tokens < 1:
                 raise ValueError(
-                    f"GRPOLoss.Config.off_policy_correction={self.off_policy_correction!r} "
-                    f"must be one of {list(OFF_POLICY_CORRECTIONS)}"
+                    f"loss.max_response_tokens={self.max_response_tokens} must be >= 1"
                 )
+            check_loss_options(
+                aggregation=self.aggregation, ratio_level=self.ratio_level,
+                off_policy_correction=self.off_policy_correction,
+                max_response_tokens=self.max_response_tokens or 1,  # may be filled later
+                clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+            )
             if not self.tis_imp_ratio_cap > 0:
                 raise ValueError(
-                    f"GRPOLoss.Config.tis_imp_ratio_cap={self.tis_imp_ratio_cap} must be > 0"
+                    f"loss.tis_imp_ratio_cap={self.tis_imp_ratio_cap} must be > 0"
                 )
             if self.clip_eps_low >= 1:
                 raise ValueError(
-                    f"GRPOLoss.Config.clip_eps_low={self.clip_eps_low} must be < 1 "
+                    f"loss.clip_eps_low={self.clip_eps_low} must be < 1 "
                     "(the lower ratio bound 1 - clip_eps_low must stay positive)"
                 )
 
+        def loss_kwargs(self) -> dict[str, Any]:
+            """The keyword arguments of :func:`grpo_loss_and_metrics` (all but ``preset``)."""
+            return {name: getattr(self, name) for name in self.__slots__ if name != "preset"}
+
     def __init__(self, config: Config) -> None:
+        check_loss_options(
+            aggregation=config.aggregation, ratio_level=config.ratio_level,
+            off_policy_correction=config.off_policy_correction,
+            max_response_tokens=config.max_response_tokens,
+            clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
+        )
         self.config = config
+        self._kwargs = config.loss_kwargs()
         self.names = self.metric_names + (
             self.tis_metric_names if config.off_policy_correction == "token_tis" else ()
         )
@@ -422,23 +758,27 @@ class GRPOLoss:
     def __call__(
         self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        c = self.config
-        loss, metrics = grpo_loss_and_metrics(
-            logits, mb, clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high,
-            kl_coef=c.kl_coef, off_policy_correction=c.off_policy_correction,
-            tis_imp_ratio_cap=c.tis_imp_ratio_cap,
-        )
+        loss, metrics = grpo_loss_and_metrics(logits, mb, **self._kwargs)
         return loss, {name: metrics[name] for name in self.names}
+
+    def weight(self, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The engine's ``loss_weight_fn``: the count of the unit the microbatch loss is a
+        mean over (:func:`valid_token_count` for ``token_mean``,
+        :func:`valid_sequence_count` for the ``seq_mean_*`` modes), with the same mask."""
+        if self.config.aggregation == "token_mean":
+            return valid_token_count(mb, self.config.mask_truncated)
+        return valid_sequence_count(mb, self.config.mask_truncated)
 
 
 def build(**config: Any) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
     """``(loss_fn, loss_weight_fn)`` for the engine, from a ``loss`` config section.
 
     ``forge_ext.engine.losses.build_loss(name="grpo", **config)`` calls this, e.g. with
-    ``{"kl_coef": 0.0, "clip_eps_high": 0.28}``.
+    ``{"kl_coef": 0.0, "clip_eps_high": 0.28, "aggregation": "seq_mean_token_mean"}``.
 
     Raises:
         TypeError: an unknown key (not a field of :class:`GRPOLoss.Config`).
         ValueError: an invalid value.
     """
-    return GRPOLoss(GRPOLoss.Config(**config)), valid_token_count
+    loss_fn = GRPOLoss(GRPOLoss.Config(**config))
+    return loss_fn, loss_fn.weight

@@ -50,6 +50,64 @@ class RewardFunctionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OverlongConfig:
+    """YAML ``reward.overlong``: DAPO's soft overlong punishment (Yu et al. 2025,
+    arXiv:2503.14476, section 3.4, eq. 13), added to each response's reward.
+
+    With ``L_max = max_tokens``, ``L_cache = cache_tokens`` and ``|y|`` the response's tokens
+    (everything after the first prompt; a multi-turn episode's environment tokens count, as
+    they count toward ``task.max_episode_tokens``)::
+
+        R_length(y) = 0                                  if |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                    = -1                                 if |y| > L_max
+
+    times ``penalty_factor``: a penalty growing linearly to ``-1`` over the last ``L_cache``
+    tokens before the limit.
+    """
+
+    enable: bool = False
+    """Add the length penalty to each response's reward (the ``dapo`` preset turns it on)."""
+    cache_tokens: int | None = None
+    """``L_cache``, the interval before the limit over which the penalty grows; unset: a
+    fifth of ``max_tokens`` (the paper's 4096 of 20480)."""
+    max_tokens: int | None = None
+    """``L_max``; unset: the response limit (``generator.sampling.max_new_tokens``, or
+    ``task.max_episode_tokens`` for multi-turn tasks)."""
+    penalty_factor: float = 1.0
+    """Scale of the penalty (verl's ``overlong_buffer.penalty_factor``)."""
+
+    def __post_init__(self) -> None:
+        if self.cache_tokens is not None and self.cache_tokens < 1:
+            raise ValueError(f"reward.overlong.cache_tokens={self.cache_tokens} must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"reward.overlong.max_tokens={self.max_tokens} must be >= 1")
+        if not (math.isfinite(self.penalty_factor) and self.penalty_factor >= 0):
+            raise ValueError(
+                f"reward.overlong.penalty_factor={self.penalty_factor} must be finite and >= 0"
+            )
+        if (self.cache_tokens is not None and self.max_tokens is not None
+                and self.cache_tokens > self.max_tokens):
+            raise ValueError(
+                f"reward.overlong.cache_tokens={self.cache_tokens} > reward.overlong."
+                f"max_tokens={self.max_tokens}: the interval must fit below the limit"
+            )
+
+    def penalty(self, length: int) -> float:
+        """``penalty_factor * R_length`` of a response of ``length`` tokens (eq. 13 above);
+        0.0 when not enabled. ``max_tokens`` and ``cache_tokens`` must be set (the GRPO app
+        fills them)."""
+        if not self.enable:
+            return 0.0
+        start = self.max_tokens - self.cache_tokens
+        if length <= start:
+            return 0.0
+        if length > self.max_tokens:
+            return -self.penalty_factor
+        return self.penalty_factor * (start - length) / self.cache_tokens
+
+
+@dataclass(kw_only=True, slots=True)
 class RewardConfig:
     """YAML ``reward:`` section."""
 
@@ -62,6 +120,8 @@ class RewardConfig:
     """Score of a call that raised, timed out, or returned a non-number or non-finite value."""
     accuracy: str | None = None
     """Name of the function whose 1.0 rate is the logged accuracy (default: the first)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's soft overlong punishment (:class:`OverlongConfig`), off by default."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
