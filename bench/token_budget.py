@@ -8,8 +8,8 @@ Run from the repository root::
 One :class:`TitanEngine` (random weights, GRPO loss) trains on two GRPO-shaped batches:
 
 - **long-tailed**: a 32-token prompt and a response whose length is log-normal (median 40
-  tokens, sigma 1.1: most under 64, a tail to the cap; capped so a row is at most ``--max-len``
-  tokens, 1024 by default), labels on the response only;
+  tokens, sigma 1.1: most under 64), the longest at the cap (a row of ``--max-len`` tokens,
+  1024 by default: a truncated response), labels on the response only;
 - **equal short**: every row the demo's shape (a 16-token prompt, an 8-token response).
 
 Paths, on the same engine and batch, timed in rotating order (ABC, CBA, ...) after a warmup:
@@ -74,8 +74,11 @@ def grpo_batch(lengths: list[tuple[int, int]], vocab: int, seed: int) -> dict[st
 
 
 def long_tailed(rows: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    """Log-normal response lengths, the longest set to the cap (a response truncated at
+    ``max_new_tokens``, which RL batches nearly always hold)."""
     g = torch.Generator().manual_seed(seed)
     draws = torch.exp(torch.randn(rows, generator=g) * 1.1 + torch.log(torch.tensor(40.0)))
+    draws[draws.argmax()] = max_len
     return [(32, int(min(max(d, 1), max_len - 32))) for d in draws]
 
 

@@ -111,7 +111,8 @@ def parse_cli(
             sys.stdout.write(text)
             parser.exit()
 
-    parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
+    parser = argparse.ArgumentParser(prog=prog, description=description.replace("``", ""),
+                                     add_help=False)
     parser.add_argument("-h", "--help", nargs=0, action=_Help,
                         help="show this message and every config field, then exit")
     parser.add_argument("--config", required=True, help="YAML config file")

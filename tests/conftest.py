@@ -302,8 +302,5 @@ def pytest_unconfigure(config):
 
     from forge_ext.supervision import shutdown_monarch
 
-    seconds = shutdown_monarch()
-    if seconds is not None and os.environ.get("FORGE_SHUTDOWN_SECONDS_FILE"):
-        with open(os.environ["FORGE_SHUTDOWN_SECONDS_FILE"], "w") as f:
-            f.write(f"{seconds:.2f}\n")
+    shutdown_monarch()
     sys.stdout.flush()

@@ -64,6 +64,10 @@ def grads(engine) -> dict[str, torch.Tensor]:
     return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
 
 
+def label_logprobs(logits, mb):
+    return token_logprobs(logits, mb["labels"])
+
+
 def step(engine, batch, loss_fn, weight_fn, extra=()):
     engine.optimizer_zero_grad()
     microbatches = engine.microbatches(batch) + list(extra)
@@ -74,7 +78,7 @@ def step(engine, batch, loss_fn, weight_fn, extra=()):
 def grpo_batch(engine, split) -> dict[str, torch.Tensor]:
     batch = lm_batch(seed=1)
     split("rows")
-    logprobs = engine.forward_batch(batch, post_hook=lambda lg, mb: token_logprobs(lg, mb["labels"]))
+    logprobs = engine.forward_batch(batch, post_hook=label_logprobs)
     g = torch.Generator().manual_seed(2)
     batch["generator_logprobs"] = logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
     batch["ref_logprobs"] = logprobs + 0.2 * torch.randn(logprobs.shape, generator=g)
@@ -84,7 +88,8 @@ def grpo_batch(engine, split) -> dict[str, torch.Tensor]:
 
 # ---- the plans ------------------------------------------------------------------------------
 def test_a_token_budget_plan_keeps_every_row_once_and_the_padded_size_within_the_budget():
-    lengths = [int(n) for n in torch.randint(1, 90, (200,), generator=torch.Generator().manual_seed(0))]
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(1, 90, (200,), generator=g)]
     lengths[7] = 0
     for multiple in (1, 8):
         groups = tb.plan_token_budget(lengths, BUDGET, multiple)
@@ -203,11 +208,10 @@ def test_forward_batch_puts_every_row_back_in_place(engine, split, mode):
     """The fixed-row log-probs exactly where a label is valid, zero elsewhere (an ignored
     label's log-prob), rows in the batch's order although microbatches regroup them."""
     batch = lm_batch(seed=6)
-    hook = lambda lg, mb: token_logprobs(lg, mb["labels"])  # noqa: E731
     split(mode)
-    got = engine.forward_batch(batch, post_hook=hook)
+    got = engine.forward_batch(batch, post_hook=label_logprobs)
     split("rows")
-    want = engine.forward_batch(batch, post_hook=hook)
+    want = engine.forward_batch(batch, post_hook=label_logprobs)
     assert got.shape == want.shape == batch["input_ids"].shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

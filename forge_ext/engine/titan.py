@@ -30,6 +30,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 
 from forge_ext import disk
+from forge_ext.engine import microbatch as token_budget
+from forge_ext.engine.attention import DocumentMask
 from forge_ext.engine.base import (
     Batch,
     BaseEngine,
@@ -38,8 +40,6 @@ from forge_ext.engine.base import (
     LossWeightFn,
     split_batch,
 )
-from forge_ext.engine import microbatch as token_budget
-from forge_ext.engine.attention import DocumentMask
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
 from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.engine.models import build_model_spec
@@ -492,7 +492,8 @@ def validate_batch(batch: Batch, config: EngineConfig) -> None:
         )
     bsz, seq = ids.shape
     # A token budget takes any number of rows (the controller balances ranks by tokens).
-    if config.training.max_tokens_per_microbatch is None and bsz != config.training.local_batch_size:
+    fixed_rows = config.training.max_tokens_per_microbatch is None
+    if fixed_rows and bsz != config.training.local_batch_size:
         raise ValueError(
             f"batch['input_ids'] has batch size {bsz}, expected "
             f"training.local_batch_size={config.training.local_batch_size}"
