@@ -211,7 +211,7 @@ class VLLMSampler:
             or a subclass of it (benchmarks add timing methods).
 
     Raises:
-        ImportError: vllm is not installed (``make install`` installs it; see README).
+        ImportError: vllm is not installed (``make install`` installs it; see docs/install.md).
     """
 
     def __init__(
