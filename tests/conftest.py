@@ -8,6 +8,12 @@ import os
 # reported up to 10 s late; tests that kill procs wait for that report. Read once, when
 # Monarch is imported: set before anything imports it.
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+# Stopping a proc mesh waits for its actors to stop and then for each process to exit before
+# killing it; a proc that ran torch.distributed (gloo) does not exit by itself, so every
+# trainer mesh's stop waited out Monarch's defaults: 10.3 s for a DP=2 trainer here, 2.3 s
+# with these (its cleanup endpoint, which unlinks its shared memory, has run before).
+os.environ.setdefault("HYPERACTOR_STOP_ACTOR_TIMEOUT", "2s")
+os.environ.setdefault("HYPERACTOR_PROCESS_EXIT_TIMEOUT", "2s")
 
 import forge_ext  # noqa: E402,F401  (must precede any torchtitan import)
 import pytest  # noqa: E402
