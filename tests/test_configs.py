@@ -344,6 +344,26 @@ def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoi
         GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))
 
 
+def test_a_resume_may_change_how_batches_are_split_and_a_model_name_config_json_gives():
+    """Fixed rows -> token budget (any split gives the same gradient) and a spelled-out
+    ``model.name`` -> taken from config.json (the checkpoint files are fingerprinted) resume a
+    run recorded before them; the learning rate does not."""
+    from apps.grpo.main import MAY_CHANGE_ON_RESUME
+    from forge_ext.config import config_changes
+
+    recorded = {"trainer": {"model": {"name": "qwen3"}, "optimizer": {"lr": 1e-3},
+                            "training": {"microbatch_size": 4}},
+                "reference": {"training": {"gradient_accumulation_steps": 2}}}
+    now = {"trainer": {"model": {}, "optimizer": {"lr": 1e-3},
+                       "training": {"max_tokens_per_microbatch": 4096, "packing": True}},
+           "reference": {"training": {"max_tokens_per_microbatch": 8192}}}
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == []
+    now["trainer"]["optimizer"]["lr"] = 2e-3
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == [
+        "trainer.optimizer.lr: 0.001 -> 0.002"
+    ]
+
+
 def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_printed(
     tmp_path, caplog
 ):

@@ -81,6 +81,13 @@ MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "hosts", "debug",
     "weights.same_host",  # how weights travel, not what they are: follows the placement
+    # Left out, the name comes from config.json's model_type, and the checkpoint files are
+    # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
+    "trainer.model.name", "reference.model.name",
+    # How a batch is split into microbatches: any split gives the same gradient.
+    *(f"{role}.training.{name}" for role in ("trainer", "reference") for name in (
+        "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
+        "pad_to_multiple_of", "packing")),
 )
 
 
