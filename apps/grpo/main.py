@@ -175,7 +175,6 @@ class GRPOApp(RLLoop):
             check=resume_step > 0,  # with nothing to resume, start over
         )
         _warn_if_task_differs_from_warm_start(config)
-        print(config.variant_summary(), flush=True)
         self.config = config
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
@@ -310,6 +309,7 @@ class GRPOApp(RLLoop):
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
+            c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
             f"spawning {procs} on {where}",
         ]
 
