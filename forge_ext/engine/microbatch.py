@@ -44,7 +44,8 @@ from collections.abc import Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from forge_ext.engine.losses import IGNORE_INDEX
+
 RESERVED_KEYS = ("position_ids", "sequence_ids")
 """Keys packing adds to a microbatch; a caller's batch may not carry them."""
 
@@ -71,6 +72,7 @@ class Microbatch(dict):
 
 
 def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (>= 1) that is >= ``n`` (token counts)."""
     return -(-n // multiple) * multiple
 
 
