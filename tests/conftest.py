@@ -310,3 +310,22 @@ def pytest_unconfigure(config):
 
     shutdown_monarch()
     sys.stdout.flush()
+
+
+def random_adapter(hf_state_dict: dict, rank: int, targets=("q_proj", "v_proj", "down_proj"),
+                   seed: int = 0, std: float = 0.1) -> dict:
+    """A LoRA adapter in PEFT's names (:mod:`forge_ext.lora`) for the ``targets`` linear
+    layers of ``hf_state_dict`` (HF names): ``lora_A [rank, in]``, ``lora_B [out, rank]``,
+    both random (non-zero B: the adapter changes the model)."""
+    from forge_ext import lora
+
+    g = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name, weight in hf_state_dict.items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] not in targets or not name.endswith(".weight"):
+            continue
+        out_features, in_features = weight.shape
+        adapter[lora.peft_key(module, "A")] = torch.randn(rank, in_features, generator=g) * std
+        adapter[lora.peft_key(module, "B")] = torch.randn(out_features, rank, generator=g) * std
+    return adapter

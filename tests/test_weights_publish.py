@@ -1060,3 +1060,31 @@ async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folde
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
     )
+
+
+@pytest.mark.parametrize("transport", WITH_RDMA)
+async def test_a_lora_version_is_the_adapter_alone_with_its_config_through_every_transport(
+    store, reader, tmp_path, transport
+):
+    """Issue 25: a LoRA policy version is its PEFT tensors and ``adapter_config.json``
+    mapping (the publish ``metadata``), nothing else; the bytes written are the adapter's."""
+    from conftest import random_adapter
+
+    from forge_ext import lora
+
+    prefix = f"lora_{transport}"
+    adapter = random_adapter(decoder_state_dict(), rank=4, targets=("q_proj", "up_proj"))
+    config = lora.peft_adapter_config(4, 8.0, ["q_proj", "up_proj"])
+    publisher = make_publisher(transport, tmp_path, prefix)
+    result = await publisher.publish(adapter, 3, metadata={"adapter_config": config})
+    assert result.bytes_written == sum(t.numel() * t.element_size() for t in adapter.values())
+    rdma = VARIANTS[transport][2]
+    assert_same_tensors(await reader.fetch.call_one(3, prefix, rdma), adapter)
+    assert await weights_fetch.fetch_metadata(3, key_prefix=prefix) == {"adapter_config": config}
+    async with weights_fetch.open_weights(3, key_prefix=prefix) as opened:
+        assert opened.metadata == {"adapter_config": config}
+        assert_same_tensors(opened.tensors, adapter)
+    # A version published without metadata has none (not the previous version's).
+    await publisher.publish(decoder_state_dict(), 4)
+    assert await weights_fetch.fetch_metadata(4, key_prefix=prefix) == {}
+    publisher.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import re
 import warnings
@@ -54,6 +55,9 @@ torchstore_monarch.apply()
 
 FORMAT = "forge_ext.weights/1"
 DEFAULT_KEY_PREFIX = "policy_weights"
+# Commit-record key of the publisher's ``metadata`` (not "metadata": a dcp record holds DCP's
+# own Metadata under that name).
+METADATA_KEY = "version_metadata"
 # Byte alignment of every tensor in a rank's stream: a chunk boundary (a multiple of ALIGN)
 # then never splits an element, and a uint8 slice can be viewed as any dtype.
 ALIGN = 64
@@ -253,10 +257,13 @@ class OpenedWeights:
             :func:`forge_ext.weights.shared_buffer.open_shared_tensors` handle (plain values)
             for other processes on this host (vLLM's workers), valid inside the block;
             None where the tensors are this process's own memory.
+        metadata: what the publisher stored with the version (``WeightsPublisher.publish``'s
+            ``metadata``; a LoRA adapter's ``{"adapter_config": {...}}``), ``{}`` if nothing.
     """
 
     tensors: dict[str, torch.Tensor]
     shared_handle: dict[str, Any] | None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.asynccontextmanager
@@ -283,11 +290,26 @@ async def open_weights(
         entries = same_host.record_entries(record, specs)
         async with _same_host_lease(record, key_prefix, store_name) as mapped:
             yield OpenedWeights(
-                same_host.slot_views(mapped, entries), same_host.slot_handle(record, entries)
+                same_host.slot_views(mapped, entries), same_host.slot_handle(record, entries),
+                dict(record.get(METADATA_KEY) or {}),
             )
         return
     result = await _read(record, specs, _allocate(specs, allocate), key_prefix, store_name)
-    yield OpenedWeights(result, None)
+    yield OpenedWeights(result, None, dict(record.get(METADATA_KEY) or {}))
+
+
+async def fetch_metadata(
+    version: int, *, key_prefix: str = DEFAULT_KEY_PREFIX,
+    store_name: str = DEFAULT_TORCHSTORE_NAME,
+) -> dict[str, Any]:
+    """What the publisher stored with ``version`` (``WeightsPublisher.publish``'s
+    ``metadata``), ``{}`` if nothing; reads only the commit record.
+
+    Raises:
+        WeightsVersionNotFoundError: ``version`` has no commit record.
+    """
+    record = await fetch_commit_record(version, key_prefix=key_prefix, store_name=store_name)
+    return dict(record.get(METADATA_KEY) or {})
 
 
 def _check_names(names: Iterable[str] | None) -> None:

@@ -100,6 +100,7 @@ from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
     DEFAULT_KEY_PREFIX,
     FORMAT,
+    METADATA_KEY,
     Piece,
     align,
     chunk_key,
@@ -364,6 +365,7 @@ class WeightsPublisher:
         *,
         exclude_from_cast: Collection[str] = frozenset(),
         on_progress: ProgressHook | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> PublishResult:
         """Store ``state_dict`` as ``policy_version`` and make it visible to ``fetch_weights``.
 
@@ -383,6 +385,11 @@ class WeightsPublisher:
                 into the slot (same host), or after the DCP save (dcp). An exception
                 it raises fails the publish like a transport error would: a fault-injection
                 point for tests, or a progress report.
+            metadata: plain values (JSON-like: dicts, lists, str, numbers) stored in the
+                commit record with the tensors, whatever the transport, and handed to
+                readers (``OpenedWeights.metadata``, :func:`~forge_ext.weights.fetch
+                .fetch_metadata`); rank 0's is stored. A LoRA version carries
+                ``{"adapter_config": <adapter_config.json mapping>}`` (:mod:`forge_ext.lora`).
 
         Returns:
             PublishResult for this rank.
@@ -403,6 +410,8 @@ class WeightsPublisher:
                 f"names, e.g. [{exclude_from_cast!r}]"
             )
         exclude = frozenset(exclude_from_cast)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata is a {type(metadata).__name__}, not a mapping")
         what = f"publish of policy_version={version}"
         transport = self.config.transport
         if transport == "direct" and self._uses_same_host():
@@ -479,6 +488,8 @@ class WeightsPublisher:
                                         self.config.chunk_mb << 20)
             else:
                 record = _dcp_record(statuses[0], version, dcp_dir)
+            if record is not None and metadata is not None:
+                record = {**record, METADATA_KEY: dict(metadata)}
             published = None
             if group.rank == 0:
                 keys = [commit_key(self.config.key_prefix, version)]
