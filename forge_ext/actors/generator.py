@@ -210,7 +210,10 @@ class Generator(Actor):
 
     @endpoint
     async def update_weights(self, policy_version: int) -> dict[str, float]:
-        """Load ``policy_version`` and serve it.
+        """Load ``policy_version`` and serve it: full HF weights, or a LoRA adapter (a
+        version whose metadata holds an ``adapter_config``, see ``RLTrainer.push_weights``),
+        which the backend serves on its base weights (``load_adapter``: vLLM as a new LoRA
+        request, transformers merged into a kept copy of the base).
 
         The version stays leased while the backend loads it (``open_weights``): a publisher
         on this host cannot overwrite its slot before the load is done.
@@ -232,7 +235,13 @@ class Generator(Actor):
             allocate=getattr(self.sampler, "allocate", None),
         ) as weights:
             fetched = time.perf_counter()
-            self.sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
+            adapter_config = weights.metadata.get("adapter_config")
+            if adapter_config is not None:  # a LoRA version: the adapter alone (forge_ext.lora)
+                self.sampler.load_adapter(weights.tensors, adapter_config, policy_version)
+            else:
+                self.sampler.load_hf_state_dict(
+                    weights.tensors, shared_handle=weights.shared_handle
+                )
         self.policy_version = policy_version
         return {
             "policy_version": policy_version,

@@ -180,6 +180,11 @@ class RLTrainer(Actor):
         """Publish the model's weights in HF layout as ``policy_version`` (default: the current
         policy version) through ``weights.transport``; collective over all ranks.
 
+        With ``trainer.lora`` the version is the LoRA adapter alone: its PEFT-named tensors
+        (``base_model.model.<module>.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``,
+        :mod:`forge_ext.lora`), with ``{"adapter_config": <adapter_config.json mapping>}`` as
+        the version's metadata; ``bytes`` is then the adapter's size.
+
         Floating-point parameters are cast to ``weights.dtype`` when set; buffers keep their
         dtype. DTensor shards are written by the ranks that own them (no rank gathers the
         model). The version becomes fetchable (``forge_ext.weights.fetch.fetch_weights``)
@@ -200,10 +205,17 @@ class RLTrainer(Actor):
             self.publisher = WeightsPublisher(self.weights_config)
             self.hf_buffer_names = self._hf_buffer_names()
         version = self.engine.step if policy_version is None else policy_version
-        state_dict = self.engine.hf_state_dict()
-        result = await self.publisher.publish(
-            state_dict, version, exclude_from_cast=self.hf_buffer_names
-        )
+        if getattr(self.engine, "lora_enabled", False):
+            # The base weights never change: the version is the adapter alone, its
+            # adapter_config.json mapping travelling in the commit record (forge_ext.lora).
+            result = await self.publisher.publish(
+                self.engine.adapter_state_dict(), version,
+                metadata={"adapter_config": self.engine.adapter_config()},
+            )
+        else:
+            result = await self.publisher.publish(
+                self.engine.hf_state_dict(), version, exclude_from_cast=self.hf_buffer_names
+            )
         return {"policy_version": version, "bytes": result.bytes_written,
                 "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
 

@@ -220,6 +220,8 @@ class HFSampler:
         self.device = torch.device(device)
         self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.pad_token_id = pad_token_id
+        # Base weights of the layers a LoRA adapter changed (see load_adapter).
+        self._lora_base: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
     def generate(
@@ -293,6 +295,40 @@ class HFSampler:
             )
         with torch.no_grad():
             for name, value in state_dict.items():
+                params[name].copy_(value)
+        self._lora_base = None  # new base weights: an adapter merges into these from now on
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any],
+                     policy_version: int = 0) -> None:
+        """Serve a LoRA adapter (a LoRA policy version) on the base weights: each adapted
+        weight becomes ``W + (alpha / r) B @ A`` (:func:`forge_ext.lora.merge_into`, fp32),
+        with ``W`` from a copy of the base weights kept at the first adapter (only the adapted
+        layers'), so versions never stack; layers an earlier adapter changed but this one
+        does not get their base weights back. Merging (rather than wrapping the model with
+        PEFT) keeps generation at the base model's speed and kernels.
+
+        Args:
+            tensors: PEFT-named ``lora_A [r, in]`` / ``lora_B [out, r]`` tensors.
+            adapter_config: its ``adapter_config.json`` mapping (``r``, ``lora_alpha``).
+
+        Raises:
+            KeyError: an adapted module the model does not have.
+        """
+        from forge_ext import lora
+
+        params = dict(self.model.state_dict())
+        names = [f"{module}.weight" for module in lora.adapter_modules(tensors)]
+        unknown = sorted(n for n in names if n not in params)
+        if unknown:
+            raise KeyError(f"policy_version={policy_version}: the adapter's modules "
+                           f"{unknown[:4]} are not layers of the generator's model")
+        if self._lora_base is None:
+            self._lora_base = {}
+        with torch.no_grad():
+            for name in names:  # still the base weights: no adapter touched them yet
+                self._lora_base.setdefault(name, params[name].detach().clone())
+            merged = lora.merge_into(self._lora_base, tensors, adapter_config)
+            for name, value in merged.items():
                 params[name].copy_(value)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ from forge_ext.generation.sampling import (
     make_completion,
 )
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
+from forge_ext.weights.shm_files import new_name
 
 WORKER_EXTENSION = "forge_ext.generation.vllm_worker.WeightSyncExtension"
 
@@ -88,10 +90,11 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = 
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
-def start_reaper(pids: Sequence[int], unlink: Sequence[str] = ()) -> subprocess.Popen:
+def start_reaper(pids: Sequence[int], unlink: Sequence[str] = (), rmtree: Sequence[str] = ()
+                 ) -> subprocess.Popen:
     """Start :mod:`forge_ext.generation._reaper` for ``pids`` (and their children): it kills
-    them, and removes the files matching the ``unlink`` globs, when this process exits
-    (however it exits) or closes the returned process's standard input."""
+    them, and removes the files matching the ``unlink`` globs and the folders ``rmtree``, when
+    this process exits (however it exits) or closes the returned process's standard input."""
     import psutil
 
     targets = []
@@ -104,6 +107,7 @@ def start_reaper(pids: Sequence[int], unlink: Sequence[str] = ()) -> subprocess.
             pass
     script = os.path.join(os.path.dirname(__file__), "_reaper.py")
     args = [a for pattern in unlink for a in ("--unlink", pattern)]
+    args += [a for folder in rmtree for a in ("--rmtree", folder)]
     # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
     # before it has done its work.
     return subprocess.Popen(
@@ -198,6 +202,56 @@ def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, 
     return {"enforce_eager": True, "dtype": dtype, **engine_args}
 
 
+#: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's ``max_lora_rank`` when unset (``LoRAConfig.max_lora_rank``).
+VLLM_DEFAULT_MAX_LORA_RANK = 16
+
+
+def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
+                     field: str = "generator.vllm") -> dict[str, Any]:
+    """``engine_args`` (``generator.vllm``) for a trainer that publishes LoRA adapters of
+    rank ``rank`` (``trainer.lora.rank``): ``enable_lora=True`` and, unless set,
+    ``max_lora_rank`` = the smallest value vLLM accepts that holds ``rank``.
+
+    Raises:
+        ValueError: ``enable_lora`` set false, ``max_lora_rank`` below ``rank`` or not one of
+            :data:`VLLM_LORA_RANKS`, naming the field and the fix.
+    """
+    args = dict(engine_args)
+    if args.get("enable_lora", True) is not True:
+        raise ValueError(
+            f"{field}.enable_lora={args['enable_lora']!r} but trainer.lora is set: the trainer "
+            f"publishes LoRA adapters, which vLLM serves only with LoRA on; remove "
+            f"{field}.enable_lora (it is set for you) or trainer.lora"
+        )
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"trainer.lora.rank={rank} is above the largest LoRA rank vLLM serves "
+                         f"({VLLM_LORA_RANKS[-1]}); lower it")
+    user_rank = args.get("max_lora_rank")
+    if user_rank is not None:
+        if user_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"{field}.max_lora_rank={user_rank!r} must be one of "
+                             f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks); leave it unset "
+                             "to take the smallest that fits trainer.lora.rank")
+        if user_rank < rank:
+            raise ValueError(
+                f"{field}.max_lora_rank={user_rank} < trainer.lora.rank={rank}: vLLM would "
+                f"refuse every adapter the trainer publishes; set it to at least {fitting[0]} "
+                "or leave it unset (it follows trainer.lora.rank)"
+            )
+    return {**args, "enable_lora": True, "max_lora_rank": user_rank or fitting[0]}
+
+
+def lora_folder_root() -> str:
+    """Where a sampler writes the adapters it serves: ``/dev/shm`` if present (memory, like
+    the weight buffers), else the system's temporary folder."""
+    import tempfile
+
+    return SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+
+
 class VLLMSampler:
     """vLLM sampling with in-place weight updates (see the module docstring).
 
@@ -242,9 +296,20 @@ class VLLMSampler:
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
         )
         self.children = _new_children(before)  # the engine-core process(es)
+        # LoRA versions (forge_ext.lora): each one a PEFT folder in a folder of this sampler's,
+        # served under a LoRA id of its own (see load_adapter).
+        self.max_lora_rank = (int(args.get("max_lora_rank", VLLM_DEFAULT_MAX_LORA_RANK))
+                              if args.get("enable_lora") else None)
+        self.lora_request = None  # the vllm.lora.request.LoRARequest served, if any
+        self._lora_ids = itertools.count(1)
+        self.lora_root = None
+        if self.max_lora_rank is not None:
+            self.lora_root = os.path.join(lora_folder_root(), new_name("lora"))
+            os.makedirs(self.lora_root)
         self.reaper = start_reaper(
             self.children,
             unlink=[os.path.join(SHM_DIR, f"{PREFIX}-{self.buffer.tag}-{os.getpid()}-*")],
+            rmtree=[self.lora_root] if self.lora_root else [],
         )
 
     def generate(
@@ -266,7 +331,8 @@ class VLLMSampler:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
         params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+            lora_request=self.lora_request,
         )
         completions = []
         for prompt, output in zip(prompts, outputs, strict=True):
@@ -302,6 +368,7 @@ class VLLMSampler:
         Raises:
             KeyError: a name vLLM's model does not have (raised by vLLM's loader).
         """
+        self._drop_adapter()  # full weights: the adapter of an earlier version no longer applies
         if shared_handle is not None:
             results = self.llm.collective_rpc("forge_load_weights", args=(dict(shared_handle),))
             self.llm.reset_prefix_cache()
@@ -317,6 +384,71 @@ class VLLMSampler:
         results = self.llm.collective_rpc("forge_load_weights", args=(self.buffer.handle(),))
         self.llm.reset_prefix_cache()
         return results
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any],
+                     policy_version: int) -> dict[str, Any]:
+        """Serve a LoRA adapter (a LoRA policy version) on the base weights.
+
+        The adapter is written as a PEFT folder (:func:`forge_ext.lora.write_peft_folder`)
+        into this sampler's folder and added to the engine as ``LoRARequest(
+        f"policy-v{policy_version}", <a new int id>, folder)``; later ``generate`` calls use
+        it. Then the previous adapter is removed from the engine and its folder deleted. Why a
+        new id per version: vLLM caches adapters by id, so a reused id would keep serving the
+        adapter loaded first (``LRUCacheWorkerLoRAManager.add_adapter`` in
+        ``vllm/lora/worker_manager.py`` loads only unknown ids). vLLM's engine sends the
+        request to every tensor-parallel worker, which reads the folder and takes its own
+        shard.
+
+        Args:
+            tensors: PEFT-named ``lora_A [r, in]`` / ``lora_B [out, r]`` tensors (CPU).
+            adapter_config: its ``adapter_config.json`` mapping (``r``, ``lora_alpha``,
+                ``target_modules``, ...).
+
+        Returns:
+            ``{"lora_int_id", "folder"}``.
+
+        Raises:
+            ValueError: the engine was started without LoRA (``generator.vllm.enable_lora``),
+                or the adapter's rank is above ``generator.vllm.max_lora_rank``.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from forge_ext import lora
+
+        rank = int(adapter_config["r"])
+        if self.max_lora_rank is None:
+            raise ValueError(
+                f"policy_version={policy_version} is a LoRA adapter (r={rank}), but this vLLM "
+                "generator was started without LoRA: set generator.vllm.enable_lora=true "
+                f"(the GRPO app does when trainer.lora is set) and max_lora_rank >= {rank}"
+            )
+        if rank > self.max_lora_rank:
+            raise ValueError(
+                f"policy_version={policy_version} is a LoRA adapter of r={rank} > "
+                f"generator.vllm.max_lora_rank={self.max_lora_rank}; raise it to at least {rank}"
+            )
+        lora_id = next(self._lora_ids)
+        folder = lora.write_peft_folder(
+            os.path.join(self.lora_root, f"policy-v{policy_version}-id{lora_id}"), tensors,
+            adapter_config,
+        )
+        request = LoRARequest(f"policy-v{policy_version}", lora_id, str(folder))
+        try:
+            # Loaded now, on every worker: a bad adapter fails this update, not a generate.
+            self.llm.llm_engine.add_lora(request)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._drop_adapter()
+        self.lora_request = request
+        return {"lora_int_id": lora_id, "folder": str(folder)}
+
+    def _drop_adapter(self) -> None:
+        """Remove the served adapter from the engine and delete its folder."""
+        request, self.lora_request = self.lora_request, None
+        if request is not None:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def capture_loaded_weights(self, state_dict: Mapping[str, torch.Tensor], out_path: str):
         """Test support: load ``state_dict`` and have each worker write the parameters vLLM's
@@ -341,6 +473,8 @@ class VLLMSampler:
             # waiting for it: collect it, or the reaper would wait its grace period on a zombie.
             _reap(getattr(self, "children", ()))
         self.buffer.close()
+        if getattr(self, "lora_root", None):
+            shutil.rmtree(self.lora_root, ignore_errors=True)
         reaper, self.reaper = getattr(self, "reaper", None), None
         if reaper is not None:  # it kills what shutdown left, then exits
             reaper.stdin.close()

@@ -78,7 +78,8 @@ def check_free_space(nbytes: int, directory: str, what: str, fix: str) -> None:
 
 
 def remove_orphans(directory: str = SHM_DIR) -> list[str]:
-    """Delete forge_ext's files in ``directory`` whose creating process no longer exists
+    """Delete forge_ext's files (and folders: a vLLM generator's LoRA adapters) in
+    ``directory`` whose creating process no longer exists
     (left by a crash or a ``kill -9``). Files of live processes, of other pid namespaces and
     files that are not forge_ext's are left alone.
 
@@ -92,7 +93,10 @@ def remove_orphans(directory: str = SHM_DIR) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):  # a generator's LoRA folder
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             removed.append(path)
         except FileNotFoundError:
             pass
