@@ -151,6 +151,18 @@ def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, 
             ) from None
 
 
+def load_version(sampler: Any, weights: Any, policy_version: int) -> None:
+    """Have ``sampler`` (``HFSampler`` or ``VLLMSampler``) serve the version ``weights``
+    (:class:`forge_ext.weights.fetch.OpenedWeights`) holds: a LoRA adapter when its metadata
+    has an ``adapter_config`` (``RLTrainer.push_weights`` with ``trainer.lora``; the sampler's
+    ``load_adapter``), full HF weights otherwise (``load_hf_state_dict``)."""
+    adapter_config = weights.metadata.get("adapter_config")
+    if adapter_config is not None:
+        sampler.load_adapter(weights.tensors, adapter_config, policy_version)
+    else:
+        sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
+
+
 class Generator(Actor):
     """Samples completions with the current weights; one process (vLLM spawns its own
     engine and tensor-parallel worker processes).
@@ -235,13 +247,7 @@ class Generator(Actor):
             allocate=getattr(self.sampler, "allocate", None),
         ) as weights:
             fetched = time.perf_counter()
-            adapter_config = weights.metadata.get("adapter_config")
-            if adapter_config is not None:  # a LoRA version: the adapter alone (forge_ext.lora)
-                self.sampler.load_adapter(weights.tensors, adapter_config, policy_version)
-            else:
-                self.sampler.load_hf_state_dict(
-                    weights.tensors, shared_handle=weights.shared_handle
-                )
+            load_version(self.sampler, weights, policy_version)
         self.policy_version = policy_version
         return {
             "policy_version": policy_version,
