@@ -77,6 +77,33 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
 
 
+async def trainer_logprobs(trainer, completions):
+    """The trainer's log-probs of each completion's response tokens (teacher-forced), and
+    its argmax token at each response position: ``[(logprobs [R], argmax [R])]``. The
+    trainer's ``training.local_batch_size`` must be 4 (rows go 4 at a time)."""
+    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+    rows = len(completions) + (-len(completions)) % 4  # a multiple of local_batch_size
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.full((rows, width), -100, dtype=torch.long)
+    for i, c in enumerate(completions):
+        row = c.prompt_ids + c.response_ids
+        ids[i, : len(row)] = torch.tensor(row)
+        start = len(c.prompt_ids) - 1
+        labels[i, start : start + len(c.response_ids)] = torch.tensor(c.response_ids)
+    out = []
+    for lo in range(0, rows, 4):
+        inputs, targets = [{"input_ids": ids[lo : lo + 4]}], [{"labels": labels[lo : lo + 4]}]
+        logprobs = await trainer.forward(inputs, targets, output="logprobs")
+        logits = await trainer.forward(inputs, output="logits")
+        for j in range(4):
+            i = lo + j
+            if i >= len(completions):
+                break
+            start, n = len(completions[i].prompt_ids) - 1, len(completions[i].response_ids)
+            out.append((logprobs[j, start : start + n], logits[j, start : start + n].argmax(-1)))
+    return out
+
+
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
     """An HF checkpoint shaped like the demo's warm-start (architecture of sft_cpu_demo.yaml)."""

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
-from conftest import random_state_dict, spawn_all
+from conftest import random_state_dict, spawn_all, trainer_logprobs
 
 from forge_ext.actors import spawn_trainer
 from forge_ext.actors.generator import (
@@ -149,32 +149,6 @@ def _alive(pids) -> list[int]:
 
 
 _versions = iter(range(1, 1000))
-
-
-async def trainer_logprobs(trainer, completions):
-    """The trainer's log-probs of each completion's response tokens (teacher-forced), and
-    its argmax token at each response position: ``[(logprobs [R], argmax [R])]``."""
-    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-    rows = len(completions) + (-len(completions)) % 4  # a multiple of local_batch_size
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    labels = torch.full((rows, width), -100, dtype=torch.long)
-    for i, c in enumerate(completions):
-        row = c.prompt_ids + c.response_ids
-        ids[i, : len(row)] = torch.tensor(row)
-        start = len(c.prompt_ids) - 1
-        labels[i, start : start + len(c.response_ids)] = torch.tensor(c.response_ids)
-    out = []
-    for lo in range(0, rows, 4):
-        inputs, targets = [{"input_ids": ids[lo : lo + 4]}], [{"labels": labels[lo : lo + 4]}]
-        logprobs = await trainer.forward(inputs, targets, output="logprobs")
-        logits = await trainer.forward(inputs, output="logits")
-        for j in range(4):
-            i = lo + j
-            if i >= len(completions):
-                break
-            start, n = len(completions[i].prompt_ids) - 1, len(completions[i].response_ids)
-            out.append((logprobs[j, start : start + n], logits[j, start : start + n].argmax(-1)))
-    return out
 
 
 async def assert_generator_matches_trainer(generator, trainer):
