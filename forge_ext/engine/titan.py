@@ -10,6 +10,7 @@ the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -253,7 +254,7 @@ class TitanEngine(BaseEngine):
             value = state_dict[key]
             if isinstance(cur, DTensor) and not isinstance(value, DTensor):
                 value = distribute_tensor(
-                    value.to(cur.device, cur.dtype), cur.device_mesh, cur.placements
+                    value.detach().to(cur.device, cur.dtype), cur.device_mesh, cur.placements
                 )
             sharded[key] = value
         wrapper.load_state_dict(sharded)
@@ -325,6 +326,65 @@ class TitanEngine(BaseEngine):
         return peft_adapter_config(
             lora.rank, float(lora.alpha), lora.targets, self.config.model.hf_path
         )
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """Within the block the model computes its base model: every ``LoRALinear``'s
+        scale ``alpha / rank`` is 0, so its output is ``x W^T + 0`` (exactly the base's for
+        finite adapter outputs); restored on exit. No copy of any weight: the KL reference
+        of a LoRA policy (``docs/lora.md``). A no-op without LoRA."""
+        modules = [m for part in self.model_parts for m in part.modules()
+                   if hasattr(m, "_lora_scaling")]
+        saved = [m._lora_scaling for m in modules]
+        for m in modules:
+            m._lora_scaling = 0.0
+        try:
+            yield
+        finally:
+            for m, scale in zip(modules, saved):
+                m._lora_scaling = scale
+
+    def export_lora(self, folder: str | os.PathLike, merged_folder: str | os.PathLike | None = None
+                    ) -> dict[str, str]:
+        """Write the adapters as a PEFT folder (:meth:`adapter_state_dict`,
+        :meth:`adapter_config`; ``adapter_config.json`` + ``adapter_model.safetensors``,
+        atomically, :func:`forge_ext.lora.write_peft_folder`) that
+        ``peft.PeftModel.from_pretrained(base, folder)`` and vLLM's ``LoRARequest`` load;
+        with ``merged_folder`` also a merged HF checkpoint there
+        (:meth:`merged_hf_state_dict`, ``config.json`` and tokenizer files from
+        ``model.hf_path``, :func:`forge_ext.hf_checkpoint.save_hf_checkpoint`).
+
+        A collective (the adapters are gathered on every rank); rank 0 writes. Returns
+        ``{"adapter": folder, "merged": merged_folder or ""}``.
+
+        Raises:
+            ValueError: LoRA is off, or ``merged_folder`` without a config.json source
+                (``model.hf_path`` or a small flavor).
+        """
+        from forge_ext.hf_checkpoint import hf_config_dict, save_hf_checkpoint
+        from forge_ext.lora import write_peft_folder
+        from forge_ext.engine.models import HF_MODEL_TYPES, hf_config_for, read_hf_config
+
+        m = self.config.model
+        if merged_folder is not None:  # on every rank, before the collectives
+            if m.hf_path:
+                config = read_hf_config(m.hf_path)
+            elif hf_config_for(m.name, m.flavor, None) is not None:
+                config = hf_config_dict(HF_MODEL_TYPES[m.name],
+                                        hf_config_for(m.name, m.flavor, None))
+            else:
+                raise ValueError(f"lora.export_merged: model.flavor={m.flavor!r} has no "
+                                 "config.json; set model.hf_path")
+        tensors = {k: v.cpu() for k, v in self.adapter_state_dict().items()}
+        merged = self.merged_hf_state_dict() if merged_folder is not None else None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            write_peft_folder(folder, tensors, self.adapter_config())
+            if merged is not None:
+                save_hf_checkpoint(merged_folder, {k: v.cpu() for k, v in merged.items()},
+                                   config, tokenizer_from=m.hf_path)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the folders exist on return, on every rank
+        return {"adapter": str(folder), "merged": str(merged_folder or "")}
 
     def _hf_module_name(self, titan_module: str, weight: torch.Tensor) -> str:
         """HF module name of a torchtitan linear module (``layers.0.attention.qkv_linear.wq``
