@@ -236,6 +236,28 @@ async def test_an_unpublished_version_is_a_clear_error_and_keeps_serving(generat
     assert len(await generator.generate(PROMPTS[:1], n=2, seed=0)) == 2
 
 
+@module_loop
+async def test_a_lora_version_on_vllm_started_without_lora_is_refused_and_keeps_serving(
+    generator, trainer, publishers
+):
+    """Issue 25: the module's engines run without ``enable_lora``; a LoRA version (adapter
+    + adapter_config metadata) names the field to set, and the served version stays."""
+    from conftest import random_adapter
+
+    from forge_ext import lora
+
+    v = next(_versions)
+    adapter = random_adapter(await trainer.get_hf_state_dict(), rank=4)
+    config = lora.peft_adapter_config(4, 8.0, ["q_proj", "v_proj", "down_proj"])
+    await publishers["off"].publish(adapter, v, metadata={"adapter_config": config})
+    served = await generator.get_policy_version()
+    with pytest.raises(Exception, match=f"policy_version={v} is a LoRA adapter .* started "
+                                        "without LoRA: set generator.vllm.enable_lora=true"):
+        await generator.update_weights(v)
+    assert await generator.get_policy_version() == served
+    await assert_generator_matches_trainer(generator, trainer)
+
+
 # ---- bad input, refused before anything is spawned ---------------------------------------
 
 def _config(checkpoint, **vllm):
