@@ -356,3 +356,62 @@ def random_adapter(hf_state_dict: dict, rank: int, targets=("q_proj", "v_proj", 
         adapter[lora.peft_key(module, "A")] = torch.randn(rank, in_features, generator=g) * std
         adapter[lora.peft_key(module, "B")] = torch.randn(out_features, rank, generator=g) * std
     return adapter
+
+
+LORA_RANK = 4
+
+
+def lora_trainer_config(checkpoint: str) -> dict:
+    """A ``trainer:`` section training rank-4 LoRA adapters on all seven linear kinds (alpha
+    2 * rank) of the HF ``checkpoint``, 4 rows per step (:func:`trainer_logprobs`)."""
+    return {
+        "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
+        "training": {"local_batch_size": 4, "seq_len": 64},
+        "optimizer": {"lr": 3e-2},
+        "lora": {"rank": LORA_RANK},
+    }
+
+
+def lora_roots(generator) -> list[str]:
+    """A vLLM generator's adapter folders in /dev/shm (``forge_ext-lora-<its pid>-...``)."""
+    return [os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm")
+            if f.startswith(f"forge_ext-lora-{generator.owner_pid}-")]
+
+
+async def assert_on_policy_across_lora_versions(generator, trainer, prompts, versions,
+                                                count: int = 3) -> None:
+    """``count`` LoRA versions, each after two optimizer steps on random sequences (the
+    adapters' B starts at zero): the trainer pushes it, the generator loads and samples with
+    it, and the importance ratio ``pi_trainer / pi_generator`` of every sampled token is 1
+    within 1e-4. Each version must move the trainer's log-probs of the previous version's
+    samples by more than 1e-2, so a generator that kept serving the previous version fails.
+    A vLLM generator holds exactly the served version's PEFT folder."""
+    import math
+
+    vocab = 256
+    previous = None
+    for _ in range(count):
+        version = next(versions)
+        for seed in (2 * version, 2 * version + 1):
+            batch = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(seed))
+            await trainer.train_step([{"input_ids": batch}],
+                                     [{"labels": torch.roll(batch, -1, 1)}])
+        await trainer.push_weights(version)
+        await generator.update_weights(version)
+        sampled = await generator.generate(prompts, n=4, seed=version)
+        assert {c.policy_version for c in sampled} == {version}
+        reference = await trainer_logprobs(trainer, sampled)
+        log_ratio = max((lp - torch.tensor(c.logprobs)).abs().max().item()
+                        for c, (lp, _) in zip(sampled, reference))
+        assert log_ratio <= math.log1p(1e-4), (
+            f"version {version}: importance ratio off 1 (|log ratio| up to {log_ratio:.2e})")
+        if previous is not None:  # the new version must matter, or this could not fail
+            again = await trainer_logprobs(trainer, previous)
+            moved = max((lp - torch.tensor(c.logprobs)).abs().max().item()
+                        for c, (lp, _) in zip(previous, again))
+            assert moved > 1e-2, f"version {version} barely changed the policy ({moved:.1e})"
+        previous = sampled
+        if generator.config.backend == "vllm":  # the previous adapter's folder is gone
+            (root,) = lora_roots(generator)
+            (folder,) = os.listdir(root)
+            assert folder.startswith(f"policy-v{version}-id")

@@ -20,7 +20,14 @@ import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
-from conftest import random_state_dict, spawn_all, trainer_logprobs
+from conftest import (
+    assert_on_policy_across_lora_versions,
+    lora_roots,
+    lora_trainer_config,
+    random_state_dict,
+    spawn_all,
+    trainer_logprobs,
+)
 
 from forge_ext.actors import spawn_trainer
 from forge_ext.actors.generator import (
@@ -74,7 +81,7 @@ async def actors(checkpoint):
     mostly imports in fresh processes (the trainer's proc, each generator's proc, vLLM's
     engine core and workers), and two cores run two (~125 s one after another here)."""
     await initialize_store()
-    trainer, *generators = await spawn_all(
+    trainer, lora_trainer, *generators = await spawn_all(
         spawn_trainer(
             {
                 "model": {"name": "qwen3", "flavor": "hf", "hf_path": checkpoint},
@@ -83,11 +90,17 @@ async def actors(checkpoint):
             },
             weights={"transport": "direct", "key_prefix": KEY_PREFIX},
         ),
+        spawn_trainer(lora_trainer_config(checkpoint),
+                      weights={"transport": "direct", "key_prefix": KEY_PREFIX}),
         *(
             spawn_generator(
                 GeneratorConfig(
                     hf_path=checkpoint, backend="vllm", sampling=SamplingConfig(**SAMPLING),
-                    vllm={"tensor_parallel_size": tp, "max_model_len": 128},
+                    # LoRA on, as the GRPO app starts vLLM for a trainer.lora run: full
+                    # versions must work on such an engine too, and the LoRA tests below
+                    # need no engines of their own (two fewer vLLM start-ups).
+                    vllm={"tensor_parallel_size": tp, "max_model_len": 128,
+                          "enable_lora": True, "max_lora_rank": 8},
                 ),
                 stop_token_ids=[2, END_ID], pad_token_id=0, key_prefix=KEY_PREFIX,
                 name=f"generator_tp{tp}",
@@ -95,17 +108,25 @@ async def actors(checkpoint):
             for tp in (1, 2)
         ),
     )
-    handles = {"trainer": trainer, "generators": dict(zip((1, 2), generators))}
+    handles = {"trainer": trainer, "lora_trainer": lora_trainer,
+               "generators": dict(zip((1, 2), generators))}
     yield handles
     # Generators the tests' fixture has not stopped (a test failed before it could).
     await asyncio.gather(*(g.stop() for g in generators if g not in _stopped))
-    await trainer.stop()
+    await asyncio.gather(trainer.stop(), lora_trainer.stop())
     await ts.shutdown()
 
 
 @pytest.fixture(scope="module")
 def trainer(actors):
     return actors["trainer"]
+
+
+@pytest.fixture(scope="module")
+def lora_trainer(actors):
+    """A trainer with ``trainer.lora`` publishing under the generators' key prefix (the
+    versions of both trainers come from one counter, so they never collide)."""
+    return actors["lora_trainer"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -118,6 +139,7 @@ async def generator(request, actors):
     await handle.stop()
     if handle not in _killed:
         assert not _alive(handle.pids), "vLLM processes outlived Generator.stop()"
+        assert not lora_roots(handle), "the generator's LoRA folder outlived Generator.stop()"
 
 
 _stopped = []  # generators the fixture above stopped
@@ -236,28 +258,6 @@ async def test_an_unpublished_version_is_a_clear_error_and_keeps_serving(generat
     assert len(await generator.generate(PROMPTS[:1], n=2, seed=0)) == 2
 
 
-@module_loop
-async def test_a_lora_version_on_vllm_started_without_lora_is_refused_and_keeps_serving(
-    generator, trainer, publishers
-):
-    """Issue 25: the module's engines run without ``enable_lora``; a LoRA version (adapter
-    + adapter_config metadata) names the field to set, and the served version stays."""
-    from conftest import random_adapter
-
-    from forge_ext import lora
-
-    v = next(_versions)
-    adapter = random_adapter(await trainer.get_hf_state_dict(), rank=4)
-    config = lora.peft_adapter_config(4, 8.0, ["q_proj", "v_proj", "down_proj"])
-    await publishers["off"].publish(adapter, v, metadata={"adapter_config": config})
-    served = await generator.get_policy_version()
-    with pytest.raises(Exception, match=f"policy_version={v} is a LoRA adapter .* started "
-                                        "without LoRA: set generator.vllm.enable_lora=true"):
-        await generator.update_weights(v)
-    assert await generator.get_policy_version() == served
-    await assert_generator_matches_trainer(generator, trainer)
-
-
 # ---- bad input, refused before anything is spawned ---------------------------------------
 
 def _config(checkpoint, **vllm):
@@ -306,6 +306,24 @@ def test_vllm_not_installed_is_a_clear_error(checkpoint, monkeypatch):
     )
     with pytest.raises(ValueError, match="vllm is not installed.*make install"):
         _config(checkpoint).check_backend()
+
+
+# ---- LoRA versions (issue 25), after the full-weight tests: the generator then serves an
+# adapter --------------------------------------------------------------------------------
+
+@module_loop
+async def test_on_policy_ratio_is_one_at_every_lora_version(generator, lora_trainer,
+                                                            publishers):
+    """Each version of a ``trainer.lora`` trainer is a new LoRA request on vLLM (tp=1 and
+    tp=2); the trainer's log-probs of what vLLM sampled give an importance ratio of 1 within
+    1e-4 at each of 3 versions (tests/test_lora_rl.py, the same for transformers)."""
+    # An adapter applies to the base the generator holds: the tests above gave it other
+    # full weights, so it gets the LoRA trainer's base (the checkpoint) back first, as a
+    # full version (in a run it never leaves the checkpoint).
+    v = next(_versions)
+    await publishers["off"].publish(await lora_trainer.get_hf_state_dict(), v)
+    await generator.update_weights(v)
+    await assert_on_policy_across_lora_versions(generator, lora_trainer, PROMPTS, _versions)
 
 
 # ---- vLLM's processes never outlive the generator -----------------------------------------
