@@ -11,6 +11,10 @@ on this host (no copy in this process), otherwise this sampler's buffer, which t
 filled. Each worker maps the file and reloads its own rank's share in place. Afterwards the prefix cache is reset, so no KV computed with the
 old weights is reused.
 
+A LoRA policy version (the adapter alone, ``forge_ext.lora``) goes another way:
+:meth:`VLLMSampler.load_adapter` writes it as a PEFT folder and adds it to the engine as a
+new LoRA request (``enable_lora`` engines only), which every later ``generate`` uses.
+
 Log-probs are those of the raw logits (``logprobs_mode="raw_logprobs"``), like the HF
 backend's (see :mod:`forge_ext.generation.sampling`).
 
