@@ -254,6 +254,12 @@ class RLTrainer(Actor):
         return self.engine.export_lora(folder, merged_folder)
 
     @endpoint
+    async def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the LoRA adapters from full tensors in PEFT names
+        (``TitanEngine.load_adapter_state_dict``)."""
+        self.engine.load_adapter_state_dict(tensors)
+
+    @endpoint
     async def get_adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA adapters in PEFT names, full tensors (``TitanEngine.adapter_state_dict``)."""
         return {k: v.cpu() for k, v in self.engine.adapter_state_dict().items()}
@@ -402,6 +408,9 @@ class TrainerHandle:
 
     async def get_adapter_state_dict(self) -> dict[str, torch.Tensor]:
         return await self._call("get_adapter_state_dict")
+
+    async def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        await self.actor.load_adapter_state_dict.call(tensors)
 
     async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         await self.actor.load_hf_state_dict.call(state_dict)

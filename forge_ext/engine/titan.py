@@ -310,6 +310,38 @@ class TitanEngine(BaseEngine):
                 out[peft_key(module, matrix)] = _full(value).detach().clone()
         return out
 
+    def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapters from full tensors in PEFT names (the inverse of
+        :meth:`adapter_state_dict`: a PEFT folder's ``adapter_model.safetensors``); each is
+        sharded like the parameter it replaces. Optimizer state is left as is.
+
+        Raises:
+            ValueError: LoRA is off, or ``tensors`` does not name exactly this model's adapters
+                (under PP: this stage's), or a shape differs.
+        """
+        from forge_ext.lora import peft_key
+
+        if not self.lora_enabled:
+            raise ValueError("load_adapter_state_dict: LoRA is off; set trainer.lora.rank")
+        targets = {}
+        for titan_module, (weight, a, b) in _adapter_modules(self.model_parts).items():
+            module = self._hf_module_name(titan_module, weight)
+            targets[peft_key(module, "A")], targets[peft_key(module, "B")] = a, b
+        if set(tensors) != set(targets):
+            extra, missing = sorted(set(tensors) - set(targets)), sorted(set(targets) - set(tensors))
+            raise ValueError(f"adapter tensors do not match the model's adapters: extra "
+                             f"{extra[:3]}, missing {missing[:3]}")
+        with torch.no_grad():
+            for key, param in targets.items():
+                value = tensors[key].detach()
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{key}: shape {tuple(value.shape)}, the adapter's is "
+                                     f"{tuple(param.shape)}")
+                value = value.to(param.device, param.dtype)
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
+
     def adapter_config(self) -> dict[str, Any]:
         """``adapter_config.json`` of :meth:`adapter_state_dict`
         (:func:`forge_ext.lora.peft_adapter_config`: ``r``, ``lora_alpha``, the HF
