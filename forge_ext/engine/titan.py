@@ -361,20 +361,21 @@ class TitanEngine(BaseEngine):
 
     @contextlib.contextmanager
     def adapters_disabled(self):
-        """Within the block the model computes its base model: every ``LoRALinear``'s
-        scale ``alpha / rank`` is 0, so its output is ``x W^T + 0`` (exactly the base's for
-        finite adapter outputs); restored on exit. No copy of any weight: the KL reference
-        of a LoRA policy (``docs/lora.md``). A no-op without LoRA."""
+        """Within the block the model computes its base model: every ``LoRALinear`` runs
+        its base class's forward (``x W^T``, the adapter path skipped, not multiplied by 0),
+        restored on exit. No copy of any weight: the KL reference of a LoRA policy
+        (``docs/lora.md``). A no-op without LoRA. Not re-entrant across threads."""
         modules = [m for part in self.model_parts for m in part.modules()
-                   if hasattr(m, "_lora_scaling")]
-        saved = [m._lora_scaling for m in modules]
+                   if hasattr(m, "lora_a") and hasattr(m, "lora_b")]
         for m in modules:
-            m._lora_scaling = 0.0
+            # An instance attribute shadows the class's forward; nn.Module.__call__ (and the
+            # FSDP hooks around it) are unchanged.
+            m.forward = super(type(m), m).forward
         try:
             yield
         finally:
-            for m, scale in zip(modules, saved):
-                m._lora_scaling = scale
+            for m in modules:
+                del m.forward
 
     def export_lora(self, folder: str | os.PathLike, merged_folder: str | os.PathLike | None = None
                     ) -> dict[str, str]:
