@@ -121,3 +121,17 @@ async def test_the_grpo_app_exports_the_adapter_and_takes_the_reference_from_the
     keys = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
     model = [k for k in keys if k.startswith("layers.")]
     assert model and all(".lora_" in k for k in model), model[:3]
+
+    # A restarted process (one rank, no FSDP: DCP reshards) resumes from that checkpoint and
+    # takes the next step as the trainer that saved it.
+    resumed = TitanEngine(engine_config_from_mapping({
+        **config.trainer, "parallelism": {},
+        "training": {**config.trainer["training"], "local_batch_size": 8,
+                     "microbatch_size": None},
+    }))
+    assert resumed.load_checkpoint() == await fsdp.get_policy_version()
+    want = await fsdp.train_step(*split(batch, 2), return_metrics=True)
+    got = resumed.train_batch(batch, cross_entropy_loss, valid_tokens)
+    for key in ("loss", "grad_norm", "lr"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    resumed.close()
