@@ -29,6 +29,7 @@ def base(tmp_path_factory):
     """An HF checkpoint with large random weights (the default init leaves logits near 0)."""
     from safetensors.torch import load_file
 
+    init_single_process_env()  # every test's engines: a world of one
     root = tmp_path_factory.mktemp("lora_base")
     init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0)
     weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=3, std=0.2)
@@ -49,7 +50,6 @@ def config(base, **extra):
 
 @pytest.fixture(scope="module")
 def engine(base):
-    init_single_process_env()
     return TitanEngine(config(base))
 
 

@@ -310,6 +310,38 @@ class TitanEngine(BaseEngine):
                 out[peft_key(module, matrix)] = _full(value).detach().clone()
         return out
 
+    def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapters from full tensors in PEFT names (the inverse of
+        :meth:`adapter_state_dict`: a PEFT folder's ``adapter_model.safetensors``); each is
+        sharded like the parameter it replaces. Optimizer state is left as is.
+
+        Raises:
+            ValueError: LoRA is off, or ``tensors`` does not name exactly this model's adapters
+                (under PP: this stage's), or a shape differs.
+        """
+        from forge_ext.lora import peft_key
+
+        if not self.lora_enabled:
+            raise ValueError("load_adapter_state_dict: LoRA is off; set trainer.lora.rank")
+        targets = {}
+        for titan_module, (weight, a, b) in _adapter_modules(self.model_parts).items():
+            module = self._hf_module_name(titan_module, weight)
+            targets[peft_key(module, "A")], targets[peft_key(module, "B")] = a, b
+        if set(tensors) != set(targets):
+            extra, missing = sorted(set(tensors) - set(targets)), sorted(set(targets) - set(tensors))
+            raise ValueError(f"adapter tensors do not match the model's adapters: extra "
+                             f"{extra[:3]}, missing {missing[:3]}")
+        with torch.no_grad():
+            for key, param in targets.items():
+                value = tensors[key].detach()
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{key}: shape {tuple(value.shape)}, the adapter's is "
+                                     f"{tuple(param.shape)}")
+                value = value.to(param.device, param.dtype)
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
+
     def adapter_config(self) -> dict[str, Any]:
         """``adapter_config.json`` of :meth:`adapter_state_dict`
         (:func:`forge_ext.lora.peft_adapter_config`: ``r``, ``lora_alpha``, the HF
@@ -329,20 +361,21 @@ class TitanEngine(BaseEngine):
 
     @contextlib.contextmanager
     def adapters_disabled(self):
-        """Within the block the model computes its base model: every ``LoRALinear``'s
-        scale ``alpha / rank`` is 0, so its output is ``x W^T + 0`` (exactly the base's for
-        finite adapter outputs); restored on exit. No copy of any weight: the KL reference
-        of a LoRA policy (``docs/lora.md``). A no-op without LoRA."""
+        """Within the block the model computes its base model: every ``LoRALinear`` runs
+        its base class's forward (``x W^T``, the adapter path skipped, not multiplied by 0),
+        restored on exit. No copy of any weight: the KL reference of a LoRA policy
+        (``docs/lora.md``). A no-op without LoRA. Not re-entrant across threads."""
         modules = [m for part in self.model_parts for m in part.modules()
-                   if hasattr(m, "_lora_scaling")]
-        saved = [m._lora_scaling for m in modules]
+                   if hasattr(m, "lora_a") and hasattr(m, "lora_b")]
         for m in modules:
-            m._lora_scaling = 0.0
+            # An instance attribute shadows the class's forward; nn.Module.__call__ (and the
+            # FSDP hooks around it) are unchanged.
+            m.forward = super(type(m), m).forward
         try:
             yield
         finally:
-            for m, scale in zip(modules, saved):
-                m._lora_scaling = scale
+            for m in modules:
+                del m.forward
 
     def export_lora(self, folder: str | os.PathLike, merged_folder: str | os.PathLike | None = None
                     ) -> dict[str, str]:
