@@ -305,3 +305,23 @@ async def test_a_writer_kept_waiting_by_a_reader_says_who_and_what_to_do(
         await publisher.publish(versioned_state_dict(3), 3)  # once the reader has left
     finally:
         publisher.close()
+
+
+def test_orphan_removal_takes_a_dead_generators_lora_folder_and_leaves_live_ones(tmp_path):
+    """A vLLM generator killed with kill -9 where no watchdog ran leaves its LoRA folder
+    (``forge_ext-lora-<pid>-...``, PEFT folders inside): ``make clean`` and the next
+    publisher remove it like a file; a live process's folder stays."""
+    import subprocess
+
+    from forge_ext.weights import shm_files
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is now a dead process's
+    ns = shm_files.pid_namespace()
+    orphan = tmp_path / f"{shm_files.PREFIX}-lora-{dead.pid}-0-p{ns}"
+    (orphan / "policy-v3-id3").mkdir(parents=True)
+    (orphan / "policy-v3-id3" / "adapter_config.json").write_text("{}")
+    live = tmp_path / f"{shm_files.PREFIX}-lora-{os.getpid()}-0-p{ns}"
+    live.mkdir()
+    assert shm_files.remove_orphans(str(tmp_path)) == [str(orphan)]
+    assert not orphan.exists() and live.exists()
