@@ -205,7 +205,7 @@ class RLTrainer(Actor):
             self.publisher = WeightsPublisher(self.weights_config)
             self.hf_buffer_names = self._hf_buffer_names()
         version = self.engine.step if policy_version is None else policy_version
-        if getattr(self.engine, "lora_enabled", False):
+        if self.engine.lora_enabled:
             # The base weights never change: the version is the adapter alone, its
             # adapter_config.json mapping travelling in the commit record (forge_ext.lora).
             result = await self.publisher.publish(
