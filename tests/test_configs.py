@@ -292,6 +292,12 @@ def test_lora_is_a_trainer_section_of_the_grpo_and_sft_apps(demo_checkpoint):
                        [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4"])
     engine = engine_config_from_mapping(grpo.trainer)
     assert (engine.lora.rank, engine.lora.alpha, len(engine.lora.targets)) == (4, 8.0, 7)
+    assert not grpo.reference_is_trainer_base  # a reference: section is a reference role
+    # reference: null with LoRA: the KL reference is the trainer's base (no reference role).
+    base_ref = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                           [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4",
+                            "reference=null"])
+    assert base_ref.reference_is_trainer_base and "reference" not in base_ref.processes()
     sft = from_mapping(SFTConfig, load_yaml(
         CONFIGS / "sft_cpu_demo.yaml",
         [f"init.hf_path={demo_checkpoint}", "trainer.lora={rank: 2, target_modules: [q_proj]}"]))

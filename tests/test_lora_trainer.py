@@ -45,16 +45,16 @@ async def lora(demo_checkpoint, tmp_path_factory):
     demo = Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml"
     output_dir = tmp_path_factory.mktemp("lora_grpo")
     config = load_config(str(demo), grpo_overrides(demo_checkpoint, output_dir))
-    spawn = asyncio.ensure_future(spawn_trainer(config.trainer, num_procs=2))
-    # The same model in this process: one rank, one microbatch per step.
+    # The same model in this process: one rank, one microbatch per step; built in a thread
+    # while the trainer's procs start (both are mostly imports and model builds).
     single = engine_config_from_mapping({
         **config.trainer, "parallelism": {}, "checkpoint": {"enable": False},
         "training": {**config.trainer["training"], "local_batch_size": 8,
                      "microbatch_size": None},
     })
     init_single_process_env()
-    engine = TitanEngine(single)
-    fsdp = await spawn
+    fsdp, engine = await asyncio.gather(spawn_trainer(config.trainer, num_procs=2),
+                                        asyncio.to_thread(TitanEngine, single))
     yield {"config": config, "fsdp": fsdp, "engine": engine, "checkpoint": demo_checkpoint}
     await fsdp.stop()
 

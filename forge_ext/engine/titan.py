@@ -291,10 +291,10 @@ class TitanEngine(BaseEngine):
         (torchtitan ``LoRALinear``: ``lora_a.weight`` is A, ``lora_b.weight`` is B).
 
         Every rank returns the full tensors: DTensor shards (FSDP/DP) are gathered with
-        ``full_tensor()``, a collective, so every rank of the trainer must call it. Under
-        pipeline parallelism each rank returns only its stage's modules. The tensors are
-        detached copies in the parameters' dtype (``training.dtype``, fp32 by default) on
-        the engine's device.
+        ``full_tensor()``, a collective, so every rank of the trainer must call it
+        (pipeline parallelism, where ranks hold different layers, is refused with LoRA).
+        The tensors are detached copies in the parameters' dtype (fp32 by default) on the
+        engine's device.
 
         Raises:
             ValueError: LoRA is off (no ``lora`` section).
