@@ -11,6 +11,7 @@ import torch
 from apps.grpo.config import GRPOConfig, load_config
 from apps.sft.main import SFTConfig
 from forge_ext.config import from_mapping, load_yaml, record_run_config
+from forge_ext.engine import engine_config_from_mapping
 from forge_ext.loop import LoopConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -250,6 +251,12 @@ def test_cross_section_checks(demo_checkpoint):
          r"trainer: training.max_tokens_per_microbatch=0 must be >= "),
         ("reference.training.packing=true",
          r"reference: training.packing=true needs training.max_tokens_per_microbatch"),
+        ("trainer.lora.rank=0", r"trainer: lora.rank=0 must be an integer >= 1"),
+        ("trainer.lora={rank: 4, alpha: 0}", r"trainer: lora.alpha=0 must be > 0"),
+        ("trainer.lora={rank: 4, target_modules: [q_proj, qkv_proj]}",
+         r"trainer: lora.target_modules names \['qkv_proj'\], which the model has no linear"),
+        ("trainer.lora={rank: 4, target_modules: []}", r"trainer: lora.target_modules=\[\] adapts"),
+        ("trainer.lora={rank: 4, export_merged: yes_please}", r"trainer.lora.export_merged"),
     ],
 )
 def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning(
@@ -259,6 +266,41 @@ def test_parallelism_the_model_or_weights_cannot_take_is_refused_before_spawning
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match=message):
         load_config(path, [f"model.hf_path={demo_checkpoint}", override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.parallelism.pipeline_parallel_degree=2", "weights.transport=dcp",
+          "weights.dcp_path=/tmp/unused"],
+         r"trainer: lora with parallelism.pipeline_parallel_degree=2 is not supported"),
+        (["trainer.parallelism.tensor_parallel_degree=2"],
+         r"trainer: lora with parallelism.tensor_parallel_degree=2 is not supported"),
+    ],
+)
+def test_lora_with_parallelism_it_cannot_take_is_refused_before_spawning(
+    demo_checkpoint, overrides, message
+):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError, match=message):
+        load_config(path, [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4", *overrides])
+
+
+def test_lora_is_a_trainer_section_of_the_grpo_and_sft_apps(demo_checkpoint):
+    grpo = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                       [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4"])
+    engine = engine_config_from_mapping(grpo.trainer)
+    assert (engine.lora.rank, engine.lora.alpha, len(engine.lora.targets)) == (4, 8.0, 7)
+    assert not grpo.reference_is_trainer_base  # a reference: section is a reference role
+    # reference: null with LoRA: the KL reference is the trainer's base (no reference role).
+    base_ref = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                           [f"model.hf_path={demo_checkpoint}", "trainer.lora.rank=4",
+                            "reference=null"])
+    assert base_ref.reference_is_trainer_base and "reference" not in base_ref.processes()
+    sft = from_mapping(SFTConfig, load_yaml(
+        CONFIGS / "sft_cpu_demo.yaml",
+        [f"init.hf_path={demo_checkpoint}", "trainer.lora={rank: 2, target_modules: [q_proj]}"]))
+    assert engine_config_from_mapping(sft.trainer).lora.targets == ("q_proj",)
 
 
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):

@@ -107,3 +107,34 @@ def test_training_stops_once_validation_accuracy_reaches_the_target(tmp_path, ca
         capsys.readouterr().out
     )
     assert (Path(config.output_dir) / "model.safetensors").is_file()
+
+
+def test_lora_sft_exports_a_peft_adapter_and_on_request_the_merged_checkpoint(tmp_path):
+    """A LoRA warm-start writes ``<output_dir>/adapter`` (PEFT, base ``init.hf_path``, which
+    stays as it was) and, with ``export_merged``, the merged HF checkpoint in ``output_dir``:
+    ``peft`` over the base and ``transformers`` on the merged checkpoint give equal logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.lora import read_peft_folder
+
+    config = tiny_config(tmp_path, steps=4, **{
+        "trainer.lora": "{rank: 2, export_merged: true}", "trainer.optimizer.lr": "3e-2"})
+    run(config)
+    out = Path(config.output_dir)
+    tensors, adapter_config = read_peft_folder(out / "adapter")
+    assert adapter_config["base_model_name_or_path"] == config.init.hf_path
+    assert adapter_config["r"] == 2 and len(tensors) == 2 * 7 * 2
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # it trained
+    init = load_file(str(Path(config.init.hf_path) / "model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(config.init.hf_path, dtype=torch.float32).eval()
+    assert all(torch.equal(v, init[k]) for k, v in base.state_dict().items() if k in init)
+    merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 16, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        peft_model = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+        want, got = merged(ids).logits, peft_model(ids).logits
+    assert (want - base_logits).abs().max() > 1e-3  # the adapter trained away from the base
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,8 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
                                               kl_coef, mask_truncated, off_policy_correction
     loop:      forge_ext.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
-    reference: engine mapping or null         (null requires loss.kl_coef: 0)
+    reference: engine mapping or null         (null: none, loss.kl_coef: 0; with trainer.lora
+                                              the trainer's base with its adapters disabled)
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
     procs:     {env, trainer, reference, generator}  processes and environment per role
@@ -164,7 +165,9 @@ class GRPOConfig:
     coefficient, truncation masking, off-policy correction."""
     reference: dict[str, Any] | None = None
     """The frozen reference model's engine (an engine section like ``trainer:``, usually
-    ``model: ${trainer.model}``) for the KL term; null needs ``loss.kl_coef: 0``."""
+    ``model: ${trainer.model}``) for the KL term, on its own procs; null needs
+    ``loss.kl_coef: 0``, or ``trainer.lora``: then the reference is the trainer's own frozen
+    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``)."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
     """Processes per role and their environment variables."""
@@ -240,6 +243,13 @@ class GRPOConfig:
             parts.append("loss.mask_truncated=True")
         return f"GRPO variant: {preset or 'none (field defaults)'} | " + ", ".join(parts)
 
+    @property
+    def reference_is_trainer_base(self) -> bool:
+        """Whether the KL reference is the LoRA trainer's own base (``reference: null`` with
+        ``trainer.lora`` and ``loss.kl_coef != 0``)."""
+        return (self.reference is None and bool(self.trainer.get("lora"))
+                and self.loss.kl_coef != 0)
+
     def loss_spec(self) -> dict[str, Any]:
         """The trainer's ``loss`` argument (:func:`forge_ext.engine.losses.build_loss`)."""
         return {"name": "grpo", **asdict(self.loss)}
@@ -252,10 +262,11 @@ class GRPOConfig:
             ValueError: naming the fields that disagree and the fix.
         """
         task_config(self.task)  # source, fields, files, import paths; the rows load later
-        if self.loss.kl_coef != 0 and self.reference is None:
+        if self.loss.kl_coef != 0 and self.reference is None and not self.trainer.get("lora"):
             raise ValueError(
                 f"loss.kl_coef={self.loss.kl_coef} needs a reference model; set the "
-                "reference: section or loss.kl_coef=0"
+                "reference: section, trainer.lora (the reference is then the trainer's base) "
+                "or loss.kl_coef=0"
             )
         if self.loop.save_every and not self.trainer.get("checkpoint", {}).get("enable"):
             raise ValueError(

@@ -281,11 +281,17 @@ class GRPOApp(RLLoop):
             for role in roles:
                 with scoped_env(getattr(c.procs, role).env):
                     await spawns[role]()
-            return
-        results = await asyncio.gather(*(spawns[r]() for r in roles), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        else:
+            results = await asyncio.gather(*(spawns[r]() for r in roles),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        if c.reference_is_trainer_base:
+            from forge_ext.actors.reference import base_of_trainer
+
+            # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
+            self.reference = base_of_trainer(self.trainer)
 
     def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
         """The run's first console lines: model, steps and batch, task, roles and where
@@ -310,7 +316,9 @@ class GRPOApp(RLLoop):
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
-            f"spawning {procs} on {where}",
+            f"spawning {procs} on {where}" + (
+                "; KL reference: the trainer's base (its LoRA adapters disabled)"
+                if c.reference_is_trainer_base else ""),
         ]
 
     def explain_error(self, error: BaseException) -> BaseException | None:
@@ -564,6 +572,8 @@ class GRPOApp(RLLoop):
         }
 
     async def save_checkpoint(self, step: int) -> None:
+        if step == self.loop.steps and self.config.trainer.get("lora"):
+            await self.export_lora()
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return  # checkpoints off (loop.save_every must then be 0): nothing to keep
         if self.config.grpo.dynamic_sampling:
@@ -572,6 +582,18 @@ class GRPOApp(RLLoop):
         await self.trainer.save_checkpoint(step)
         self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
                    f"{self.checkpoint_folder() / f'step-{step}'}")
+
+    async def export_lora(self) -> None:
+        """The final policy of a LoRA run: a PEFT adapter folder ``<output_dir>/adapter``
+        (``peft.PeftModel.from_pretrained(base, folder)``, vLLM ``LoRARequest``) and, with
+        ``trainer.lora.export_merged``, a merged HF checkpoint ``<output_dir>/merged``."""
+        out = Path(self.config.output_dir)
+        merged = out / "merged" if self.config.trainer["lora"].get("export_merged") else None
+        start = time.perf_counter()
+        await self.trainer.export_lora(out / "adapter", merged)
+        self.write(f"LoRA adapter of step {self.loop.steps} written in "
+                   f"{time.perf_counter() - start:.1f}s: {out / 'adapter'}"
+                   + (f", merged HF checkpoint {merged}" if merged else ""))
 
     def checkpoint_folder(self) -> Path:
         """``<trainer.dump_folder>/<trainer.checkpoint.folder>``."""

@@ -43,6 +43,7 @@ from forge_ext.config import (
 )
 from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
+from forge_ext.lora import ADAPTER_CONFIG_NAME
 from forge_ext.metrics import MetricLogger, MetricsConfig
 
 
@@ -88,7 +89,9 @@ class SFTConfig:
     """The SFT app's config (YAML top level)."""
 
     output_dir: str
-    """The warm-start HF checkpoint directory written at the end."""
+    """The warm-start HF checkpoint directory written at the end; with ``trainer.lora`` the
+    PEFT adapter folder ``<output_dir>/adapter`` (and, with ``trainer.lora.export_merged``,
+    the merged HF checkpoint in ``output_dir`` itself)."""
     init: InitConfig
     trainer: dict[str, Any]
     """Engine config (:func:`forge_ext.engine.engine_config_from_mapping`);
@@ -119,7 +122,8 @@ def kept_checkpoint(config: SFTConfig) -> bool:
         ValueError: that checkpoint was written with another config (names what differs).
     """
     out = Path(config.output_dir)
-    if not (config.skip_if_exists and is_hf_checkpoint(out)):
+    written = is_hf_checkpoint(out) or (out / "adapter" / ADAPTER_CONFIG_NAME).is_file()
+    if not (config.skip_if_exists and written):
         return False
     if (out / RUN_CONFIG_FILE).exists():  # a checkpoint without one predates the records
         record_run_config(
@@ -245,7 +249,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     validation = train_rows[: config.eval.num_validation]
 
     def validate(step: int) -> float:
-        sampler.load_hf_state_dict(_full(engine.hf_state_dict()))
+        sampler.load_hf_state_dict(_full(engine.merged_hf_state_dict()))
         accuracy = greedy_accuracy(sampler, rubric, validation, render, tok, max_new_tokens)
         if logger:
             logger.log(step, {"validation/accuracy": accuracy})
@@ -272,10 +276,27 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     bar.close()
 
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
-    save_hf_checkpoint(out, engine.hf_state_dict(), hf_config, tokenizer_from=config.init.hf_path)
+    lora = engine_config.lora
+    if lora is None:
+        save_hf_checkpoint(out, engine.hf_state_dict(), hf_config,
+                           tokenizer_from=config.init.hf_path)
+    elif lora.export_merged:  # first: the checkpoint folder replaces output_dir whole
+        save_hf_checkpoint(out, engine.merged_hf_state_dict(), hf_config,
+                           tokenizer_from=config.init.hf_path)
+    if lora is not None:  # the adapter in PEFT's format, base: init.hf_path
+        engine.export_lora(out / "adapter")
     record_run_config(out, run_record(config), check=False)  # what wrote this checkpoint
-    # Evaluate the checkpoint as written, through the path the GRPO app loads it by.
-    saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    # Evaluate the checkpoint as written, through the path the GRPO app loads it by (a
+    # LoRA adapter alone: the base with the exported adapter merged).
+    if lora is None or lora.export_merged:
+        saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    else:
+        from forge_ext.lora import merge_into, read_peft_folder
+
+        tensors, adapter_config = read_peft_folder(out / "adapter")
+        saved = sampler
+        saved.load_hf_state_dict(merge_into(_full(engine.hf_state_dict()), tensors,
+                                            adapter_config))
     accuracy = greedy_accuracy(saved, rubric, eval_rows, render, tok, max_new_tokens)
     if logger:
         logger.log(step, {"eval/accuracy": accuracy})

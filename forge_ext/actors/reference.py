@@ -65,9 +65,18 @@ def split_for_data_parallel(
 
 @dataclass
 class ReferenceModel:
-    """Controller handle: ``await ref.logprobs(batch)`` -> ``[B, S]`` reference log-probs."""
+    """Controller handle: ``await ref.logprobs(batch)`` -> ``[B, S]`` reference log-probs.
+
+    Either its own engine on its own procs (:func:`spawn_reference`), or, for a LoRA policy,
+    the policy trainer itself with its adapters disabled (:func:`base_of_trainer`): the same
+    frozen base weights, no second copy of them (``docs/lora.md``).
+    """
 
     trainer: TrainerHandle
+    adapter: bool = True
+    """False: the trainer's forward runs with its LoRA adapters disabled."""
+    owns_trainer: bool = True
+    """Whether :meth:`stop` stops the trainer (not when it is the policy's)."""
 
     async def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probability of each label under the reference model.
@@ -83,7 +92,7 @@ class ReferenceModel:
         batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         rows = data_parallel_rows(batch, self.trainer.config, dp)
         inputs, targets = split_for_data_parallel(batch, dp, rows=rows)
-        out = await self.trainer.forward(inputs, targets, output="logprobs")
+        out = await self.trainer.forward(inputs, targets, output="logprobs", adapter=self.adapter)
         if rows is None:
             return out
         # Outputs come in rank order; put each row back where the batch had it.
@@ -91,7 +100,23 @@ class ReferenceModel:
         return out[torch.argsort(order)]
 
     async def stop(self) -> None:
-        await self.trainer.stop()
+        if self.owns_trainer:
+            await self.trainer.stop()
+
+
+def base_of_trainer(trainer: TrainerHandle) -> ReferenceModel:
+    """The reference of a LoRA policy: ``trainer``'s frozen base (its forward with the
+    adapters disabled), which equals a reference engine loaded from the same
+    ``model.hf_path`` without a second copy of the weights or procs. Its forwards run on the
+    trainer's procs, between the trainer's own calls.
+
+    Raises:
+        ValueError: the trainer has no LoRA adapters (its weights move: not a reference).
+    """
+    if trainer.config.lora is None:
+        raise ValueError("the trainer's own weights train: it can be the reference only "
+                         "with trainer.lora (its frozen base); set the reference: section")
+    return ReferenceModel(trainer, adapter=False, owns_trainer=False)
 
 
 async def spawn_reference(

@@ -222,6 +222,7 @@ class RLTrainer(Actor):
         inputs: list[dict[str, torch.Tensor]],
         targets: list[dict[str, torch.Tensor]] | None = None,
         output: str = "logits",
+        adapter: bool = True,
     ) -> torch.Tensor | None:
         """Forward-only pass over this rank's batch (no gradients).
 
@@ -229,6 +230,8 @@ class RLTrainer(Actor):
             output: ``"logits"`` (``[local_batch, S, V]``) or ``"logprobs"`` (``[local_batch,
                 S]`` log-probability of each label, 0 where the label is ignored; needs
                 ``targets`` with ``labels``).
+            adapter: false: with the LoRA adapters disabled, i.e. the frozen base model
+                (the KL reference of a LoRA policy, ``TitanEngine.adapters_disabled``).
 
         Returns:
             The output on ranks holding the last PP stage; None on the other stages.
@@ -239,7 +242,27 @@ class RLTrainer(Actor):
             raise ValueError("output='logprobs' needs targets with 'labels'")
         batch = self._local_batch(inputs, targets or [{} for _ in inputs])
         hook = _label_logprobs if output == "logprobs" else None
-        return self.engine.forward_batch(batch, post_hook=hook)
+        if adapter:
+            return self.engine.forward_batch(batch, post_hook=hook)
+        with self.engine.adapters_disabled():
+            return self.engine.forward_batch(batch, post_hook=hook)
+
+    @endpoint
+    async def export_lora(self, folder: str, merged_folder: str | None = None) -> dict[str, str]:
+        """Write the LoRA adapters as a PEFT folder, and with ``merged_folder`` a merged HF
+        checkpoint (``TitanEngine.export_lora``; collective, rank 0 writes)."""
+        return self.engine.export_lora(folder, merged_folder)
+
+    @endpoint
+    async def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the LoRA adapters from full tensors in PEFT names
+        (``TitanEngine.load_adapter_state_dict``)."""
+        self.engine.load_adapter_state_dict(tensors)
+
+    @endpoint
+    async def get_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters in PEFT names, full tensors (``TitanEngine.adapter_state_dict``)."""
+        return {k: v.cpu() for k, v in self.engine.adapter_state_dict().items()}
 
     @endpoint
     async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -372,10 +395,22 @@ class TrainerHandle:
             merged.update(part)
         return merged
 
-    async def forward(self, inputs, targets=None, output: str = "logits") -> torch.Tensor:
-        """Outputs of every data-parallel rank, concatenated in DP-rank order."""
-        values = await self.actor.forward.call(inputs, targets, output)
+    async def forward(self, inputs, targets=None, output: str = "logits",
+                      adapter: bool = True) -> torch.Tensor:
+        """Outputs of every data-parallel rank, concatenated in DP-rank order (``adapter``:
+        see :meth:`RLTrainer.forward`)."""
+        values = await self.actor.forward.call(inputs, targets, output, adapter)
         return torch.cat([v for v in values.values() if v is not None])
+
+    async def export_lora(self, folder: str, merged_folder: str | None = None) -> dict[str, str]:
+        return await self._call("export_lora", str(folder),
+                                None if merged_folder is None else str(merged_folder))
+
+    async def get_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        return await self._call("get_adapter_state_dict")
+
+    async def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        await self.actor.load_adapter_state_dict.call(tensors)
 
     async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         await self.actor.load_hf_state_dict.call(state_dict)

@@ -4,7 +4,7 @@ No Monarch imports here (actors wrap the engine, not the other way round).
 """
 
 from forge_ext.engine.base import BaseEngine, ForwardBackwardOutputs, split_batch
-from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.config import EngineConfig, LoRAConfig, engine_config_from_mapping
 from forge_ext.engine.losses import IGNORE_INDEX, cross_entropy_loss, valid_tokens
 from forge_ext.engine.titan import TitanEngine
 
@@ -13,6 +13,7 @@ __all__ = [
     "EngineConfig",
     "ForwardBackwardOutputs",
     "IGNORE_INDEX",
+    "LoRAConfig",
     "TitanEngine",
     "cross_entropy_loss",
     "engine_config_from_mapping",

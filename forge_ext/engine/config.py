@@ -11,12 +11,15 @@ The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
       checkpoint: {enable: false, folder: checkpoint, interval: 10}
       compile: {enable: false}
       activation_checkpoint: {mode: none}
+      lora: {rank: 8, alpha: 16, target_modules: all-linear}   # absent or null: full fine-tuning
 
 ``training``, ``parallelism``, ``lr_scheduler``, ``checkpoint`` and ``compile`` are torchtitan's
 own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``
 (built as :class:`forge_ext.engine.checkpoint.CheckpointManager`),
 ``LRSchedulersContainer.Config``), so every torchtitan field is accepted under its torchtitan
-name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``.
+name. ``training`` adds ``microbatch_size`` / ``gradient_accumulation_steps``. ``lora``
+(:class:`LoRAConfig`) trains low-rank adapters through torchtitan's ``LoRAConverter`` instead
+of every weight (``docs/lora.md``).
 
 CPU-safe defaults (applied only to fields the mapping leaves unset, when no accelerator is
 present; see shared FINDINGS): ``training.mixed_precision_param=float32`` (bf16 matmuls are ~20x
@@ -167,6 +170,63 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) on the decoder blocks' linear
+    layers, built by torchtitan's ``LoRAConverter`` (``torchtitan/components/lora.py``): each
+    adapted layer computes ``x W^T + (alpha / rank) x A^T B^T`` with ``A [rank, in]``
+    (kaiming-uniform init) and ``B [out, rank]`` (zero init, so training starts at the base
+    model). Only A and B require grad and sit in the optimizer; checkpoints hold them and
+    their optimizer state, the base weights come from ``model.hf_path`` (``docs/lora.md``).
+    """
+
+    rank: int
+    """Rank ``r`` of every adapter (>= 1)."""
+    alpha: float | None = None
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``. Default
+    ``2 * rank`` (a scale of 2 at any rank, torchtitan's 16 / 8)."""
+    target_modules: list[str] | str | None = None
+    """HF names of the adapted layers, among ``q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj``; ``all-linear`` or null: all seven (never the embeddings or the LM head)."""
+    export_merged: bool = False
+    """Also write a merged HF checkpoint (``W + (alpha / rank) B A``) beside the final PEFT
+    adapter folder at the end of a GRPO or SFT run."""
+
+    def __post_init__(self) -> None:
+        if self.alpha is None and isinstance(self.rank, int):
+            self.alpha = 2.0 * self.rank
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The adapted layers' HF names (``target_modules`` resolved,
+        :func:`forge_ext.lora.check_targets`).
+
+        Raises:
+            ValueError: an empty list or a name that is not one of the seven, naming
+                ``lora.target_modules``.
+        """
+        from forge_ext.lora import check_targets
+
+        return check_targets(self.target_modules, "lora.target_modules")
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank``, the factor of the adapter's output."""
+        return float(self.alpha) / self.rank
+
+    def check(self) -> None:
+        """Raise ValueError naming the field for a rank below 1, a non-positive alpha or a
+        target that is not a decoder linear layer (:meth:`EngineConfig.validate` calls it)."""
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(
+                f"lora.rank={self.rank!r} must be an integer >= 1 (e.g. lora.rank=8); remove "
+                "the lora section to train every weight"
+            )
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be > 0 (default 2 * lora.rank)")
+        self.targets
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
     parallelised, and its checkpoints (module docstring)."""
@@ -190,6 +250,9 @@ class EngineConfig:
         default_factory=ActivationCheckpointConfig
     )
     """Activation checkpointing (recomputation in backward)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters instead of full fine-tuning (:class:`LoRAConfig`); null: every weight
+    trains."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
@@ -303,6 +366,8 @@ class EngineConfig:
                     f"{heads['n_heads']}, n_kv_heads={heads['n_kv_heads']}); tensor parallelism "
                     "splits attention by heads"
                 )
+        if self.lora is not None:
+            _validate_lora(self, spec)
         if self.pp_degree > 1:
             _validate_pipeline_config(self, spec)
         if not torch.cuda.is_available() and self.model.attn_backend != "sdpa":
@@ -344,6 +409,38 @@ class EngineConfig:
                 "training.packing=true does not work with parallelism.context_parallel_degree"
                 f"={par.context_parallel_degree} (document masks are not sharded by sequence)"
             )
+
+
+def _validate_lora(config: "EngineConfig", spec) -> None:
+    """LoRA settings the model or the parallelism cannot take (before any spawn)."""
+    from torchtitan.models.common import ComplexRoPE
+
+    from forge_ext.engine.models import apply_lora
+
+    config.lora.check()
+    pp = config.pp_degree
+    if pp > 1:
+        raise ValueError(
+            f"lora with parallelism.pipeline_parallel_degree={pp} is not supported yet (the "
+            "adapter export and checkpoints are per stage); use data parallelism "
+            "(parallelism.data_parallel_shard_degree / _replicate_degree), or no lora section"
+        )
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ValueError(
+            f"lora with parallelism.tensor_parallel_degree={tp} is not supported (the split "
+            "q/k/v projections LoRA needs have no tensor-parallel plan here); use "
+            "parallelism.tensor_parallel_degree=1 with data parallelism, or no lora section"
+        )
+    rope = spec.model.layers[0].attention.rope
+    if isinstance(rope, ComplexRoPE.Config):
+        # Its HF adapter permutes q/k rows (interleaved RoPE); the adapter export does not.
+        raise ValueError(
+            f"lora with model.name={config.model.name} flavor {config.model.flavor!r} "
+            "(interleaved, complex RoPE) is not supported; use model.flavor=hf (HF's "
+            "rotate-half layout) or a small flavor"
+        )
+    apply_lora(spec.model, config.lora)  # raises naming lora.target_modules
 
 
 def _validate_pipeline_config(config: "EngineConfig", spec) -> None:

@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import BaseQKVLinear, FusedQKVLinear, QKVLinear
 from torchtitan.models.common.config_utils import make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -550,3 +552,90 @@ def build_model_spec(
         for layer in spec.model.layers:
             layer.attention.inner_attention = DocumentMaskedSDPA.Config()
     return spec
+
+
+class SplitQKVLinear(BaseQKVLinear):
+    """Q, K and V as three separate linear layers ``wq``, ``wk``, ``wv`` (HF's ``q_proj``,
+    ``k_proj``, ``v_proj``), each with its own config.
+
+    torchtitan's :class:`FusedQKVLinear` (one ``wqkv``) cannot take a separate adapter per
+    projection, and its :class:`QKVLinear` builds ``wk`` and ``wv`` from one ``wkv`` config,
+    so ``LoRAConverter`` (which matches configs by name) would adapt both or neither. With
+    LoRA the engine builds this instead: the same parameters under the state-dict names the
+    HF adapters already use (``qkv_linear.wq.weight``, ...), the same forward as
+    ``QKVLinear`` (``torchtitan/models/common/attention.py``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseQKVLinear.Config):
+        wq: Linear.Config
+        wk: Linear.Config
+        wv: Linear.Config
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.wq = config.wq.build()
+        self.wk = config.wk.build()
+        self.wv = config.wv.build()
+
+    forward = QKVLinear.forward
+
+
+def split_qkv(model_config: Any) -> None:
+    """Replace every layer's fused ``wqkv`` config by a :class:`SplitQKVLinear` config of the
+    same shapes, in place (parameter sharding configs are kept; random init: trunc-normal
+    0.02, torchtitan's ``_LINEAR_INIT``; a run with ``model.hf_path`` loads every weight)."""
+    for layer in model_config.layers:
+        qkv = layer.attention.qkv_linear
+        if isinstance(qkv, SplitQKVLinear.Config):
+            continue
+        if not isinstance(qkv, FusedQKVLinear.Config):
+            raise ValueError(f"lora: attention projections {type(qkv).__name__} are not supported")
+        fused, hd = qkv.wqkv, qkv.head_dim
+        init = {"weight": partial(torch.nn.init.trunc_normal_, std=0.02)}
+
+        def linear(out_features: int) -> Linear.Config:
+            return Linear.Config(
+                in_features=fused.in_features, out_features=out_features, bias=fused.bias,
+                param_init=init, sharding_config=fused.sharding_config,
+            )
+
+        layer.attention.qkv_linear = SplitQKVLinear.Config(
+            head_dim=hd, wq=linear(qkv.n_heads * hd), wk=linear(qkv.n_kv_heads * hd),
+            wv=linear(qkv.n_kv_heads * hd),
+        )
+
+
+def apply_lora(model_config: Any, lora: Any) -> Any:
+    """Convert ``model_config`` for LoRA training with torchtitan's ``LoRAConverter``
+    (``torchtitan/components/lora.py``): q/k/v split (:func:`split_qkv`), then the layers
+    named by ``lora.target_modules`` (HF names, mapped by :data:`forge_ext.lora.TITAN_NAMES`)
+    become ``LoRALinear`` (``lora_a [rank, in]`` kaiming-uniform, ``lora_b [out, rank]``
+    zeros, output scaled by ``alpha / rank``) and every other parameter is frozen
+    (``requires_grad=False``). The model config is modified in place where possible; use the
+    returned root.
+
+    Args:
+        lora: a :class:`forge_ext.engine.config.LoRAConfig`.
+
+    Raises:
+        ValueError: a target the model has no layer for, naming ``lora.target_modules``.
+    """
+    from torchtitan.components.lora import LoRAConverter
+
+    from forge_ext.lora import TITAN_NAMES
+
+    split_qkv(model_config)
+    targets = lora.targets
+    titan_targets = [TITAN_NAMES[name] for name in targets]
+    present = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(Linear.Config)}
+    missing = [hf for hf, titan in zip(targets, titan_targets) if titan not in present]
+    if missing:
+        raise ValueError(
+            f"lora.target_modules names {missing}, which this model has no linear layer for; "
+            f"it has {[hf for hf, t in TITAN_NAMES.items() if t in present]}"
+        )
+    converter = LoRAConverter(LoRAConverter.Config(
+        rank=lora.rank, alpha=float(lora.alpha), target_modules=titan_targets,
+    ))
+    return converter.convert(model_config)

@@ -10,6 +10,7 @@ the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.components.checkpoint import MODEL, ModelWrapper
 from torchtitan.config import CommConfig, DebugConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -42,7 +43,7 @@ from forge_ext.engine.base import (
 )
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
 from forge_ext.engine.losses import IGNORE_INDEX
-from forge_ext.engine.models import build_model_spec
+from forge_ext.engine.models import apply_lora, build_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ class TitanEngine(BaseEngine):
             layer.attention.rope = replace(
                 layer.attention.rope, max_seq_len=config.training.seq_len
             )
+        if config.lora is not None:
+            # After update_from_config: its sharding plan knows only torchtitan's own q/k/v
+            # layouts; split_qkv keeps the parameters' sharding configs.
+            model_config = self.model_spec.model = apply_lora(model_config, config.lora)
         self.sd_adapter = (
             self.model_spec.state_dict_adapter(model_config, config.model.hf_path or "")
             if self.model_spec.state_dict_adapter
@@ -128,6 +133,10 @@ class TitanEngine(BaseEngine):
         # The engine has no dataloader (callers feed batches); a None entry would be saved
         # and then demanded on load.
         getattr(self.checkpointer, "states", {}).pop("dataloader", None)
+        if config.lora is not None and self.checkpointer.enable:
+            # The base is model.hf_path's, unchanged: checkpoints hold only the adapters
+            # (the optimizer holds only them already).
+            self.checkpointer.states[MODEL] = _TrainableModelWrapper(self.model_parts)
         # The caller decides when to save (save_checkpoint(step)), so every step it passes
         # must pass torchtitan's interval check; its regular save path then also applies
         # checkpoint.keep_latest_k and checkpoint.async_mode.
@@ -202,29 +211,50 @@ class TitanEngine(BaseEngine):
         return ModelWrapper(self.model_parts).state_dict()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict in HF layout (torchtitan's state-dict adapter ``to_hf``)."""
+        """The model's state dict in HF layout (torchtitan's state-dict adapter ``to_hf``).
+        Under LoRA these are the frozen base weights, without the adapters (see
+        :meth:`adapter_state_dict`, :meth:`merged_hf_state_dict`)."""
         if self.sd_adapter is None:
             raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
         return self.sd_adapter.to_hf(self.model_state_dict())
 
+    def merged_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered, every rank) HF weights with the adapters merged: each adapted
+        ``W`` becomes ``W + (alpha / rank) B @ A`` (:func:`forge_ext.lora.merge_into`,
+        computed in fp32, cast to ``W``'s dtype); without LoRA, the full HF weights. A
+        collective under FSDP/DP: every rank must call it."""
+        from forge_ext.lora import merge_into
+
+        base = {k: _full(v).detach() for k, v in self.hf_state_dict().items()}
+        if not self.lora_enabled:
+            return base
+        return merge_into(base, self.adapter_state_dict(), self.adapter_config())
+
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors in torchtitan layout into every model part; each
         tensor is sharded the way the parameter it replaces is (``distribute_tensor``).
+
+        With LoRA, adapter tensors (``lora_a``/``lora_b``) absent from ``state_dict`` keep
+        their values, so an HF base state dict loads as it is.
 
         Raises:
             KeyError: naming keys of the model missing from ``state_dict``.
         """
         wrapper = ModelWrapper(self.model_parts)
         current = wrapper.state_dict()
-        missing = sorted(set(current) - set(state_dict))
+        # With LoRA a base state dict (from_hf of an HF checkpoint) has no adapter keys:
+        # the adapters keep their values.
+        missing = sorted(k for k in set(current) - set(state_dict) if not _is_adapter_key(k))
         if missing:
             raise KeyError(f"state dict lacks model keys {missing}")
         sharded = {}
         for key, cur in current.items():
+            if key not in state_dict:
+                continue
             value = state_dict[key]
             if isinstance(cur, DTensor) and not isinstance(value, DTensor):
                 value = distribute_tensor(
-                    value.to(cur.device, cur.dtype), cur.device_mesh, cur.placements
+                    value.detach().to(cur.device, cur.dtype), cur.device_mesh, cur.placements
                 )
             sharded[key] = value
         wrapper.load_state_dict(sharded)
@@ -238,7 +268,167 @@ class TitanEngine(BaseEngine):
         wrapper.load_state_dict(self.sd_adapter.from_hf(hf_sd))
 
     def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of the model parts (frozen base weights too, under LoRA)."""
         return [p for m in self.model_parts for p in m.parameters()]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates: all of them, or only the adapters under
+        LoRA (torchtitan's optimizer container takes the ``requires_grad`` ones)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- LoRA ----------------------------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the model trains LoRA adapters (``trainer.lora`` set) instead of every
+        weight."""
+        return self.config.lora is not None
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters in PEFT's names and layout (:mod:`forge_ext.lora`): for each
+        adapted HF module ``m`` (``model.layers.{i}.self_attn.q_proj``, ...),
+        ``base_model.model.<m>.lora_A.weight`` ``[rank, in]`` and ``...lora_B.weight``
+        ``[out, rank]``, so that the module computes ``x W^T + (alpha / rank) x A^T B^T``
+        (torchtitan ``LoRALinear``: ``lora_a.weight`` is A, ``lora_b.weight`` is B).
+
+        Every rank returns the full tensors: DTensor shards (FSDP/DP) are gathered with
+        ``full_tensor()``, a collective, so every rank of the trainer must call it
+        (pipeline parallelism, where ranks hold different layers, is refused with LoRA).
+        The tensors are detached copies in the parameters' dtype (fp32 by default) on the
+        engine's device.
+
+        Raises:
+            ValueError: LoRA is off (no ``lora`` section).
+        """
+        from forge_ext.lora import peft_key
+
+        if not self.lora_enabled:
+            raise ValueError("adapter_state_dict: LoRA is off; set trainer.lora.rank")
+        out: dict[str, torch.Tensor] = {}
+        for titan_module, (weight, *tensors) in _adapter_modules(self.model_parts).items():
+            module = self._hf_module_name(titan_module, weight)
+            for matrix, value in zip("AB", tensors):
+                out[peft_key(module, matrix)] = _full(value).detach().clone()
+        return out
+
+    def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapters from full tensors in PEFT names (the inverse of
+        :meth:`adapter_state_dict`: a PEFT folder's ``adapter_model.safetensors``); each is
+        sharded like the parameter it replaces. Optimizer state is left as is.
+
+        Raises:
+            ValueError: LoRA is off, or ``tensors`` does not name exactly this model's adapters
+                (under PP: this stage's), or a shape differs.
+        """
+        from forge_ext.lora import peft_key
+
+        if not self.lora_enabled:
+            raise ValueError("load_adapter_state_dict: LoRA is off; set trainer.lora.rank")
+        targets = {}
+        for titan_module, (weight, a, b) in _adapter_modules(self.model_parts).items():
+            module = self._hf_module_name(titan_module, weight)
+            targets[peft_key(module, "A")], targets[peft_key(module, "B")] = a, b
+        if set(tensors) != set(targets):
+            extra, missing = sorted(set(tensors) - set(targets)), sorted(set(targets) - set(tensors))
+            raise ValueError(f"adapter tensors do not match the model's adapters: extra "
+                             f"{extra[:3]}, missing {missing[:3]}")
+        with torch.no_grad():
+            for key, param in targets.items():
+                value = tensors[key].detach()
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{key}: shape {tuple(value.shape)}, the adapter's is "
+                                     f"{tuple(param.shape)}")
+                value = value.to(param.device, param.dtype)
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """``adapter_config.json`` of :meth:`adapter_state_dict`
+        (:func:`forge_ext.lora.peft_adapter_config`: ``r``, ``lora_alpha``, the HF
+        ``target_modules``, ``base_model_name_or_path`` = ``model.hf_path``).
+
+        Raises:
+            ValueError: LoRA is off.
+        """
+        from forge_ext.lora import peft_adapter_config
+
+        if not self.lora_enabled:
+            raise ValueError("adapter_config: LoRA is off; set trainer.lora.rank")
+        lora = self.config.lora
+        return peft_adapter_config(
+            lora.rank, float(lora.alpha), lora.targets, self.config.model.hf_path
+        )
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """Within the block the model computes its base model: every ``LoRALinear`` runs
+        its base class's forward (``x W^T``, the adapter path skipped, not multiplied by 0),
+        restored on exit. No copy of any weight: the KL reference of a LoRA policy
+        (``docs/lora.md``). A no-op without LoRA. Not re-entrant across threads."""
+        modules = [m for part in self.model_parts for m in part.modules()
+                   if hasattr(m, "lora_a") and hasattr(m, "lora_b")]
+        for m in modules:
+            # An instance attribute shadows the class's forward; nn.Module.__call__ (and the
+            # FSDP hooks around it) are unchanged.
+            m.forward = super(type(m), m).forward
+        try:
+            yield
+        finally:
+            for m in modules:
+                del m.forward
+
+    def export_lora(self, folder: str | os.PathLike, merged_folder: str | os.PathLike | None = None
+                    ) -> dict[str, str]:
+        """Write the adapters as a PEFT folder (:meth:`adapter_state_dict`,
+        :meth:`adapter_config`; ``adapter_config.json`` + ``adapter_model.safetensors``,
+        atomically, :func:`forge_ext.lora.write_peft_folder`) that
+        ``peft.PeftModel.from_pretrained(base, folder)`` and vLLM's ``LoRARequest`` load;
+        with ``merged_folder`` also a merged HF checkpoint there
+        (:meth:`merged_hf_state_dict`, ``config.json`` and tokenizer files from
+        ``model.hf_path``, :func:`forge_ext.hf_checkpoint.save_hf_checkpoint`).
+
+        A collective (the adapters are gathered on every rank); rank 0 writes. Returns
+        ``{"adapter": folder, "merged": merged_folder or ""}``.
+
+        Raises:
+            ValueError: LoRA is off, or ``merged_folder`` without a config.json source
+                (``model.hf_path`` or a small flavor).
+        """
+        from forge_ext.hf_checkpoint import hf_config_dict, save_hf_checkpoint
+        from forge_ext.lora import write_peft_folder
+        from forge_ext.engine.models import HF_MODEL_TYPES, hf_config_for, read_hf_config
+
+        m = self.config.model
+        if merged_folder is not None:  # on every rank, before the collectives
+            if m.hf_path:
+                config = read_hf_config(m.hf_path)
+            elif hf_config_for(m.name, m.flavor, None) is not None:
+                config = hf_config_dict(HF_MODEL_TYPES[m.name],
+                                        hf_config_for(m.name, m.flavor, None))
+            else:
+                raise ValueError(f"lora.export_merged: model.flavor={m.flavor!r} has no "
+                                 "config.json; set model.hf_path")
+        tensors = {k: v.cpu() for k, v in self.adapter_state_dict().items()}
+        merged = self.merged_hf_state_dict() if merged_folder is not None else None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            write_peft_folder(folder, tensors, self.adapter_config())
+            if merged is not None:
+                save_hf_checkpoint(merged_folder, {k: v.cpu() for k, v in merged.items()},
+                                   config, tokenizer_from=m.hf_path)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the folders exist on return, on every rank
+        return {"adapter": str(folder), "merged": str(merged_folder or "")}
+
+    def _hf_module_name(self, titan_module: str, weight: torch.Tensor) -> str:
+        """HF module name of a torchtitan linear module (``layers.0.attention.qkv_linear.wq``
+        -> ``model.layers.0.self_attn.q_proj``), through the model's state-dict adapter."""
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        probe = torch.empty(weight.shape, device="meta")
+        hf = list(self.sd_adapter.to_hf({f"{titan_module}.weight": probe}))
+        if len(hf) != 1 or not hf[0].endswith(".weight"):
+            raise ValueError(f"no HF name for the adapted module {titan_module!r}: {hf}")
+        return hf[0].removesuffix(".weight")
 
     # ---- microbatching -----------------------------------------------------------------
     def check_batch(self, batch: Batch) -> None:
@@ -405,7 +595,7 @@ class TitanEngine(BaseEngine):
 
     def optimizer_step(self) -> float:
         grad_norm = dist_utils.clip_grad_norm_(
-            self.parameters(),
+            self.trainable_parameters(),
             self.config.training.max_norm,
             foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
@@ -472,6 +662,38 @@ class TitanEngine(BaseEngine):
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+_ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight")
+
+
+def _is_adapter_key(key: str) -> bool:
+    """Whether a torchtitan state-dict key is a LoRA adapter's (``LoRALinear``)."""
+    return key.endswith(_ADAPTER_SUFFIXES)
+
+
+def _adapter_modules(parts: list[torch.nn.Module]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``{torchtitan module name: (base weight, lora_a.weight, lora_b.weight)}`` of the
+    model parts' ``LoRALinear`` modules, in module order."""
+    found = {}
+    for part in parts:
+        for name, module in part.named_modules():
+            if hasattr(module, "lora_a") and hasattr(module, "lora_b"):
+                found[name] = (module.weight, module.lora_a.weight, module.lora_b.weight)
+    return found
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class _TrainableModelWrapper(ModelWrapper):
+    """torchtitan's checkpoint ``ModelWrapper`` restricted to the LoRA adapters: a save
+    writes only them and a load restores only them (``ModelWrapper.load_state_dict`` loads
+    non-strictly), the frozen base staying as loaded from ``model.hf_path``."""
+
+    def _get_state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super()._get_state_dict().items() if _is_adapter_key(k)}
 
 
 def _all_gather(obj: Any) -> list[Any]:
