@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest tests
 
 demo: $(STAMP)
 	$(PY) -m apps.sft.main --config configs/sft_cpu_demo.yaml

@@ -3,8 +3,8 @@ command line, as a user types it, for 2 steps of a demo-shaped checkpoint, print
 will do first and where everything went last, and no traceback (Monarch's atexit shutdown,
 vLLM's chat-template warm-up) nor torchtitan's notices about defaults that do not apply.
 
-A test session's own end is covered by ``tests/conftest.py``'s ``pytest_unconfigure``
-(:func:`forge_ext.supervision.shutdown_monarch`)."""
+A test session on spawned procs ends with pytest's status and nothing after its summary
+(``tests/conftest.py``'s ``pytest_unconfigure``)."""
 
 import os
 import subprocess
@@ -59,3 +59,22 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
                     f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}"), last
     assert (out / "metrics.jsonl").is_file() and (out / "run_config.yaml").is_file()
+
+
+def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback():
+    """A pytest session that spawned a proc and used torchstore (as most of this suite does)
+    ends with pytest's own exit status and nothing after its summary line: no Monarch atexit
+    ``TimeoutError`` traceback, no crash in the interpreter's teardown (``conftest``'s
+    ``pytest_unconfigure``)."""
+    test = "tests/test_torchstore_compat.py::test_reader_on_a_spawned_proc_gets_the_same_state_dict"
+    env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_CODEC_MAX_FRAME_LENGTH"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT,
+        capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT),
+                                                          "PYTHONFAULTHANDLER": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "Traceback" not in output and "Fatal Python error" not in output, output
+    summary = [i for i, line in enumerate(output.splitlines()) if " passed" in line]
+    assert summary and output.splitlines()[summary[-1] + 1:] == [], output[-2000:]

@@ -267,6 +267,10 @@ class VLLMSampler:
         dtype: model dtype unless ``engine_args`` sets one (``float32`` on CPU).
         worker_extension: qualified name of the worker extension class: ``WeightSyncExtension``
             or a subclass of it (benchmarks add timing methods).
+        engine_core: ``process`` (vLLM's default), ``inline`` (in this process, and at tp=1
+            the worker too: only for a process that does nothing else, such as the
+            generator's proc; vLLM then sets its torch threads, seeds its RNGs and freezes its
+            heap), or ``auto`` (``inline`` without CUDA); see ``GeneratorConfig.vllm_engine_core``.
 
     Raises:
         ImportError: vllm is not installed (``make install`` installs it; see docs/install.md).
@@ -275,10 +279,15 @@ class VLLMSampler:
     def __init__(
         self, hf_path: str, *, stop_token_ids: int | Sequence[int],
         engine_args: Mapping[str, Any], dtype: str = "float32",
-        worker_extension: str = WORKER_EXTENSION,
+        worker_extension: str = WORKER_EXTENSION, engine_core: str = "process",
     ) -> None:
         args = engine_args_for(engine_args, dtype=dtype)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if engine_core not in ("auto", "process", "inline"):
+            raise ValueError(f"engine_core={engine_core!r}: choose 'auto', 'process' or 'inline'")
+        inline = engine_core == "inline" or (engine_core == "auto" and not torch.cuda.is_available())
+        if inline:  # vLLM reads it when LLM() starts its engine core; a user's value wins
+            _set_default_env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             _set_default_env(
                 "VLLM_CPU_OMP_THREADS_BIND",
