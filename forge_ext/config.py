@@ -176,7 +176,8 @@ def check_keys(cls: type, mapping: Any, path: str = "") -> None:
         hint = hints[key]
         is_list, item_cls = _list_of(hint)
         if is_list:
-            if value is not None and not isinstance(value, (list, tuple)):
+            if value is not None and not isinstance(value, (list, tuple)) and not (
+                    isinstance(value, str) and _admits_str(hint)):
                 raise ValueError(
                     f"{_join(path, key)}: {value!r} is not a list; write a YAML list, e.g. "
                     f"{_join(path, key)}=[...]"
@@ -188,6 +189,14 @@ def check_keys(cls: type, mapping: Any, path: str = "") -> None:
         field_cls = _dataclass_of(hint)
         if field_cls is not None and isinstance(value, Mapping):
             check_keys(field_cls, value, _join(path, key))
+
+
+def _admits_str(hint: Any) -> bool:
+    """Whether a field's type is a union with ``str`` (``list[str] | str | None``: a list, or
+    one word such as ``all-linear``)."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or (
+        typing.get_origin(hint) is typing.Union) else (hint,)
+    return str in members
 
 
 def _list_of(hint: Any) -> tuple[bool, type | None]:

@@ -302,6 +302,11 @@ def test_lora_is_a_trainer_section_of_the_grpo_and_sft_apps(demo_checkpoint):
         CONFIGS / "sft_cpu_demo.yaml",
         [f"init.hf_path={demo_checkpoint}", "trainer.lora={rank: 2, target_modules: [q_proj]}"]))
     assert engine_config_from_mapping(sft.trainer).lora.targets == ("q_proj",)
+    # One word where a list may stand (PEFT's spelling): all seven layers, or the one named.
+    for word, targets in (("all-linear", 7), ("v_proj", 1)):
+        one = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [
+            f"model.hf_path={demo_checkpoint}", f"trainer.lora={{rank: 4, target_modules: {word}}}"])
+        assert len(engine_config_from_mapping(one.trainer).lora.targets) == targets
 
 
 def test_the_vllm_generator_gets_lora_with_the_trainers_rank(demo_checkpoint):
