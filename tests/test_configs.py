@@ -54,7 +54,10 @@ def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     assert isinstance(config, GRPOConfig)
     assert config.trainer["model"]["hf_path"] == demo_checkpoint  # interpolated
     assert config.generator.hf_path == demo_checkpoint
-    assert config.reference["model"]["hf_path"] == demo_checkpoint
+    if config.reference is None:  # grpo_cpu_lora.yaml: the KL reference is the trainer's base
+        assert config.reference_is_trainer_base and name == "grpo_cpu_lora.yaml"
+    else:
+        assert config.reference["model"]["hf_path"] == demo_checkpoint
 
 
 def test_pp_ga_variant_overrides_only_the_trainer_split(demo_checkpoint):
