@@ -60,7 +60,10 @@ class Runs:
         output_dir = self.dirs[backend, mode]
         extra = [f"loop.mode={mode}"]
         if backend == "hf":  # killed at step 3 of 3, after the checkpoint of step 2
-            extra += ["loop.steps=3", "loop.save_every=1", "trainer.checkpoint.enable=true"]
+            extra += ["loop.steps=3", "loop.save_every=1", "trainer.checkpoint.enable=true",
+                      # No reference role (a proc fewer per run to start, mostly imports): these
+                      # runs check the generator and the resume; the vLLM run keeps it.
+                      "reference=null", "loss.kl_coef=0"]
         config = load_config(BASE[backend], argv(
             root, checkpoint, output_dir, *extra,
             *(["debug.fail_at_step=3"] if which == "crashed" and backend == "hf" else []),
