@@ -20,6 +20,7 @@ from conftest import (
     random_state_dict,
     spawn_all,
 )
+from test_vllm import ARCH, PROMPTS  # tests/test_vllm.py's model (head_dim 32, tied) and prompts
 
 from forge_ext import lora
 from forge_ext.actors import spawn_trainer
@@ -31,13 +32,6 @@ from forge_ext.weights.fetch import fetch_metadata, fetch_weights
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# As tests/test_vllm.py's model: head_dim 32, tied embeddings (as Qwen3-0.6B).
-ARCH = dict(
-    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
-PROMPTS = [[1, 5, 14, 6, 15], [1, 7, 8], [3, 9, 9, 200, 17, 4, 1]]
 KEY_PREFIX = "lora_rl"
 _versions = iter(range(1, 1000))
 
