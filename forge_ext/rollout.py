@@ -33,14 +33,15 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from forge_ext.generation import Completion
+from forge_ext.generation import Completion, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
 from forge_ext.tasks.rubric import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
 Generate = Callable[..., Awaitable[list[Completion]]]
-"""``generate(prompts: list[list[int]], n: int, *, greedy: bool, seed: int | None)``: ``n``
-completions per prompt, prompt-major (the Generator actor's endpoint)."""
+"""``generate(prompts: list[list[int]], n: int, *, greedy: bool, seed: int | list[int] |
+None)``: ``n`` completions per prompt, prompt-major (the Generator actor's endpoint); ``seed``
+one int for the call or one per prompt (:func:`forge_ext.generation.request_seeds`)."""
 
 
 @dataclass(slots=True)
@@ -150,10 +151,15 @@ class EpisodeRunner:
     async def run(self, rows: list[Row], group: int, generate: Generate, *,
                   greedy: bool = False, seed: int | None = None,
                   version: int = 0) -> EpisodeBatch:
-        """``group`` scored episodes per row (module docstring); ``seed`` seeds turn ``k``'s
-        sampling with ``seed + 104_729 * k`` (None: unseeded). ``version`` stamps an episode whose
-        environment failed before any turn (it is kept, with no valid token, so that its
-        group stays whole)."""
+        """``group`` scored episodes per row (module docstring).
+
+        ``seed`` (None: unseeded) gives every sample a seed of its own: single-turn, row ``i``
+        is one request of ``group`` samples seeded ``derive_seed(seed, i)`` (vLLM seeds its
+        samples ``+ j``); multi-turn, episode ``e``'s turn ``k`` is seeded ``derive_seed(seed,
+        e, k)``, whatever other episodes share the call. So the episodes of a group, and two
+        rows holding the same prompt, draw apart, and a step is reproducible from its seed.
+        ``version`` stamps an episode whose environment failed before any turn (it is kept,
+        with no valid token, so that its group stays whole)."""
         if not self.multi_turn:
             completions = await generate([self.render(r) for r in rows], group,
                                          greedy=greedy, seed=seed)
@@ -186,13 +192,14 @@ class EpisodeRunner:
             except ValueError as e:
                 self._fail(t, "error", e, "reset")
         for turn in range(c.max_turns):
-            running = [t for t in trajectories if not t.done]
+            running = [(e, t) for e, t in enumerate(trajectories) if not t.done]
             if not running:
                 break
             completions = await generate(
-                [t.prompt_ids + t.response_ids for t in running], 1, greedy=greedy,
-                seed=None if seed is None else seed + 104_729 * turn,
+                [t.prompt_ids + t.response_ids for _, t in running], 1, greedy=greedy,
+                seed=None if seed is None else [derive_seed(seed, e, turn) for e, _ in running],
             )
+            running = [t for _, t in running]
             replies = []
             for t, x in zip(running, completions, strict=True):
                 room = c.max_episode_tokens - len(t.response_ids)

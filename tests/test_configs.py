@@ -346,6 +346,30 @@ def test_lora_settings_vllm_cannot_serve_are_refused_before_spawning(
                     [f"model.hf_path={demo_checkpoint}", *overrides])
 
 
+@pytest.mark.parametrize(
+    ("vllm", "message"),
+    [
+        ({"enable_chunked_prefill": True},
+         r"generator.vllm.enable_chunked_prefill=true crashes vLLM 0.32 on CPU"),
+        ({"max_model_len": 64, "max_num_batched_tokens": 32},
+         r"generator.vllm.max_num_batched_tokens=32 < generator.vllm.max_model_len=64"),
+    ],
+)
+def test_chunked_prefill_is_off_for_vllm_on_cpu_and_settings_that_need_it_are_refused(
+    demo_checkpoint, vllm, message
+):
+    """vLLM 0.32 on CPU crashes a seeded step over its batched-token budget when it chunks a
+    prefill (issue 32): chunking is off there, and what would need it is refused before
+    anything is spawned."""
+    from forge_ext.actors.generator import GeneratorConfig
+    from forge_ext.generation.vllm_sampler import engine_args_for
+
+    assert engine_args_for({}, dtype="float32", cuda=False)["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in engine_args_for({}, dtype="float32", cuda=True)
+    with pytest.raises(ValueError, match=message):
+        GeneratorConfig(hf_path=demo_checkpoint, backend="vllm", vllm=vllm).check_backend()
+
+
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])

@@ -165,6 +165,58 @@ def test_every_turn_prompt_is_the_episode_so_far_and_replies_are_masked(setup):
     assert len({len(tr.response_ids) for tr in batch.trajectories}) > 1  # replies vary
 
 
+def test_every_episode_turn_has_a_seed_of_its_own_and_a_step_replays_from_its_seed(setup):
+    """One row twice, 4 episodes each, 3 turns: the runner gives each (episode, turn) its own
+    seed, whichever episodes share a call, and the same step seed gives the same seeds and
+    the same episodes. The fault (issue 32): one seed for every request of a turn, which vLLM
+    (a generator per request) turned into a group of identical episodes."""
+    runner, generate, _ = runner_for(setup, VaryingEnv, max_turns=3, max_episode_tokens=400)
+    seeds = []
+
+    async def recording(batch, n, *, greedy=False, seed=None):
+        assert isinstance(seed, list) and len(seed) == len(batch)  # one per episode
+        seeds.append(seed)
+        return await generate(batch, n, greedy=greedy, seed=seed)
+
+    rows = [ROWS[0], ROWS[0]]
+    first = asyncio.run(runner.run(rows, 4, recording, seed=11))
+    drawn = [s for call in seeds for s in call]
+    assert len(drawn) == len(set(drawn)) == sum(t.turns for t in first.trajectories) == 24
+    first_seeds, seeds[:] = list(seeds), []
+    again = asyncio.run(runner.run(rows, 4, recording, seed=11))
+    assert seeds == first_seeds
+    assert [t.response_ids for t in again.trajectories] == [
+        t.response_ids for t in first.trajectories]
+    asyncio.run(runner.run(rows, 4, recording, seed=12))
+    assert not set(drawn) & {s for call in seeds[len(first_seeds):] for s in call}
+
+
+def test_the_controller_keeps_nothing_of_finished_episodes(setup):
+    """30 multi-turn batches of 2 rows x 4 episodes: the prompt renderer's cache holds only
+    rows still alive, and the memory Python allocates stays flat after a warm-up. The fault
+    (issue 32): every episode's first-prompt row cached forever by ``id(row)``, a group of
+    rows per prompt per step (about 6 MB a step at the demo's batch with 300-token
+    prompts)."""
+    import gc
+    import tracemalloc
+
+    runner, generate, _ = runner_for(setup, VaryingEnv, max_turns=2, max_episode_tokens=400)
+    render, cached = runner.render, []
+    tracemalloc.start()
+    try:
+        sizes = []
+        for k in range(30):
+            asyncio.run(runner.run(ROWS, 4, generate, seed=k))
+            gc.collect()
+            cached.append(render.cached_rows())
+            sizes.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert max(cached) <= len(ROWS), cached  # ROWS stay alive: their ids stay cached
+    growth = sizes[-1] - sizes[9]
+    assert growth < 256 * 1024, f"{growth / 1e6:.2f} MB more after 20 batches: {sizes}"
+
+
 def test_max_turns_and_max_episode_tokens_bound_every_episode(setup):
     runner, generate, _ = runner_for(setup, NeverDone, max_turns=3, max_episode_tokens=400)
     batch = asyncio.run(runner.run(ROWS, 2, generate, seed=1))

@@ -101,11 +101,17 @@ async def test_generator_log_probs_equal_the_trainers_on_every_model_token(ratio
     assert max(turns) >= 3  # multi-turn, with replies masked in between
     assert any(0 in ep.response_mask for ep in episodes)
     assert len({len(ep.response_ids) for ep in episodes}) > 1
+    # A group's episodes draw apart (on vLLM they were copies of one episode, issue 32).
+    size = app.config.grpo.group_size
+    for r in app.rollouts.values():
+        for g in range(0, len(r.episodes), size):
+            assert len({tuple(ep.response_ids) for ep in r.episodes[g : g + size]}) > 1
     for row in history(output_dir):
         if "loss" in row:
             assert row["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
             assert row["episode/turns_mean"] >= 1 and row["episode/turns_max"] <= 4
             assert row["episode/env_errors"] == 0 and "time/env" in row
+            assert 0.0 <= row["rollout/groups_without_spread"] <= 1.0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

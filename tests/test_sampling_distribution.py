@@ -194,3 +194,38 @@ def test_vllm_draws_follow_the_requested_distribution(vllm_sampler, logits, temp
     completions = vllm_sampler.generate([PROMPT], n=DRAWS, sampling=sampling, seed=0)
     assert_draws_follow(first_tokens(completions), probs)
     assert_logprobs_are_the_softmax(completions, logits)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_separate_requests_of_one_prompt_in_one_seeded_call_are_independent_draws(
+    request, backend, logits
+):
+    """``DRAWS`` copies of ``PROMPT``, one sample each, in one call with one seed (how the
+    episode runner sends a multi-turn group's turns, and a step holding one row twice): the
+    first tokens still follow the softmax. The fault (issue 32): vLLM seeds each request's
+    generator with the call's seed, so every copy drew the same token, and a group of
+    episodes was one episode copied; every advantage 0."""
+    sampler = request.getfixturevalue("hf_sampler" if backend == "transformers" else "vllm_sampler")
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=1)
+    completions = sampler.generate([PROMPT] * DRAWS, n=1, sampling=sampling, seed=0)
+    assert_draws_follow(first_tokens(completions), torch.softmax(logits, -1))
+
+
+def test_vllm_on_cpu_serves_a_seeded_call_over_its_batched_token_budget_exactly(vllm_sampler):
+    """``DRAWS`` prompts of 32 tokens (131,072 tokens) in one seeded call: 32 times the
+    engine's 4,096 batched tokens per step. On CPU, vLLM 0.32's chunked prefill crashed such a
+    call (``RuntimeError: CPU Generator does not use offset``, issue 32); with it off a prompt
+    waits for the next step instead of being split, so each request draws what it draws
+    alone with its seed."""
+    from forge_ext.generation import request_seeds
+
+    config = vllm_sampler.llm.llm_engine.vllm_config.scheduler_config
+    assert DRAWS * len(PROMPT) > 8 * config.max_num_batched_tokens
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3)
+    prompts = [PROMPT[k:] + PROMPT[:k] for k in range(32)] * (DRAWS // 32)  # 32 distinct
+    together = vllm_sampler.generate(prompts, n=1, sampling=sampling, seed=5)
+    seeds = request_seeds(5, len(prompts))
+    for i in (0, 1, 777, DRAWS - 1):
+        (alone,) = vllm_sampler.generate([prompts[i]], n=1, sampling=sampling, seed=[seeds[i]])
+        assert alone.response_ids == together[i].response_ids
+        assert alone.logprobs == pytest.approx(together[i].logprobs, abs=1e-5)

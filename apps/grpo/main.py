@@ -378,6 +378,10 @@ class GRPOApp(RLLoop):
         # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
         # logged reward/mean stays the rubric's, comparable across variants.
         shaped = [self._shaped_rewards(b) for b in batches]
+        # Groups whose rewards are all equal have advantage 0 everywhere: no signal. Logged on
+        # every run (a group of identical episodes shows here first, issue 32).
+        spread = torch.cat([groups_with_spread(torch.tensor(r), group) for r in shaped])
+        stats["rollout/groups_without_spread"] = 1.0 - spread.float().mean().item()
         groups = chosen + fillers
         trajectories = [t for k, g in groups
                         for t in batches[k].trajectories[g * group : (g + 1) * group]]
@@ -613,6 +617,7 @@ class GRPOApp(RLLoop):
             parts += [
                 f"reward {m['reward/mean']:.3f}",
                 f"acc {m['rollout/accuracy']:.3f}",
+                f"flat groups {m['rollout/groups_without_spread']:.0%}",
                 f"loss {m['loss']:+.4f}",
             ]
             failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()

@@ -222,10 +222,12 @@ class Generator(Actor):
 
     @endpoint
     async def generate(
-        self, prompts: list[list[int]], n: int = 1, greedy: bool = False, seed: int | None = None
+        self, prompts: list[list[int]], n: int = 1, greedy: bool = False,
+        seed: int | list[int] | None = None,
     ) -> list[Completion]:
         """``n`` completions per prompt, prompt-major, stamped with the served policy version
-        (see :meth:`forge_ext.generation.HFSampler.generate`)."""
+        (see :meth:`forge_ext.generation.HFSampler.generate`); ``seed``: one int for the call
+        or one per prompt (:func:`forge_ext.generation.sampling.request_seeds`)."""
         return self.sampler.generate(
             prompts, n, self.config.sampling, greedy=greedy, seed=seed,
             policy_version=self.policy_version,
@@ -332,7 +334,8 @@ class GeneratorHandle:
     """The backend's helper processes (same host), killed by :meth:`stop` if still alive."""
 
     async def generate(
-        self, prompts: list[list[int]], n: int = 1, greedy: bool = False, seed: int | None = None
+        self, prompts: list[list[int]], n: int = 1, greedy: bool = False,
+        seed: int | list[int] | None = None,
     ) -> list[Completion]:
         return await self.actor.generate.call_one(prompts, n, greedy, seed)
 

@@ -12,7 +12,9 @@ from forge_ext.generation.sampling import (
     HFSampler,
     SamplingConfig,
     as_stop_ids,
+    derive_seed,
     make_completion,
+    request_seeds,
     stop_token_ids,
 )
 
@@ -21,6 +23,8 @@ __all__ = [
     "HFSampler",
     "SamplingConfig",
     "as_stop_ids",
+    "derive_seed",
     "make_completion",
+    "request_seeds",
     "stop_token_ids",
 ]

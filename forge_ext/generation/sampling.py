@@ -21,6 +21,7 @@ tokenizer's ``eos_token`` (see :func:`stop_token_ids`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -68,6 +69,36 @@ class Completion:
     """True if the response ends with a stop id (False: cut at ``max_new_tokens``)."""
     policy_version: int
     """Version of the weights that sampled it."""
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed in ``[0, 2**62)`` that depends on every part (a step's seed, an episode's
+    index, a turn), the same in every process and run (BLAKE2b of the parts, not Python's
+    salted ``hash``). Distinct parts give unrelated seeds, so separate requests never share a
+    random stream (vLLM seeds each request's generator with its own ``seed``: equal seeds on
+    equal prompts draw equal tokens, issue 32). Below ``2**62`` so that vLLM's ``seed + j``
+    for the ``j``-th sample of an ``n > 1`` request stays an int64."""
+    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 2
+
+
+def request_seeds(seed: int | Sequence[int] | None, count: int) -> list[int | None]:
+    """One seed per prompt of a ``generate`` call, from its ``seed`` argument: None
+    (unseeded), one int (the call's seed: prompt ``i`` gets ``derive_seed(seed, i)``, so two
+    equal prompts in one call still draw apart), or a list of one seed per prompt (the
+    episode runner's: an episode's seed must not depend on which others share its call).
+
+    Raises:
+        ValueError: a list of seeds whose length is not ``count``.
+    """
+    if seed is None:
+        return [None] * count
+    if isinstance(seed, int):
+        return [derive_seed(seed, i) for i in range(count)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != count:
+        raise ValueError(f"{len(seeds)} seeds for {count} prompts: give one seed per prompt")
+    return seeds
 
 
 def _fork_rng(seed: int | None):
@@ -231,7 +262,7 @@ class HFSampler:
         sampling: SamplingConfig,
         *,
         greedy: bool = False,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         policy_version: int = 0,
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt.
@@ -241,7 +272,11 @@ class HFSampler:
             n: completions per prompt (GRPO's group size).
             sampling: temperature, top-p, max_new_tokens.
             greedy: argmax decoding instead of sampling (evaluation).
-            seed: seeds sampling (the process RNG is restored afterwards); None: unseeded.
+            seed: seeds sampling (:func:`request_seeds`; the process RNG is restored afterwards);
+                None: unseeded. The batch is sampled from one generator seeded by all the
+                prompts' seeds together, so every row draws its own tokens, and the same call
+                (same prompts, same seeds) draws the same tokens again; unlike vLLM, a
+                prompt's draws depend on the rest of the batch.
             policy_version: stamped on every completion.
 
         Returns:
@@ -260,7 +295,8 @@ class HFSampler:
             sampling, greedy=greedy, stop_token_ids=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
         )
-        with _fork_rng(seed):
+        seeds = request_seeds(seed, len(prompts))
+        with _fork_rng(None if seed is None else derive_seed(*seeds)):
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),

@@ -43,6 +43,7 @@ from forge_ext.generation.sampling import (
     SamplingConfig,
     as_stop_ids,
     make_completion,
+    request_seeds,
 )
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
 from forge_ext.weights.shm_files import new_name
@@ -190,12 +191,28 @@ def sampling_params(
     )
 
 
-def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, Any]:
+def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str,
+                    cuda: bool | None = None) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments: ``generator.vllm`` over this backend's defaults
-    (``enforce_eager=True``; ``dtype`` from ``generator.dtype``).
+    (``enforce_eager=True``; ``dtype`` from ``generator.dtype``; without CUDA,
+    ``enable_chunked_prefill=False``).
+
+    Why no chunked prefill on CPU: vLLM 0.32 rewinds a seeded request's generator when it
+    discards the token sampled after a partial prefill (``gen.set_offset`` in
+    ``gpu_model_runner._bookkeeping_sync``), and a CPU generator has no offset: ``RuntimeError:
+    CPU Generator does not use offset`` on the first step whose prompts exceed
+    ``max_num_batched_tokens`` (issue 32). Without chunking no prefill is partial; a prompt
+    that does not fit the step's token budget waits for the next step, and vLLM raises the
+    budget to ``max_model_len`` when it is unset (``EngineArgs._set_default_max_num_seqs_and_
+    batched_tokens_args``). Draws are unchanged: each request has its own seeded generator.
+
+    Args:
+        cuda: whether vLLM will run on CUDA (default: ``torch.cuda.is_available()`` here).
 
     Raises:
-        ValueError: ``generator.vllm`` sets one of :data:`RESERVED_ENGINE_ARGS`.
+        ValueError: ``generator.vllm`` sets one of :data:`RESERVED_ENGINE_ARGS`; or, without
+            CUDA, ``enable_chunked_prefill: true``, or ``max_num_batched_tokens`` below
+            ``max_model_len``.
     """
     reserved = sorted(set(engine_args) & set(RESERVED_ENGINE_ARGS))
     if reserved:
@@ -203,7 +220,23 @@ def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str) -> dict[str, 
             f"generator.vllm sets {reserved}, which the vLLM backend sets itself; remove them "
             "(the model is generator.hf_path)"
         )
-    return {"enforce_eager": True, "dtype": dtype, **engine_args}
+    defaults: dict[str, Any] = {"enforce_eager": True, "dtype": dtype}
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        if engine_args.get("enable_chunked_prefill"):
+            raise ValueError(
+                "generator.vllm.enable_chunked_prefill=true crashes vLLM 0.32 on CPU with seeded "
+                "sampling (RuntimeError: CPU Generator does not use offset, once a step's "
+                "prompts exceed max_num_batched_tokens); remove it (it is off on CPU)"
+            )
+        budget, length = engine_args.get("max_num_batched_tokens"), engine_args.get("max_model_len")
+        if budget is not None and length is not None and budget < length:
+            raise ValueError(
+                f"generator.vllm.max_num_batched_tokens={budget} < generator.vllm.max_model_len="
+                f"{length}: without chunked prefill (off on CPU) a prompt of max_model_len "
+                "tokens must fit one step; raise it or leave it unset (it follows max_model_len)"
+            )
+        defaults["enable_chunked_prefill"] = False
+    return {**defaults, **engine_args}
 
 
 #: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
@@ -332,17 +365,21 @@ class VLLMSampler:
         sampling: SamplingConfig,
         *,
         greedy: bool = False,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         policy_version: int = 0,
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt; same contract as
-        :meth:`forge_ext.generation.sampling.HFSampler.generate` (``seed`` seeds each
-        request's own generator, so the process RNG is untouched)."""
+        :meth:`forge_ext.generation.sampling.HFSampler.generate`. Each prompt is a request
+        with its own generator seeded by its own seed
+        (:func:`~forge_ext.generation.sampling.request_seeds`), so the process RNG is
+        untouched, a prompt's draws do not depend on the rest of the call, and two equal
+        prompts draw apart (vLLM seeds an ``n > 1`` request's samples ``seed + j``)."""
         from vllm import TokensPrompt
 
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
-        params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed)
+        params = [sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=s)
+                  for s in request_seeds(seed, len(prompts))]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
             lora_request=self.lora_request,

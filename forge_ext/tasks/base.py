@@ -18,7 +18,8 @@ Message = dict[str, str]
 """One chat message: ``{"role": "system" | "user" | "assistant", "content": str}``."""
 
 
-@dataclass(frozen=True, slots=True)
+# weakref_slot: caches keyed by a row (PromptRenderer) let it go when nothing else holds it.
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Row:
     """One prompt of a task with its reference answer.
 

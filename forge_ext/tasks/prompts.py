@@ -26,6 +26,8 @@ model saw. Without a chat template a reply is its text's ids (no special tokens)
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +105,10 @@ class PromptRenderer:
             )
         self.tok = tok
         self.config = config
-        self._made: dict[int, tuple[Row, list[int]]] = {}  # id(row) -> (row, ids)
+        # id(row) -> (weak reference to the row, its ids). Weak: a multi-turn episode renders a
+        # row of its own, and keeping every such row would grow the controller by a group
+        # of rows per prompt per step for the whole run (issue 32); an entry goes with its row.
+        self._made: dict[int, tuple[weakref.ref, list[int]]] = {}
         self.chat = tok.has_chat_template if config.chat_template is None else config.chat_template
 
     def messages(self, row: Row) -> list[dict[str, str]] | str:
@@ -116,10 +121,22 @@ class PromptRenderer:
         Raises:
             ValueError: chat messages without a chat template, or a template error.
         """
-        made = self._made.get(id(row))
-        if made is None or made[0] is not row:
-            made = self._made[id(row)] = (row, self._encode(row))
+        key = id(row)
+        made = self._made.get(key)
+        if made is None or made[0]() is not row:
+            made = self._made[key] = (weakref.ref(row, functools.partial(self._forget, key)),
+                                      self._encode(row))
         return made[1]
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """The row behind ``ref`` is gone: drop its entry (unless a new row took its id)."""
+        made = self._made.get(key)
+        if made is not None and made[0] is ref:
+            del self._made[key]
+
+    def cached_rows(self) -> int:
+        """How many rows' ids are cached (every one of them a row still alive)."""
+        return len(self._made)
 
     def continuation(self, reply: str | dict[str, str] | list[dict[str, str]]) -> list[int]:
         """The ids that follow a model turn's end token when the environment answers
