@@ -45,9 +45,9 @@ import time
 import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
-from forge_ext.generation import HFSampler, SamplingConfig
-from forge_ext.generation.vllm_sampler import VLLMSampler
-from forge_ext.generation.vllm_worker import WeightSyncExtension
+from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.rollout.engines.vllm import VLLMSampler
+from forge_ext.rollout.engines.vllm_worker import WeightSyncExtension
 from forge_ext.weights.shared_buffer import open_shared_tensors
 
 DEMO = dict(

@@ -84,7 +84,7 @@ async def run(args) -> list[str]:
 
     from forge_ext.actors.generator import load_version
     from forge_ext.compat.torchstore_monarch import initialize_store
-    from forge_ext.generation.vllm_sampler import VLLMSampler
+    from forge_ext.rollout.engines.vllm import VLLMSampler
     from forge_ext.weights.fetch import open_weights
     from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 

@@ -11,3 +11,9 @@ from forge_ext.compat import torchtitan_cpu as _torchtitan_cpu
 _os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", "910737418240")
 
 _torchtitan_cpu.apply()
+
+# vLLM logs its engine's start (config, thread binding, model loading: ~40 lines per engine)
+# and every weight reload at INFO, and CPU-build notices at WARNING, on the run's console from
+# the generator's processes. Only its errors by default; set VLLM_LOGGING_LEVEL to see more.
+# Before vLLM is imported anywhere; procs and vLLM's own processes inherit it.
+_os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

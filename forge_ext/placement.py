@@ -36,7 +36,7 @@ actors touch CUDA.
 
 No orphans: :meth:`Placement.stop` kills the job (``job.kill()``: every worker and every proc
 it spawned). ProcessJob workers run in sessions of their own and outlive a controller killed
-with SIGKILL, so a watchdog (:mod:`forge_ext.generation._reaper`, holding a pipe from the
+with SIGKILL, so a watchdog (:mod:`forge_ext.rollout.engines._reaper`, holding a pipe from the
 controller) kills their sessions when the controller dies in any way. Slurm and attached
 workers stop their procs themselves when the controller disconnects (Monarch's worker loop);
 the Slurm allocation is cancelled by :meth:`Placement.stop`, or ends at ``slurm.time``.
@@ -185,7 +185,7 @@ class HostsConfig:
         Args:
             processes: each role's process count (trainer/reference: the product of the
                 parallelism degrees, :func:`forge_ext.actors.trainer.world_size_of`;
-                generator: 1).
+                generator: ``generator.replicas``, one process each).
 
         Raises:
             ValueError: hosts x procs_per_host differs from a role's process count (naming
@@ -197,12 +197,6 @@ class HostsConfig:
         layout = {}
         for role, count in processes.items():
             spec = self.role(role)
-            if role == "generator" and (spec.hosts, spec.procs_per_host or 1) != (1, 1):
-                raise ValueError(
-                    f"hosts.generator.hosts={spec.hosts}, procs_per_host="
-                    f"{spec.procs_per_host}: the generator is one process on one host (vLLM "
-                    "starts its tensor-parallel workers there); set both to 1"
-                )
             if spec.procs_per_host is None:
                 if count % spec.hosts:
                     raise ValueError(
@@ -215,7 +209,7 @@ class HostsConfig:
                 per_host = spec.procs_per_host
             if spec.hosts * per_host != count:
                 what = "its parallelism degrees (DP x PP x TP x CP)" if role != "generator" \
-                    else "the generator (one process; vLLM starts its own workers)"
+                    else "generator.replicas (one process each; vLLM starts its own workers)"
                 raise ValueError(
                     f"hosts.{role}.hosts={spec.hosts} x hosts.{role}.procs_per_host={per_host} "
                     f"= {spec.hosts * per_host} processes, but {what} need {count}; make "
@@ -413,6 +407,19 @@ class Placement:
             per_host={"procs": self.procs_per_host(role)}, bootstrap=bootstrap, name=role
         )
 
+    def spawn_replica_procs(self, role: str, host: int, name: str,
+                            env: Mapping[str, str] | None = None):
+        """One proc on host ``host`` of the role's mesh, named ``name`` (a generator replica:
+        each its own proc mesh, so one dying leaves the others' meshes whole). ``env`` as in
+        :meth:`spawn_procs`."""
+        bootstrap = None
+        if env and self.launcher != "local":
+            bootstrap = functools.partial(_set_env, {k: str(v) for k, v in env.items()})
+        mesh = self.host_mesh(role)
+        if self.launcher != "local":
+            mesh = mesh.slice(hosts=host)
+        return mesh.spawn_procs(per_host={"procs": 1}, bootstrap=bootstrap, name=name)
+
     def same_host(self, writer: str, readers: list[str]) -> bool:
         """Whether ``writer`` and every reader run on the same hosts (same host mesh), so
         that a same-host shortcut between them is possible."""
@@ -463,7 +470,7 @@ def _start_session_reaper(job) -> subprocess.Popen:
     procs it spawned, as ``ProcessJob.kill`` does) and removes the job's socket folder."""
     import psutil
 
-    script = os.path.join(os.path.dirname(__file__), "generation", "_reaper.py")
+    script = os.path.join(os.path.dirname(__file__), "rollout", "engines", "_reaper.py")
     args = []
     for state in job._host_to_pid.values():
         try:

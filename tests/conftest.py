@@ -292,41 +292,20 @@ def small(output_dir, checkpoint, *extra):
 
 
 @contextlib.contextmanager
-def engine_core_in_this_process():
-    """vLLM engines started inside run their engine core in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), their workers in processes of their own as
-    always: a process less to start (mostly imports), ~10 s less per engine here.
-
-    The engine core then sets this process's torch threads to 1, seeds its global RNGs,
-    freezes its heap and caches vLLM's environment variables (``vllm/v1/engine/core.py``,
-    ``vllm/engine/arg_utils.py``), and ``VLLMSampler`` sets defaults in ``os.environ``
-    (``VLLM_CPU_OMP_THREADS_BIND`` for its tensor-parallel size: left set, a later tp=2
-    engine's workers failed on tp=1's binding): all undone on leaving, for the tests that
-    follow.
-    """
-    import gc
-    import random
-
-    import numpy
+def vllm_environment_restored():
+    """Undo, on leaving, what starting a vLLM engine in this process sets in ``os.environ``
+    (``VLLMEngine``'s defaults, e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for its tensor-parallel
+    size: left set, a later tp=2 engine's workers failed on tp=1's binding) and vLLM's cache
+    of its environment variables."""
     import vllm.envs
 
-    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
-             numpy.random.get_state())
     environ = dict(os.environ)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            yield
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            vllm.envs.disable_envs_cache()
-            gc.unfreeze()
-            threads, torch_rng, python_rng, numpy_rng = saved
-            torch.set_num_threads(threads)
-            torch.set_rng_state(torch_rng)
-            random.setstate(python_rng)
-            numpy.random.set_state(numpy_rng)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        vllm.envs.disable_envs_cache()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -362,7 +362,7 @@ def test_chunked_prefill_is_off_for_vllm_on_cpu_and_settings_that_need_it_are_re
     prefill (issue 32): chunking is off there, and what would need it is refused before
     anything is spawned."""
     from forge_ext.actors.generator import GeneratorConfig
-    from forge_ext.generation.vllm_sampler import engine_args_for
+    from forge_ext.rollout.engines.vllm import engine_args_for
 
     assert engine_args_for({}, dtype="float32", cuda=False)["enable_chunked_prefill"] is False
     assert "enable_chunked_prefill" not in engine_args_for({}, dtype="float32", cuda=True)

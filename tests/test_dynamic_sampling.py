@@ -2,7 +2,7 @@
 often all equal, every group trained on has spread, dropped groups are counted, and a run
 resumed from a checkpoint step consumes every prompt of the stream exactly once.
 
-The generator is the Generator actor's own sampler (``HFSampler``) called in this process,
+The generator is the Generator actor's own engine (``HFEngine``) called in this process,
 not an actor (the rollout hook is what is under test; the app's actors are tested end to end
 in test_grpo_app.py)."""
 
@@ -18,18 +18,20 @@ PROMPTS, GROUP = 3, 2
 
 
 class InProcessGenerator:
-    """``generate`` of the Generator actor (``forge_ext.actors.generator``), in-process."""
+    """The generator replicas' ``sample`` (``forge_ext.rollout.replicas``) over the Generator
+    actor's own engine (``HFEngine``), in-process."""
 
     def __init__(self, config, tok):
-        from forge_ext.generation.sampling import HFSampler
+        from forge_ext.rollout.engines import HFEngine
 
-        self.sampling = config.generator.sampling
-        self.sampler = HFSampler(config.generator.hf_path, stop_token_ids=tok.stop_ids,
-                                 pad_token_id=tok.pad_id)
+        self.engine = HFEngine(config.generator.hf_path, sampling=config.generator.sampling,
+                               stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
 
-    async def generate(self, prompts, n, greedy=False, seed=None):
-        return self.sampler.generate(prompts, n, self.sampling, greedy=greedy, seed=seed,
-                                     policy_version=0)
+    async def sample(self, prompt_ids, n, *, greedy=False, seed=None, session=None):
+        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
+
+    async def step_metrics(self):
+        return {}
 
 
 def app_for(config, generator=None):

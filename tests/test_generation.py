@@ -1,4 +1,4 @@
-"""The generator's transformers backend (forge_ext.generation): the log-probs it records are
+"""The generator's transformers backend (forge_ext.rollout.engines): the log-probs it records are
 the policy's (a full forward of the unpadded sequence gives the same), responses stop at the
 first of the checkpoint's stop ids, seeds reproduce samples, loaded weights are the weights
 it samples with. (The vLLM backend: tests/test_vllm.py.)"""
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
-from forge_ext.generation import HFSampler, SamplingConfig, make_completion, stop_token_ids
+from forge_ext.rollout.engines import HFSampler, SamplingConfig, make_completion, stop_token_ids
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 ARCH = dict(
@@ -205,7 +205,7 @@ def test_vllms_chat_template_warmup_notice_is_dropped_and_nothing_else(caplog):
     backend skips (a warning with a traceback at every engine start)."""
     import logging
 
-    from forge_ext.generation.vllm_sampler import (
+    from forge_ext.rollout.engines.vllm import (
         CHAT_TEMPLATE_WARMUP_NOTICE,
         drop_chat_template_warmup_notice,
     )

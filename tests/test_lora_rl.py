@@ -26,8 +26,8 @@ from forge_ext import lora
 from forge_ext.actors import spawn_trainer
 from forge_ext.actors.generator import GeneratorConfig, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
-from forge_ext.generation import SamplingConfig
-from forge_ext.generation.vllm_sampler import VLLMSampler
+from forge_ext.rollout.engines import SamplingConfig
+from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.weights.fetch import fetch_metadata, fetch_weights
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -103,7 +103,7 @@ async def test_a_lora_version_publishes_the_adapter_bytes_alone(actors):
 def test_a_lora_version_vllm_cannot_serve_names_the_field(max_lora_rank, message):
     """Checked before the engine is touched (the engine is never reached here: the sampler
     is built without one), so the served version stays."""
-    sampler = VLLMSampler.__new__(VLLMSampler)
-    sampler.max_lora_rank = max_lora_rank
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.max_lora_rank = max_lora_rank
     with pytest.raises(ValueError, match=message):
-        sampler.load_adapter({}, {"r": 16, "lora_alpha": 32}, 7)
+        asyncio.run(engine.load_adapter({}, {"r": 16, "lora_alpha": 32}, 7))

@@ -17,8 +17,8 @@ import torch
 from conftest import chat_checkpoint
 
 from forge_ext.episode import Episode, pack_episodes
-from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.rollout import EpisodeRunner
+from forge_ext.rollout.engines import HFEngine, HFSampler, SamplingConfig
 from forge_ext.tasks import (
     EpisodeConfig, PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig, Row,
     Rubric, episode_config,
@@ -93,20 +93,22 @@ def setup(tmp_path_factory):
 
 def runner_for(setup, env, **limits):
     """A runner of ``env`` (a class of this module, by import path) with an exact_match
-    rubric, and a ``generate`` over the real sampler that records every prompt it gets."""
+    rubric, and a ``sample`` over the real engine that records every request's prompt."""
     path, tok, sampler = setup
     render = PromptRenderer(tok, PromptConfig())
     rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
                                  on_error=-1.0), _NoTask())
     config = EpisodeConfig(environment=f"{__name__}:{env.__name__}", **limits)
+    engine = HFEngine(path, sampling=SamplingConfig(max_new_tokens=16), sampler=sampler,
+                      stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    engine.policy_version = 3
     prompts = []
 
-    async def generate(batch, n, *, greedy=False, seed=None):
-        prompts.append([list(p) for p in batch])
-        return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
-                                seed=seed, policy_version=3)
+    async def sample(prompt_ids, n, *, greedy=False, seed=None, session=None):
+        prompts.append(list(prompt_ids))
+        return await engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
 
-    return EpisodeRunner(tok, render, rubric, config), generate, prompts
+    return EpisodeRunner(tok, render, rubric, config), sample, prompts
 
 
 class _NoTask:
@@ -136,15 +138,16 @@ def test_every_turn_prompt_is_the_episode_so_far_and_replies_are_masked(setup):
         assert len(t.response_ids) == len(t.response_mask) == len(t.logprobs)
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask) if m == 0)
         assert all(lp < 0.0 for lp, m in zip(t.logprobs, t.response_mask) if m == 1)
-        assert t.versions == [3, 3, 3] and t.policy_version == 3
+        assert t.versions == [3] * sum(t.response_mask) and t.policy_version == 3  # per token
         assert batch.rewards[i] == pytest.approx(batch.scores.rewards[i] + 0.3)
-    # Turn k's prompt of an episode is exactly its ids before that turn's tokens.
-    assert [len(p) for p in prompts] == [4, 4, 4]
-    for turn, batch_prompts in enumerate(prompts):
-        for t, prompt in zip(batch.trajectories, batch_prompts):
-            model_turn_starts = [j for j in range(len(t.response_mask))
-                                 if t.response_mask[j] == 1 and (j == 0 or t.response_mask[j - 1] == 0)]
-            assert prompt == t.prompt_ids + t.response_ids[: model_turn_starts[turn]]
+    # Turn k's prompt of an episode is exactly its ids before that turn's tokens: one request
+    # per episode and turn, each with that prompt.
+    expected = []
+    for t in batch.trajectories:
+        model_turn_starts = [j for j in range(len(t.response_mask))
+                             if t.response_mask[j] == 1 and (j == 0 or t.response_mask[j - 1] == 0)]
+        expected += [t.prompt_ids + t.response_ids[:start] for start in model_turn_starts]
+    assert sorted(prompts) == sorted(expected) and len(prompts) == 12
     # Each environment run is the chat template's rendering of the reply after the turn.
     t = batch.trajectories[0]
     runs, j = [], 0
@@ -173,22 +176,22 @@ def test_every_episode_turn_has_a_seed_of_its_own_and_a_step_replays_from_its_se
     runner, generate, _ = runner_for(setup, VaryingEnv, max_turns=3, max_episode_tokens=400)
     seeds = []
 
-    async def recording(batch, n, *, greedy=False, seed=None):
-        assert isinstance(seed, list) and len(seed) == len(batch)  # one per episode
+    async def recording(prompt_ids, n, *, greedy=False, seed=None, session=None):
         seeds.append(seed)
-        return await generate(batch, n, greedy=greedy, seed=seed)
+        return await generate(prompt_ids, n, greedy=greedy, seed=seed, session=session)
 
     rows = [ROWS[0], ROWS[0]]
     first = asyncio.run(runner.run(rows, 4, recording, seed=11))
-    drawn = [s for call in seeds for s in call]
+    drawn = list(seeds)
     assert len(drawn) == len(set(drawn)) == sum(t.turns for t in first.trajectories) == 24
-    first_seeds, seeds[:] = list(seeds), []
+    seeds.clear()
     again = asyncio.run(runner.run(rows, 4, recording, seed=11))
-    assert seeds == first_seeds
+    assert sorted(seeds) == sorted(drawn)
     assert [t.response_ids for t in again.trajectories] == [
         t.response_ids for t in first.trajectories]
+    seeds.clear()
     asyncio.run(runner.run(rows, 4, recording, seed=12))
-    assert not set(drawn) & {s for call in seeds[len(first_seeds):] for s in call}
+    assert not set(drawn) & set(seeds)
 
 
 def test_the_controller_keeps_nothing_of_finished_episodes(setup):
@@ -367,8 +370,8 @@ import asyncio, json, sys
 # Without OpenEnv's optional web UI (openenv/core/env_server/__init__.py imports it only when
 # gradio imports; the adapter never uses it): gradio's import is ~5 s of CPU here.
 sys.modules["gradio"] = None
-from forge_ext.generation import HFSampler, SamplingConfig
 from forge_ext.rollout import EpisodeRunner
+from forge_ext.rollout.engines import HFEngine, HFSampler, SamplingConfig
 from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig,
                              Row, Rubric, episode_config)
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
@@ -388,9 +391,11 @@ config = episode_config({"environment": "openenv", "max_turns": 5, "environment_
     "env_options": {"greeting": "Guess a digit from 0 to 9."}}})
 runner = EpisodeRunner(tok, render, rubric, config)
 
-async def generate(batch, n, *, greedy=False, seed=None):
-    return sampler.generate(batch, n, SamplingConfig(max_new_tokens=16), greedy=greedy,
-                            seed=seed, policy_version=0)
+engine = HFEngine(path, sampling=SamplingConfig(max_new_tokens=16), sampler=sampler,
+                  stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+
+async def generate(prompt_ids, n, *, greedy=False, seed=None, session=None):
+    return await engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
 
 batch = asyncio.run(runner.run([Row(prompt="unused", answer="7")], 3, generate, seed=2))
 json.dump({

@@ -20,9 +20,10 @@ import math
 import os
 
 import pytest
+import pytest_asyncio
 import torch
 
-from forge_ext.generation import HFSampler, SamplingConfig
+from forge_ext.rollout.engines import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 8 or 16).
@@ -169,63 +170,74 @@ def test_transformers_draws_follow_the_requested_distribution(
     assert_logprobs_are_the_softmax(completions, logits)
 
 
-@pytest.fixture(scope="module")
-def vllm_sampler(checkpoint):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def vllm_engine(checkpoint):
     pytest.importorskip("vllm")
-    from forge_ext.generation.vllm_sampler import VLLMSampler
+    from forge_ext.rollout.engines.vllm import VLLMEngine
 
-    # Not conftest.engine_core_in_this_process: with tp=1 vLLM then also runs its worker in
-    # the pytest process, which walks every loaded module's globals and failed on a werkzeug
-    # proxy an earlier test's imports left ("Working outside of application context").
     environ = dict(os.environ)
-    sampler = VLLMSampler(checkpoint, stop_token_ids=0, engine_args={"max_model_len": 64})
+    engine = VLLMEngine(checkpoint, sampling=SamplingConfig(), stop_token_ids=0,
+                        engine_args={"max_model_len": 64})
     os.environ.clear()  # its defaults (the tp=1 thread binding) must not reach later engines
     os.environ.update(environ)
     try:
-        yield sampler
+        await engine.start()
+        yield engine
     finally:
-        sampler.close()
+        await engine.close()
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize(("temperature", "top_p"), CASES, ids=CASE_IDS)
-def test_vllm_draws_follow_the_requested_distribution(vllm_sampler, logits, temperature, top_p):
+async def test_vllm_draws_follow_the_requested_distribution(vllm_engine, logits, temperature,
+                                                            top_p):
     probs, top_p = target_distribution(logits, temperature, top_p)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=1)
-    completions = vllm_sampler.generate([PROMPT], n=DRAWS, sampling=sampling, seed=0)
+    completions = await vllm_engine.sample(PROMPT, n=DRAWS, sampling=sampling, seed=0)
     assert_draws_follow(first_tokens(completions), probs)
     assert_logprobs_are_the_softmax(completions, logits)
 
 
-@pytest.mark.parametrize("backend", ["transformers", "vllm"])
-def test_separate_requests_of_one_prompt_in_one_seeded_call_are_independent_draws(
-    request, backend, logits
+def test_transformers_separate_prompts_in_one_seeded_call_are_independent_draws(
+    hf_sampler, logits
 ):
-    """``DRAWS`` copies of ``PROMPT``, one sample each, in one call with one seed (how the
-    episode runner sends a multi-turn group's turns, and a step holding one row twice): the
-    first tokens still follow the softmax. The fault (issue 32): vLLM seeds each request's
-    generator with the call's seed, so every copy drew the same token, and a group of
-    episodes was one episode copied; every advantage 0."""
-    sampler = request.getfixturevalue("hf_sampler" if backend == "transformers" else "vllm_sampler")
+    """``DRAWS`` copies of ``PROMPT``, one sample each, in one call with one seed (a step
+    holding one row twice): the first tokens still follow the softmax."""
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=1)
-    completions = sampler.generate([PROMPT] * DRAWS, n=1, sampling=sampling, seed=0)
+    completions = hf_sampler.generate([PROMPT] * DRAWS, n=1, sampling=sampling, seed=0)
     assert_draws_follow(first_tokens(completions), torch.softmax(logits, -1))
 
 
-def test_vllm_on_cpu_serves_a_seeded_call_over_its_batched_token_budget_exactly(vllm_sampler):
-    """``DRAWS`` prompts of 32 tokens (131,072 tokens) in one seeded call: 32 times the
-    engine's 4,096 batched tokens per step. On CPU, vLLM 0.32's chunked prefill crashed such a
-    call (``RuntimeError: CPU Generator does not use offset``, issue 32); with it off a prompt
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_separate_requests_of_one_prompt_in_one_seeded_call_are_independent_draws(
+    vllm_engine, logits
+):
+    """``DRAWS`` requests of ``PROMPT``, one sample each, seeded from one seed (how a
+    multi-turn group's turns reach the engine, and a step holding one row twice): the first
+    tokens still follow the softmax. The fault (issue 32): vLLM seeds each request's
+    generator with its seed, and every request had the call's seed, so every copy drew the
+    same token, and a group of episodes was one episode copied; every advantage 0."""
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=1)
+    completions = await vllm_engine.generate([PROMPT] * DRAWS, n=1, sampling=sampling, seed=0)
+    assert_draws_follow(first_tokens(completions), torch.softmax(logits, -1))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_on_cpu_serves_requests_over_its_batched_token_budget_exactly(vllm_engine):
+    """``DRAWS`` seeded requests of 32 tokens (131,072 tokens) at once: 32 times the engine's
+    4,096 batched tokens per step. On CPU, vLLM 0.32's chunked prefill crashed such a step
+    (``RuntimeError: CPU Generator does not use offset``, issue 32); with it off a prompt
     waits for the next step instead of being split, so each request draws what it draws
     alone with its seed."""
-    from forge_ext.generation import request_seeds
+    from forge_ext.rollout.engines import request_seeds
 
-    config = vllm_sampler.llm.llm_engine.vllm_config.scheduler_config
+    config = vllm_engine.engine.vllm_config.scheduler_config
     assert DRAWS * len(PROMPT) > 8 * config.max_num_batched_tokens
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3)
     prompts = [PROMPT[k:] + PROMPT[:k] for k in range(32)] * (DRAWS // 32)  # 32 distinct
-    together = vllm_sampler.generate(prompts, n=1, sampling=sampling, seed=5)
+    together = await vllm_engine.generate(prompts, n=1, sampling=sampling, seed=5)
     seeds = request_seeds(5, len(prompts))
     for i in (0, 1, 777, DRAWS - 1):
-        (alone,) = vllm_sampler.generate([prompts[i]], n=1, sampling=sampling, seed=[seeds[i]])
+        (alone,) = await vllm_engine.sample(prompts[i], n=1, sampling=sampling, seed=seeds[i])
         assert alone.response_ids == together[i].response_ids
         assert alone.logprobs == pytest.approx(together[i].logprobs, abs=1e-5)

@@ -37,7 +37,7 @@ from forge_ext.actors.generator import (
     spawn_generator,
 )
 from forge_ext.compat.torchstore_monarch import initialize_store
-from forge_ext.generation import SamplingConfig
+from forge_ext.rollout.engines import SamplingConfig
 from forge_ext.weights import same_host
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
@@ -268,7 +268,7 @@ def test_vllm_ends_responses_only_at_the_stop_ids_it_is_given():
     """vLLM's engine adds the checkpoint's end ids to every request
     (``update_from_generation_config``, called here as the engine calls it): the sampler must
     keep to the ids the caller passed, as the transformers sampler does."""
-    from forge_ext.generation.vllm_sampler import sampling_params
+    from forge_ext.rollout.engines.vllm import sampling_params
 
     params = sampling_params([2], 1, SamplingConfig(**SAMPLING))
     params.update_from_generation_config({"eos_token_id": [2, END_ID]}, eos_token_id=END_ID)

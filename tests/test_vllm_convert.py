@@ -11,12 +11,15 @@ Llama-3 with ``llama3`` RoPE scaling (KV heads > tp), each at tp=2 (one vLLM eng
 ``merge_vllm_shards`` of its tp=2 shards (and, for a Qwen3, against vLLM's log-probs at tp=1 in tests/test_vllm.py).
 """
 
+import asyncio
+
 import pytest
 import torch
-from conftest import engine_core_in_this_process, random_state_dict
+from conftest import random_state_dict, vllm_environment_restored
 from safetensors.torch import load_file
 
-from forge_ext.generation.vllm_sampler import VLLMSampler
+from forge_ext.rollout.engines import SamplingConfig
+from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.weights.convert import hf_to_vllm, merge_vllm_shards
 
 # head_dim 32 or 64: sizes vLLM's CPU attention supports. Vocabularies not a multiple of 64,
@@ -60,17 +63,21 @@ def captured(request, tmp_path_factory):
     name, tp_size = request.param
     root = tmp_path_factory.mktemp(f"{name}_tp{tp_size}")
     state_dict, config = _checkpoint(root / "ckpt", *MODELS[name])
-    with engine_core_in_this_process():
-        sampler = VLLMSampler(
-            str(root / "ckpt"), stop_token_ids=[0],
+    # Weights other than the checkpoint's: what vLLM holds after a reload.
+    new = random_state_dict(state_dict, seed=7, std=0.3)
+
+    async def capture():
+        engine = VLLMEngine(
+            str(root / "ckpt"), sampling=SamplingConfig(), stop_token_ids=[0],
             engine_args={"tensor_parallel_size": tp_size, "max_model_len": 64},
         )
         try:
-            # Weights other than the checkpoint's: what vLLM holds after a reload.
-            new = random_state_dict(state_dict, seed=7, std=0.3)
-            paths = sampler.capture_loaded_weights(new, str(root / "captured"))
+            return await engine.capture_loaded_weights(new, str(root / "captured"))
         finally:
-            sampler.close()
+            await engine.close()
+
+    with vllm_environment_restored():
+        paths = asyncio.run(capture())
     return new, config, tp_size, [load_file(p) for p in paths]
 
 

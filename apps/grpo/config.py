@@ -114,13 +114,14 @@ class ProcsSection:
     reference: RoleProcs = field(default_factory=RoleProcs)
     """The reference model's processes."""
     generator: RoleProcs = field(default_factory=RoleProcs)
-    """The generator's process."""
+    """The generator's processes (one per replica: ``generator.replicas``)."""
 
     def __post_init__(self) -> None:
-        if self.generator.num_procs not in (None, 1):
+        if self.generator.num_procs is not None:
             raise ValueError(
-                f"procs.generator.num_procs={self.generator.num_procs}: the generator runs in "
-                "one process (use generator.vllm.tensor_parallel_size for more GPUs)"
+                f"procs.generator.num_procs={self.generator.num_procs}: the generator runs one "
+                "process per replica; set generator.replicas (and "
+                "generator.vllm.tensor_parallel_size for GPUs per replica) instead"
             )
 
 
@@ -213,14 +214,14 @@ class GRPOConfig:
         Raises:
             ValueError: ``generator.vllm.enable_lora`` false, or ``generator.vllm
                 .max_lora_rank`` below ``trainer.lora.rank`` (or not a rank vLLM takes),
-                naming the field (:func:`forge_ext.generation.vllm_sampler.lora_engine_args`).
+                naming the field (:func:`forge_ext.rollout.engines.vllm.lora_engine_args`).
         """
         section = (self.trainer or {}).get("lora")
         rank = section.get("rank") if isinstance(section, dict) else None
         if self.generator.backend != "vllm" or isinstance(rank, bool) or not isinstance(
                 rank, int) or rank < 1:
             return  # no LoRA, or a bad rank that the trainer's own check names
-        from forge_ext.generation.vllm_sampler import lora_engine_args
+        from forge_ext.rollout.engines.vllm import lora_engine_args
 
         self.generator.vllm = lora_engine_args(self.generator.vllm, rank)
 
@@ -329,7 +330,7 @@ class GRPOConfig:
     def processes(self, engines: dict[str, Any] | None = None) -> dict[str, int]:
         """``{role: process count}`` of the roles this run spawns: the trainer's and
         reference's from their parallelism degrees and ``procs.<role>.num_procs`` or
-        ``hosts.<role>`` (hosts x procs_per_host), the generator's 1. Reads
+        ``hosts.<role>`` (hosts x procs_per_host), the generator's ``generator.replicas``. Reads
         ``model.hf_path``'s config.json (through the engine sections, unless ``engines``
         gives them already validated).
 
@@ -360,7 +361,7 @@ class GRPOConfig:
                     "(the product of its degrees: DP replicate x DP shard x CP x TP x PP); "
                     "make them equal"
                 ) from None
-        processes["generator"] = 1
+        processes["generator"] = self.generator.replicas  # one process per replica
         return processes
 
 

@@ -58,7 +58,7 @@ from forge_ext.config import (
     scoped_env,
 )
 from forge_ext.disk import find_output_write_error
-from forge_ext.generation import Completion
+from forge_ext.rollout.engines import Completion
 from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
@@ -187,21 +187,23 @@ class GRPOApp(RLLoop):
         self.trainer = self.reference = self.generator = None
         self.bar = None
 
-    async def generate(self, prompts: list[list[int]], n: int, *, greedy: bool = False,
-                       seed: int | None = None) -> list[Completion]:
-        """The generator's ``generate``, timed as generator-busy (:meth:`busy`)."""
+    async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
+                     seed: int | None = None, session=None) -> list[Completion]:
+        """One request to the generator replicas (:meth:`forge_ext.rollout.replicas
+        .GeneratorReplicas.sample`), timed as generator-busy (:meth:`busy`)."""
         with self.busy("generator"):
-            return await self.generator.generate(prompts, n, greedy=greedy, seed=seed)
+            return await self.generator.sample(prompt_ids, n, greedy=greedy, seed=seed,
+                                               session=session)
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
         import torchstore as ts
 
         from forge_ext.actors import spawn_trainer
-        from forge_ext.actors.generator import spawn_generator
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.compat.torchstore_monarch import initialize_store
         from forge_ext.placement import Placement
+        from forge_ext.rollout.replicas import spawn_replicas
         from forge_ext.supervision import watch_run
 
         c = self.config
@@ -268,9 +270,12 @@ class GRPOApp(RLLoop):
             stops["reference"] = self.reference.stop
 
         async def generator():
-            self.generator = await spawn_generator(
+            env = None if c.hosts.launcher == "local" else {**c.procs.env, **c.procs.generator.env}
+            self.generator = await spawn_replicas(
                 c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
-                key_prefix=c.weights.key_prefix, spawn_procs=procs_of("generator"),
+                key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
+                spawn_procs=functools.partial(placement.spawn_replica_procs, "generator",
+                                              env=env),
             )
             stops["generator"] = self.generator.stop
 
@@ -301,8 +306,10 @@ class GRPOApp(RLLoop):
         c = self.config
         model = c.trainer.get("model", {})
         name = model.get("name") or model_name_of(model.get("hf_path"))
+        replicas = c.generator.replicas
         procs = ", ".join(
-            f"{r} ({c.generator.backend}, 1 proc)" if r == "generator"
+            f"{r} ({c.generator.backend}, {replicas} replica{'s' * (replicas > 1)}, "
+            f"weight_update {c.generator.weight_update})" if r == "generator"
             else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)})"
             for r in roles
         )
@@ -365,16 +372,19 @@ class GRPOApp(RLLoop):
             batches, chosen, fillers, stats = await self._dynamic_rollouts(step)
         else:
             rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
-            batches = [await self.runner.run(rows, group, self.generate,
+            batches = [await self.runner.run(rows, group, self.sample,
                                              seed=c.seed * 1_000_003 + step,
                                              version=self.trainer_version)]
             chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
             fillers, stats = [], {}
         batch = EpisodeBatch.concat(batches) if len(batches) > 1 else batches[0]
-        seconds = {"generate": time.perf_counter() - start - batch.env_seconds
-                   - batch.reward_seconds, "reward": batch.reward_seconds}
+        # Episodes run side by side: "generate" is the wall time until the last one ended
+        # (their environments' time included), "env" the mean seconds an episode waited for
+        # its environment.
+        seconds = {"generate": time.perf_counter() - start - batch.reward_seconds,
+                   "reward": batch.reward_seconds}
         if batch.multi_turn:
-            seconds["env"] = batch.env_seconds
+            seconds["env"] = batch.env_seconds / len(batch.trajectories)
         # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
         # logged reward/mean stays the rubric's, comparable across variants.
         shaped = [self._shaped_rewards(b) for b in batches]
@@ -455,7 +465,7 @@ class GRPOApp(RLLoop):
                 break
             rows = self.prompts.slice(position, count)
             # The first rollout has the seed of a step without dynamic sampling.
-            batch = await self.runner.run(rows, group, self.generate,
+            batch = await self.runner.run(rows, group, self.sample,
                                           seed=c.seed * 1_000_003 + step + k * 10_000_019,
                                           version=self.trainer_version)
             spread = groups_with_spread(torch.tensor(self._shaped_rewards(batch)), group)
@@ -536,6 +546,8 @@ class GRPOApp(RLLoop):
             **rollouts.stats,
             # Each reward function's mean and its failed calls this step (the rubric's).
             **rollouts.batch.metrics(),
+            # Per replica: requests, tokens/s, idle, paused and update seconds (the replicas').
+            **await self.generator.step_metrics(),
             "generator_version": rollouts.generator_version,
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
@@ -552,9 +564,9 @@ class GRPOApp(RLLoop):
 
     async def fetch_weights(self, version: int) -> dict[str, float]:
         info = await self.generator.update_weights(version)
-        # How long generation stopped for the new weights (the call's wall time also counts
-        # waiting, in async mode, for the generate request in progress).
-        return {"generator_update": info["fetch_seconds"] + info["load_seconds"]}
+        # Per update (the slowest replica's): fetch, load, and how long requests were held.
+        return {"generator_update": info["fetch_seconds"] + info["load_seconds"],
+                "generator_update_paused": info["paused_seconds"]}
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
@@ -562,7 +574,7 @@ class GRPOApp(RLLoop):
         size = c.eval.batch_size
         for lo in range(0, len(self.eval_rows), size):
             batches.append(await self.runner.run(
-                self.eval_rows[lo : lo + size], 1, self.generate, greedy=c.eval.greedy,
+                self.eval_rows[lo : lo + size], 1, self.sample, greedy=c.eval.greedy,
                 seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
                 version=self.trainer_version,
             ))
@@ -644,6 +656,13 @@ class GRPOApp(RLLoop):
                 parts.append(
                     f"is weight {m['loss/tis_weight_mean']:.3f} "
                     f"(capped {m['loss/tis_capped_fraction']:.1%})"
+                )
+            if self.config.generator.replicas > 1 or m.get("generator/resubmitted"):
+                parts.append(
+                    f"replicas {int(m['generator/live_replicas'])}/"
+                    f"{self.config.generator.replicas} (resubmitted "
+                    f"{int(m['generator/resubmitted'])}, versions per response max "
+                    f"{int(m.get('rollout/versions_per_response_max', 1))})"
                 )
             parts.append(
                 f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])}, "

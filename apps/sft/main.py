@@ -41,7 +41,7 @@ from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
 )
-from forge_ext.generation import HFSampler, SamplingConfig
+from forge_ext.rollout.engines import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.lora import ADAPTER_CONFIG_NAME
 from forge_ext.metrics import MetricLogger, MetricsConfig

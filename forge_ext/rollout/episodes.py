@@ -1,16 +1,24 @@
-"""Rollouts: from task rows to scored episodes, one turn or many, for every app and loop mode.
+"""Episodes: from task rows to scored episodes, one turn or many, for every app and loop mode.
 
-:func:`run_episodes` samples ``group`` episodes per row. Without an environment an episode is
-one turn: the row's prompt ids and one completion (one ``generate`` call for the whole batch,
-``group`` samples per prompt). With ``task.environment`` (:mod:`forge_ext.tasks.environments`)
-each episode has its own environment instance, and turns alternate until the environment says
-done, ``task.max_turns`` model turns, or ``task.max_episode_tokens``:
+:meth:`EpisodeRunner.run` samples ``group`` episodes per row, every episode on its own: an
+episode sends its next request as soon as it has what it needs (its environment's reply), so
+a slow environment or a long response delays only its own episode, never the others of the
+batch. Requests go through a :data:`SampleFn` callable (the generator replicas' router:
+:meth:`forge_ext.rollout.replicas.GeneratorReplicas.sample`), each with a *session*: the
+row's group, so every turn of an episode and every episode of a group go to one replica and
+its prefix cache.
+
+Without an environment an episode is one turn: one request per row for its ``group``
+samples. With ``task.environment`` (:mod:`forge_ext.tasks.environments`) each episode has its
+own environment instance, and turns alternate until the environment says done,
+``task.max_turns`` model turns, or ``task.max_episode_tokens``:
 
 1. ``reset(row)`` gives the first prompt, rendered once (:class:`~forge_ext.tasks.PromptRenderer`);
-2. every running episode's prompt is exactly its ids so far (token-in/token-out: never decoded
-   and re-encoded); the generator samples one turn for each, in one call per turn;
-3. the model's tokens are appended with mask 1 and their log-probs; a turn cut at the
-   generator's ``max_new_tokens`` (no end token) ends the episode as truncated;
+2. the episode's prompt is exactly its ids so far (token-in/token-out: never decoded and
+   re-encoded); one request samples its turn;
+3. the model's tokens are appended with mask 1, their log-probs and the policy version that
+   sampled each; a turn cut at the generator's ``max_new_tokens`` (no end token) ends the
+   episode as truncated;
 4. ``step(decoded turn)`` gives a reply, a reward and done; the reply's ids
    (:meth:`~forge_ext.tasks.PromptRenderer.continuation`) are appended with mask 0 and no
    log-probs.
@@ -18,8 +26,8 @@ done, ``task.max_turns`` model turns, or ``task.max_episode_tokens``:
 An environment call that raises or runs past ``task.env_timeout_s`` ends its episode, which
 then scores ``reward.on_error`` (counted in ``episode/env_errors`` / ``episode/env_timeouts``);
 the others go on. An episode's reward is the rubric's score of its last model turn plus the sum
-of its environment rewards; its policy version is that of its oldest turn (staleness is bounded
-by the oldest).
+of its environment rewards; its policy version is that of its oldest token (staleness is
+bounded by the oldest).
 """
 
 from __future__ import annotations
@@ -27,21 +35,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from forge_ext.generation import Completion, derive_seed
+from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
 from forge_ext.tasks.rubric import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
-Generate = Callable[..., Awaitable[list[Completion]]]
-"""``generate(prompts: list[list[int]], n: int, *, greedy: bool, seed: int | list[int] |
-None)``: ``n`` completions per prompt, prompt-major (the Generator actor's endpoint); ``seed``
-one int for the call or one per prompt (:func:`forge_ext.generation.request_seeds`)."""
+SampleFn = Callable[..., Awaitable[list[Completion]]]
+"""``sample(prompt_ids: list[int], n: int, *, greedy: bool, seed: int | None, session)``: one
+request's ``n`` completions (:meth:`forge_ext.rollout.replicas.GeneratorReplicas.sample`);
+``session`` is hashable: requests of one session go to one replica."""
 
 
 @dataclass(slots=True)
@@ -57,10 +66,12 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     """The generator's log-prob of each model token; 0.0 on environment tokens."""
     versions: list[int] = field(default_factory=list)
-    """The policy version of each model turn."""
+    """The policy version that sampled each model token, in order."""
     last_turn: list[int] = field(default_factory=list)
     """The last model turn's ids (what the rubric scores, decoded)."""
     env_reward: float = 0.0
+    env_seconds: float = 0.0
+    """Seconds the episode waited for its environment."""
     turns: int = 0
     truncated: bool = False
     """Ended by ``max_turns``, ``max_episode_tokens`` or a turn without an end token."""
@@ -89,6 +100,8 @@ class EpisodeBatch:
     """Per episode: the rubric's weighted reward (``reward.on_error`` if the environment
     failed) plus the environment's rewards."""
     env_seconds: float
+    """Seconds the episodes waited for their environments, summed over episodes (they
+    overlap: this is environment load, not wall time)."""
     reward_seconds: float
     multi_turn: bool
 
@@ -113,9 +126,14 @@ class EpisodeBatch:
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
         ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction),
-        ``episode/env_errors``, ``episode/env_timeouts`` (counts); :attr:`env_seconds` is
-        the environment's share of the time."""
+        ``episode/env_errors``, ``episode/env_timeouts`` (counts); for every batch
+        ``rollout/versions_per_response_mean`` and ``_max`` (policy versions that sampled an
+        episode's tokens)."""
         out = self.scores.metrics()
+        spans = [len(set(x.versions)) for x in self.trajectories if x.versions]
+        if spans:  # > 1 where an in-flight weight update landed inside a response
+            out["rollout/versions_per_response_mean"] = sum(spans) / len(spans)
+            out["rollout/versions_per_response_max"] = float(max(spans))
         if self.multi_turn:
             t = self.trajectories
             out.update({
@@ -143,112 +161,48 @@ class EpisodeRunner:
             render.check_continuation()
         self._reported: set[str] = set()
         self._pool = DaemonPool(8)  # environments' sync reset/step
+        self._runs = itertools.count()  # tells sessions of different calls apart
 
     @property
     def multi_turn(self) -> bool:
         return self.config.environment is not None
 
-    async def run(self, rows: list[Row], group: int, generate: Generate, *,
+    async def run(self, rows: list[Row], group: int, sample: SampleFn, *,
                   greedy: bool = False, seed: int | None = None,
                   version: int = 0) -> EpisodeBatch:
-        """``group`` scored episodes per row (module docstring).
+        """``group`` scored episodes per row, each running on its own (module docstring).
 
         ``seed`` (None: unseeded) gives every sample a seed of its own: single-turn, row ``i``
         is one request of ``group`` samples seeded ``derive_seed(seed, i)`` (vLLM seeds its
         samples ``+ j``); multi-turn, episode ``e``'s turn ``k`` is seeded ``derive_seed(seed,
-        e, k)``, whatever other episodes share the call. So the episodes of a group, and two
-        rows holding the same prompt, draw apart, and a step is reproducible from its seed.
+        e, k)``, whatever else runs meanwhile. So the episodes of a group, and two rows
+        holding the same prompt, draw apart, and a step is reproducible from its seed.
         ``version`` stamps an episode whose environment failed before any turn (it is kept,
         with no valid token, so that its group stays whole)."""
+        run = next(self._runs)
         if not self.multi_turn:
-            completions = await generate([self.render(r) for r in rows], group,
-                                         greedy=greedy, seed=seed)
-            trajectories = []
-            for i, c in enumerate(completions):
-                t = Trajectory(row=rows[i // group], prompt_ids=c.prompt_ids, turns=1,
-                               versions=[c.policy_version], last_turn=c.response_ids,
-                               truncated=not c.finished, done=True)
-                t.add(c.response_ids, True, c.logprobs)
-                trajectories.append(t)
-            return await self._score(trajectories, 0.0)
-        return await self._run_multi_turn(rows, group, generate, greedy, seed, version)
-
-    async def _run_multi_turn(self, rows, group, generate, greedy, seed, version
-                              ) -> EpisodeBatch:
-        c = self.config
-        trajectories = [Trajectory(row=row, prompt_ids=[], env=c.make())
-                        for row in rows for _ in range(group)]
-        env_seconds = 0.0
-        start = time.perf_counter()
-        firsts = await asyncio.gather(*(self._env_call(t, t.env.reset, t.row)
-                                        for t in trajectories))
-        env_seconds += time.perf_counter() - start
-        for t, first in zip(trajectories, firsts):
-            if t.done:
-                continue
-            try:
-                t.prompt_ids = self.render(Row(prompt=first, answer=t.row.answer,
-                                               metadata=t.row.metadata))
-            except ValueError as e:
-                self._fail(t, "error", e, "reset")
-        for turn in range(c.max_turns):
-            running = [(e, t) for e, t in enumerate(trajectories) if not t.done]
-            if not running:
-                break
-            completions = await generate(
-                [t.prompt_ids + t.response_ids for _, t in running], 1, greedy=greedy,
-                seed=None if seed is None else [derive_seed(seed, e, turn) for e, _ in running],
-            )
-            running = [t for _, t in running]
-            replies = []
-            for t, x in zip(running, completions, strict=True):
-                room = c.max_episode_tokens - len(t.response_ids)
-                ids, logprobs = x.response_ids[:room], x.logprobs[:room]
-                t.add(ids, True, logprobs)
-                t.turns += 1
-                t.versions.append(x.policy_version)
-                t.last_turn = ids
-                if len(ids) < len(x.response_ids) or not x.finished:
-                    t.truncated = t.done = True  # cut by the token budget or max_new_tokens
-                replies.append(t)
-            stepping = [t for t in replies if not t.done]
-            start = time.perf_counter()
             results = await asyncio.gather(*(
-                self._env_call(t, t.env.step, self.tok.completion_text(t.last_turn)[0])
-                for t in stepping
+                sample(self.render(row), group, greedy=greedy,
+                       seed=None if seed is None else derive_seed(seed, i), session=(run, i))
+                for i, row in enumerate(rows)
             ))
-            env_seconds += time.perf_counter() - start
-            for t, result in zip(stepping, results):
-                if t.done:  # the call failed
-                    continue
-                try:
-                    reply, reward, done = result
-                    t.env_reward += float(reward)
-                except (TypeError, ValueError):
-                    self._fail(t, "error", TypeError(
-                        f"step() must return (reply or None, reward, done), got {result!r:.80}"
-                    ), "step")
-                    continue
-                if done or reply is None:
-                    t.done = True
-                    continue
-                if t.turns == c.max_turns:
-                    t.truncated = t.done = True
-                    continue
-                try:
-                    ids = self.render.continuation(reply)
-                except (TypeError, ValueError, KeyError) as e:  # a reply of the wrong shape
-                    self._fail(t, "error", TypeError(
-                        f"step()'s reply must be text or {{role, content}} messages, got "
-                        f"{reply!r:.80} ({e})"), "step")
-                    continue
-                if len(t.response_ids) + len(ids) >= c.max_episode_tokens:
-                    t.truncated = t.done = True  # no room for another model token
-                    continue
-                t.add(ids, False)
+            trajectories = []
+            for row, completions in zip(rows, results):
+                for c in completions:
+                    t = Trajectory(row=row, prompt_ids=c.prompt_ids, turns=1,
+                                   versions=c.versions or [c.policy_version],
+                                   last_turn=c.response_ids, truncated=not c.finished, done=True)
+                    t.add(c.response_ids, True, c.logprobs)
+                    trajectories.append(t)
+            return await self._score(trajectories)
+        trajectories = [Trajectory(row=row, prompt_ids=[], env=self.config.make())
+                        for row in rows for _ in range(group)]
+        await asyncio.gather(*(
+            self._episode(t, sample, greedy=greedy, session=(run, e // group),
+                          seed=None if seed is None else functools.partial(derive_seed, seed, e))
+            for e, t in enumerate(trajectories)
+        ))
         for t in trajectories:
-            if not t.done:  # the last model turn was answered: max_turns reached
-                t.truncated = t.done = True
             if not t.turns:  # reset failed: a placeholder without any valid token
                 try:
                     t.prompt_ids = t.prompt_ids or self.render(t.row)
@@ -256,13 +210,69 @@ class EpisodeRunner:
                     t.prompt_ids = [self.tok.pad_id]
                 t.versions = [version]
                 t.add([self.tok.eos_id], False)
-        return await self._score(trajectories, env_seconds)
+        return await self._score(trajectories)
+
+    async def _episode(self, t: Trajectory, sample: SampleFn, *, greedy: bool, session,
+                       seed: Callable[[int], int] | None) -> None:
+        """Run one multi-turn episode to its end (module docstring); ``seed(turn)`` seeds a
+        turn."""
+        c = self.config
+        first = await self._env_call(t, t.env.reset, t.row)
+        if t.done:
+            return
+        try:
+            t.prompt_ids = self.render(Row(prompt=first, answer=t.row.answer,
+                                           metadata=t.row.metadata))
+        except ValueError as e:
+            self._fail(t, "error", e, "reset")
+            return
+        for turn in range(c.max_turns):
+            (x,) = await sample(t.prompt_ids + t.response_ids, 1, greedy=greedy,
+                                seed=None if seed is None else seed(turn), session=session)
+            room = c.max_episode_tokens - len(t.response_ids)
+            ids, logprobs = x.response_ids[:room], x.logprobs[:room]
+            t.add(ids, True, logprobs)
+            t.turns += 1
+            t.versions += (x.versions or [x.policy_version] * len(x.response_ids))[:room] or [
+                x.policy_version]
+            t.last_turn = ids
+            if len(ids) < len(x.response_ids) or not x.finished:
+                t.truncated = t.done = True  # cut by the token budget or max_new_tokens
+                return
+            result = await self._env_call(t, t.env.step, self.tok.completion_text(ids)[0])
+            if t.done:  # the call failed
+                return
+            try:
+                reply, reward, done = result
+                t.env_reward += float(reward)
+            except (TypeError, ValueError):
+                self._fail(t, "error", TypeError(
+                    f"step() must return (reply or None, reward, done), got {result!r:.80}"
+                ), "step")
+                return
+            if done or reply is None:
+                t.done = True
+                return
+            if t.turns == c.max_turns:
+                break
+            try:
+                reply_ids = self.render.continuation(reply)
+            except (TypeError, ValueError, KeyError) as e:  # a reply of the wrong shape
+                self._fail(t, "error", TypeError(
+                    f"step()'s reply must be text or {{role, content}} messages, got "
+                    f"{reply!r:.80} ({e})"), "step")
+                return
+            if len(t.response_ids) + len(reply_ids) >= c.max_episode_tokens:
+                break  # no room for another model token
+            t.add(reply_ids, False)
+        t.truncated = t.done = True  # the last model turn was answered: max_turns reached
 
     async def _env_call(self, t: Trajectory, method, argument):
         """``method(argument)`` (an environment's ``reset`` or ``step``, async or not: a sync
         one runs on a daemon worker) within ``task.env_timeout_s``; None if it failed, which
         ends the episode."""
         what, timeout = method.__name__, self.config.env_timeout_s
+        start = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(method):
                 return await asyncio.wait_for(method(argument), timeout)
@@ -277,6 +287,8 @@ class EpisodeRunner:
                 f"longer than task.env_timeout_s={self.config.env_timeout_s}"), what)
         except Exception as e:  # noqa: BLE001  (a user's environment: it costs the episode)
             self._fail(t, "error", e, what)
+        finally:
+            t.env_seconds += time.perf_counter() - start
         return None
 
     def _fail(self, t: Trajectory, kind: str, error: BaseException, what: str) -> None:
@@ -289,7 +301,7 @@ class EpisodeRunner:
                   f"reward.on_error={self.rubric.config.on_error}; later ones are only counted "
                   f"(episode/env_{kind}s):\n{detail}", file=sys.stderr, flush=True)
 
-    async def _score(self, trajectories: list[Trajectory], env_seconds: float) -> EpisodeBatch:
+    async def _score(self, trajectories: list[Trajectory]) -> EpisodeBatch:
         start = time.perf_counter()
         samples = []
         for t in trajectories:
@@ -306,5 +318,6 @@ class EpisodeRunner:
             else:
                 rewards.append(scores.rewards[i] + t.env_reward)
         return EpisodeBatch(trajectories=trajectories, scores=scores, rewards=rewards,
-                            env_seconds=env_seconds, multi_turn=self.multi_turn,
+                            env_seconds=sum(t.env_seconds for t in trajectories),
+                            multi_turn=self.multi_turn,
                             reward_seconds=time.perf_counter() - start)

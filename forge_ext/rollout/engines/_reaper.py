@@ -4,7 +4,7 @@ Why: ``vllm.LLM`` starts an engine-core process and worker processes that outliv
 that started them when it is killed (``SIGKILL``, e.g. an out-of-memory kill, or Monarch
 stopping the generator's proc): each vLLM worker holds a copy of the model, so orphans pile
 up. The owner starts this script with a pipe on its standard input
-(:func:`forge_ext.generation.vllm_sampler.start_reaper`); the pipe reaches end-of-file when
+(:func:`forge_ext.rollout.engines.vllm.start_reaper`); the pipe reaches end-of-file when
 the owner exits for any reason, and the script then kills the listed processes and removes
 the listed files.
 

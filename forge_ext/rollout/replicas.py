@@ -1,0 +1,267 @@
+"""A run's generator replicas behind one router: what the rollout side calls to sample and to
+take each policy version.
+
+``generator.replicas: N`` engines (each a ``Generator`` actor in a process of its own, with its
+own tensor parallelism) are spawned concurrently on the generator's hosts (``hosts.generator``:
+hosts x procs_per_host = N; replica ``i`` on host ``i // per_host``). Every request goes through
+:class:`forge_ext.rollout.router.Router`: least-loaded, sticky per session. A policy version
+is loaded by every live replica at once (:meth:`GeneratorReplicas.update_weights`, one publish,
+each replica reading the trainer's same-host slot or torchstore); the served version of the
+set is the oldest a live replica serves, which is what the loop's sync gate and staleness
+bound read.
+
+A replica whose process dies costs only its requests in flight: they are sent to the others,
+one warning line is printed, and ``generator/live_replicas`` drops. Only when none is left
+does the run stop, with one error naming them (:class:`ReplicasLost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from forge_ext.rollout.engines import Completion, WeightUpdateMode, request_seeds
+from forge_ext.rollout.router import NoReplicaError, Router
+
+
+class ReplicasLost(RuntimeError):
+    """Every generator replica died; names each and why."""
+
+
+@dataclass(slots=True)
+class ReplicaLoss:
+    replica: int
+    name: str
+    reason: str
+
+
+def replica_name(replica: int, replicas: int) -> str:
+    """A replica's proc mesh and actor name: ``generator`` when it is the only one, else
+    ``generator<i>`` (Monarch's failure reports carry it)."""
+    return "generator" if replicas == 1 else f"generator{replica}"
+
+
+class GeneratorReplicas:
+    """The replicas of a run (module docstring).
+
+    Args:
+        handles: one :class:`forge_ext.actors.generator.GeneratorHandle` per replica.
+        max_new_tokens: the longest response (``generator.sampling.max_new_tokens``), for
+            the router's load.
+        is_dead: whether an error a replica's call raised means its process is gone
+            (default: a Monarch ``SupervisionError`` or an ``ActorError`` wrapping one).
+    """
+
+    def __init__(self, handles: Sequence[Any], *, max_new_tokens: int,
+                 is_dead: Callable[[BaseException], bool] | None = None) -> None:
+        if not handles:
+            raise ValueError("no generator replica to serve")
+        self.handles = list(handles)
+        self.router = Router(len(self.handles))
+        self.max_new_tokens = max_new_tokens
+        self.versions = [0] * len(self.handles)
+        """The version each replica serves."""
+        self.losses: list[ReplicaLoss] = []
+        self.retried = 0
+        """Requests sent again because their replica died."""
+        self._is_dead = is_dead or _is_supervision_error
+        self._last_time = time.perf_counter()
+        self._last_stats: dict[int, dict[str, float]] = {}
+
+    @property
+    def config(self):
+        return self.handles[0].config
+
+    @property
+    def live(self) -> list[int]:
+        return self.router.live
+
+    # ---- requests --------------------------------------------------------------------------
+    async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
+                     seed: int | None = None, session: Hashable | None = None
+                     ) -> list[Completion]:
+        """One request (:meth:`forge_ext.actors.generator.Generator.sample`) on the replica the
+        router picks for ``session``; sent again to another replica if that one dies first.
+
+        Raises:
+            ReplicasLost: no replica is left.
+        """
+        cost = len(prompt_ids) + n * self.max_new_tokens
+        while True:
+            try:
+                replica = self.router.route(session, cost)
+            except NoReplicaError:
+                raise self._all_lost() from None
+            try:
+                return await self.handles[replica].sample(list(prompt_ids), n, greedy, seed)
+            except Exception as error:  # noqa: BLE001  (a dead replica's request moves on)
+                if not self._is_dead(error):
+                    raise
+                self.lose(replica, f"{type(error).__name__}: {str(error).splitlines()[0]}")
+                self.retried += 1
+            finally:
+                self.router.done(replica, cost)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, *,
+                       greedy: bool = False, seed: int | Sequence[int] | None = None
+                       ) -> list[Completion]:
+        """``n`` completions per prompt, prompt-major: one routed request per prompt, all at
+        once, seeded by :func:`forge_ext.rollout.engines.request_seeds`."""
+        if not prompts or n < 1:
+            raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
+        seeds = request_seeds(seed, len(prompts))
+        results = await asyncio.gather(*(
+            self.sample(p, n, greedy=greedy, seed=s) for p, s in zip(prompts, seeds)))
+        return [c for completions in results for c in completions]
+
+    # ---- weights ---------------------------------------------------------------------------
+    async def update_weights(self, policy_version: int,
+                             mode: WeightUpdateMode | None = None) -> dict[str, float]:
+        """Every live replica loads ``policy_version`` at once.
+
+        Returns:
+            The slowest replica's ``fetch_seconds``, ``load_seconds`` and
+            ``paused_seconds`` (:meth:`forge_ext.actors.generator.Generator.update_weights`).
+        """
+        live = self.live
+        results = await asyncio.gather(
+            *(self.handles[r].update_weights(policy_version, mode) for r in live),
+            return_exceptions=True,
+        )
+        worst: dict[str, float] = {}
+        for replica, result in zip(live, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, Exception) and self._is_dead(result):
+                    self.lose(replica, f"died during the update to v{policy_version}")
+                    continue
+                raise result
+            self.versions[replica] = policy_version
+            for key in ("fetch_seconds", "load_seconds", "paused_seconds"):
+                worst[key] = max(worst.get(key, 0.0), result[key])
+        if not self.live:
+            raise self._all_lost()
+        return {"policy_version": policy_version, **worst}
+
+    async def get_policy_version(self) -> int:
+        """The oldest version a live replica serves."""
+        if not self.live:
+            raise self._all_lost()
+        return min(self.versions[r] for r in self.live)
+
+    # ---- faults and metrics ----------------------------------------------------------------
+    def lose(self, replica: int, reason: str) -> None:
+        """``replica`` died (a call to it failed that way, or Monarch reported its process):
+        no request goes there again. Prints one line the first time."""
+        if not self.router.alive[replica]:
+            return
+        self.router.remove(replica)
+        name = self.handles[replica].name
+        self.losses.append(ReplicaLoss(replica, name, reason))
+        left = len(self.live)
+        print(f"warning: generator replica {name} died ({reason}); its requests go to the "
+              f"{left} replica{'s' * (left != 1)} left", file=sys.stderr, flush=True)
+
+    def _all_lost(self) -> ReplicasLost:
+        lost = "; ".join(f"{x.name}: {x.reason}" for x in self.losses)
+        return ReplicasLost(f"every generator replica died ({len(self.handles)}): {lost}")
+
+    async def step_metrics(self) -> dict[str, float]:
+        """What the replicas did since the previous call (a training step): per live replica
+        (``generator/<name>/...``) ``requests``, ``tokens_per_s``, ``idle_seconds`` (no
+        request running), ``paused_seconds`` (requests held for an update),
+        ``update_seconds``, ``resubmitted`` (samples an ``abort`` update cut), ``version``;
+        and ``generator/live_replicas``, ``generator/resubmitted``,
+        ``generator/retried_requests`` (sent again because their replica died)."""
+        live = self.live
+        now = time.perf_counter()
+        results = await asyncio.gather(*(self.handles[r].stats() for r in live),
+                                       return_exceptions=True)
+        seconds = max(now - self._last_time, 1e-9)
+        self._last_time = now
+        out = {"generator/live_replicas": float(len(live)),
+               "generator/retried_requests": float(self.retried), "generator/resubmitted": 0.0}
+        for replica, stats in zip(live, results):
+            if isinstance(stats, BaseException):
+                continue  # a replica dying now is reported by its next request
+            before = self._last_stats.get(replica, {})
+            self._last_stats[replica] = stats
+            delta = {k: v - before.get(k, 0.0) for k, v in stats.items()}
+            name = self.handles[replica].name
+            out.update({
+                f"generator/{name}/requests": delta["requests"],
+                f"generator/{name}/tokens_per_s": delta["tokens"] / seconds,
+                f"generator/{name}/idle_seconds": max(seconds - delta["busy_seconds"], 0.0),
+                f"generator/{name}/paused_seconds": delta["paused_seconds"],
+                f"generator/{name}/update_seconds": delta["update_seconds"],
+                f"generator/{name}/resubmitted": delta["resubmitted"],
+                f"generator/{name}/version": stats["policy_version"],
+            })
+            out["generator/resubmitted"] += delta["resubmitted"]
+        return out
+
+    async def stop(self) -> None:
+        """Stop every replica (their engines' processes too), concurrently."""
+        await asyncio.gather(*(h.stop() for h in self.handles), return_exceptions=True)
+
+
+def _is_supervision_error(error: BaseException) -> bool:
+    """A Monarch error that says the actor's process is gone."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ in ("SupervisionError", "ActorMeshStoppedError"):
+            return True
+        error = error.__cause__ or error.__context__ or getattr(error, "exception", None)
+    return False
+
+
+async def spawn_replicas(
+    config: Any, *, stop_token_ids: int | list[int], pad_token_id: int, key_prefix: str,
+    hosts: int = 1, spawn_procs: Callable[[int, str], Any] | None = None,
+) -> GeneratorReplicas:
+    """Spawn ``config.replicas`` generator replicas concurrently (module docstring).
+
+    Args:
+        config: the ``generator:`` section (:class:`forge_ext.actors.generator
+            .GeneratorConfig`).
+        hosts: the generator's hosts; ``config.replicas`` must be a multiple.
+        spawn_procs: ``(host index, name) -> one-proc mesh`` (e.g.
+            :meth:`forge_ext.placement.Placement.spawn_replica_procs`); default: procs on
+            this host.
+
+    Raises:
+        ValueError: from :meth:`GeneratorConfig.check_backend`, or replicas that do not
+            split over the hosts, before anything is spawned.
+    """
+    from forge_ext.actors.generator import spawn_generator
+
+    config.check_backend()
+    if config.replicas % hosts:
+        raise ValueError(f"generator.replicas={config.replicas} do not split over "
+                         f"hosts.generator.hosts={hosts}; make it a multiple")
+    per_host = config.replicas // hosts
+    names = [replica_name(r, config.replicas) for r in range(config.replicas)]
+
+    def procs_for(replica: int):
+        if spawn_procs is None:
+            return None
+        return lambda: spawn_procs(replica // per_host, names[replica])
+
+    results = await asyncio.gather(*(
+        spawn_generator(
+            config, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
+            key_prefix=key_prefix, name=names[r], spawn_procs=procs_for(r),
+            replica=r % per_host, replicas_on_host=per_host,
+        )
+        for r in range(config.replicas)
+    ), return_exceptions=True)
+    handles = [r for r in results if not isinstance(r, BaseException)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        await asyncio.gather(*(h.stop() for h in handles), return_exceptions=True)
+        raise failed[0]
+    return GeneratorReplicas(handles, max_new_tokens=config.sampling.max_new_tokens)
