@@ -275,6 +275,32 @@ def test_a_crashed_save_never_counts_toward_keep_latest_k_and_is_never_loaded(
     assert resumed.load_checkpoint(2) == 2
 
 
+def test_the_purge_counts_only_complete_checkpoints_by_itself(reference_weights, tmp_path):
+    """The purge's own defence, without the set-aside before each save: torchtitan calls
+    ``_purge_stale_checkpoints`` right after dispatching a save, and an async save still in
+    flight (here ``step-3``: shard files, no ``.metadata`` yet) is an incomplete folder the
+    set-aside leaves alone. With ``keep_latest_k: 2`` the two complete ones stay besides it
+    (torchtitan 0.3.0 counted every ``step-N`` folder and deleted ``step-1``), and the
+    in-flight folder is not touched."""
+    import os
+
+    cfg = config()
+    cfg.update(checkpoint={"enable": True, "folder": "ckpt", "keep_latest_k": 2},
+               dump_folder=str(tmp_path))
+    engine = TitanEngine(cfg)
+    batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
+    for _ in range(2):
+        engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+        engine.save_checkpoint(engine.step)
+    in_flight = tmp_path / "ckpt" / "step-3"
+    in_flight.mkdir()
+    (in_flight / "__0_0.distcp").write_bytes(b"half a shard")
+    engine.checkpointer._purge_stale_checkpoints()
+    engine.close()  # waits for torchtitan's background purge
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-1", "step-2", "step-3"]
+    assert os.listdir(in_flight) == ["__0_0.distcp"]
+
+
 @pytest.mark.parametrize(
     "mapping, message",
     [
