@@ -11,7 +11,7 @@ in test_grpo_app.py)."""
 from pathlib import Path
 
 import pytest
-from grpo_reference import reference_advantages
+from grpo_reference import parity_reward, reference_advantages
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
@@ -125,7 +125,8 @@ async def test_overlong_punishment_lowers_the_trained_reward_of_long_responses(
         "reward.overlong.enable=true", f"reward.overlong.cache_tokens={l_cache}",
     ])
     assert config.reward.overlong.max_tokens == l_max
-    rollouts = await app_for(config).build_rollouts(0)
+    app = app_for(config)
+    rollouts = await app.build_rollouts(0)
 
     def penalty(n):  # eq. 13
         if n <= l_max - l_cache:
@@ -134,7 +135,10 @@ async def test_overlong_punishment_lowers_the_trained_reward_of_long_responses(
 
     lengths = [len(ep.response_ids) for ep in rollouts.episodes]
     penalties = [penalty(n) for n in lengths]
-    shaped = [r + p for r, p in zip(rollouts.rewards, penalties)]
+    rubric = [parity_reward(app.tok.completion_text(ep.response_ids)[0])
+              for ep in rollouts.episodes]
+    assert rollouts.rewards == rubric  # what reward/mean logs
+    shaped = [r + p for r, p in zip(rubric, penalties)]
     assert [ep.reward for ep in rollouts.episodes] == pytest.approx(shaped)
     assert [ep.advantage for ep in rollouts.episodes] == pytest.approx(
         reference_advantages(shaped, group, "group_std"), rel=1e-5, abs=1e-6)
