@@ -1,6 +1,8 @@
-"""DAPO's dynamic sampling in the GRPO app's rollout hook: with a reward whose groups are
-often all equal, every group trained on has spread, dropped groups are counted, and a run
-resumed from a checkpoint step consumes every prompt of the stream exactly once.
+"""DAPO's rollout shaping in the GRPO app's rollout hook. Dynamic sampling: with a reward
+whose groups are often all equal, every group trained on has spread, dropped groups are
+counted, and a run resumed from a checkpoint step consumes every prompt of the stream exactly
+once. Soft overlong punishment (``reward.overlong``): each episode trains on its reward plus
+the penalty of its length.
 
 The generator is the Generator actor's own engine (``HFEngine``) called in this process,
 not an actor (the rollout hook is what is under test; the app's actors are tested end to end
@@ -9,6 +11,7 @@ in test_grpo_app.py)."""
 from pathlib import Path
 
 import pytest
+from grpo_reference import parity_reward, reference_advantages
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
@@ -103,3 +106,46 @@ async def test_dynamic_sampling_trains_groups_with_spread_and_resume_consumes_ea
     # Without the record of the resumed step, resuming is refused (no guessing positions).
     with pytest.raises(ValueError, match="no prompt stream position for step 3"):
         app_for(config, first.generator).fast_forward(3)
+
+
+@pytest.mark.asyncio
+async def test_overlong_punishment_lowers_the_trained_reward_of_long_responses(
+    demo_checkpoint, tmp_path
+):
+    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13) applied by the app: with
+    ``L_max`` = 5 (the demo's max_new_tokens) and ``L_cache`` = 4, a response of ``n`` tokens
+    trains on the rubric's reward minus ``(n - 1) / 4``; group advantages come from those
+    shaped rewards (a shorter response of a group gains over a longer one); the logged
+    reward stays the rubric's and the step logs the mean penalty."""
+    l_max, l_cache, group = 5, 4, 4
+    config = load_config(DEMO, [
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / 'run'}",
+        f"grpo.prompts_per_step={PROMPTS}", f"grpo.group_size={group}",
+        f"trainer.training.local_batch_size={PROMPTS * group}", "reference=null",
+        "loss.kl_coef=0", "task.num_train=40", "task.num_eval=4", "procs.env={}",
+        "reward.functions=[{fn: 'grpo_reference:parity_reward'}]",
+        "reward.overlong.enable=true", f"reward.overlong.cache_tokens={l_cache}",
+    ])
+    assert config.reward.overlong.max_tokens == l_max
+    app = app_for(config)
+    rollouts = await app.build_rollouts(0)
+
+    def penalty(n):  # eq. 13
+        if n <= l_max - l_cache:
+            return 0.0
+        return ((l_max - l_cache) - n) / l_cache if n <= l_max else -1.0
+
+    lengths = [len(ep.response_ids) for ep in rollouts.episodes]
+    penalties = [penalty(n) for n in lengths]
+    rubric = [parity_reward(app.tok.completion_text(ep.response_ids)[0])
+              for ep in rollouts.episodes]
+    assert rollouts.rewards == rubric  # what reward/mean logs
+    shaped = [r + p for r, p in zip(rubric, penalties)]
+    assert [ep.reward for ep in rollouts.episodes] == pytest.approx(shaped)
+    assert [ep.advantage for ep in rollouts.episodes] == pytest.approx(
+        reference_advantages(shaped, group, "group_std"), rel=1e-5, abs=1e-6)
+    assert rollouts.stats["reward/overlong_penalty"] == pytest.approx(
+        sum(penalties) / len(penalties))
+    # Not vacuous: some group holds responses of different penalties, so the shaping moves
+    # advantages, not only rewards.
+    assert any(len(set(penalties[i : i + group])) > 1 for i in range(0, len(lengths), group))

@@ -228,17 +228,28 @@ def test_checkpoint_round_trip(reference_weights, tmp_path):
         assert torch.equal(got_weights[k], expected_weights[k]), k
 
 
-def test_only_the_newest_keep_latest_k_checkpoints_remain(reference_weights, tmp_path):
-    import os
-
+def keep_two_config(tmp_path):
+    """The test config saving checkpoints under ``<tmp_path>/ckpt``, keeping the newest 2."""
     cfg = config()
     cfg.update(checkpoint={"enable": True, "folder": "ckpt", "keep_latest_k": 2},
                dump_folder=str(tmp_path))
-    engine = TitanEngine(cfg)
+    return cfg
+
+
+def train_and_save(engine, steps):
+    """``steps`` training steps, each saved as the checkpoint of its step."""
     batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
-    for _ in range(4):
+    for _ in range(steps):
         engine.train_batch(batch, cross_entropy_loss, valid_tokens)
         engine.save_checkpoint(engine.step)
+
+
+def test_only_the_newest_keep_latest_k_checkpoints_remain(reference_weights, tmp_path):
+    import os
+
+    cfg = keep_two_config(tmp_path)
+    engine = TitanEngine(cfg)
+    train_and_save(engine, 4)
     engine.close()  # waits for torchtitan's background purge
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-3", "step-4"]
     assert TitanEngine(cfg).load_checkpoint() == 4
@@ -253,9 +264,7 @@ def test_a_crashed_save_never_counts_toward_keep_latest_k_and_is_never_loaded(
     complete checkpoints stay, and neither the latest-step load nor a load of step 9 reads it."""
     import os
 
-    cfg = config()
-    cfg.update(checkpoint={"enable": True, "folder": "ckpt", "keep_latest_k": 2},
-               dump_folder=str(tmp_path))
+    cfg = keep_two_config(tmp_path)
     crashed = tmp_path / "ckpt" / "step-9"
     crashed.mkdir(parents=True)
     (crashed / "__0_0.distcp").write_bytes(b"half a shard")
@@ -263,16 +272,33 @@ def test_a_crashed_save_never_counts_toward_keep_latest_k_and_is_never_loaded(
     assert engine.load_checkpoint() == 0  # nothing complete to resume from: a fresh start
     with pytest.raises(FileNotFoundError, match="step-9 is incomplete"):
         engine.load_checkpoint(9)
-    batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
-    for _ in range(3):
-        engine.train_batch(batch, cross_entropy_loss, valid_tokens)
-        engine.save_checkpoint(engine.step)
+    train_and_save(engine, 3)
     engine.close()  # waits for torchtitan's background purge
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-9.incomplete"]
     assert os.listdir(tmp_path / "ckpt" / "step-9.incomplete") == ["__0_0.distcp"]
     resumed = TitanEngine(cfg)
     assert resumed.load_checkpoint() == 3
     assert resumed.load_checkpoint(2) == 2
+
+
+def test_the_purge_counts_only_complete_checkpoints_by_itself(reference_weights, tmp_path):
+    """The purge's own defence, without the set-aside before each save: torchtitan calls
+    ``_purge_stale_checkpoints`` right after dispatching a save, and an async save still in
+    flight (here ``step-3``: shard files, no ``.metadata`` yet) is an incomplete folder the
+    set-aside leaves alone. With ``keep_latest_k: 2`` the two complete ones stay besides it
+    (torchtitan 0.3.0 counted every ``step-N`` folder and deleted ``step-1``), and the
+    in-flight folder is not touched."""
+    import os
+
+    engine = TitanEngine(keep_two_config(tmp_path))
+    train_and_save(engine, 2)
+    in_flight = tmp_path / "ckpt" / "step-3"
+    in_flight.mkdir()
+    (in_flight / "__0_0.distcp").write_bytes(b"half a shard")
+    engine.checkpointer._purge_stale_checkpoints()
+    engine.close()  # waits for torchtitan's background purge
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-1", "step-2", "step-3"]
+    assert os.listdir(in_flight) == ["__0_0.distcp"]
 
 
 @pytest.mark.parametrize(

@@ -279,23 +279,61 @@ def demo_without_loss_section(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
+# Each preset's fields as its paper (or, where the paper is silent, the upstream code cited)
+# gives them, written out here rather than read from forge_ext.losses.presets.PRESETS: a
+# preset that loses a field, or whose value drifts, then fails the test below.
+PAPER_FIELDS = {
+    # DeepSeekMath (arXiv:2402.03300), eq. 3: 1/G sum_i 1/|o_i| sum_t; token ratios; std of
+    # the group (4.1.2); KL beta 0.04 (4.2). Clip 0.2 / 0.2: PPO's epsilon (arXiv:1707.06347),
+    # TRL's GRPOConfig default.
+    "grpo": {"loss.aggregation": "seq_mean_token_mean", "loss.ratio_level": "token",
+             "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.2, "loss.kl_coef": 0.04,
+             "grpo.advantage_scaling": "group_std", "grpo.dynamic_sampling": False,
+             "reward.overlong.enable": False},
+    # Dr. GRPO (arXiv:2503.20783), eq. 3: no 1/|o_i| (a constant), no std division; beta 0 in
+    # its recipes (understand-r1-zero examples/*.sh: --beta 0).
+    "dr_grpo": {"loss.aggregation": "seq_mean_token_sum_norm", "loss.ratio_level": "token",
+                "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.2, "loss.kl_coef": 0.0,
+                "grpo.advantage_scaling": "none", "grpo.dynamic_sampling": False,
+                "reward.overlong.enable": False},
+    # DAPO (arXiv:2503.14476): clip-higher 0.2 / 0.28 (3.1), dynamic sampling (3.2),
+    # token-level loss (3.3), soft overlong punishment (3.4), no KL (2.3).
+    "dapo": {"loss.aggregation": "token_mean", "loss.ratio_level": "token",
+             "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.28, "loss.kl_coef": 0.0,
+             "grpo.advantage_scaling": "group_std", "grpo.dynamic_sampling": True,
+             "reward.overlong.enable": True},
+    # GSPO (arXiv:2507.18071): sequence ratio (eq. 7) clipped at 3e-4 / 4e-4 (5.1), one term
+    # per sequence, group std advantages (eq. 6); no KL (TRL's GSPO recipe: beta 0).
+    "gspo": {"loss.aggregation": "seq_mean_token_mean", "loss.ratio_level": "sequence",
+             "loss.clip_eps_low": 3e-4, "loss.clip_eps_high": 4e-4, "loss.kl_coef": 0.0,
+             "grpo.advantage_scaling": "group_std", "grpo.dynamic_sampling": False,
+             "reward.overlong.enable": False},
+}
+
+
+def resolved(record, dotted):
+    """The value of the dotted field ``dotted`` in the nested mapping ``record``."""
+    for key in dotted.split("."):
+        record = record[key]
+    return record
+
+
+@pytest.mark.parametrize("preset", sorted(PAPER_FIELDS))
 def test_presets_set_their_papers_fields_and_each_field_stays_overridable(tmp_path, preset):
     from dataclasses import asdict
 
     from apps.grpo.config import load_config
-    from forge_ext.losses.presets import PRESETS
+    from forge_ext.losses.presets import PRESETS, preset_fields
 
+    assert sorted(PRESETS) == sorted(PAPER_FIELDS)
+    paper = PAPER_FIELDS[preset]
     path = demo_without_loss_section(tmp_path)
     config = load_config(path, [f"loss.preset={preset}"], check_model=False)
     record = asdict(config)  # what GRPOApp writes to run_config.yaml (resolved values)
-    for section, fields in PRESETS[preset].items():
-        for key, value in fields.items():
-            if isinstance(value, dict):
-                for sub, v in value.items():
-                    assert record[section][key][sub] == v, (section, key, sub)
-            else:
-                assert record[section][key] == value, (section, key)
+    assert {name: resolved(record, name) for name in paper} == paper
+    # Every field the paper fixes is one the preset sets, even where the paper's value is
+    # today's default (a field left to its default would follow it wherever it moves).
+    assert sorted(preset_fields(preset)) == sorted(paper)
     assert record["loss"]["preset"] == preset
     assert record["loss"]["max_response_tokens"] == 5  # generator.sampling.max_new_tokens
     summary = config.variant_summary()
@@ -303,7 +341,7 @@ def test_presets_set_their_papers_fields_and_each_field_stays_overridable(tmp_pa
     overridden = load_config(path, [f"loss.preset={preset}", "loss.kl_coef=0.5",
                                     "grpo.advantage_scaling=batch_std"], check_model=False)
     assert overridden.loss.kl_coef == 0.5 and overridden.grpo.advantage_scaling == "batch_std"
-    assert overridden.loss.aggregation == PRESETS[preset]["loss"]["aggregation"]
+    assert overridden.loss.aggregation == paper["loss.aggregation"]
     assert "loss.kl_coef=0.5 (preset" in overridden.variant_summary()
 
 

@@ -4,10 +4,13 @@ generator serves it merged into a kept copy of the base weights: the on-policy i
 ratio is 1 within 1e-4 at each of 3 versions. The vLLM generator's LoRA versions (tp=1 and
 tp=2, a new LoRA request each) are tested in tests/test_vllm.py on that module's engines
 (started with LoRA on), with the same check (``conftest.assert_on_policy_across_lora_versions``);
-the settings vLLM cannot serve are refused in tests/test_configs.py.
+the settings vLLM cannot serve are refused in tests/test_configs.py. What the vLLM sampler asks
+of its engine per version (a new LoRA id each, the old one removed after) is checked here
+without starting vLLM.
 """
 
 import asyncio
+import os
 
 import pytest
 import pytest_asyncio
@@ -107,3 +110,62 @@ def test_a_lora_version_vllm_cannot_serve_names_the_field(max_lora_rank, message
     engine.max_lora_rank = max_lora_rank
     with pytest.raises(ValueError, match=message):
         asyncio.run(engine.load_adapter({}, {"r": 16, "lora_alpha": 32}, 7))
+
+
+def test_each_lora_load_is_a_new_vllm_request_id_and_the_old_one_goes_after_it(tmp_path):
+    """vLLM caches adapters by id (``LRUCacheWorkerLoRAManager.add_adapter`` loads only an
+    unknown id), so every adapter the sampler adds comes under an id never used before, a
+    version loaded again included; the one served before is removed only after the new one
+    was added, and its folder deleted. The engine here records what the sampler asks of it
+    (vLLM is not started: the ids and the order of calls are what is under test; serving a
+    version is tested in tests/test_vllm.py)."""
+    import itertools
+
+    from safetensors.torch import load_file
+
+    class Engine:  # the AsyncLLM calls load_adapter makes
+        def __init__(self):
+            self.calls = []
+
+        async def add_lora(self, request):
+            self.calls.append(("add", request.lora_int_id, request.lora_name))
+
+        async def remove_lora(self, lora_id):
+            self.calls.append(("remove", lora_id))
+
+        async def reset_prefix_cache(self):
+            pass
+
+        async def update_weight_version(self, version):
+            self.calls.append(("version", version))
+
+    # What VLLMEngine.__init__ sets up for LoRA, around a recording engine.
+    sampler = VLLMEngine.__new__(VLLMEngine)
+    sampler.engine = Engine()
+    sampler.max_lora_rank, sampler.lora_request = LORA_RANK, None
+    sampler._lora_ids, sampler.lora_root = itertools.count(1), str(tmp_path)
+    module = "model.layers.0.self_attn.q_proj"
+    config = {"r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": ["q_proj"],
+              "peft_type": "LORA"}
+    served = []
+    for version in (1, 2, 2, 3):  # version 2 loaded twice (e.g. pushed again after a resume)
+        tensors = {lora.peft_key(module, "A"): torch.full((LORA_RANK, 64), float(version)),
+                   lora.peft_key(module, "B"): torch.zeros(64, LORA_RANK)}
+        loaded = asyncio.run(sampler.load_adapter(tensors, config, version))
+        request = sampler.lora_request
+        used = [r.lora_int_id for r in served]
+        assert request.lora_int_id not in used, (version, request.lora_int_id, used)
+        assert (loaded["lora_int_id"], loaded["folder"]) == (request.lora_int_id,
+                                                             request.lora_path)
+        assert request.lora_name == f"policy-v{version}"
+        written = load_file(os.path.join(request.lora_path, "adapter_model.safetensors"))
+        assert all(torch.equal(written[k], t) for k, t in tensors.items()), version
+        served.append(request)
+    ids = [r.lora_int_id for r in served]
+    assert sampler.engine.calls == [
+        ("add", ids[0], "policy-v1"), ("version", "1"),
+        ("add", ids[1], "policy-v2"), ("remove", ids[0]), ("version", "2"),
+        ("add", ids[2], "policy-v2"), ("remove", ids[1]), ("version", "2"),
+        ("add", ids[3], "policy-v3"), ("remove", ids[2]), ("version", "3"),
+    ]
+    assert os.listdir(tmp_path) == [os.path.basename(served[-1].lora_path)]

@@ -102,3 +102,33 @@ def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
             needed_bytes=8 << 20, gather=gathered,
         )
     assert written == []
+
+
+@pytest.mark.parametrize("free_minus_needed, refused", [(-1, True), (0, False), (1, False)],
+                         ids=["a_byte_short", "exactly_enough", "a_byte_more"])
+def test_a_save_is_refused_exactly_when_free_space_is_short_of_the_last_checkpoints_size(
+    tmp_path, monkeypatch, free_minus_needed, refused
+):
+    """The boundary of the pre-save check: one byte short of the last checkpoint's size is
+    refused before writing; as much as it, or a byte more, is written."""
+    import shutil
+
+    needed = 8 << 20
+    free = needed + free_minus_needed
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    step2 = tmp_path / "ckpt" / "step-2"
+
+    def write():
+        step2.mkdir(parents=True)
+        (step2 / ".metadata").write_bytes(b"12345")
+
+    save = lambda: disk.write_checkpoint(write, what="checkpoint step 2", path=str(step2),
+                                         folder=str(tmp_path / "ckpt"), needed_bytes=needed)
+    if refused:
+        with pytest.raises(disk.CheckpointWriteError) as raised:
+            save()
+        assert (raised.value.free_bytes, raised.value.needed_bytes) == (free, needed)
+        assert not step2.exists()
+    else:
+        assert save() == 5

@@ -98,7 +98,12 @@ class BaseEngine(ABC):
         The loss backpropagated is ``sum_i w_i * loss_i / W`` with ``W`` the sum of weights
         over all microbatches of the step and all data-parallel ranks, taken before any
         backward; gradients accumulate across microbatches (never zeroed here) and equal the
-        full-batch gradient whatever the split.
+        full-batch gradient whatever the split. Every data-parallel rank runs as many
+        microbatches (:meth:`microbatches` splits so).
+
+        Raises:
+            RuntimeError: the data-parallel ranks were given different microbatch counts
+                (checked before any other collective, so no rank is left waiting in one).
         """
 
     @abstractmethod

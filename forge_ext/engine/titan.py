@@ -473,6 +473,7 @@ class TitanEngine(BaseEngine):
         if loss_fn is not None and loss_weight_fn is None:
             raise ValueError("loss_weight_fn is required with loss_fn")
         microbatches = [self._to_device(mb) for mb in data_iterator]
+        self._check_dp_microbatch_count(len(microbatches))
         seq_len = microbatches[0]["input_ids"].shape[1] if microbatches else 0
         if self.pp_schedule is not None:
             # Schedules fix activation shapes at their first step: pad to training.seq_len.
@@ -574,6 +575,33 @@ class TitanEngine(BaseEngine):
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.dp_mesh.get_group())
         return x
+
+    def _check_dp_microbatch_count(self, count: int) -> None:
+        """Raise unless every rank of this rank's data-parallel group runs ``count``
+        microbatches (a collective: one small all-reduce).
+
+        FSDP all-gathers and reduce-scatters per microbatch, pairing the ranks' calls in
+        order: with unequal counts a rank waits in a collective its peers never enter, until
+        the process group's timeout (minutes), and fails without naming the cause. Every
+        rank sees the same minimum and maximum here, so all of them raise, before any
+        other collective of the step.
+
+        Raises:
+            RuntimeError: naming this rank's count and the group's minimum and maximum.
+        """
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return
+        most, negated_least = self._dp_max(
+            torch.tensor([count, -count], dtype=torch.int64, device=self.device)
+        ).tolist()
+        if most != -negated_least:
+            raise RuntimeError(
+                f"data-parallel ranks disagree on the microbatch count: this rank has "
+                f"{count}, the group between {-negated_least} and {most}; every rank must "
+                "run as many (FSDP's collectives pair up per microbatch), so the split must "
+                "equalise them (microbatches() does, with a MAX all-reduce, under "
+                "training.max_tokens_per_microbatch)"
+            )
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over this rank's data-parallel group (a collective: every rank of
