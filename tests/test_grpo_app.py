@@ -129,14 +129,16 @@ class Runs:
         self.checkpoint, self.tmp_path_factory = checkpoint, tmp_path_factory
         self.done = {}
 
-    def overrides(self, output_dir, mode, *extra):
-        return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", *extra)
+    def overrides(self, output_dir, mode, backend, *extra):
+        # The vLLM runs have two replicas (tp=1 each) behind the router.
+        replicas = ["generator.replicas=2"] if backend == "vllm" else []
+        return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", *replicas, *extra)
 
     async def crashed(self, backend, mode):
         if ("crashed", backend, mode) not in self.done:
             output_dir = str(self.tmp_path_factory.mktemp(f"run_{backend}_{mode}"))
             config = load_config(
-                DEMO[backend], self.overrides(output_dir, mode, "debug.fail_at_step=4")
+                DEMO[backend], self.overrides(output_dir, mode, backend, "debug.fail_at_step=4")
             )
             app = RecordingApp(config)
             app.config_path = DEMO[backend]
@@ -148,7 +150,8 @@ class Runs:
     async def resumed(self, backend, mode):
         if ("resumed", backend, mode) not in self.done:
             crashed, output_dir, _ = await self.crashed(backend, mode)
-            app = RecordingApp(load_config(crashed.config_path, self.overrides(output_dir, mode)))
+            app = RecordingApp(load_config(crashed.config_path,
+                                           self.overrides(output_dir, mode, backend)))
             await app.run()
             self.done["resumed", backend, mode] = app
         return self.done["resumed", backend, mode]
@@ -195,6 +198,11 @@ async def test_three_steps_advance_the_policy_and_sample_with_the_pushed_version
         assert rollouts.generator_version == step - 1
         assert {ep.policy_version for ep in rollouts.episodes} == {step - 1}
         assert rows[step]["generator_version"] == step - 1
+        # Every replica served every version: requests of the step, at the version pushed.
+        for r in range(app.config.generator.replicas):
+            name = "generator" if app.config.generator.replicas == 1 else f"generator{r}"
+            assert rows[step][f"generator/{name}/version"] == step - 1
+            assert rows[step][f"generator/{name}/requests"] > 0, (step, name)
 
 
 # The task's vocabulary as its tokenizer documents it (forge_ext/tasks/tokenizer.py): written out

@@ -59,6 +59,8 @@ class Runs:
             self.dirs[backend, mode] = str(self.tmp.mktemp(f"mt_{backend}_{mode}"))
         output_dir = self.dirs[backend, mode]
         extra = [f"loop.mode={mode}"]
+        if backend == "vllm":  # two replicas behind the router, each episode on one
+            extra += ["generator.replicas=2"]
         if backend == "hf":  # killed at step 3 of 3, after the checkpoint of step 2
             extra += ["loop.steps=3", "loop.save_every=1", "trainer.checkpoint.enable=true",
                       # No reference role (a proc fewer per run to start, mostly imports): these
@@ -112,6 +114,10 @@ async def test_generator_log_probs_equal_the_trainers_on_every_model_token(ratio
             assert row["episode/turns_mean"] >= 1 and row["episode/turns_max"] <= 4
             assert row["episode/env_errors"] == 0 and "time/env" in row
             assert 0.0 <= row["rollout/groups_without_spread"] <= 1.0
+            if app.config.generator.replicas == 2:  # both served every version
+                for name in ("generator0", "generator1"):
+                    assert row[f"generator/{name}/version"] == row["policy_version"] - 1
+                    assert row[f"generator/{name}/requests"] > 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

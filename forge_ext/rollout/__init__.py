@@ -4,9 +4,24 @@
   many, with environments, the rubric and the loss mask;
 - :mod:`~forge_ext.rollout.engines`: the sampling engines behind the ``Generator`` actor
   (:class:`~forge_ext.rollout.engines.SamplingConfig`, :class:`~forge_ext.rollout.engines
-  .Completion`, the transformers engine, vLLM's engine and the code that runs in its workers).
+  .Completion`, the transformers engine, vLLM's engine and the code that runs in its workers);
+- :mod:`~forge_ext.rollout.router`: which replica serves a request (least-loaded, sticky per
+  session);
+- :mod:`~forge_ext.rollout.replicas`: a run's generator replicas behind the router, weights
+  to all of them, replica faults, per-replica metrics.
+
+The ``Generator`` actor (:mod:`forge_ext.actors.generator`) is the thin adapter that serves
+one engine as one replica.
 """
 
-from forge_ext.rollout.episodes import EpisodeBatch, EpisodeRunner, SampleFn, Trajectory
-
 __all__ = ["EpisodeBatch", "EpisodeRunner", "SampleFn", "Trajectory"]
+
+
+def __getattr__(name: str):
+    # Lazy: forge_ext.tasks imports the engines (stop ids), and the episodes import the
+    # tasks; importing this package must not import the episodes first.
+    if name in __all__:
+        from forge_ext.rollout import episodes
+
+        return getattr(episodes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
