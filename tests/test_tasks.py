@@ -63,7 +63,9 @@ def test_dataset_rows_from_every_format_hold_out_a_fixed_disjoint_split(tmp_path
     by_prompt = {d["question"]: d for d in data}
     for row in train + held_out:
         assert row.answer == by_prompt[row.prompt]["solution"]
-        assert row.metadata["level"] == by_prompt[row.prompt]["level"]  # every column kept
+        # Every column kept; a CSV file's are its text (it has no types).
+        level = by_prompt[row.prompt]["level"]
+        assert row.metadata["level"] == (str(level) if fmt == "csv" else level)
     # Fixed by the seed; another seed holds out other rows.
     assert build_task(spec).eval_rows() == held_out
     assert build_task({**spec, "seed": 4}).eval_rows() != held_out
@@ -85,6 +87,40 @@ def test_dataset_eval_path_messages_system_prompt_and_numeric_answers(tmp_path):
     assert task.train_rows()[0].prompt == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}
     ]
+
+
+def test_a_csv_files_answers_are_its_text_and_score_their_own_exact_match(tmp_path):
+    """pandas' type inference would read ``0021`` as 21, ``0.50`` as 0.5, ``3.10`` as 3.1 and
+    round a 21-digit id through float64: each row's own answer would then miss its text."""
+    answers = ["0021", "0.50", "3.10", "123456789012345678901", "NA"]
+    path = tmp_path / "d.csv"
+    # Quoted and bare fields alike: quoting does not stop the inference.
+    path.write_text("question,answer\n" + "".join(
+        f'q{i},"{a}"\n' if i % 2 else f"q{i},{a}\n" for i, a in enumerate(answers)))
+    task = build_task({"source": "dataset", "train_path": str(path), "num_eval": 1,
+                       "prompt_field": "question"})
+    rows = sorted([*task.train_rows(), *task.eval_rows()], key=lambda r: r.prompt)
+    lines = path.read_text().splitlines()[1:]  # the file's own text, field by field
+    assert [r.answer for r in rows] == [line.split(",", 1)[1].strip('"') for line in lines]
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), task)
+    scores = rubric.score_sync([Sample(row=r, completion=a) for r, a in zip(rows, answers)])
+    assert scores.rewards == [1.0] * len(answers)
+
+
+def test_typed_numbers_of_jsonl_and_parquet_answers_become_their_text(tmp_path):
+    """A file with typed numbers: an int or float answer becomes its text (an integral float
+    without ``.0``: Arrow reads a column of mixed ints and floats as floats)."""
+    import datasets
+
+    records = [{"question": "a", "answer": 21}, {"question": "b", "answer": 0.5},
+               {"question": "c", "answer": 3.1}, {"question": "d", "answer": 7.0}]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    parquet = str(tmp_path / "d.parquet")
+    datasets.Dataset.from_list(records).to_parquet(parquet)
+    for path in (jsonl, parquet):
+        task = build_task({"source": "dataset", "train_path": path, "eval_path": path,
+                           "prompt_field": "question"})
+        assert [r.answer for r in task.train_rows()] == ["21", "0.5", "3.1", "7"], path
 
 
 def test_the_task_rows_are_the_same_in_a_fresh_process(tmp_path):

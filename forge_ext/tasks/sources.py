@@ -25,9 +25,11 @@ DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".c
 
 class DatasetTask(Task):
     """Rows of local dataset files (module docstring): the prompt from ``prompt_field`` (text,
-    or a list of ``{role, content}`` messages), the answer from ``answer_field`` (numbers are
-    turned into their text, integral floats without ``.0``: Arrow reads a column of mixed
-    ints and floats as floats), every column as metadata."""
+    or a list of ``{role, content}`` messages), the answer from ``answer_field``, every column
+    as metadata. A CSV file's fields are its text, every column a string (no type inference:
+    ``0021`` stays ``0021``); the typed numbers of a ``.jsonl``, ``.json`` or ``.parquet``
+    answer become their text, integral floats without ``.0`` (Arrow reads a column of mixed
+    ints and floats as floats)."""
 
     name = "dataset"
 
@@ -167,12 +169,28 @@ def _load_records(path: str, split: str, field_name: str) -> list[dict[str, Any]
     else:
         try:
             loaded = datasets.load_dataset(
-                DATASET_FORMATS[_suffix(path)], data_files=path, split="train"
+                DATASET_FORMATS[_suffix(path)], data_files=path, split="train",
+                **(_csv_as_text(path) if _suffix(path) == ".csv" else {}),
             )
         except Exception as e:  # noqa: BLE001  (datasets' parse errors have many types)
             raise ValueError(f"task.{field_name}={path!r} does not read as "
                              f"{DATASET_FORMATS[_suffix(path)]}: {e}") from None
     return loaded.to_list()
+
+
+def _csv_as_text(path: str) -> dict[str, Any]:
+    """``load_dataset("csv")`` arguments that keep every field the file's text: pandas would
+    infer types (``0021`` -> 21, ``0.50`` -> 0.5, a 21-digit id rounded through float64, ``NA``
+    -> missing), quoted fields too. Every column of the header is a string column; only an
+    empty field is missing."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8-sig") as f:  # pandas drops a BOM too
+        header = next(csv.reader(f), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 class ReasoningGymTask(Task):
