@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from forge_ext.generation import Completion
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
-from forge_ext.tasks.rubric import DaemonPool
+from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
 Generate = Callable[..., Awaitable[list[Completion]]]

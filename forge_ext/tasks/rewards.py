@@ -46,6 +46,22 @@ def math_verify(completion: str, answer: str, **_: Any) -> float:
     return float(verify(gold, prediction, timeout_seconds=None))
 
 
+def _prepare_math_verify() -> None:
+    """Run in each reward worker process before its first call (outside ``reward.timeout_s``):
+    import math-verify and read one answer (its grammar, sympy's first conversions: ~1 s),
+    and mute its warning that its own timeouts are off (the rubric kills a worker whose call
+    runs past ``reward.timeout_s``)."""
+    import logging
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(
+            lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    math_verify(completion=r"\boxed{\sqrt{2}}", answer=r"\frac{1}{2}")
+
+
+math_verify.prepare = _prepare_math_verify
+
+
 def exact_match(completion: str, answer: str, **_: Any) -> float:
     """1.0 if ``completion.strip() == answer.strip()``, else 0.0."""
     return float(completion.strip() == answer.strip())
