@@ -473,6 +473,46 @@ def test_math_verify_reads_gsm8k_and_latex_answers(completion, answer, expected)
     assert math_verify(completion=completion, answer=answer) == expected
 
 
+# A gold as MATH and MATH-500 store it (bare LaTeX), in $...$, boxed, or GSM8K's solution
+# text; a right and a wrong completion of it.
+GOLDS = [
+    (r"\sqrt{2}", r"so \boxed{\sqrt{2}}", r"\boxed{2}"),
+    (r"\dfrac{14}{3}", r"The answer is $\frac{14}{3}$.", r"\boxed{4.6667}"),
+    ("p - q", r"\boxed{p - q}", r"\boxed{q - p}"),
+    (r"10\sqrt{2}", r"\boxed{10\sqrt{2}}", r"\boxed{10}"),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"\boxed{(3, \frac{\pi}{2})}", r"\boxed{3}"),
+    (r"$\frac{1}{2}$", r"\boxed{0.5}", r"\boxed{2}"),
+    (r"The answer is $\frac{1}{2}$.", r"\boxed{\frac{2}{4}}", r"\boxed{1}"),
+    (r"\boxed{42}", r"Thus \boxed{42}.", r"\boxed{24}"),
+    ("She has 1,000 + 234 = 1,234 apples.\n#### 1,234", r"\boxed{1234}", r"\boxed{234}"),
+    ("#### 72", "... so 72 in all.\n#### 72", "#### 27"),
+    ("0.5", r"\boxed{\frac{1}{2}}", r"\boxed{5}"),
+    ("-3", r"\boxed{-3}", r"\boxed{3}"),
+    (r"\$5", r"\boxed{5}", r"\boxed{6}"),
+]
+
+
+@pytest.mark.parametrize(("gold", "right", "wrong"), GOLDS)
+def test_math_verify_reads_the_gold_as_written(gold, right, wrong):
+    from forge_ext.tasks.rewards import math_verify
+
+    assert math_verify(completion=right, answer=gold) == 1.0
+    assert math_verify(completion=wrong, answer=gold) == 0.0
+
+
+@pytest.mark.parametrize("gold", ["", "#### ", r"\frac{1}{", r"\boxed{}"])
+def test_a_gold_math_verify_cannot_read_is_an_error_naming_it_and_counted(gold, capsys):
+    from forge_ext.tasks.rewards import math_verify
+
+    with pytest.raises(ValueError, match="the reference answer .* does not parse as math"):
+        math_verify(completion=r"\boxed{1}", answer=gold)
+    rubric = rubric_of(math_verify, on_error=-1.0, num_workers=1)
+    scores = rubric.score_sync([Sample(row=Row(prompt="p", answer=gold), completion="1")])
+    assert scores.rewards == [-1.0] and scores.errors == {"math_verify": 1}
+    assert f"the reference answer {gold!r}" in capsys.readouterr().err
+    rubric.close()
+
+
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_math_verify_runs_off_the_main_thread(isolation):
     """math-verify's own timeouts use SIGALRM (main thread only): through the rubric, its

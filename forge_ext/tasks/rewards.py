@@ -6,7 +6,9 @@ time and counts their errors. Built-ins (``reward.functions[i].fn``):
 
 - ``math_verify``: 1.0 if HF ``math-verify`` finds the completion's final answer equal to the
   reference, else 0.0. Both sides may be GSM8K-style (``... #### 42``: the text after the last
-  ``####`` is the answer) or LaTeX (``\\boxed{42}``, ``$\\frac{1}{2}$``) or plain numbers.
+  ``####`` is the answer) or LaTeX (``\\boxed{42}``, ``$\\frac{1}{2}$``) or plain numbers; the
+  reference may also be bare LaTeX as MATH stores it (``10\\sqrt{2}``: read as if in ``$...$``).
+  A reference it reads no math in is an error (counted), not a 0.
   math-verify's own timeouts use SIGALRM, which fails off the main thread (Math-Verify issues
   #50, #55): they are turned off here, and the rubric bounds the call instead.
 - ``exact_match``: 1.0 if the completion equals the reference answer after stripping white
@@ -33,15 +35,43 @@ def _gsm8k_final(text: str) -> str:
     return text.rsplit("####", 1)[1].strip() if "####" in text else text
 
 
+# A ``$`` without a backslash before it (``\\$`` is a dollar sign, not a math delimiter).
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+
+
+def _gold_latex(answer: str) -> str:
+    """The reference answer as math-verify should read it: GSM8K's final answer (after the
+    last ``####``), then as written if it marks its math (``\\boxed{}`` or ``$...$``), else
+    wrapped as ``$...$``. math-verify's default extraction is meant for free-text completions:
+    a bare-LaTeX gold as MATH stores it (``\\sqrt{2}``, ``10\\sqrt{2}``) reads as nothing or
+    as its first number (verl and verifiers box the gold for the same reason)."""
+    text = _gsm8k_final(answer).strip()
+    if "\\boxed" in text or _MATH_DELIMITER.search(text):
+        return text
+    return f"${text}$"
+
+
 def math_verify(completion: str, answer: str, **_: Any) -> float:
     """1.0 if math-verify finds the completion's final answer equal to ``answer`` (module
-    docstring), else 0.0. Raises nothing of its own; math-verify errors propagate (the rubric
-    counts them)."""
+    docstring), else 0.0.
+
+    Raises:
+        ValueError: math-verify reads no math in ``answer`` (empty, or LaTeX it cannot
+            convert): every completion would score 0 on a reference nobody checked. The
+            rubric counts it in ``reward/errors/<name>`` and prints the first, naming the
+            answer. math-verify's own errors propagate alike.
+    """
     from math_verify import parse, verify
 
-    gold = parse(_gsm8k_final(answer), parsing_timeout=None)
+    gold = parse(_gold_latex(answer), parsing_timeout=None)
+    if not any(not isinstance(g, str) for g in gold):  # nothing, or only its raw text
+        raise ValueError(
+            f"math_verify: the reference answer {answer!r:.200} does not parse as math "
+            f"(math-verify read {gold!r:.100}); fix the answer in the task's data, or score "
+            "it with another reward function (exact_match, or your own)"
+        )
     prediction = parse(_gsm8k_final(completion), parsing_timeout=None)
-    if not gold or not prediction:
+    if not prediction:
         return 0.0
     return float(verify(gold, prediction, timeout_seconds=None))
 
