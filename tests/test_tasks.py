@@ -198,6 +198,57 @@ def test_reasoning_gym_rows_are_disjoint_and_scored_by_its_own_score_answer():
     assert any(scores.rewards) and not all(scores.rewards)
 
 
+def _off_in_the_4th_decimal(entry):
+    from decimal import Decimal
+
+    return str(Decimal(entry["answer"]) + Decimal("0.0003"))
+
+
+def _fifty_days_off(entry):
+    return f"{int(entry['answer'].split()[0]) + 50} days"
+
+
+@pytest.mark.parametrize(("name", "config", "wrong"), [
+    # Tolerance is one unit of the last of max_num_decimal_places (default 3): at 6 places an
+    # answer off in the 4th decimal is wrong, at the default it would score 1.0.
+    ("decimal_arithmetic", {"min_num_decimal_places": 6, "max_num_decimal_places": 6},
+     _off_in_the_4th_decimal),
+    # Partial credit 1 - miss / max_date_difference_days: 0.95 at 1000 days, 0.5 at 100.
+    ("time_intervals", {"task_types": ["date"], "max_date_difference_days": 1000},
+     _fifty_days_off),
+])
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_reasoning_gym_rows_are_scored_by_the_dataset_that_made_them(name, config, wrong,
+                                                                     isolation):
+    import reasoning_gym
+
+    task = build_task({"source": "reasoning_gym", "name": name, "config": config,
+                       "num_train": 8, "num_eval": 4, "seed": 3})
+    rubric = Rubric(RewardConfig(isolation=isolation, num_workers=1), task)
+    rows = task.eval_rows()
+    samples = [Sample(row=r, completion=f"<answer>{c}</answer>") for r in rows
+               for c in (r.answer, wrong(r.metadata))]
+    scores = rubric.score_sync(samples)
+    # The reference: reasoning-gym's dataset built with the task's config.
+    dataset = reasoning_gym.create_dataset(name, seed=3, size=48, **config)
+    expected = [dataset.score_answer(s.completion[8:-9], s.row.metadata) for s in samples]
+    assert scores.rewards == expected
+    default = reasoning_gym.get_score_answer_fn(name)
+    assert expected != [default(s.completion[8:-9], s.row.metadata) for s in samples]
+    assert scores.errors == {"reasoning_gym": 0} and expected[::2] == [1.0] * len(rows)
+    assert scores.correct == [v >= 1.0 for v in expected]  # what counts as accurate
+    rubric.close()
+
+
+def test_the_reasoning_gym_reward_needs_the_reasoning_gym_source():
+    """It scores with the dataset that made the rows: another source has none to give."""
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].fn='reasoning_gym' is not a "
+                                         r"reward function \(reasoning_gym is the reward of "
+                                         r"task.source=reasoning_gym"):
+        Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reasoning_gym")]),
+               fns.NoTask())
+
+
 # ------------------------------------------------------------------------------- rubric
 def rubric_of(*fns, **config):
     """A rubric of ``fns`` (functions of :mod:`reward_fns`, by reference) with ``config``."""

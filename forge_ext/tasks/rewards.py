@@ -13,16 +13,15 @@ time and counts their errors. Built-ins (``reward.functions[i].fn``):
   #50, #55): they are turned off here, and the rubric bounds the call instead.
 - ``exact_match``: 1.0 if the completion equals the reference answer after stripping white
   space on both, else 0.0.
-- ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` of the completion (the text
-  inside ``<answer>...</answer>`` if it has such a tag, else the stripped completion) against
-  the row's reasoning-gym entry; for rows of the ``reasoning_gym`` source.
 
-A task may bring its own (the addition task's ``addition``); those are looked up first.
+A task may bring its own, looked up first: the addition task's ``addition``, the
+``reasoning_gym`` source's ``reasoning_gym`` (:class:`ReasoningGymScore`: the ``score_answer``
+of the dataset that made the rows, for the text inside the completion's last
+``<answer>...</answer>``, else the stripped completion).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import re
 from typing import Any
@@ -107,34 +106,48 @@ def extract_answer(completion: str) -> str:
     return (tags[-1] if tags else completion).strip()
 
 
-def reasoning_gym(completion: str, row: Row, **_: Any) -> float:
-    """reasoning-gym's ``score_answer(answer, entry)`` of the task the row came from (its
-    entry's ``metadata.source_dataset``), for the completion's :func:`extract_answer`.
+class ReasoningGymScore:
+    """The ``reasoning_gym`` reward of a :class:`~forge_ext.tasks.sources.ReasoningGymTask`:
+    ``score_answer(answer, entry)`` of the reasoning-gym dataset that made the rows (built
+    with the task's name, config, seed and size), for the completion's
+    :func:`extract_answer`. Not reasoning-gym's ``get_score_answer_fn(name)``: that builds the
+    dataset with the default config, and ``score_answer`` reads the config (the tolerance of
+    ``decimal_arithmetic``, the partial credit of ``time_intervals``).
 
-    Raises:
-        ValueError: the row is not a reasoning-gym entry.
+    Pickles as its name and dataset arguments: a reward worker process rebuilds the dataset
+    once, in :meth:`prepare` (before its first call, outside ``reward.timeout_s``).
+
+    Raises (on a call):
+        ValueError: the row is not a reasoning-gym entry (a dict with an ``answer``).
     """
-    entry = row.metadata
-    source = (entry.get("metadata") or {}).get("source_dataset") if isinstance(entry, dict) else None
-    if source is None:
-        raise ValueError(
-            "the reasoning_gym reward needs rows of the reasoning_gym source (an entry with "
-            "metadata.source_dataset)"
-        )
-    return float(_score_answer_fn(source)(extract_answer(completion), entry))
 
+    def __init__(self, name: str, dataset_args: dict[str, Any], dataset: Any = None) -> None:
+        self.name, self.dataset_args, self._dataset = name, dict(dataset_args), dataset
 
-@functools.lru_cache(maxsize=None)
-def _score_answer_fn(source: str):
-    import reasoning_gym as rg
+    def __reduce__(self) -> tuple:
+        return ReasoningGymScore, (self.name, self.dataset_args)
 
-    return rg.get_score_answer_fn(source)  # builds a dataset object: once per task
+    def prepare(self) -> None:
+        """Build the dataset (imports reasoning-gym: seconds)."""
+        if self._dataset is None:
+            import reasoning_gym as rg
+
+            self._dataset = rg.create_dataset(self.name, **self.dataset_args)
+
+    def __call__(self, completion: str, row: Row) -> float:
+        entry = row.metadata
+        if not (isinstance(entry, dict) and "answer" in entry):
+            raise ValueError(
+                f"the reasoning_gym reward scores rows of task.source=reasoning_gym (a "
+                f"reasoning-gym entry), not {type(entry).__name__} {entry!r:.80}"
+            )
+        self.prepare()
+        return float(self._dataset.score_answer(extract_answer(completion), entry))
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "exact_match": exact_match,
-    "reasoning_gym": reasoning_gym,
 }
 
 
@@ -172,8 +185,10 @@ def resolve_reward(fn: str, task_rewards: dict[str, RewardFn], field: str) -> Re
         return BUILTIN_REWARDS[fn]
     if ":" not in fn:
         names = sorted({*task_rewards, *BUILTIN_REWARDS})
+        hint = (" (reasoning_gym is the reward of task.source=reasoning_gym: it scores with "
+                "the dataset that made the rows)" if fn == "reasoning_gym" else "")
         raise ValueError(
-            f"{field}={fn!r} is not a reward function: use one of {names} or a "
+            f"{field}={fn!r} is not a reward function{hint}: use one of {names} or a "
             "'package.module:function' import path"
         )
     obj = load_object(fn, field)

@@ -57,8 +57,9 @@ class RewardFunctionConfig:
     """One entry of ``reward.functions``."""
 
     fn: str
-    """A built-in (``math_verify``, ``exact_match``, ``reasoning_gym``), one of the task's own
-    (the addition task's ``addition``), or ``"package.module:function"``."""
+    """A built-in (``math_verify``, ``exact_match``), one of the task's own (the addition
+    task's ``addition``, the reasoning-gym source's ``reasoning_gym``), or
+    ``"package.module:function"``."""
     weight: float = 1.0
     """Its weight in the completion's reward."""
     name: str | None = None

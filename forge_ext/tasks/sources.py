@@ -4,7 +4,8 @@
 - :class:`DatasetTask`: local files read with HF ``datasets`` (``.jsonl``/``.json``,
   ``.parquet``, ``.csv``, or a ``save_to_disk`` folder); nothing is downloaded.
 - :class:`ReasoningGymTask`: a procedural task of the ``reasoning-gym`` library by name,
-  generated offline from a seed; scored by that task's own ``score_answer``.
+  generated offline from a seed; scored by the ``score_answer`` of the dataset that made the
+  rows (its config, not reasoning-gym's default one).
 
 Both are pure functions of their config: the same rows in the same order in every process and
 run (the prompt stream and a resume rely on it).
@@ -18,7 +19,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_ext.tasks.base import Row, Task
+from forge_ext.tasks.base import RewardFn, Row, Task
+from forge_ext.tasks.rewards import ReasoningGymScore
 
 DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -231,7 +233,8 @@ class ReasoningGymTask(Task):
         # Entries are drawn with Random(seed + index): one dataset, deduplicated by question,
         # keeps the two splits disjoint (datasets of neighbouring seeds overlap).
         size = 4 * wanted
-        dataset = rg.create_dataset(c.name, **{**c.config, "seed": c.seed, "size": size})
+        self._dataset_args = {**c.config, "seed": c.seed, "size": size}
+        self._dataset = dataset = rg.create_dataset(c.name, **self._dataset_args)
         seen: set[str] = set()
         rows: list[Row] = []
         for index in range(size):
@@ -256,6 +259,12 @@ class ReasoningGymTask(Task):
 
     def eval_rows(self) -> list[Row]:
         return self._eval
+
+    def rewards(self) -> dict[str, RewardFn]:
+        """``reasoning_gym``: the ``score_answer`` of the dataset that made the rows
+        (:class:`~forge_ext.tasks.rewards.ReasoningGymScore`)."""
+        return {"reasoning_gym": ReasoningGymScore(self.config.name, self._dataset_args,
+                                                   self._dataset)}
 
     def default_rewards(self) -> list[str]:
         return ["reasoning_gym"]
