@@ -394,7 +394,7 @@ async def main():
             await asyncio.sleep(0.05)
     ticker = asyncio.create_task(tick())
     batch = lambda cs: [Sample(row=Row(prompt="p", answer=answer), completion=c) for c in cs]
-    warm = await rubric.score(batch(completions[1:] * 2))  # the workers have started
+    await rubric.score(batch(completions[1:] * 2))  # the workers have started
     start = time.monotonic()
     first = await rubric.score(batch(completions))
     middle = time.monotonic()
