@@ -446,7 +446,7 @@ def test_a_reward_call_holding_the_gil_is_ended_at_its_timeout_and_the_loop_keep
     assert result["first_errors"] == {"f": 1, "exact_match": 0}  # ... and was counted
     assert result["first"]["exact_match"] == [float(c == answer) for c in completions]
     assert result["first_s"] < result["timeout"] + 2.5  # ended at its timeout
-    assert result["max_gap_s"] < 0.5 and result["ticks"] > 10  # the loop kept running
+    assert result["max_gap_s"] < 1.0 and result["ticks"] > 10  # the loop kept running
     assert result["second"]["f"] == values and result["second_errors"]["f"] == 0
     assert "took longer than reward.timeout_s=2.0" in out.stderr
     workers = []
