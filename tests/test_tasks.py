@@ -3,6 +3,7 @@ the rubric's accounting of reward functions that fail, the built-in rewards agai
 libraries they wrap, prompt ids against ``apply_chat_template``, and every pre-spawn error."""
 
 import asyncio
+import gc
 import json
 import math
 import os
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import save_chat_tokenizer
+
+import reward_fns as fns
 
 from forge_ext.tasks import (
     PromptConfig, PromptRenderer, PromptStream, RewardConfig, RewardFunctionConfig, Row, Rubric,
@@ -63,7 +66,9 @@ def test_dataset_rows_from_every_format_hold_out_a_fixed_disjoint_split(tmp_path
     by_prompt = {d["question"]: d for d in data}
     for row in train + held_out:
         assert row.answer == by_prompt[row.prompt]["solution"]
-        assert row.metadata["level"] == by_prompt[row.prompt]["level"]  # every column kept
+        # Every column kept; a CSV file's are its text (it has no types).
+        level = by_prompt[row.prompt]["level"]
+        assert row.metadata["level"] == (str(level) if fmt == "csv" else level)
     # Fixed by the seed; another seed holds out other rows.
     assert build_task(spec).eval_rows() == held_out
     assert build_task({**spec, "seed": 4}).eval_rows() != held_out
@@ -85,6 +90,40 @@ def test_dataset_eval_path_messages_system_prompt_and_numeric_answers(tmp_path):
     assert task.train_rows()[0].prompt == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}
     ]
+
+
+def test_a_csv_files_answers_are_its_text_and_score_their_own_exact_match(tmp_path):
+    """pandas' type inference would read ``0021`` as 21, ``0.50`` as 0.5, ``3.10`` as 3.1 and
+    round a 21-digit id through float64: each row's own answer would then miss its text."""
+    answers = ["0021", "0.50", "3.10", "123456789012345678901", "NA"]
+    path = tmp_path / "d.csv"
+    # Quoted and bare fields alike: quoting does not stop the inference.
+    path.write_text("question,answer\n" + "".join(
+        f'q{i},"{a}"\n' if i % 2 else f"q{i},{a}\n" for i, a in enumerate(answers)))
+    task = build_task({"source": "dataset", "train_path": str(path), "num_eval": 1,
+                       "prompt_field": "question"})
+    rows = sorted([*task.train_rows(), *task.eval_rows()], key=lambda r: r.prompt)
+    lines = path.read_text().splitlines()[1:]  # the file's own text, field by field
+    assert [r.answer for r in rows] == [line.split(",", 1)[1].strip('"') for line in lines]
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")]), task)
+    scores = rubric.score_sync([Sample(row=r, completion=a) for r, a in zip(rows, answers)])
+    assert scores.rewards == [1.0] * len(answers)
+
+
+def test_typed_numbers_of_jsonl_and_parquet_answers_become_their_text(tmp_path):
+    """A file with typed numbers: an int or float answer becomes its text (an integral float
+    without ``.0``: Arrow reads a column of mixed ints and floats as floats)."""
+    import datasets
+
+    records = [{"question": "a", "answer": 21}, {"question": "b", "answer": 0.5},
+               {"question": "c", "answer": 3.1}, {"question": "d", "answer": 7.0}]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    parquet = str(tmp_path / "d.parquet")
+    datasets.Dataset.from_list(records).to_parquet(parquet)
+    for path in (jsonl, parquet):
+        task = build_task({"source": "dataset", "train_path": path, "eval_path": path,
+                           "prompt_field": "question"})
+        assert [r.answer for r in task.train_rows()] == ["21", "0.5", "3.1", "7"], path
 
 
 def test_the_task_rows_are_the_same_in_a_fresh_process(tmp_path):
@@ -160,65 +199,78 @@ def test_reasoning_gym_rows_are_disjoint_and_scored_by_its_own_score_answer():
     assert any(scores.rewards) and not all(scores.rewards)
 
 
+def _off_in_the_4th_decimal(entry):
+    from decimal import Decimal
+
+    return str(Decimal(entry["answer"]) + Decimal("0.0003"))
+
+
+def _fifty_days_off(entry):
+    return f"{int(entry['answer'].split()[0]) + 50} days"
+
+
+@pytest.mark.parametrize(("name", "config", "wrong"), [
+    # Tolerance is one unit of the last of max_num_decimal_places (default 3): at 6 places an
+    # answer off in the 4th decimal is wrong, at the default it would score 1.0.
+    ("decimal_arithmetic", {"min_num_decimal_places": 6, "max_num_decimal_places": 6},
+     _off_in_the_4th_decimal),
+    # Partial credit 1 - miss / max_date_difference_days: 0.95 at 1000 days, 0.5 at 100.
+    ("time_intervals", {"task_types": ["date"], "max_date_difference_days": 1000},
+     _fifty_days_off),
+])
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_reasoning_gym_rows_are_scored_by_the_dataset_that_made_them(name, config, wrong,
+                                                                     isolation):
+    import reasoning_gym
+
+    task = build_task({"source": "reasoning_gym", "name": name, "config": config,
+                       "num_train": 8, "num_eval": 4, "seed": 3})
+    rubric = Rubric(RewardConfig(isolation=isolation, num_workers=1), task)
+    rows = task.eval_rows()
+    samples = [Sample(row=r, completion=f"<answer>{c}</answer>") for r in rows
+               for c in (r.answer, wrong(r.metadata))]
+    scores = rubric.score_sync(samples)
+    # The reference: reasoning-gym's dataset built with the task's config.
+    dataset = reasoning_gym.create_dataset(name, seed=3, size=48, **config)
+    expected = [dataset.score_answer(s.completion[8:-9], s.row.metadata) for s in samples]
+    assert scores.rewards == expected
+    default = reasoning_gym.get_score_answer_fn(name)
+    assert expected != [default(s.completion[8:-9], s.row.metadata) for s in samples]
+    assert scores.errors == {"reasoning_gym": 0} and expected[::2] == [1.0] * len(rows)
+    assert scores.correct == [v >= 1.0 for v in expected]  # what counts as accurate
+    rubric.close()
+
+
+def test_the_reasoning_gym_reward_needs_the_reasoning_gym_source():
+    """It scores with the dataset that made the rows: another source has none to give."""
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].fn='reasoning_gym' is not a "
+                                         r"reward function \(reasoning_gym is the reward of "
+                                         r"task.source=reasoning_gym"):
+        Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reasoning_gym")]),
+               fns.NoTask())
+
+
 # ------------------------------------------------------------------------------- rubric
-RAISED = []
-
-
-def _sync_reward(completion, answer):
-    return float(completion == answer)
-
-
-async def _async_reward(completion, row):
-    await asyncio.sleep(0)
-    return 0.5 if row.answer in completion else 0.0
-
-
-def _raises(completion):
-    RAISED.append(completion)
-    raise RuntimeError("boom")
-
-
-def _hangs(completion):
-    time.sleep(30)
-    return 1.0
-
-
-async def _hangs_async(completion):
-    await asyncio.sleep(30)
-    return 1.0
-
-
-def _nan(completion):
-    return math.nan
-
-
-def _string(completion):
-    return "1.0"
-
-
-def _tensor(completion):
-    import torch
-
-    return torch.tensor(0.25)
-
-
 def rubric_of(*fns, **config):
+    """A rubric of ``fns`` (functions of :mod:`reward_fns`, by reference) with ``config``."""
     class _Task:
         name = "t"
 
         def rewards(self):
-            return {f.__name__.strip("_"): f for f in fns}
+            return {f.__name__: f for f in fns}
 
         def default_rewards(self):
             return []
 
-    entries = [RewardFunctionConfig(fn=f.__name__.strip("_")) for f in fns]
+    entries = [RewardFunctionConfig(fn=f.__name__) for f in fns]
     return Rubric(RewardConfig(functions=entries, **config), _Task())
 
 
-def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys):
-    rubric = rubric_of(_sync_reward, _async_reward, _raises, _hangs, _hangs_async, _nan,
-                       _string, _tensor, timeout_s=0.5, on_error=-1.0)
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys, isolation):
+    rubric = rubric_of(fns.sync_reward, fns.async_reward, fns.raises, fns.hangs,
+                       fns.hangs_async, fns.nan, fns.string, fns.array, timeout_s=0.5,
+                       on_error=-1.0, isolation=isolation, num_workers=4)
     rows = [Row(prompt="p", answer="42"), Row(prompt="q", answer="7")]
     samples = [Sample(row=rows[0], completion="42"), Sample(row=rows[1], completion="no")]
     start = time.perf_counter()
@@ -226,11 +278,11 @@ def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys):
     assert time.perf_counter() - start < 5  # the hung calls cost their timeout, once, at once
     assert scores.by_function["sync_reward"] == [1.0, 0.0]
     assert scores.by_function["async_reward"] == [0.5, 0.0]
-    assert scores.by_function["tensor"] == [0.25, 0.25]
+    assert scores.by_function["array"] == [0.25, 0.25]
     for name in ("raises", "hangs", "hangs_async", "nan", "string"):
         assert scores.by_function[name] == [-1.0, -1.0], name
     assert scores.errors == {"sync_reward": 0, "async_reward": 0, "raises": 2, "hangs": 2,
-                             "hangs_async": 2, "nan": 2, "string": 2, "tensor": 0}
+                             "hangs_async": 2, "nan": 2, "string": 2, "array": 0}
     # The weighted total: weight 1 each.
     assert scores.rewards == [1.0 + 0.5 - 5 + 0.25, 0.0 - 5 + 0.25]
     metrics = scores.metrics()
@@ -249,7 +301,7 @@ def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys):
 def test_a_rubric_scores_alike_in_every_event_loop():
     """score_sync opens a new event loop per call (the SFT app validates many times): the
     second call's samples, more than the rubric runs at once, must score as the first's."""
-    rubric = rubric_of(_sync_reward, _async_reward)
+    rubric = rubric_of(fns.sync_reward, fns.async_reward)
     samples = [Sample(row=Row(prompt="p", answer=str(i)), completion=str(i % 2)) for i in range(40)]
     first = rubric.score_sync(samples)
     assert rubric.score_sync(samples) == first
@@ -257,12 +309,217 @@ def test_a_rubric_scores_alike_in_every_event_loop():
 
 
 def test_weights_and_the_accuracy_function():
-    rubric = rubric_of(_sync_reward, _async_reward, accuracy="async_reward")
+    rubric = rubric_of(fns.sync_reward, fns.async_reward, accuracy="async_reward")
     rubric.functions["sync_reward"] = (*rubric.functions["sync_reward"][:1], 2.0,
                                        rubric.functions["sync_reward"][2])
     scores = rubric.score_sync([Sample(row=Row(prompt="p", answer="4"), completion="4")])
     assert scores.rewards == [2.0 * 1.0 + 0.5]
     assert scores.correct == [False]  # async_reward gave 0.5, not 1
+
+
+def test_reward_calls_run_in_worker_processes_spread_over_them():
+    """reward.isolation=process (the default): sync and async functions run in the rubric's
+    worker processes, the calls of a batch on all of them; thread: in this process."""
+    import psutil
+
+    rows = [Row(prompt="p", answer=str(i)) for i in range(6)]
+    samples = [Sample(row=r, completion="c") for r in rows]
+    rubric = rubric_of(fns.pid, fns.pid_async, num_workers=2)
+    scores = rubric.score_sync(samples)
+    workers = set(rubric.worker_pids)
+    assert len(workers) == 2 and workers <= {p.pid for p in psutil.Process().children()}
+    ran_in = {name: {int(v) for v in values} for name, values in scores.by_function.items()}
+    assert ran_in["pid"] | ran_in["pid_async"] == workers  # both workers took calls
+    rubric.close()
+    threaded = rubric_of(fns.pid, fns.pid_async, isolation="thread")
+    assert set(threaded.score_sync(samples[:2]).by_function["pid"]) == {float(os.getpid())}
+
+
+def test_the_addition_tasks_own_reward_runs_in_a_worker():
+    from forge_ext.tasks import AdditionTask
+
+    task = AdditionTask(AdditionTask.Config(num_train=4, num_eval=2, reverse_answer=True,
+                                            partial_credit=0.25))
+    rubric = Rubric(RewardConfig(num_workers=1), task)
+    row = task.eval_rows()[0]  # its answer is the sum's digits reversed
+    total = str(row.metadata["a"] + row.metadata["b"])
+    samples = [Sample(row=row, completion=c) for c in (total[::-1], "1" + total, "x")]
+    samples.append(Sample(row=row, completion=total[::-1], finished=False))
+    assert rubric.score_sync(samples).rewards == [1.0, 0.25, 0.0, 0.0]
+    rubric.close()
+
+
+def test_a_reward_function_a_worker_process_cannot_receive_is_refused_naming_its_field():
+    """A lambda or closure cannot be sent to a worker process by reference: refused when the
+    rubric is built, naming the field and both fixes; reward.isolation=thread runs it."""
+    offset = 1.0
+
+    class _Task:
+        name = "t"
+
+        def rewards(self):
+            return {"closure": lambda completion: offset, "ok": fns.sync_reward}
+
+        def default_rewards(self):
+            return []
+
+    entries = [RewardFunctionConfig(fn="ok"), RewardFunctionConfig(fn="closure")]
+    with pytest.raises(ValueError, match=r"reward.functions\[1\].fn='closure' .* cannot be sent "
+                                         r"to a reward worker process.*module level.*"
+                                         r"reward.isolation=thread"):
+        Rubric(RewardConfig(functions=entries), _Task())
+    rubric = Rubric(RewardConfig(functions=entries, isolation="thread"), _Task())
+    assert rubric.score_sync([Sample(row=Row(prompt="p", answer="a"), completion="a")]
+                             ).rewards == [2.0]
+
+
+# A controller with a rubric that scores a batch holding one runaway call while an asyncio
+# task ticks every 50 ms, then a second batch; it prints what happened and exits (no close).
+RUNAWAY = """
+import asyncio, json, sys, time
+import psutil
+from forge_ext.tasks import RewardConfig, RewardFunctionConfig, Row, Rubric, Sample
+from reward_fns import NoTask
+
+fn, answer, completions, timeout = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), 2.0
+
+rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn=fn, name="f"),
+                                        RewardFunctionConfig(fn="exact_match")],
+                             timeout_s=timeout, on_error=-1.0, num_workers=2), NoTask())
+
+async def main():
+    ticks = []
+    async def tick():
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.05)
+    ticker = asyncio.create_task(tick())
+    batch = lambda cs: [Sample(row=Row(prompt="p", answer=answer), completion=c) for c in cs]
+    await rubric.score(batch(completions[1:] * 2))  # the workers have started
+    start = time.monotonic()
+    first = await rubric.score(batch(completions))
+    middle = time.monotonic()
+    second = await rubric.score(batch(completions[1:]))
+    end = time.monotonic()
+    ticker.cancel()
+    during = [t for t in ticks if start <= t <= end]
+    gaps = [b - a for a, b in zip([start, *during], [*during, end])]
+    workers = [p.pid for p in psutil.Process().children(recursive=True)]
+    print(json.dumps({"first": first.by_function, "first_errors": first.errors,
+                      "second": second.by_function, "second_errors": second.errors,
+                      "first_s": middle - start, "max_gap_s": max(gaps), "ticks": len(during),
+                      "timeout": timeout, "workers": workers}))
+
+asyncio.run(main())
+"""
+
+
+def _python_env():
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+@pytest.mark.parametrize(("fn", "answer", "runaway", "right", "wrong"), [
+    # sympy's big-int power under math-verify: minutes in one C call.
+    ("math_verify", "3", r"\boxed{9^{9^{9}}}", r"\boxed{3}", r"\boxed{4}"),
+    # A user's function in one C call (10 ** 10**9), sync and async.
+    ("reward_fns:power", "3", fns.HUGE, "3", "4"),
+    ("reward_fns:power_async", "3", fns.HUGE, "3", "5"),
+], ids=["math_verify", "user_sync", "user_async"])
+def test_a_reward_call_holding_the_gil_is_ended_at_its_timeout_and_the_loop_keeps_running(
+    fn, answer, runaway, right, wrong
+):
+    """On threads such a call freezes the whole controller (event loop, timeouts, every
+    thread) until it returns: the child process would not finish in 150 s."""
+    import psutil
+
+    completions = [runaway, right, wrong]
+    out = subprocess.run([sys.executable, "-c", RUNAWAY, fn, answer, json.dumps(completions)],
+                         capture_output=True, text=True, timeout=150, env=_python_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = fns.power if fn.startswith("reward_fns") else None
+    values = [1.0 if c == right else 0.0 for c in completions[1:]] if expected is None else [
+        expected(c) for c in completions[1:]]
+    assert result["first"]["f"] == [-1.0, *values]  # the runaway call scored on_error ...
+    assert result["first_errors"] == {"f": 1, "exact_match": 0}  # ... and was counted
+    assert result["first"]["exact_match"] == [float(c == answer) for c in completions]
+    assert result["first_s"] < result["timeout"] + 2.5  # ended at its timeout
+    assert result["max_gap_s"] < 1.0 and result["ticks"] > 10  # the loop kept running
+    assert result["second"]["f"] == values and result["second_errors"]["f"] == 0
+    assert "took longer than reward.timeout_s=2.0" in out.stderr
+    workers = []
+    for pid in result["workers"]:
+        try:
+            workers.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:  # gone already
+            pass
+    assert not psutil.wait_procs(workers, timeout=10)[1]  # none outlived the controller
+
+
+def test_no_reward_worker_outlives_its_rubric_or_a_killed_controller():
+    import psutil
+
+    def started(rubric):
+        rubric.score_sync([Sample(row=Row(prompt="p", answer="1"), completion="1")] * 4)
+        workers = [psutil.Process(pid) for pid in rubric.worker_pids]
+        assert len(workers) == 2 and all(w.ppid() == os.getpid() for w in workers)
+        return workers
+
+    rubric = rubric_of(fns.sync_reward, fns.raises, num_workers=2)
+    workers = started(rubric)
+    rubric.close()
+    assert not psutil.wait_procs(workers, timeout=10)[1]
+    # Dropped without close (after errors, whose tracebacks hold the rubric's frames): its
+    # finalizer ends them at once, no gc pass needed (no reference cycle keeps it).
+    rubric = rubric_of(fns.sync_reward, fns.raises, num_workers=2)
+    workers = started(rubric)
+    gc.disable()
+    try:
+        del rubric
+        assert not psutil.wait_procs(workers, timeout=10)[1]
+    finally:
+        gc.enable()
+    # A controller SIGKILLed while its worker holds the GIL in a C call: the kernel ends it.
+    child = subprocess.Popen([sys.executable, "-c", SPINNING, fns.HUGE], stdout=subprocess.PIPE,
+                             text=True, env=_python_env())
+    try:
+        spinning = [psutil.Process(p) for p in json.loads(child.stdout.readline())]
+        assert len(spinning) == 2
+        before = [p.cpu_times().user for p in spinning]
+        time.sleep(1.0)
+        # The runaway call runs: one worker computes (on a busy machine, part of the second).
+        assert max(p.cpu_times().user - b for p, b in zip(spinning, before)) > 0.05
+        child.kill()
+        child.wait()
+        assert not psutil.wait_procs(spinning, timeout=10)[1]
+    finally:
+        child.kill()
+
+
+# A controller whose one reward call runs for minutes; it prints its worker pids once that
+# call has run a while.
+SPINNING = """
+import asyncio, json, sys
+import psutil
+from forge_ext.tasks import RewardConfig, RewardFunctionConfig, Row, Rubric, Sample
+from reward_fns import NoTask
+
+rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reward_fns:power")],
+                             timeout_s=600, num_workers=2), NoTask())
+
+async def main():
+    call = asyncio.ensure_future(rubric.score([Sample(row=Row(prompt="p", answer=""),
+                                                      completion=sys.argv[1])]))
+    while len(psutil.Process().children()) < 2:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(3)
+    print(json.dumps([p.pid for p in psutil.Process().children()]), flush=True)
+    await call
+
+asyncio.run(main())
+"""
 
 
 # --------------------------------------------------------------------- built-in rewards
@@ -279,12 +536,54 @@ def test_math_verify_reads_gsm8k_and_latex_answers(completion, answer, expected)
     assert math_verify(completion=completion, answer=answer) == expected
 
 
-def test_math_verify_runs_off_the_main_thread():
+# A gold as MATH and MATH-500 store it (bare LaTeX), in $...$, boxed, or GSM8K's solution
+# text; a right and a wrong completion of it.
+GOLDS = [
+    (r"\sqrt{2}", r"so \boxed{\sqrt{2}}", r"\boxed{2}"),
+    (r"\dfrac{14}{3}", r"The answer is $\frac{14}{3}$.", r"\boxed{4.6667}"),
+    ("p - q", r"\boxed{p - q}", r"\boxed{q - p}"),
+    (r"10\sqrt{2}", r"\boxed{10\sqrt{2}}", r"\boxed{10}"),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"\boxed{(3, \frac{\pi}{2})}", r"\boxed{3}"),
+    (r"$\frac{1}{2}$", r"\boxed{0.5}", r"\boxed{2}"),
+    (r"The answer is $\frac{1}{2}$.", r"\boxed{\frac{2}{4}}", r"\boxed{1}"),
+    (r"\boxed{42}", r"Thus \boxed{42}.", r"\boxed{24}"),
+    ("She has 1,000 + 234 = 1,234 apples.\n#### 1,234", r"\boxed{1234}", r"\boxed{234}"),
+    ("#### 72", "... so 72 in all.\n#### 72", "#### 27"),
+    ("0.5", r"\boxed{\frac{1}{2}}", r"\boxed{5}"),
+    ("-3", r"\boxed{-3}", r"\boxed{3}"),
+    (r"\$5", r"\boxed{5}", r"\boxed{6}"),
+]
+
+
+@pytest.mark.parametrize(("gold", "right", "wrong"), GOLDS)
+def test_math_verify_reads_the_gold_as_written(gold, right, wrong):
+    from forge_ext.tasks.rewards import math_verify
+
+    assert math_verify(completion=right, answer=gold) == 1.0
+    assert math_verify(completion=wrong, answer=gold) == 0.0
+
+
+@pytest.mark.parametrize("gold", ["", "#### ", r"\frac{1}{", r"\boxed{}"])
+def test_a_gold_math_verify_cannot_read_is_an_error_naming_it_and_counted(gold, capsys):
+    from forge_ext.tasks.rewards import math_verify
+
+    with pytest.raises(ValueError, match="the reference answer .* does not parse as math"):
+        math_verify(completion=r"\boxed{1}", answer=gold)
+    rubric = rubric_of(math_verify, on_error=-1.0, num_workers=1)
+    scores = rubric.score_sync([Sample(row=Row(prompt="p", answer=gold), completion="1")])
+    assert scores.rewards == [-1.0] and scores.errors == {"math_verify": 1}
+    assert f"the reference answer {gold!r}" in capsys.readouterr().err
+    rubric.close()
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_math_verify_runs_off_the_main_thread(isolation):
     """math-verify's own timeouts use SIGALRM (main thread only): through the rubric, its
     calls run in worker threads and must still score."""
     from forge_ext.tasks import AdditionTask
 
-    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="math_verify")]),
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="math_verify")],
+                                 isolation=isolation),
                     AdditionTask(AdditionTask.Config(num_train=1, num_eval=1)))
     scores = rubric.score_sync([Sample(row=Row(prompt="p", answer="#### 12"), completion="12")])
     assert scores.rewards == [1.0] and scores.errors == {"math_verify": 0}

@@ -32,13 +32,11 @@ BASE = {"hf": str(CONFIGS / "grpo_cpu_demo.yaml"), "vllm": str(CONFIGS / "grpo_c
 
 REWARDS = '''
 import asyncio, math, time
-CALLS = {}
 
 def record(completion, prompt, answer, row, finished):
-    # Any deterministic function of the completion: what the test checks the app stored.
-    value = (sum(map(ord, completion)) % 7) / 6 + (0.5 if completion.strip() == answer else 0)
-    CALLS[completion] = value
-    return value
+    # Any deterministic function of the completion: what the test checks the app stored (it
+    # runs in a reward worker process: the test calls it again to know what it returned).
+    return (sum(map(ord, completion)) % 7) / 6 + (0.5 if completion.strip() == answer else 0)
 
 async def constant(completion):
     await asyncio.sleep(0)
@@ -98,30 +96,35 @@ async def user_run(request, user_data, tmp_path_factory):
         "reference=null", "loss.kl_coef=0",  # no KL here: one process fewer to spawn
         "generator.sampling.max_new_tokens=6",
     ))
-    import user_rewards
-
-    user_rewards.CALLS.clear()
     app = Recording(config)
     await app.run()
-    return app, output_dir, dict(user_rewards.CALLS)
+    return app, output_dir
 
 
 async def test_each_sample_gets_what_the_users_reward_function_returned(user_run):
-    app, output_dir, calls = user_run
+    from user_rewards import record
+
+    app, output_dir = user_run
     group = app.config.grpo.group_size
+    values = []
     for step, rollouts in app.trained.items():
-        texts = [app.tok.completion_text(ep.response_ids)[0] for ep in rollouts.episodes]
+        expected = []
+        for i, ep in enumerate(rollouts.episodes):
+            row = rollouts.rows[i // group]
+            text, finished = app.tok.completion_text(ep.response_ids)
+            expected.append(record(text, row.prompt, row.answer, row, finished))
         # record's value + constant's 0.25; the failing functions scored on_error = 0.
         assert [ep.reward for ep in rollouts.episodes] == pytest.approx(
-            [calls[t] + 0.25 for t in texts], abs=1e-12)
+            [v + 0.25 for v in expected], abs=1e-12)
         rewards = [ep.reward for ep in rollouts.episodes]
         assert [ep.advantage for ep in rollouts.episodes] == pytest.approx(
             compute_group_advantages(__import__("torch").tensor(rewards), group).tolist())
-    assert len({round(v, 6) for v in calls.values()}) > 1  # not vacuous: rewards vary
+        values += expected
+    assert len({round(v, 6) for v in values}) > 1  # not vacuous: rewards vary
 
 
 async def test_failing_reward_functions_are_counted_and_the_run_finishes(user_run):
-    app, output_dir, _ = user_run
+    app, output_dir = user_run
     rows = {r["step"]: r for r in history(output_dir)}
     assert sorted(s for s, r in rows.items() if "loss" in r) == [1, 2]
     assert "eval/accuracy" in rows[2]
@@ -137,7 +140,7 @@ async def test_failing_reward_functions_are_counted_and_the_run_finishes(user_ru
 async def test_prompt_ids_are_the_chat_template_and_the_ratio_is_one(user_run):
     from transformers import AutoTokenizer
 
-    app, output_dir, _ = user_run
+    app, output_dir = user_run
     hf = AutoTokenizer.from_pretrained(app.config.model.hf_path)
     for rollouts in app.trained.values():
         for i, ep in enumerate(rollouts.episodes):

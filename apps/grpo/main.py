@@ -216,6 +216,14 @@ class GRPOApp(RLLoop):
         # What the run will do, before anything starts: model, steps, task, roles, output.
         for line in self.plan_lines(roles, placement):
             self.write(line)
+        # The reward worker processes start now, while the roles spawn (each imports its
+        # functions' modules: a second or more), and end with the run.
+        self.rubric.start()
+
+        async def stop_rewards() -> None:
+            self.rubric.close()
+
+        self.track("reward workers", stop_rewards)
         placement.start()
 
         async def stop_hosts() -> None:

@@ -302,6 +302,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         logger.log(step, {"eval/accuracy": accuracy})
         logger.close(plot_keys=["validation/accuracy", "eval/accuracy"], title="warm-start")
     engine.close()
+    rubric.close()  # its reward worker processes
     print(
         f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
         f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); written to {out}: checkpoint, "

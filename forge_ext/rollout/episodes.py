@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
-from forge_ext.tasks.rubric import DaemonPool
+from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
 SampleFn = Callable[..., Awaitable[list[Completion]]]

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forge_ext.tasks.base import Row, Task
-from forge_ext.tasks.tokenizer import CHARACTERS, EOS_ID, build_tokenizer
+
+# The tokenizer module (transformers: ~1 s) is imported where it is used: a reward worker
+# process that runs AdditionReward imports this module and needs none of it.
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,8 @@ class AdditionTask(Task):
                 )
 
     def __init__(self, config: Config) -> None:
+        from forge_ext.tasks.tokenizer import build_tokenizer
+
         self.config = config
         self._tokenizer = build_tokenizer()
         problems = _distinct_problems(
@@ -125,17 +129,15 @@ class AdditionTask(Task):
         return [self._row(p) for p in self.eval_problems]
 
     def rewards(self) -> dict:
-        def addition(completion: str, finished: bool, row: Row) -> float:
-            problem = AdditionProblem(row.metadata["a"], row.metadata["b"])
-            return self.score_text(problem, completion.strip() if finished else None)
-
-        return {"addition": addition}
+        return {"addition": AdditionReward(self.config)}
 
     def default_rewards(self) -> list[str]:
         return ["addition"]
 
     def characters(self) -> str:
         """The character tokenizer's fixed alphabet (:mod:`forge_ext.tasks.tokenizer`)."""
+        from forge_ext.tasks.tokenizer import CHARACTERS
+
         return CHARACTERS
 
     @property
@@ -151,7 +153,7 @@ class AdditionTask(Task):
     def expected(self, problem: AdditionProblem) -> str:
         """The correct response text (without ``<eos>``): ``problem.answer``, reversed when
         ``config.reverse_answer``."""
-        return problem.answer[::-1] if self.config.reverse_answer else problem.answer
+        return _expected(problem, self.config)
 
     def reward(self, problem: AdditionProblem, response_ids: Sequence[int]) -> float:
         """Reward of one sampled response in the task's own tokenizer (rules in the module
@@ -169,13 +171,7 @@ class AdditionTask(Task):
     def score_text(self, problem: AdditionProblem, answer: str | None) -> float:
         """Reward of a decoded answer: the text before ``<eos>``, or None if the response
         never emitted ``<eos>``. Lets an app score responses of any tokenizer."""
-        if answer is None:
-            return 0.0
-        if answer == self.expected(problem):
-            return 1.0
-        if answer and all(char.isdigit() for char in answer):
-            return self.config.partial_credit
-        return 0.0
+        return _score_text(problem, answer, self.config)
 
     def accuracy(
         self, problems: Sequence[AdditionProblem], responses: Sequence[Sequence[int]]
@@ -208,11 +204,43 @@ class AdditionTask(Task):
 
     def _answer_text(self, response_ids: Sequence[int]) -> str | None:
         """Decoded text before the first ``<eos>``; ``None`` if there is no ``<eos>``."""
+        from forge_ext.tasks.tokenizer import EOS_ID
+
         ids = list(response_ids)
         if EOS_ID not in ids:
             return None
         # skip_special_tokens=False: a stray <bos>/<pad> inside the answer must make it wrong.
         return self._tokenizer.decode(ids[: ids.index(EOS_ID)], skip_special_tokens=False)
+
+
+@dataclass(frozen=True, slots=True)
+class AdditionReward:
+    """The task's reward function ``addition``: :meth:`AdditionTask.score_text` of the
+    completion, stripped (None when the response has no end token). An object of the task's
+    config rather than a closure over the task, so that a reward worker process receives it
+    by reference (:mod:`forge_ext.tasks.workers`)."""
+
+    config: AdditionTask.Config
+
+    def __call__(self, completion: str, finished: bool, row: Row) -> float:
+        problem = AdditionProblem(row.metadata["a"], row.metadata["b"])
+        return _score_text(problem, completion.strip() if finished else None, self.config)
+
+
+def _expected(problem: AdditionProblem, config: AdditionTask.Config) -> str:
+    return problem.answer[::-1] if config.reverse_answer else problem.answer
+
+
+def _score_text(problem: AdditionProblem, answer: str | None,
+                config: AdditionTask.Config) -> float:
+    """Reward rules of the module docstring (see :meth:`AdditionTask.score_text`)."""
+    if answer is None:
+        return 0.0
+    if answer == _expected(problem, config):
+        return 1.0
+    if answer and all(char.isdigit() for char in answer):
+        return config.partial_credit
+    return 0.0
 
 
 def _distinct_problems(rng: random.Random, max_digits: int, count: int) -> list[AdditionProblem]:

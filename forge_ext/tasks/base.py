@@ -75,7 +75,8 @@ RewardFn = Callable[..., Any]
 up to its end token), ``prompt`` (the row's prompt, str or messages), ``answer`` (str),
 ``row`` (:class:`Row`), and, where its signature names them, ``finished`` (bool: the response
 ended with an end token) and ``completion_ids`` (list[int]). Returns a number (sync) or an
-awaitable of one (async)."""
+awaitable of one (async). An optional ``prepare()`` attribute runs once in each reward worker
+process before its first call, outside ``reward.timeout_s`` (:mod:`forge_ext.tasks.workers`)."""
 
 
 class Task:
@@ -98,7 +99,11 @@ class Task:
         raise NotImplementedError
 
     def rewards(self) -> dict[str, RewardFn]:
-        """Reward functions this task provides, by the name ``reward.functions`` uses."""
+        """Reward functions this task provides, by the name ``reward.functions`` uses. Under
+        ``reward.isolation: process`` (the default) each must pickle by reference, to reach the
+        reward worker processes: a module-level function, or an object of an importable class
+        (the addition task's :class:`~forge_ext.tasks.addition.AdditionReward`); a closure
+        over the task is refused."""
         return {}
 
     def default_rewards(self) -> list[str]:

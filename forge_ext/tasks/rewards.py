@@ -6,21 +6,22 @@ time and counts their errors. Built-ins (``reward.functions[i].fn``):
 
 - ``math_verify``: 1.0 if HF ``math-verify`` finds the completion's final answer equal to the
   reference, else 0.0. Both sides may be GSM8K-style (``... #### 42``: the text after the last
-  ``####`` is the answer) or LaTeX (``\\boxed{42}``, ``$\\frac{1}{2}$``) or plain numbers.
+  ``####`` is the answer) or LaTeX (``\\boxed{42}``, ``$\\frac{1}{2}$``) or plain numbers; the
+  reference may also be bare LaTeX as MATH stores it (``10\\sqrt{2}``: read as if in ``$...$``).
+  A reference it reads no math in is an error (counted), not a 0.
   math-verify's own timeouts use SIGALRM, which fails off the main thread (Math-Verify issues
   #50, #55): they are turned off here, and the rubric bounds the call instead.
 - ``exact_match``: 1.0 if the completion equals the reference answer after stripping white
   space on both, else 0.0.
-- ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` of the completion (the text
-  inside ``<answer>...</answer>`` if it has such a tag, else the stripped completion) against
-  the row's reasoning-gym entry; for rows of the ``reasoning_gym`` source.
 
-A task may bring its own (the addition task's ``addition``); those are looked up first.
+A task may bring its own, looked up first: the addition task's ``addition``, the
+``reasoning_gym`` source's ``reasoning_gym`` (:class:`ReasoningGymScore`: the ``score_answer``
+of the dataset that made the rows, for the text inside the completion's last
+``<answer>...</answer>``, else the stripped completion).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import re
 from typing import Any
@@ -33,17 +34,61 @@ def _gsm8k_final(text: str) -> str:
     return text.rsplit("####", 1)[1].strip() if "####" in text else text
 
 
+# A ``$`` without a backslash before it (``\\$`` is a dollar sign, not a math delimiter).
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+
+
+def _gold_latex(answer: str) -> str:
+    """The reference answer as math-verify should read it: GSM8K's final answer (after the
+    last ``####``), then as written if it marks its math (``\\boxed{}`` or ``$...$``), else
+    wrapped as ``$...$``. math-verify's default extraction is meant for free-text completions:
+    a bare-LaTeX gold as MATH stores it (``\\sqrt{2}``, ``10\\sqrt{2}``) reads as nothing or
+    as its first number (verl and verifiers box the gold for the same reason)."""
+    text = _gsm8k_final(answer).strip()
+    if "\\boxed" in text or _MATH_DELIMITER.search(text):
+        return text
+    return f"${text}$"
+
+
 def math_verify(completion: str, answer: str, **_: Any) -> float:
     """1.0 if math-verify finds the completion's final answer equal to ``answer`` (module
-    docstring), else 0.0. Raises nothing of its own; math-verify errors propagate (the rubric
-    counts them)."""
+    docstring), else 0.0.
+
+    Raises:
+        ValueError: math-verify reads no math in ``answer`` (empty, or LaTeX it cannot
+            convert): every completion would score 0 on a reference nobody checked. The
+            rubric counts it in ``reward/errors/<name>`` and prints the first, naming the
+            answer. math-verify's own errors propagate alike.
+    """
     from math_verify import parse, verify
 
-    gold = parse(_gsm8k_final(answer), parsing_timeout=None)
+    gold = parse(_gold_latex(answer), parsing_timeout=None)
+    if not any(not isinstance(g, str) for g in gold):  # nothing, or only its raw text
+        raise ValueError(
+            f"math_verify: the reference answer {answer!r:.200} does not parse as math "
+            f"(math-verify read {gold!r:.100}); fix the answer in the task's data, or score "
+            "it with another reward function (exact_match, or your own)"
+        )
     prediction = parse(_gsm8k_final(completion), parsing_timeout=None)
-    if not gold or not prediction:
+    if not prediction:
         return 0.0
     return float(verify(gold, prediction, timeout_seconds=None))
+
+
+def _prepare_math_verify() -> None:
+    """Run in each reward worker process before its first call (outside ``reward.timeout_s``):
+    import math-verify and read one answer (its grammar, sympy's first conversions: ~1 s),
+    and mute its warning that its own timeouts are off (the rubric kills a worker whose call
+    runs past ``reward.timeout_s``)."""
+    import logging
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(
+            lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    math_verify(completion=r"\boxed{\sqrt{2}}", answer=r"\frac{1}{2}")
+
+
+math_verify.prepare = _prepare_math_verify
 
 
 def exact_match(completion: str, answer: str, **_: Any) -> float:
@@ -61,34 +106,48 @@ def extract_answer(completion: str) -> str:
     return (tags[-1] if tags else completion).strip()
 
 
-def reasoning_gym(completion: str, row: Row, **_: Any) -> float:
-    """reasoning-gym's ``score_answer(answer, entry)`` of the task the row came from (its
-    entry's ``metadata.source_dataset``), for the completion's :func:`extract_answer`.
+class ReasoningGymScore:
+    """The ``reasoning_gym`` reward of a :class:`~forge_ext.tasks.sources.ReasoningGymTask`:
+    ``score_answer(answer, entry)`` of the reasoning-gym dataset that made the rows (built
+    with the task's name, config, seed and size), for the completion's
+    :func:`extract_answer`. Not reasoning-gym's ``get_score_answer_fn(name)``: that builds the
+    dataset with the default config, and ``score_answer`` reads the config (the tolerance of
+    ``decimal_arithmetic``, the partial credit of ``time_intervals``).
 
-    Raises:
-        ValueError: the row is not a reasoning-gym entry.
+    Pickles as its name and dataset arguments: a reward worker process rebuilds the dataset
+    once, in :meth:`prepare` (before its first call, outside ``reward.timeout_s``).
+
+    Raises (on a call):
+        ValueError: the row is not a reasoning-gym entry (a dict with an ``answer``).
     """
-    entry = row.metadata
-    source = (entry.get("metadata") or {}).get("source_dataset") if isinstance(entry, dict) else None
-    if source is None:
-        raise ValueError(
-            "the reasoning_gym reward needs rows of the reasoning_gym source (an entry with "
-            "metadata.source_dataset)"
-        )
-    return float(_score_answer_fn(source)(extract_answer(completion), entry))
 
+    def __init__(self, name: str, dataset_args: dict[str, Any], dataset: Any = None) -> None:
+        self.name, self.dataset_args, self._dataset = name, dict(dataset_args), dataset
 
-@functools.lru_cache(maxsize=None)
-def _score_answer_fn(source: str):
-    import reasoning_gym as rg
+    def __reduce__(self) -> tuple:
+        return ReasoningGymScore, (self.name, self.dataset_args)
 
-    return rg.get_score_answer_fn(source)  # builds a dataset object: once per task
+    def prepare(self) -> None:
+        """Build the dataset (imports reasoning-gym: seconds)."""
+        if self._dataset is None:
+            import reasoning_gym as rg
+
+            self._dataset = rg.create_dataset(self.name, **self.dataset_args)
+
+    def __call__(self, completion: str, row: Row) -> float:
+        entry = row.metadata
+        if not (isinstance(entry, dict) and "answer" in entry):
+            raise ValueError(
+                f"the reasoning_gym reward scores rows of task.source=reasoning_gym (a "
+                f"reasoning-gym entry), not {type(entry).__name__} {entry!r:.80}"
+            )
+        self.prepare()
+        return float(self._dataset.score_answer(extract_answer(completion), entry))
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "exact_match": exact_match,
-    "reasoning_gym": reasoning_gym,
 }
 
 
@@ -126,8 +185,10 @@ def resolve_reward(fn: str, task_rewards: dict[str, RewardFn], field: str) -> Re
         return BUILTIN_REWARDS[fn]
     if ":" not in fn:
         names = sorted({*task_rewards, *BUILTIN_REWARDS})
+        hint = (" (reasoning_gym is the reward of task.source=reasoning_gym: it scores with "
+                "the dataset that made the rows)" if fn == "reasoning_gym" else "")
         raise ValueError(
-            f"{field}={fn!r} is not a reward function: use one of {names} or a "
+            f"{field}={fn!r} is not a reward function{hint}: use one of {names} or a "
             "'package.module:function' import path"
         )
     obj = load_object(fn, field)

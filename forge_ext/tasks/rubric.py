@@ -6,10 +6,25 @@ A completion's reward is ``sum_i weight_i * score_i`` over ``reward.functions`` 
 ``reward.timeout_s``, or returns anything but a finite real number (a string, None, NaN, inf)
 scores ``reward.on_error`` for that function and sample, is counted in
 ``reward/errors/<name>``, and the first traceback of each function is printed once (to
-stderr); the run goes on. Synchronous functions run on a pool of daemon threads
-(:class:`DaemonPool`), so one that never returns costs its sample and a thread, never the run
-or its exit. Logged per batch:
-``reward/<name>`` (the function's mean score), ``reward/errors/<name>``.
+stderr); the run goes on. Logged per batch: ``reward/<name>`` (the function's mean score),
+``reward/errors/<name>``.
+
+Where the calls run (``reward.isolation``, :mod:`forge_ext.tasks.workers`):
+
+- ``process`` (default): every function, sync or async, in a pool of ``reward.num_workers``
+  worker processes; the calls of a batch spread over them. A call past ``reward.timeout_s``
+  has its worker SIGKILLed and replaced, so no function, not even one stuck in a C call that
+  holds the GIL (sympy's big-int power under math-verify), can stop the controller: its event
+  loop, the other calls and the next batch go on. Functions are sent by reference (a
+  module-level function, a callable object of an importable class): a lambda or closure is
+  refused when the rubric is built. Module globals a function writes live in its worker,
+  not in the controller. Workers start at the first batch or at
+  :meth:`Rubric.start`, all at once, and end at :meth:`Rubric.close`, when the rubric is
+  garbage collected, or with the controller.
+- ``thread``: sync functions on daemon threads (:class:`~forge_ext.tasks.workers.DaemonPool`),
+  async ones on the caller's event loop; any callable works, and a call that never returns
+  costs its sample and a thread, but one that holds the GIL stops the whole controller until
+  it returns.
 
 ``accuracy`` of a batch is the fraction of completions whose ``reward.accuracy`` function
 (default: the first) scored at least 1.0: exact answers, not partial credit.
@@ -21,16 +36,17 @@ import asyncio
 import inspect
 import math
 import numbers
-import queue
+import pickle
 import sys
-import threading
 import traceback
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from forge_ext.tasks.base import RewardFn, Row, Task
 from forge_ext.tasks.rewards import resolve_reward
+from forge_ext.tasks.workers import DaemonPool, ProcessPool, default_workers
 
 # Keyword arguments a reward function may ask for; the first four are always offered.
 REWARD_KWARGS = ("completion", "prompt", "answer", "row", "finished", "completion_ids")
@@ -41,8 +57,9 @@ class RewardFunctionConfig:
     """One entry of ``reward.functions``."""
 
     fn: str
-    """A built-in (``math_verify``, ``exact_match``, ``reasoning_gym``), one of the task's own
-    (the addition task's ``addition``), or ``"package.module:function"``."""
+    """A built-in (``math_verify``, ``exact_match``), one of the task's own (the addition
+    task's ``addition``, the reasoning-gym source's ``reasoning_gym``), or
+    ``"package.module:function"``."""
     weight: float = 1.0
     """Its weight in the completion's reward."""
     name: str | None = None
@@ -122,12 +139,24 @@ class RewardConfig:
     """Name of the function whose 1.0 rate is the logged accuracy (default: the first)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO's soft overlong punishment (:class:`OverlongConfig`), off by default."""
+    isolation: str = "process"
+    """Where reward functions run: ``process`` (worker processes; a call past ``timeout_s``
+    is killed, even one stuck in a C call holding the GIL; functions must be importable:
+    module-level, no lambdas or closures) or ``thread`` (the controller's threads and event
+    loop; any callable, but a call holding the GIL stops the whole run until it returns)."""
+    num_workers: int | None = None
+    """Worker processes under ``isolation: process``; unset: the CPUs this process may use,
+    at most 8."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if not math.isfinite(self.on_error):
             raise ValueError(f"reward.on_error={self.on_error} must be a finite number")
+        if self.isolation not in ("process", "thread"):
+            raise ValueError(f"reward.isolation={self.isolation!r} must be 'process' or 'thread'")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1")
 
 
 @dataclass(slots=True)
@@ -171,10 +200,12 @@ class Rubric:
         ValueError: no functions (and the task has no default), an unknown function or one
             that needs an argument the rubric does not pass, duplicate names, weights summing
             to 0, an unknown ``reward.accuracy``; a task whose ``rewards()`` or
-            ``default_rewards()`` returns the wrong type.
+            ``default_rewards()`` returns the wrong type; under ``reward.isolation:
+            process``, a function that cannot be sent to a worker process.
 
-    ``max_concurrency``: worker threads for synchronous reward functions (calls beyond it
-    queue; a call's timeout counts from when it starts).
+    ``max_concurrency``: worker threads for synchronous reward functions under
+    ``reward.isolation: thread`` (calls beyond it queue; a call's timeout counts from when it
+    starts). Under ``process`` the workers are ``reward.num_workers``.
     """
 
     def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
@@ -201,6 +232,7 @@ class Rubric:
             )
         self.config = config
         self.functions: dict[str, tuple[RewardFn, float, set[str] | None]] = {}
+        sent: dict[str, bytes] = {}  # pickled for the worker processes
         for i, entry in enumerate(entries):
             where = f"reward.functions[{i}].fn"
             fn = resolve_reward(entry.fn, task_rewards, where)
@@ -212,6 +244,8 @@ class Rubric:
             if not math.isfinite(entry.weight):
                 raise ValueError(f"reward.functions[{i}].weight={entry.weight} must be finite")
             self.functions[name] = (fn, float(entry.weight), _accepted_kwargs(fn, where))
+            if config.isolation == "process":
+                sent[name] = _by_reference(fn, f"{where}={entry.fn!r}")
         if sum(w for _, w, _ in self.functions.values()) == 0:
             raise ValueError(
                 "reward.functions weights sum to 0: every completion would get reward 0"
@@ -227,11 +261,41 @@ class Rubric:
         self._reported: set[str] = set()
         # Futures are made per call in the running loop, so score_sync (a new loop each
         # time) and an app's loop can share the rubric.
-        self._pool = DaemonPool(max_concurrency)
+        self._threads: DaemonPool | None = None
+        self._processes: ProcessPool | None = None
+        if config.isolation == "process":
+            self._processes = ProcessPool(sent, config.num_workers or default_workers(),
+                                          config.timeout_s)
+            weakref.finalize(self, self._processes.close)
+        else:
+            self._threads = DaemonPool(max_concurrency)
 
     @property
     def names(self) -> list[str]:
         return list(self.functions)
+
+    def start(self) -> None:
+        """Start the worker processes now, all at once, without waiting for them (else the
+        first batch starts them); nothing under ``reward.isolation: thread``."""
+        if self._processes is not None:
+            self._processes.start()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker processes running now (none under ``thread``)."""
+        return self._processes.pids if self._processes is not None else []
+
+    def close(self) -> None:
+        """Kill the worker processes (idempotent; a later :meth:`score` raises for each call,
+        counted as errors). Garbage collection of the rubric does the same."""
+        if self._processes is not None:
+            self._processes.close()
+
+    def __enter__(self) -> Rubric:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     async def score(self, samples: Sequence[Sample]) -> Scores:
         """Score every sample with every function, concurrently (module docstring)."""
@@ -266,18 +330,21 @@ class Rubric:
         kwargs = offered if accepted is None else {k: offered[k] for k in accepted}
         timeout = self.config.timeout_s
         try:
-            if inspect.iscoroutinefunction(fn):
+            if self._processes is not None:  # bounded by the worker's thread
+                value = await self._processes.call(name, kwargs)
+            elif inspect.iscoroutinefunction(fn):
                 value = await asyncio.wait_for(fn(**kwargs), timeout)
             else:
-                value = await self._pool.call(fn, kwargs, timeout)
+                value = await self._threads.call(fn, kwargs, timeout)
                 if inspect.isawaitable(value):  # a sync function that returned a coroutine
                     value = await asyncio.wait_for(value, timeout)
-            return _as_reward(value), False
+            return as_reward(value), False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001  (a user's function: any error costs the sample)
             if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-                e = RewardTimeout(f"took longer than reward.timeout_s={timeout}")
+                e = RewardTimeout(f"took longer than reward.timeout_s={timeout}" + (
+                    "; its worker process was killed and replaced" if self._processes else ""))
             self.error_counts[name] += 1
             if name not in self._reported:
                 self._reported.add(name)
@@ -291,8 +358,8 @@ class Rubric:
             return float(self.config.on_error), True
 
 
-def _as_reward(value: Any) -> float:
-    """``value`` as a finite float.
+def as_reward(value: Any) -> float:
+    """``value`` as a finite float (what a reward function must return).
 
     Raises:
         TypeError: not a real number (a string, None, a list, a tensor of several values).
@@ -313,6 +380,28 @@ def _as_reward(value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"a reward must be finite, got {value}")
     return value
+
+
+def _by_reference(fn: RewardFn, field: str) -> bytes:
+    """``fn`` pickled for a worker process: a module-level function as its module and name,
+    a callable object as its class and state (module docstring).
+
+    Raises:
+        ValueError: it cannot be (a lambda, a closure, a function of ``__main__``, which a
+            worker does not import), naming ``field`` and the two fixes.
+    """
+    try:
+        if getattr(fn, "__module__", None) == "__main__":
+            raise pickle.PicklingError("it is defined in __main__, which a worker does not "
+                                       "import")
+        return pickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001  (pickle raises several types)
+        raise ValueError(
+            f"{field} ({fn!r:.80}) cannot be sent to a reward worker process ({e}); define "
+            "it at module level of an importable module (a 'package.module:function', or "
+            "a task's rewards() returning such functions or picklable callable objects), or "
+            "set reward.isolation=thread (then a call holding the GIL stops the run)"
+        ) from None
 
 
 def _accepted_kwargs(fn: RewardFn, field: str) -> set[str] | None:
@@ -341,68 +430,3 @@ def _accepted_kwargs(fn: RewardFn, field: str) -> set[str] | None:
             f"with keyword arguments from {list(REWARD_KWARGS)}"
         )
     return {p.name for p in params if p.name in REWARD_KWARGS}
-
-
-class DaemonPool:
-    """Daemon worker threads for synchronous reward calls: no thread is made per call (a
-    batch of 512 calls took 0.3-0.9 s that way on 2 busy cores), and a call that never
-    returns keeps its worker, which :meth:`call` replaces, without keeping the process from
-    exiting (an executor's threads are joined at exit).
-    """
-
-    def __init__(self, workers: int) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        for _ in range(workers):
-            self._spawn()
-
-    def _spawn(self) -> None:
-        threading.Thread(target=self._work, daemon=True, name="reward").start()
-
-    def _work(self) -> None:
-        while True:
-            loop, started, done, fn, kwargs = self._jobs.get()
-            if done.cancelled():
-                continue
-            try:
-                loop.call_soon_threadsafe(_settle, started, True, None)
-                result, error = fn(**kwargs), None
-            except RuntimeError as e:  # the loop closed: nobody waits for this call
-                if loop.is_closed():
-                    continue
-                result, error = None, e
-            except BaseException as e:  # noqa: BLE001  (delivered to the awaiting task)
-                result, error = None, e
-            try:
-                loop.call_soon_threadsafe(_settle, done, result, error)
-            except RuntimeError:  # the loop closed while this call ran
-                pass
-
-    async def call(self, fn: RewardFn, kwargs: dict[str, Any], timeout: float) -> Any:
-        """``fn(**kwargs)`` on a worker; ``timeout`` seconds from when it starts running.
-
-        Raises:
-            asyncio.TimeoutError: it ran longer (its worker is replaced); whatever ``fn``
-                raised.
-        """
-        loop = asyncio.get_running_loop()
-        started, done = loop.create_future(), loop.create_future()
-        self._jobs.put((loop, started, done, fn, kwargs))
-        try:
-            await started
-            return await asyncio.wait_for(asyncio.shield(done), timeout)
-        except asyncio.TimeoutError:
-            self._spawn()  # the stuck worker is lost to the pool; keep its size
-            raise
-        finally:
-            if not done.done():
-                done.cancel()
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # timed out and cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

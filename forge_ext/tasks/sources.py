@@ -4,7 +4,8 @@
 - :class:`DatasetTask`: local files read with HF ``datasets`` (``.jsonl``/``.json``,
   ``.parquet``, ``.csv``, or a ``save_to_disk`` folder); nothing is downloaded.
 - :class:`ReasoningGymTask`: a procedural task of the ``reasoning-gym`` library by name,
-  generated offline from a seed; scored by that task's own ``score_answer``.
+  generated offline from a seed; scored by the ``score_answer`` of the dataset that made the
+  rows (its config, not reasoning-gym's default one).
 
 Both are pure functions of their config: the same rows in the same order in every process and
 run (the prompt stream and a resume rely on it).
@@ -18,16 +19,19 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_ext.tasks.base import Row, Task
+from forge_ext.tasks.base import RewardFn, Row, Task
+from forge_ext.tasks.rewards import ReasoningGymScore
 
 DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class DatasetTask(Task):
     """Rows of local dataset files (module docstring): the prompt from ``prompt_field`` (text,
-    or a list of ``{role, content}`` messages), the answer from ``answer_field`` (numbers are
-    turned into their text, integral floats without ``.0``: Arrow reads a column of mixed
-    ints and floats as floats), every column as metadata."""
+    or a list of ``{role, content}`` messages), the answer from ``answer_field``, every column
+    as metadata. A CSV file's fields are its text, every column a string (no type inference:
+    ``0021`` stays ``0021``); the typed numbers of a ``.jsonl``, ``.json`` or ``.parquet``
+    answer become their text, integral floats without ``.0`` (Arrow reads a column of mixed
+    ints and floats as floats)."""
 
     name = "dataset"
 
@@ -167,12 +171,28 @@ def _load_records(path: str, split: str, field_name: str) -> list[dict[str, Any]
     else:
         try:
             loaded = datasets.load_dataset(
-                DATASET_FORMATS[_suffix(path)], data_files=path, split="train"
+                DATASET_FORMATS[_suffix(path)], data_files=path, split="train",
+                **(_csv_as_text(path) if _suffix(path) == ".csv" else {}),
             )
         except Exception as e:  # noqa: BLE001  (datasets' parse errors have many types)
             raise ValueError(f"task.{field_name}={path!r} does not read as "
                              f"{DATASET_FORMATS[_suffix(path)]}: {e}") from None
     return loaded.to_list()
+
+
+def _csv_as_text(path: str) -> dict[str, Any]:
+    """``load_dataset("csv")`` arguments that keep every field the file's text: pandas would
+    infer types (``0021`` -> 21, ``0.50`` -> 0.5, a 21-digit id rounded through float64, ``NA``
+    -> missing), quoted fields too. Every column of the header is a string column; only an
+    empty field is missing."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8-sig") as f:  # pandas drops a BOM too
+        header = next(csv.reader(f), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 class ReasoningGymTask(Task):
@@ -213,7 +233,8 @@ class ReasoningGymTask(Task):
         # Entries are drawn with Random(seed + index): one dataset, deduplicated by question,
         # keeps the two splits disjoint (datasets of neighbouring seeds overlap).
         size = 4 * wanted
-        dataset = rg.create_dataset(c.name, **{**c.config, "seed": c.seed, "size": size})
+        self._dataset_args = {**c.config, "seed": c.seed, "size": size}
+        self._dataset = dataset = rg.create_dataset(c.name, **self._dataset_args)
         seen: set[str] = set()
         rows: list[Row] = []
         for index in range(size):
@@ -238,6 +259,12 @@ class ReasoningGymTask(Task):
 
     def eval_rows(self) -> list[Row]:
         return self._eval
+
+    def rewards(self) -> dict[str, RewardFn]:
+        """``reasoning_gym``: the ``score_answer`` of the dataset that made the rows
+        (:class:`~forge_ext.tasks.rewards.ReasoningGymScore`)."""
+        return {"reasoning_gym": ReasoningGymScore(self.config.name, self._dataset_args,
+                                                   self._dataset)}
 
     def default_rewards(self) -> list[str]:
         return ["reasoning_gym"]
