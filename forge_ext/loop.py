@@ -31,10 +31,13 @@ has policy age ``s - g``. Both modes keep every age within ``loop.max_policy_age
 - sync: the gate lets the generator lag the trainer by at most ``k`` versions when the next
   rollouts are built. ``k = 0`` waits for every sync before the next rollouts (fully
   on-policy); ``k > 0`` overlaps the weight sync with generation.
-- async: the rollout task builds step ``s`` only once the generator serves a version
+- async: the rollout task starts building step ``s`` once the generator serves a version
   ``>= s - k`` (AReaL's bounded staleness: it runs at most ``k + 1`` steps ahead of the
   trainer and never samples what would be too old to train on), while the trainer trains
-  the steps before. The generator switches to each pushed version between two requests.
+  the steps before and while earlier steps' slowest episodes still run
+  (:meth:`RLLoop.overlapping_rollouts`). The generator takes each pushed version as
+  ``generator.weight_update`` says (between requests, or in flight); a sample's policy
+  version is the oldest version that sampled any of its tokens.
   Before training, the rollouts of a step holding any sample older than ``s - k`` (a
   generator that served older weights than it reported) are dropped, counted in
   ``rollout/dropped_samples`` and built again: a group's samples are dropped together.
@@ -197,6 +200,13 @@ class RLLoop(ABC):
     @abstractmethod
     async def train_step(self, step: int, rollouts: Any) -> dict[str, float]:
         """One optimizer step on ``rollouts``; returns scalar metrics to log."""
+
+    def overlapping_rollouts(self) -> bool:
+        """Whether async mode may build a step's rollouts while an earlier step's still run
+        (default True: each step's rollouts are a function of the step alone). An app whose
+        steps depend on the previous step's rollouts (e.g. where its prompts begin) says
+        False."""
+        return True
 
     @abstractmethod
     async def push_weights(self, version: int) -> None:
@@ -527,10 +537,31 @@ class _RolloutTask:
         return self.ready[step]
 
     async def _run(self, first_step: int) -> None:
+        """Start each step's build as soon as the generator serves a version within
+        ``max_policy_age`` of it; with :meth:`RLLoop.overlapping_rollouts`, while the
+        builds of earlier steps still run (their slowest episodes), so the generator is
+        never idle between steps; otherwise one after another."""
         loop = self.loop
-        for step in range(first_step, loop.loop.steps):
-            await loop._generator_serves(step - loop.loop.max_policy_age)
-            self._future(step).set_result(await loop.build_rollouts(step))
+        builds: list[asyncio.Task] = []
+        try:
+            for step in range(first_step, loop.loop.steps):
+                await loop._generator_serves(step - loop.loop.max_policy_age)
+                if builds and not loop.overlapping_rollouts():
+                    await asyncio.wait({builds[-1]})
+                builds.append(asyncio.ensure_future(self._build(step)))
+            await asyncio.gather(*builds)
+        finally:
+            for build in builds:
+                build.cancel()
+
+    async def _build(self, step: int) -> None:
+        future = self._future(step)
+        try:
+            rollouts = await self.loop.build_rollouts(step)
+        except Exception as error:  # noqa: BLE001  (raised where the trainer takes the step)
+            future.set_exception(error)
+            raise
+        future.set_result(rollouts)
 
     async def take(self, step: int) -> tuple[Any, int]:
         """The rollouts of ``step`` with no sample older than ``step - max_policy_age``

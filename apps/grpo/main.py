@@ -516,6 +516,10 @@ class GRPOApp(RLLoop):
         staged.write_text(json.dumps({"positions": positions}, indent=1, sort_keys=True))
         staged.replace(path)
 
+    def overlapping_rollouts(self) -> bool:
+        # Dynamic sampling's steps begin where the previous step's prompts ended.
+        return not self.config.grpo.dynamic_sampling
+
     def policy_versions(self, rollouts: Rollouts) -> list[int]:
         return [ep.policy_version for ep in rollouts.episodes]
 
