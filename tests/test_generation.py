@@ -93,6 +93,20 @@ def test_a_seed_reproduces_samples_and_leaves_the_process_rng_alone(sampler):
     assert [x.response_ids for x in a] != [x.response_ids for x in c]
 
 
+def test_a_seeded_prompt_draws_the_same_tokens_in_any_batch(sampler):
+    """Each sample draws from its own generator: a prompt's samples do not depend on which
+    prompts share its batch, or on their order (the transformers engine batches whatever
+    requests arrive together; a resumed step must draw again what it drew before). The fault:
+    one generator for the batch, whose draws shift with its composition."""
+    seeds = [11, 12, 13]
+    together = sampler.generate(PROMPTS, 4, SAMPLING, seed=seeds)
+    for i in range(3):
+        alone = sampler.generate([PROMPTS[i]], 4, SAMPLING, seed=[seeds[i]])
+        assert [c.response_ids for c in alone] == [c.response_ids for c in together[4 * i:4 * i + 4]]
+    reversed_ = sampler.generate(PROMPTS[::-1], 4, SAMPLING, seed=seeds[::-1])
+    assert [c.response_ids for c in reversed_[8:]] == [c.response_ids for c in together[:4]]
+
+
 def test_greedy_decoding_takes_the_argmax_at_every_step(sampler):
     (c,) = sampler.generate(PROMPTS[:1], 1, SAMPLING, greedy=True)
     ids = list(PROMPTS[0])

@@ -65,11 +65,12 @@ class RecordingApp(GRPOApp):
 
     async def setup(self):
         await super().setup()
-        meshes = [self.trainer.procs, self.generator.procs, self.reference.trainer.procs]
+        replicas = self.generator.handles
+        meshes = [self.trainer.procs, *(h.procs for h in replicas), self.reference.trainer.procs]
         for procs in meshes:
             values = await procs.spawn("probe", Probe).pid.call()
             self.pids += list(values.values())
-        self.pids += [pid for pid, _ in self.generator.pids]
+        self.pids += [pid for h in replicas for pid, _ in h.pids]
 
     async def build_rollouts(self, step):
         rollouts = await super().build_rollouts(step)
@@ -276,7 +277,8 @@ async def test_rerun_with_another_seed_is_refused_before_anything_is_spawned(
 ):
     crashed, output_dir, _ = crashed_run
     config = load_config(
-        crashed.config_path, runs.overrides(output_dir, crashed.config.loop.mode, "seed=1")
+        crashed.config_path, runs.overrides(output_dir, crashed.config.loop.mode,
+                                            crashed.config.generator.backend, "seed=1")
     )
     with pytest.raises(ValueError, match=r"another config \(seed: 0 -> 1; trainer.seed: 0 -> 1\)"):
         RecordingApp(config)  # the app is refused before it can spawn anything
@@ -285,7 +287,8 @@ async def test_rerun_with_another_seed_is_refused_before_anything_is_spawned(
 async def test_rerun_in_the_other_loop_mode_is_refused_naming_loop_mode(crashed_run, runs):
     crashed, output_dir, _ = crashed_run
     other = {"sync": "async", "async": "sync"}[crashed.config.loop.mode]
-    config = load_config(crashed.config_path, runs.overrides(output_dir, other))
+    config = load_config(crashed.config_path,
+                         runs.overrides(output_dir, other, crashed.config.generator.backend))
     with pytest.raises(ValueError, match=rf"loop.mode={other} .* holds a loop.mode="
                        rf"{crashed.config.loop.mode} run .* cannot change on resume"):
         RecordingApp(config)

@@ -393,8 +393,9 @@ def test_hosts_config_errors_come_before_any_process_starts(tiny_checkpoint, tmp
 def test_two_node_gpu_config_validates_with_slurm_and_with_attached_workers(tmp_path,
                                                                             monkeypatch):
     """configs/grpo_qwen3_0.6b_2nodes.yaml, validated as the controller of a GPU cluster
-    would (nothing is submitted): trainer 1 node x 8, reference and generator sharing the
-    other node; the trainer publishes with same_host off; without a partition it is refused."""
+    would (nothing is submitted): trainer and reference sharing one node x 8, the other node's
+    8 GPUs all generation (8 replicas of tp=1, or 4 of tp=2); the trainer publishes with
+    same_host off; replicas x tp beyond a node's GPUs, or no partition, are refused."""
     from test_configs import write_qwen3_config
 
     from apps.grpo.config import load_config
@@ -403,14 +404,23 @@ def test_two_node_gpu_config_validates_with_slurm_and_with_attached_workers(tmp_
     path = write_qwen3_config(tmp_path / "Qwen3-0.6B", "0.6b")
     two_nodes = str(Path(DEMO).parent / "grpo_qwen3_0.6b_2nodes.yaml")
     for extra in (["hosts.slurm.partition=gpu"],
-                  ["hosts.launcher=attach", "hosts.attach.trainer=[tcp://node0:26600]",
-                   "hosts.attach.rollout=[tcp://node1:26600]"]):
+                  ["hosts.launcher=attach", "hosts.attach.training=[tcp://node0:26600]",
+                   "hosts.attach.generator=[tcp://node1:26600]"]):
         config = load_config(two_nodes, [f"model.hf_path={path}", *extra])
         placement = Placement(config.hosts, config.processes())
-        assert placement.layout == {"trainer": (1, 8), "reference": (1, 1), "generator": (1, 1)}
-        assert placement.groups == {"trainer": 1, "rollout": 1}
+        assert placement.layout == {"trainer": (1, 8), "reference": (1, 8), "generator": (1, 8)}
+        assert placement.groups == {"training": 1, "generator": 1}
+        assert config.generator.replicas == 8
         assert not placement.same_host("trainer", ["generator"])
         assert placement.job is None and not placement.meshes  # nothing started
+    tp2 = ["hosts.slurm.partition=gpu", "generator.replicas=4",
+           "hosts.generator.procs_per_host=4", "generator.vllm.tensor_parallel_size=2"]
+    assert load_config(two_nodes, [f"model.hf_path={path}", *tp2]).generator.replicas == 4
+    with pytest.raises(ValueError, match=r"generator.replicas=8 over hosts.generator.hosts=1 "
+                       r"\(8 per host\) x generator.vllm.tensor_parallel_size=2 needs 16 "
+                       r"devices per host but hosts.slurm.gpus_per_host = 8"):
+        load_config(two_nodes, [f"model.hf_path={path}", "hosts.slurm.partition=gpu",
+                                "generator.vllm.tensor_parallel_size=2"])
     with pytest.raises(ValueError, match="hosts.slurm.partition"):
         load_config(two_nodes, [f"model.hf_path={path}"])
 

@@ -47,7 +47,8 @@ class HostKillingApp(GRPOApp):
     async def setup(self):
         await super().setup()
         self.pids += [state.pid for state in self.placement.job._host_to_pid.values()]
-        for procs in (self.trainer.procs, self.reference.trainer.procs, self.generator.procs):
+        for procs in (self.trainer.procs, self.reference.trainer.procs,
+                      *(h.procs for h in self.generator.handles)):
             self.pids += list((await procs.spawn("probe", Probe).pid.call()).values())
 
     async def build_rollouts(self, step):

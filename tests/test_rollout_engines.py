@@ -169,13 +169,13 @@ async def test_the_transformers_engine_batches_requests_that_arrive_together(ver
     engine = HFEngine(path, sampling=SamplingConfig(max_new_tokens=8), stop_token_ids=STOP,
                       pad_token_id=STOP)
     calls = []
-    generate = engine.sampler.generate
+    sample_rows = engine.sampler.sample_rows
 
     def counting(rows, *args, **kwargs):
         calls.append(len(rows))
-        return generate(rows, *args, **kwargs)
+        return sample_rows(rows, *args, **kwargs)
 
-    engine.sampler.generate = counting
+    engine.sampler.sample_rows = counting
     results = await asyncio.gather(*(engine.sample(PROMPTS[0], 2, seed=s) for s in range(4)))
     assert calls == [8]
     assert [len(r) for r in results] == [2, 2, 2, 2]
@@ -224,3 +224,14 @@ def test_the_router_forgets_the_oldest_sessions_beyond_its_bound():
     router.route("d", 1)
     router.done(a, 1)
     assert "a" not in router._sessions and len(router._sessions) == 2
+
+
+def test_replicas_on_one_host_split_its_gpus_and_cores():
+    from forge_ext.actors.generator import replica_cores, replica_devices
+
+    assert replica_devices(1, 2, None, 8) == ["2", "3"]
+    assert replica_devices(3, 1, "4,5,6,7", 8) == ["7"]  # of the GPUs Slurm shows
+    with pytest.raises(ValueError, match="generator replica 2 needs GPUs 4..5 of its host"):
+        replica_devices(2, 2, "0,1,2,3", 4)
+    assert replica_cores(0, 2, [0, 1]) == [0] and replica_cores(1, 2, [0, 1]) == [1]
+    assert replica_cores(1, 2, [0, 1, 2, 3, 4]) == [2, 3]

@@ -216,6 +216,26 @@ def replica_cores(replica: int, replicas: int, cores: list[int]) -> list[int]:
     return [cores[replica % len(cores)]]
 
 
+def replica_devices(replica: int, tensor_parallel_size: int, visible: str | None,
+                    count: int) -> list[str]:
+    """The GPUs of replica ``replica`` among those its host shows this process
+    (``CUDA_VISIBLE_DEVICES`` if set, e.g. by Slurm, else ``0 .. count - 1``): the
+    ``replica``-th run of ``tensor_parallel_size`` of them.
+
+    Raises:
+        ValueError: the host shows too few, naming the fields.
+    """
+    devices = visible.split(",") if visible else [str(d) for d in range(count)]
+    mine = devices[replica * tensor_parallel_size : (replica + 1) * tensor_parallel_size]
+    if len(mine) < tensor_parallel_size:
+        raise ValueError(
+            f"generator replica {replica} needs GPUs {replica * tensor_parallel_size}.."
+            f"{(replica + 1) * tensor_parallel_size - 1} of its host, which shows {devices}; "
+            "lower generator.replicas per host or generator.vllm.tensor_parallel_size"
+        )
+    return mine
+
+
 class Generator(Actor):
     """One replica of the policy: a sampling engine in this process (vLLM starts its own
     engine-core and tensor-parallel worker processes).
@@ -228,7 +248,8 @@ class Generator(Actor):
         key_prefix: torchstore prefix the trainer publishes under.
         replica: this replica's index among those on its host, and ``replicas_on_host`` their
             number: on CPU they split the host's cores (:func:`replica_cores`); with CUDA each
-            takes its own ``tensor_parallel_size`` GPUs unless ``CUDA_VISIBLE_DEVICES`` is set.
+            takes its own ``tensor_parallel_size`` of the GPUs the host shows
+            (:func:`replica_devices`).
     """
 
     def __init__(
@@ -261,10 +282,10 @@ class Generator(Actor):
             tp = int(c.vllm.get("tensor_parallel_size", 1))
             cores = None
             if torch.cuda.is_available():
-                if self.replicas_on_host > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
-                    first = self.replica * tp  # read by vLLM's processes when they start
+                if self.replicas_on_host > 1:  # vLLM's processes read it when they start
                     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-                        str(d) for d in range(first, first + tp))
+                        replica_devices(self.replica, tp, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                        torch.cuda.device_count()))
             else:
                 cores = replica_cores(self.replica, self.replicas_on_host,
                                       sorted(os.sched_getaffinity(0)))

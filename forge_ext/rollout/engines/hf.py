@@ -10,7 +10,6 @@ A batch of prompts of different lengths is left-padded with an attention mask;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,15 +27,6 @@ from forge_ext.rollout.engines.base import (
     make_completion,
     request_seeds,
 )
-
-
-def _fork_rng(seed: int | None):
-    if seed is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=[]))
-    torch.manual_seed(seed)
-    return stack
 
 
 #: ``transformers.GenerationConfig`` options that shape the sampled distribution, at the
@@ -62,40 +52,55 @@ HF_NEUTRAL_LOGITS_PROCESSING = {
     "remove_invalid_values": False,
     "renormalize_logits": False,
 }
-#: The same for the warpers transformers applies only when sampling (``do_sample=True``).
-HF_NEUTRAL_SAMPLING_WARPERS = {
-    "top_k": 0,
-    "min_p": 0.0,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-}
-
-
 def hf_generation_config(
-    sampling: SamplingConfig, *, greedy: bool, stop_token_ids: Sequence[int], pad_token_id: int
+    sampling: SamplingConfig, *, stop_token_ids: Sequence[int], pad_token_id: int
 ):
-    """The ``transformers.GenerationConfig`` of one :meth:`HFSampler.generate` call: softmax
-    of the logits at ``sampling.temperature``, then nucleus ``sampling.top_p``, and nothing
-    else (every other option that could change a draw set to off, see
-    :data:`HF_NEUTRAL_LOGITS_PROCESSING`); ``greedy``: the argmax of the raw logits."""
+    """The ``transformers.GenerationConfig`` of one :meth:`HFSampler.generate` call: the argmax
+    of what the logits processors give (:class:`SeededSampling` when sampling), with every
+    other option that could change a token set to off (:data:`HF_NEUTRAL_LOGITS_PROCESSING`)."""
     from transformers import GenerationConfig
 
-    warpers = {} if greedy else {
-        **HF_NEUTRAL_SAMPLING_WARPERS,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-    }
     return GenerationConfig(
-        do_sample=not greedy,
+        do_sample=False,
         **HF_NEUTRAL_LOGITS_PROCESSING,
-        **warpers,
         max_new_tokens=sampling.max_new_tokens,
         eos_token_id=list(stop_token_ids),
         pad_token_id=pad_token_id,
         output_logits=True,
         return_dict_in_generate=True,
     )
+
+
+class SeededSampling:
+    """A logits processor that turns ``model.generate``'s argmax into a draw from the softmax
+    at ``temperature`` within nucleus ``top_p`` (transformers' own
+    ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``), each row with its own
+    ``torch.Generator``: the Gumbel-max trick (argmax of ``log p + G``, ``G = -log(-log U)``,
+    ``U`` uniform, is a draw from ``p``; Gumbel 1954, as used by e.g. vLLM's sampler). A row's
+    draws then depend on its own seed alone, not on which rows share the batch: a request
+    sampled in any batch draws what it draws alone (up to float differences in the logits).
+
+    Args:
+        seeds: one per row of the batch.
+    """
+
+    def __init__(self, sampling: SamplingConfig, seeds: Sequence[int], device: torch.device):
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        uniform = torch.stack([
+            torch.rand(scores.shape[-1], generator=g, device=scores.device)
+            for g in self.generators
+        ]).clamp_(min=torch.finfo(torch.float32).tiny)
+        return logp - torch.log(-torch.log(uniform))
 
 
 class HFSampler:
@@ -160,11 +165,10 @@ class HFSampler:
             n: completions per prompt (GRPO's group size).
             sampling: temperature, top-p, max_new_tokens.
             greedy: argmax decoding instead of sampling (evaluation).
-            seed: seeds sampling (:func:`request_seeds`; the process RNG is restored afterwards);
-                None: unseeded. The batch is sampled from one generator seeded by all the
-                prompts' seeds together, so every row draws its own tokens, and the same call
-                (same prompts, same seeds) draws the same tokens again; unlike vLLM, a
-                prompt's draws depend on the rest of the batch.
+            seed: seeds sampling (:func:`request_seeds`); None: unseeded. Sample ``j`` of
+                prompt ``i`` draws from its own generator seeded ``derive_seed(seed_i, j)``
+                (:class:`SeededSampling`): the same prompt and seed draw the same tokens in
+                any batch, and the process RNG is untouched.
             policy_version: stamped on every completion.
 
         Returns:
@@ -172,7 +176,19 @@ class HFSampler:
         """
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
-        rows = [list(p) for p in prompts for _ in range(n)]
+        seeds = request_seeds(seed, len(prompts))
+        return self.sample_rows(
+            [list(p) for p in prompts for _ in range(n)], sampling, greedy=greedy,
+            seeds=[None if s is None else derive_seed(s, j) for s in seeds for j in range(n)],
+            policy_version=policy_version,
+        )
+
+    @torch.no_grad()
+    def sample_rows(self, rows: Sequence[list[int]], sampling: SamplingConfig, *,
+                    greedy: bool, seeds: Sequence[int | None], policy_version: int
+                    ) -> list[Completion]:
+        """One completion per row, row ``r`` drawn with its own generator seeded ``seeds[r]``
+        (None: a seed from the process RNG); see :meth:`generate`."""
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -180,16 +196,19 @@ class HFSampler:
             input_ids[i, width - len(row) :] = torch.tensor(row)
             attention_mask[i, width - len(row) :] = 1
         config = hf_generation_config(
-            sampling, greedy=greedy, stop_token_ids=self.stop_token_ids,
-            pad_token_id=self.pad_token_id,
+            sampling, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
         )
-        seeds = request_seeds(seed, len(prompts))
-        with _fork_rng(None if seed is None else derive_seed(*seeds)):
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=config,
-            )
+        processors = []
+        if not greedy:
+            from transformers import LogitsProcessorList
+
+            seeds = [int(torch.randint(2**62, ())) if s is None else s for s in seeds]
+            processors = LogitsProcessorList([SeededSampling(sampling, seeds, self.device)])
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=config, logits_processor=processors or None,
+        )
         sampled = out.sequences[:, width:]
         # out.logits are the raw (unprocessed) logits of each generated position.
         logits = torch.stack(out.logits, dim=1).float()
@@ -276,8 +295,8 @@ class HFEngine(Engine):
     batch: every mode of :data:`~forge_ext.rollout.engines.base.WeightUpdateMode` is
     ``between_requests`` here (``model.generate`` cannot change weights mid-batch).
 
-    A batch is seeded by every seed in it together (:meth:`HFSampler.generate`): its draws
-    depend on which requests share it, unlike vLLM's, but every sample draws its own tokens.
+    Every sample draws from its own generator (:class:`SeededSampling`): a request draws
+    the same tokens whichever requests share its batch.
 
     Args: as :class:`HFSampler`, and ``sampling``, the requests' default sampling config;
         ``sampler``: an :class:`HFSampler` already loaded (then ``hf_path`` and the model
@@ -340,10 +359,10 @@ class HFEngine(Engine):
     async def _run_batch(self, requests: list[_Request], greedy: bool,
                          sampling: SamplingConfig) -> None:
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
-        seeded = all(r.seed is not None for r in requests)
-        seeds = [derive_seed(r.seed, j) for r in requests for j in range(r.n)] if seeded else None
+        seeds = [None if r.seed is None else derive_seed(r.seed, j)
+                 for r in requests for j in range(r.n)]
         completions = await asyncio.to_thread(
-            self.sampler.generate, rows, 1, sampling, greedy=greedy, seed=seeds,
+            self.sampler.sample_rows, rows, sampling, greedy=greedy, seeds=seeds,
             policy_version=self.policy_version,
         )
         start = 0
