@@ -308,7 +308,8 @@ class GRPOConfig:
         engines = self._engines()
         check_weights_transport(engines["trainer"], self.weights)
         processes = self.processes(engines)
-        self.hosts.layout(processes)
+        layout = self.hosts.layout(processes)
+        self._check_replica_devices(layout["generator"][1])
         for name, engine in engines.items():
             dp = data_parallel_size(engine, processes[name])
             global_batch = engine.training.local_batch_size * dp
@@ -318,6 +319,34 @@ class GRPOConfig:
                     f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
                     f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
                 )
+
+    def _check_replica_devices(self, per_host: int) -> None:
+        """Each host's generator replicas x ``tensor_parallel_size`` against what that host
+        has: GPUs (``hosts.slurm.gpus_per_host``, or this machine's when it runs them), or,
+        without CUDA, this machine's cores (vLLM's CPU build binds a core per rank).
+
+        Raises:
+            ValueError: more devices asked for than there are, naming the fields.
+        """
+        import torch
+
+        tp = int(self.generator.vllm.get("tensor_parallel_size", 1))
+        wanted = per_host * (tp if self.generator.backend == "vllm" else 1)
+        where = (f"generator.replicas={self.generator.replicas} over hosts.generator.hosts="
+                 f"{self.hosts.generator.hosts} ({per_host} per host)"
+                 + (f" x generator.vllm.tensor_parallel_size={tp}"
+                    if self.generator.backend == "vllm" else ""))
+        if self.hosts.launcher == "slurm" and self.hosts.slurm.gpus_per_host:
+            have, what = self.hosts.slurm.gpus_per_host, "hosts.slurm.gpus_per_host"
+        elif self.hosts.launcher in ("local", "processes") and torch.cuda.is_available():
+            have, what = torch.cuda.device_count(), "this machine's GPUs"
+        elif self.hosts.launcher in ("local", "processes") and self.generator.backend == "vllm":
+            have, what = len(os.sched_getaffinity(0)), "this machine's CPU cores"
+        else:
+            return
+        if wanted > have:
+            raise ValueError(f"{where} needs {wanted} devices per host but {what} = {have}; "
+                             "lower generator.replicas or the tensor parallelism")
 
     def _engines(self) -> dict[str, Any]:
         """``{role: EngineConfig}`` of the trainer and (unless null) the reference."""

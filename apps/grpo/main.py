@@ -156,12 +156,14 @@ class GRPOApp(RLLoop):
         longest += after
         what = ("task.max_episode_tokens" if self.runner.multi_turn
                 else "generator.sampling.max_new_tokens")
-        # Where an episode must fit: the trainer's rows and vLLM's context.
+        # Where an episode must fit: the trainer's rows and vLLM's context. (An agent's calls
+        # are checked one by one, by the endpoint.)
         limits = {"trainer.training.seq_len": config.trainer.get("training", {}).get("seq_len")}
         if config.generator.backend == "vllm":
             limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
+        self.context = min((v for v in limits.values() if v is not None), default=None)
         for field_name, limit in limits.items():
-            if limit is not None and longest > limit:
+            if limit is not None and longest > limit and episodes.agent is None:
                 raise ValueError(
                     f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
                     f"raise {field_name}"
@@ -300,11 +302,43 @@ class GRPOApp(RLLoop):
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+        if self.runner.config.agent is not None:
+            await self.start_agent_endpoint()
         if c.reference_is_trainer_base:
             from forge_ext.actors.reference import base_of_trainer
 
             # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
             self.reference = base_of_trainer(self.trainer)
+
+    async def start_agent_endpoint(self) -> None:
+        """``task.agent``: the OpenAI-compatible endpoint over the replicas
+        (:mod:`forge_ext.rollout.agents`), on 127.0.0.1; its address and the run's key go to
+        ``<output_dir>/agent_endpoint.json`` (readable by this user only) for external agents."""
+        from forge_ext.engine.models import model_name_of
+        from forge_ext.rollout.agents import AgentEndpoint
+
+        c, episodes = self.config, self.runner.config
+        parser = episodes.agent_tool_parser
+        if parser == "auto":
+            family = model_name_of(c.model.hf_path)
+            parser = {"qwen3": "hermes", "qwen2": "hermes", "llama3": "llama3_json"}.get(family)
+        endpoint = AgentEndpoint(
+            self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
+            max_tokens=episodes.agent_max_tokens or self.context or 1 << 30,
+            max_new_tokens=c.generator.sampling.max_new_tokens, tool_parser=parser,
+            chat_template_kwargs=c.prompt.chat_template_kwargs, port=episodes.agent_port,
+        )
+        await endpoint.start()
+        self.track("agent endpoint", endpoint.stop)
+        self.runner.endpoint = endpoint
+        path = Path(c.output_dir) / "agent_endpoint.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(path.name + ".tmp")
+        with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"base_url": endpoint.base_url, "api_key": endpoint.key}, f)
+        staged.replace(path)
+        self.write(f"agent endpoint {endpoint.base_url} ({episodes.agent}; address and key in "
+                   f"{path})")
 
     def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
         """The run's first console lines: model, steps and batch, task, roles and where
@@ -410,17 +444,20 @@ class GRPOApp(RLLoop):
         ).tolist() + [0.0] * (len(rewards) - trained)
         episodes = [
             Episode(
-                prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                generator_logprobs=t.logprobs, advantage=a, reward=r,
+                prompt_ids=prompt_ids, response_ids=response_ids,
+                generator_logprobs=logprobs, advantage=a, reward=r,
                 policy_version=t.policy_version,
                 # A filler group (dynamic sampling found too few groups with spread) fills
                 # the step's fixed batch shape but carries no loss: every token masked.
-                response_mask=([0] * len(t.response_ids) if i >= trained else
-                               t.response_mask if batch.multi_turn else None),
+                response_mask=([0] * len(response_ids) if i >= trained else
+                               mask if batch.multi_turn else None),
                 truncated=t.truncated,
             )
             for i, (t, a, r) in enumerate(zip(trajectories, advantages, rewards))
+            # An agent's episode may be several rows, each with the episode's advantage.
+            for prompt_ids, response_ids, mask, logprobs in t.training_rows()
         ]
+        self._check_rows(len(episodes))
         if c.reward.overlong.enable:
             penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
             stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
@@ -438,6 +475,27 @@ class GRPOApp(RLLoop):
             batch=batch, generator_version=min(ep.policy_version for ep in episodes),
             seconds=seconds, stats=stats,
         )
+
+    def _check_rows(self, rows: int) -> None:
+        """An agent's calls may make more rows than episodes (:mod:`forge_ext.rollout.agents`):
+        fixed-row microbatches need exactly ``grpo.batch_size``.
+
+        Raises:
+            ValueError: naming the token budget that trains any number of rows.
+        """
+        if rows == self.config.grpo.batch_size:
+            return
+        for role in ("trainer", "reference"):
+            section = getattr(self.config, role) if role == "trainer" else self.config.reference
+            if section is not None and not section.get("training", {}).get(
+                    "max_tokens_per_microbatch"):
+                raise ValueError(
+                    f"this step made {rows} training rows from grpo.batch_size="
+                    f"{self.config.grpo.batch_size} episodes (an agent whose calls do not "
+                    "extend one another makes a row per call, docs/agents.md), but "
+                    f"{role}.training has fixed-row microbatches; set "
+                    f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
+                    "number of rows)")
 
     def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
         """The rubric's rewards plus ``reward.overlong``'s length penalty."""
@@ -531,12 +589,13 @@ class GRPOApp(RLLoop):
         c = self.config
         for episode in rollouts.episodes:
             self.buffer.add(episode)
-        batch = self.buffer.sample(self.trainer_version, c.grpo.batch_size)
+        rows = len(rollouts.episodes)  # grpo.batch_size, or more with an agent's rows
+        batch = self.buffer.sample(self.trainer_version, rows)
         if batch is None:
             raise RuntimeError(
                 f"the replay buffer holds {len(self.buffer)} episodes within "
                 f"loop.max_policy_age={c.loop.max_policy_age} of policy version "
-                f"{self.trainer_version}, fewer than the {c.grpo.batch_size} a step trains on"
+                f"{self.trainer_version}, fewer than the {rows} a step trains on"
             )
         packed = pack_episodes(batch, pad_id=self.tok.pad_id)
         if c.debug.fail_at_step == step + 1:
@@ -560,6 +619,8 @@ class GRPOApp(RLLoop):
             **rollouts.batch.metrics(),
             # Per replica: requests, tokens/s, idle, paused and update seconds (the replicas').
             **await self.generator.step_metrics(),
+            **({"agent/rejected_calls": float(self.runner.endpoint.rejected)}
+               if self.runner.endpoint is not None else {}),
             "generator_version": rollouts.generator_version,
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
@@ -655,6 +716,15 @@ class GRPOApp(RLLoop):
                     f"truncated {m['episode/truncated']:.0%}"
                     + (f", env errors {int(m['episode/env_errors'])} timeouts "
                        f"{int(m['episode/env_timeouts'])}" if env_failed else "") + ")"
+                )
+            if "agent/calls_mean" in m:  # task.agent
+                failed = int(m["agent/errors"] + m["agent/timeouts"])
+                parts.append(
+                    f"agent calls {m['agent/calls_mean']:.2f} rows {m['agent/rows_mean']:.2f}"
+                    + (f" (errors {int(m['agent/errors'])} timeouts "
+                       f"{int(m['agent/timeouts'])})" if failed else "")
+                    + (f" refused {int(m['agent/rejected_calls'])}"
+                       if m.get("agent/rejected_calls") else "")
                 )
             if "rollout/dropped_groups" in m:  # grpo.dynamic_sampling
                 parts.append(

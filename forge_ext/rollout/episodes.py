@@ -79,6 +79,20 @@ class Trajectory:
     """``"error"`` or ``"timeout"`` if an environment call ended the episode."""
     done: bool = False
     env: object | None = None
+    rows: list | None = None
+    """An agent's episode: its training rows (:func:`forge_ext.rollout.agents.merge_calls`);
+    None: the episode is one row (the fields above)."""
+    answer: str | None = None
+    """An agent's final answer, which the rubric scores instead of the last turn."""
+    reward_value: float | None = None
+    """A reward the agent returned itself (the rubric's score is then not used)."""
+
+    def training_rows(self) -> list[tuple[list[int], list[int], list[int], list[float]]]:
+        """``(prompt_ids, response_ids, response_mask, logprobs)`` of each row the episode
+        trains on: itself, or an agent's rows (each gets the episode's advantage)."""
+        if self.rows is None:
+            return [(self.prompt_ids, self.response_ids, self.response_mask, self.logprobs)]
+        return [(r.prompt_ids, r.response_ids, r.response_mask, r.logprobs) for r in self.rows]
 
     @property
     def policy_version(self) -> int:
@@ -104,6 +118,8 @@ class EpisodeBatch:
     overlap: this is environment load, not wall time)."""
     reward_seconds: float
     multi_turn: bool
+    agent: bool = False
+    """Episodes of an agent (``task.agent``)."""
 
     @classmethod
     def concat(cls, batches: list[EpisodeBatch]) -> EpisodeBatch:
@@ -121,6 +137,7 @@ class EpisodeBatch:
             rewards=[r for b in batches for r in b.rewards],
             env_seconds=sum(b.env_seconds for b in batches),
             reward_seconds=sum(b.reward_seconds for b in batches), multi_turn=first.multi_turn,
+            agent=first.agent,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -134,6 +151,15 @@ class EpisodeBatch:
         if spans:  # > 1 where an in-flight weight update landed inside a response
             out["rollout/versions_per_response_mean"] = sum(spans) / len(spans)
             out["rollout/versions_per_response_max"] = float(max(spans))
+        agents = self.trajectories if self.agent else []
+        if agents:
+            out.update({
+                "agent/calls_mean": sum(x.turns for x in agents) / len(agents),
+                "agent/rows_mean": sum(len(x.rows or []) for x in agents) / len(agents),
+                "agent/errors": float(sum(x.env_error == "error" for x in agents)),
+                "agent/timeouts": float(sum(x.env_error == "timeout" for x in agents)),
+            })
+            return out
         if self.multi_turn:
             t = self.trajectories
             out.update({
@@ -162,10 +188,16 @@ class EpisodeRunner:
         self._reported: set[str] = set()
         self._pool = DaemonPool(8)  # environments' sync reset/step
         self._runs = itertools.count()  # tells sessions of different calls apart
+        self.endpoint = None
+        """The agents' endpoint (:class:`forge_ext.rollout.agents.AgentEndpoint`), set by
+        the app once the generator serves, for ``task.agent``."""
+        self._agent = config.agent_function() if config.agent is not None else None
 
     @property
     def multi_turn(self) -> bool:
-        return self.config.environment is not None
+        """Episodes whose rows mix the model's tokens with others' (an environment's, an
+        agent's tools and turns): their loss mask is explicit."""
+        return self.config.environment is not None or self.config.agent is not None
 
     async def run(self, rows: list[Row], group: int, sample: SampleFn, *,
                   greedy: bool = False, seed: int | None = None,
@@ -197,13 +229,15 @@ class EpisodeRunner:
             return await self._score(trajectories)
         trajectories = [Trajectory(row=row, prompt_ids=[], env=self.config.make())
                         for row in rows for _ in range(group)]
+        episode = self._agent_episode if self.config.agent is not None else self._episode
         await asyncio.gather(*(
-            self._episode(t, sample, greedy=greedy, session=(run, e // group),
-                          seed=None if seed is None else functools.partial(derive_seed, seed, e))
+            episode(t, sample, greedy=greedy, session=(run, e // group),
+                    seed=None if seed is None else functools.partial(derive_seed, seed, e))
             for e, t in enumerate(trajectories)
         ))
         for t in trajectories:
-            if not t.turns:  # reset failed: a placeholder without any valid token
+            if not t.turns:  # reset failed, or no call: a placeholder without any valid token
+                t.rows = None
                 try:
                     t.prompt_ids = t.prompt_ids or self.render(t.row)
                 except ValueError:
@@ -267,6 +301,57 @@ class EpisodeRunner:
             t.add(reply_ids, False)
         t.truncated = t.done = True  # the last model turn was answered: max_turns reached
 
+    async def _agent_episode(self, t: Trajectory, sample: SampleFn, *, greedy: bool, session,
+                             seed: Callable[[int], int] | None) -> None:
+        """Run one agent episode through the endpoint (:mod:`forge_ext.rollout.agents`): its
+        session's calls become its rows; its result its reward or answer."""
+        from forge_ext.rollout.agents import merge_calls
+
+        c, endpoint = self.config, self.endpoint
+        if endpoint is None:
+            raise RuntimeError("task.agent is set but the agent endpoint was not started")
+        opened = endpoint.open_session(t.row, seed=None if seed is None else seed(0),
+                                       route=session, greedy=greedy)
+        start = time.perf_counter()
+        result = None
+        try:
+            if self._agent is None:  # external
+                result = await endpoint.run_external(opened, c.agent_timeout_s)
+            else:
+                client = endpoint.client(opened, timeout=c.agent_timeout_s)
+                result = await asyncio.wait_for(self._agent(client, t.row), c.agent_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.TimeoutError, TimeoutError):
+            self._fail(t, "timeout", TimeoutError(
+                f"longer than task.agent_timeout_s={c.agent_timeout_s}"), "agent")
+        except Exception as e:  # noqa: BLE001  (a user's agent: it costs the episode)
+            self._fail(t, "error", e, "agent")
+        finally:
+            calls = endpoint.close_session(opened)
+            t.env_seconds += time.perf_counter() - start
+        t.rows = merge_calls(calls)
+        t.turns = len(calls)
+        t.done = True
+        if not t.rows:  # no call: a placeholder row without any valid token (as a failed reset)
+            return
+        first = t.rows[0]
+        t.prompt_ids, t.response_ids = first.prompt_ids, first.response_ids
+        t.response_mask, t.logprobs = first.response_mask, first.logprobs
+        t.versions = [v for r in t.rows for v in r.versions]
+        t.last_turn = calls[-1].completion_ids
+        t.truncated = not calls[-1].finished
+        if t.env_error is not None:
+            return
+        if isinstance(result, bool) or not isinstance(result, (int, float, str, type(None))):
+            self._fail(t, "error", TypeError(
+                f"an agent returns a reward (a number), a final answer (a string) or None, got "
+                f"{type(result).__name__} {result!r:.80}"), "agent")
+        elif isinstance(result, str):
+            t.answer = result
+        elif result is not None:
+            t.reward_value = float(result)
+
     async def _env_call(self, t: Trajectory, method, argument):
         """``method(argument)`` (an environment's ``reset`` or ``step``, async or not: a sync
         one runs on a daemon worker) within ``task.env_timeout_s``; None if it failed, which
@@ -297,15 +382,20 @@ class EpisodeRunner:
         if key not in self._reported:
             self._reported.add(key)
             detail = "".join(traceback.format_exception(error)).rstrip()
-            print(f"the environment's {what}() failed ({kind}); its episode ends and scores "
+            who, metric = ((f"the agent ({self.config.agent})", f"agent/{kind}s")
+                           if what == "agent" else
+                           (f"the environment's {what}()", f"episode/env_{kind}s"))
+            print(f"{who} failed ({kind}); its episode ends and scores "
                   f"reward.on_error={self.rubric.config.on_error}; later ones are only counted "
-                  f"(episode/env_{kind}s):\n{detail}", file=sys.stderr, flush=True)
+                  f"({metric}):\n{detail}", file=sys.stderr, flush=True)
 
     async def _score(self, trajectories: list[Trajectory]) -> EpisodeBatch:
         start = time.perf_counter()
         samples = []
         for t in trajectories:
             text, finished = self.tok.completion_text(t.last_turn)
+            if t.answer is not None:
+                text = t.answer
             samples.append(Sample(row=t.row, completion=text, finished=finished,
                                   completion_ids=t.last_turn))
         scores = await self.rubric.score(samples)
@@ -315,9 +405,12 @@ class EpisodeRunner:
             if t.env_error is not None:
                 scores.correct[i] = False
                 rewards.append(on_error)
+            elif t.reward_value is not None:  # an agent's own reward
+                scores.correct[i] = t.reward_value >= 1.0
+                rewards.append(t.reward_value)
             else:
                 rewards.append(scores.rewards[i] + t.env_reward)
         return EpisodeBatch(trajectories=trajectories, scores=scores, rewards=rewards,
                             env_seconds=sum(t.env_seconds for t in trajectories),
-                            multi_turn=self.multi_turn,
+                            multi_turn=self.multi_turn, agent=self.config.agent is not None,
                             reward_seconds=time.perf_counter() - start)

@@ -53,6 +53,22 @@ class EpisodeConfig:
     env_timeout_s: float = 30.0
     """Longest one ``reset`` or ``step`` call may take (seconds); a slower one ends its episode
     with ``reward.on_error``, counted."""
+    agent: str | None = None
+    """``"package.module:run"``: an ``async def run(client, row)`` that gets an
+    ``openai.AsyncOpenAI`` bound to its episode and returns a reward, a final answer (scored
+    by the rubric) or None (its last completion is scored); or ``external``: episodes wait
+    for a process outside the run (docs/agents.md). None: no agent."""
+    agent_timeout_s: float = 300.0
+    """Longest an agent's episode may take (seconds, from its start; an external one's from
+    when it was queued); a slower one costs its episode (``reward.on_error``), counted."""
+    agent_tool_parser: str | None = "auto"
+    """vLLM's tool parser for the model's tool-call format (``hermes``, ``llama3_json``,
+    ...); ``auto``: ``hermes`` for Qwen2/Qwen3, ``llama3_json`` for Llama; None: none."""
+    agent_max_tokens: int | None = None
+    """The longest prompt + completion an agent's call may ask for (default: the trainer's
+    ``seq_len``, or vLLM's ``max_model_len`` if smaller); a longer one is refused (400)."""
+    agent_port: int = 0
+    """The endpoint's port on 127.0.0.1 (0: a free one)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -63,6 +79,39 @@ class EpisodeConfig:
             raise ValueError(f"task.env_timeout_s={self.env_timeout_s} must be > 0")
         if self.environment is not None:
             environment_class(self.environment)  # raises on an unknown name or import path
+        if self.agent is not None:
+            if self.environment is not None:
+                raise ValueError(
+                    f"task.agent={self.agent!r} and task.environment={self.environment!r}: an "
+                    "agent drives its own episode (its tools are its own code); set one")
+            if not self.agent_timeout_s > 0:
+                raise ValueError(f"task.agent_timeout_s={self.agent_timeout_s} must be > 0")
+            if self.agent_max_tokens is not None and self.agent_max_tokens < 2:
+                raise ValueError(f"task.agent_max_tokens={self.agent_max_tokens} must be >= 2")
+            if not 0 <= self.agent_port < 65536:
+                raise ValueError(f"task.agent_port={self.agent_port} must be a port (0: any)")
+            self.agent_function()  # raises on a bad import path
+
+    def agent_function(self):
+        """The agent's ``run`` (None for ``external``).
+
+        Raises:
+            ValueError: ``task.agent`` does not name an async function.
+        """
+        import inspect
+
+        from forge_ext.tasks.rewards import load_object
+
+        if self.agent is None or self.agent == "external":
+            return None
+        if ":" not in self.agent:
+            raise ValueError(f"task.agent={self.agent!r}: use a 'package.module:function' "
+                             "import path, or 'external'")
+        fn = load_object(self.agent, "task.agent")
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"task.agent={self.agent!r} must name an `async def run(client, "
+                             "row)` (it awaits the model through the client)")
+        return fn
 
     def make(self):
         """A new environment instance (one per episode), or None without an environment."""
