@@ -430,3 +430,46 @@ async def assert_on_policy_across_lora_versions(generator, trainer, prompts, ver
             (root,) = lora_roots(generator)
             (folder,) = os.listdir(root)
             assert folder.startswith(f"policy-v{version}-id")
+
+
+def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
+    """The GRPO loss on ``episodes`` (with explicit loss masks; advantages set here, of both
+    signs) through the transformers model at ``path``: changing the log-prob inputs (generator's, reference's) at prompt and masked
+    positions leaves every gradient bitwise unchanged; changing them at one model token does
+    not; the masked positions are exactly where each episode's mask says."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.episode import pack_episodes
+    from forge_ext.losses import grpo_loss
+
+    import dataclasses
+
+    # Advantages of both signs (a group's may all be 0: no policy gradient to see).
+    episodes = [dataclasses.replace(
+        ep, advantage=(1.0, -0.5, 0.25, -1.0)[i % 4],
+        ref_logprobs=ep.ref_logprobs or [lp - 0.1 for lp in ep.generator_logprobs])
+        for i, ep in enumerate(episodes)]
+    packed = pack_episodes(episodes, pad_id=pad_id)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def gradients(mb):
+        model.zero_grad()
+        logits = model(input_ids=mb["input_ids"]).logits
+        grpo_loss(logits, mb, kl_coef=0.1).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    base = gradients(packed)
+    masked = packed["labels"] == -100
+    assert masked.any() and (~masked).any()
+    changed = {k: v.clone() for k, v in packed.items()}
+    for key in ("generator_logprobs", "ref_logprobs"):
+        changed[key][masked] = torch.randn(int(masked.sum())) * 5
+    assert all(torch.equal(a, b) for a, b in zip(base, gradients(changed)))
+    one = {k: v.clone() for k, v in packed.items()}
+    row, col = (~masked).nonzero()[0].tolist()
+    one["generator_logprobs"][row, col] -= 1.0
+    assert not all(torch.equal(a, b) for a, b in zip(base, gradients(one)))
+    for r, ep in enumerate(episodes):
+        first = len(ep.prompt_ids) - 1
+        labels = packed["labels"][r, first : first + len(ep.response_ids)]
+        assert ((labels != -100).int().tolist()) == ep.response_mask

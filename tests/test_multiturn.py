@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import chat_checkpoint
+from conftest import assert_masked_tokens_carry_no_gradient, chat_checkpoint
 
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.rollout import EpisodeRunner
@@ -320,10 +320,6 @@ def test_environment_and_prompt_tokens_carry_no_gradient(setup):
     """The GRPO loss on packed multi-turn episodes through a real model: changing the
     log-prob inputs (generator's, reference's) at prompt and environment positions leaves
     every gradient bitwise unchanged; changing them at one model token does not."""
-    from transformers import AutoModelForCausalLM
-
-    from forge_ext.losses import grpo_loss
-
     path, tok, _ = setup
     runner, generate, _ = runner_for(setup, VaryingEnv, max_turns=3, max_episode_tokens=400)
     batch = asyncio.run(runner.run(ROWS, 2, generate, seed=5))
@@ -332,31 +328,7 @@ def test_environment_and_prompt_tokens_carry_no_gradient(setup):
                         ref_logprobs=[lp - 0.1 for lp in t.logprobs],
                         response_mask=t.response_mask)
                 for t, a in zip(batch.trajectories, [1.0, -0.5, 0.25, -1.0])]
-    packed = pack_episodes(episodes, pad_id=tok.pad_id)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-
-    def gradients(mb):
-        model.zero_grad()
-        logits = model(input_ids=mb["input_ids"]).logits
-        grpo_loss(logits, mb, kl_coef=0.1).backward()
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    base = gradients(packed)
-    masked = packed["labels"] == -100
-    assert masked.any() and (~masked).any()
-    changed = {k: v.clone() for k, v in packed.items()}
-    for key in ("generator_logprobs", "ref_logprobs"):
-        changed[key][masked] = torch.randn(int(masked.sum())) * 5
-    assert all(torch.equal(a, b) for a, b in zip(base, gradients(changed)))
-    one = {k: v.clone() for k, v in packed.items()}
-    row, col = (~masked).nonzero()[0].tolist()
-    one["generator_logprobs"][row, col] -= 1.0
-    assert not all(torch.equal(a, b) for a, b in zip(base, gradients(one)))
-    # The environment's positions are masked exactly where the episode says.
-    for r, ep in enumerate(episodes):
-        first = len(ep.prompt_ids) - 1
-        labels = packed["labels"][r, first : first + len(ep.response_ids)]
-        assert ((labels != -100).int().tolist()) == ep.response_mask
+    assert_masked_tokens_carry_no_gradient(path, episodes, tok.pad_id)
 
 
 # --------------------------------------------------------------------------------- OpenEnv

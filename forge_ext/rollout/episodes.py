@@ -333,6 +333,15 @@ class EpisodeRunner:
         t.rows = merge_calls(calls)
         t.turns = len(calls)
         t.done = True
+        if t.env_error is None:
+            if isinstance(result, bool) or not isinstance(result, (int, float, str, type(None))):
+                self._fail(t, "error", TypeError(
+                    f"an agent returns a reward (a number), a final answer (a string) or None, "
+                    f"got {type(result).__name__} {result!r:.80}"), "agent")
+            elif isinstance(result, str):
+                t.answer = result
+            elif result is not None:
+                t.reward_value = float(result)
         if not t.rows:  # no call: a placeholder row without any valid token (as a failed reset)
             return
         first = t.rows[0]
@@ -341,16 +350,6 @@ class EpisodeRunner:
         t.versions = [v for r in t.rows for v in r.versions]
         t.last_turn = calls[-1].completion_ids
         t.truncated = not calls[-1].finished
-        if t.env_error is not None:
-            return
-        if isinstance(result, bool) or not isinstance(result, (int, float, str, type(None))):
-            self._fail(t, "error", TypeError(
-                f"an agent returns a reward (a number), a final answer (a string) or None, got "
-                f"{type(result).__name__} {result!r:.80}"), "agent")
-        elif isinstance(result, str):
-            t.answer = result
-        elif result is not None:
-            t.reward_value = float(result)
 
     async def _env_call(self, t: Trajectory, method, argument):
         """``method(argument)`` (an environment's ``reset`` or ``step``, async or not: a sync
