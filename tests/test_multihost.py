@@ -368,7 +368,12 @@ def tiny_checkpoint(tmp_path_factory):
     (["hosts.launcher=attach", "hosts.attach.trainer=[tcp://127.0.0.1:26600]"],
      "hosts.launcher=attach: hosts.attach.reference lists no worker addresses"),
     (["hosts.launcher=processes", "hosts.generator.hosts=2"],
-     "hosts.generator.hosts=2, procs_per_host=None: the generator is one process on one host"),
+     "generator: 1 processes do not split over hosts.generator.hosts=2"),
+    (["hosts.launcher=processes", "hosts.generator.hosts=2", "generator.replicas=3"],
+     "generator: 3 processes do not split over hosts.generator.hosts=2"),
+    (["procs.generator.num_procs=2"],
+     "procs.generator.num_procs=2: the generator runs one process per replica; set "
+     "generator.replicas"),
     (["hosts.trainer.hostz=2"], "unknown key 'hosts.trainer.hostz'"),
     (["procs.trainer.num_procs=2", "hosts.trainer.procs_per_host=1"],
      "procs.trainer.num_procs=2 but hosts.trainer.hosts=1 x hosts.trainer.procs_per_host=1"),

@@ -98,7 +98,7 @@ class GRPOSection:
 class RoleProcs:
     num_procs: int | None = None
     """Processes of this role's mesh (default: the product of its parallelism degrees; the
-    generator always has one, vLLM spawns its own tensor-parallel workers)."""
+    generator's are its replicas, ``generator.replicas``, and may not be set here)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of this role's procs, e.g. ``{CUDA_VISIBLE_DEVICES: "4,5"}`` to give each
     role its own GPUs on one node. Roles with an ``env`` are spawned one after another."""
