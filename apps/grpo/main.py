@@ -199,6 +199,7 @@ class GRPOApp(RLLoop):
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
         import torchstore as ts
+        from monarch.actor import this_host
 
         from forge_ext.actors import spawn_trainer
         from forge_ext.actors.reference import spawn_reference
@@ -228,8 +229,18 @@ class GRPOApp(RLLoop):
             placement.stop()
 
         self.track("hosts", stop_hosts)
-        await initialize_store()
-        self.track("torchstore", ts.shutdown)
+        # torchstore's storage volume in a proc of the run's own, stopped with it: given no
+        # mesh, torchstore spawns one that nothing stops (it outlived every in-process run).
+        store_procs = this_host().spawn_procs(per_host={"procs": 1}, name="torchstore")
+
+        async def stop_store() -> None:
+            try:
+                await ts.shutdown()
+            finally:
+                await store_procs.stop()
+
+        self.track("torchstore", stop_store)
+        await initialize_store(mesh=store_procs)
 
         stops: dict[str, Any] = {}  # each role's stop, once it is spawned
 
