@@ -117,32 +117,38 @@ class FakeReplica:
             "update_seconds": 0.0, "resubmitted": 0.0, "policy_version": self.version})
 
 
-async def test_a_dead_replicas_request_goes_to_the_other_and_it_is_skipped_from_then_on(capfd):
-    a, b = FakeReplica("generator0"), FakeReplica("generator1")
-    replicas = GeneratorReplicas([a, b], max_new_tokens=4)
+async def test_a_dead_replica_costs_its_request_or_update_and_is_skipped_from_then_on(capfd):
+    a, b, c = FakeReplica("generator0"), FakeReplica("generator1"), FakeReplica("generator2")
+    replicas = GeneratorReplicas([a, b, c], max_new_tokens=4)
+    hint = SIGNAL_CAUSES[signal.SIGKILL]
     a.dead = True
-    # The first request goes to replica 0 (least loaded, lower index), fails, moves on.
+    # The first request goes to replica 0 (least loaded, lowest index), fails, moves on.
     assert await replicas.sample([1, 2], 1) == ["generator1 sampled"]
-    assert replicas.live == [1] and replicas.retried == 1
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
-    assert warnings == [f"warning: generator replica generator0 {KILLED}: "
-                        f"{SIGNAL_CAUSES[signal.SIGKILL]}; its requests go to the 1 replica "
-                        "left"]
+    assert replicas.live == [1, 2] and replicas.retried == 1
+    c.dead = True  # learnt from the update
     await replicas.update_weights(3)
     assert b.version == 3
-    assert await replicas.get_policy_version() == 3  # not the dead one's 0
+    assert await replicas.get_policy_version() == 3  # not a dead one's 0
     metrics = await replicas.step_metrics()
     assert metrics["generator/live_replicas"] == 1 and metrics["generator/retried_requests"] == 1
-    assert not any(k.startswith("generator/generator0/") for k in metrics)
+    assert [k for k in metrics if k.startswith(("generator/generator0/", "generator/generator2/"))
+            ] == []
     assert metrics["generator/generator1/version"] == 3
-    assert a.calls == ["sample"]  # no update, no stats call sent to the dead one
+    # Nothing more was sent to a dead replica: no update, no stats call.
+    assert (a.calls, c.calls) == (["sample"], ["update_weights"])
+    assert capfd.readouterr().err.splitlines() == [
+        f"warning: generator replica generator0 {KILLED}: {hint}; its requests go to the 2 "
+        "replicas left",
+        f"warning: generator replica generator2 {KILLED} during the update to v3: {hint}; its "
+        "requests go to the 1 replica left",
+    ]
     b.dead = True
     with pytest.raises(ReplicasLost) as lost:
         await replicas.sample([1, 2], 1)
     assert str(lost.value) == (
-        f"every generator replica died (2 of 2): generator0 {KILLED}; generator1 {KILLED} "
-        f"({SIGNAL_CAUSES[signal.SIGKILL]})")
-    assert "warning" not in capfd.readouterr().err  # the last one's death is the error only
+        f"every generator replica died (3 of 3): generator0 {KILLED}; generator2 {KILLED} during "
+        f"the update to v3; generator1 {KILLED} ({hint})")
+    assert capfd.readouterr().err == ""  # the last one's death is the error only
 
 
 # ---- the app, with replicas killed or interrupted ------------------------------------------
@@ -242,7 +248,7 @@ class Runs:
             with contextlib.redirect_stderr(stderr):
                 try:
                     await asyncio.wait_for(asyncio.ensure_future(app.run()), 240)
-                except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - checked below
+                except (Exception, asyncio.CancelledError, KeyboardInterrupt) as e:  # noqa: BLE001
                     error = e
             app.error, app.ended_at, app.stderr = error, time.monotonic(), stderr.getvalue()
             app.seconds = app.ended_at - started
