@@ -220,10 +220,14 @@ class FaultyRun(GRPOApp):
         return metrics
 
 
-def argv(output_dir, checkpoint):
+def argv(output_dir, checkpoint, kind):
     return small(
         output_dir, checkpoint, "generator.replicas=2", "task.num_train=16", "task.num_eval=2",
         "eval.batch_size=2",
+        # A publisher removes the slots a dead one of its key prefix left (forge_ext.weights
+        # .same_host): a prefix per run, so that no later run (nor another test on this
+        # machine) cleans up what this one left.
+        f"weights.key_prefix=replica_faults_{kind}",
         # No reference (a proc fewer to start), plot or TensorBoard: not what is tested.
         "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
     )
@@ -242,13 +246,20 @@ class Runs:
     async def get(self, kind):
         if kind not in self.done:
             output_dir = str(self.tmp.mktemp(kind))
-            app = FaultyRun(load_config(DEMO, argv(output_dir, self.checkpoint)),
+            app = FaultyRun(load_config(DEMO, argv(output_dir, self.checkpoint, kind)),
                             **self.KINDS[kind])
             stderr, error, started = io.StringIO(), None, time.monotonic()
+            # In this task, as the command line runs it: a KeyboardInterrupt raised in another
+            # task would stop the event loop (asyncio re-raises it), and the second interrupt
+            # cancels the task that runs the app.
             with contextlib.redirect_stderr(stderr):
                 try:
-                    await asyncio.wait_for(asyncio.ensure_future(app.run()), 240)
-                except (Exception, asyncio.CancelledError, KeyboardInterrupt) as e:  # noqa: BLE001
+                    async with asyncio.timeout(240):
+                        await app.run()
+                except asyncio.CancelledError as e:
+                    asyncio.current_task().uncancel()  # the interrupt's, caught here
+                    error = e
+                except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - checked below
                     error = e
             app.error, app.ended_at, app.stderr = error, time.monotonic(), stderr.getvalue()
             app.seconds = app.ended_at - started
