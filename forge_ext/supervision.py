@@ -18,6 +18,12 @@ worker (:class:`forge_ext.placement.HostDeath`, at once and with its signal) or 
 ``SupervisionError`` into one :class:`RoleFailure` naming the role, the rank and host, the
 signal and its likely cause, and hands it to the run (``on_failure``), which stops everything
 and raises it.
+
+A generator *replica* (``generator.replicas > 1``: actors and proc meshes ``generator<i>``,
+:mod:`forge_ext.rollout.replicas`) is not a role: its death costs only its requests in flight,
+which the other replicas serve. Its reports go to ``on_replica_death`` instead, so that it is
+taken out of service at once (not only when a request to it fails); the run fails only when
+none is left. A lone generator (``generator``) is a role like the others.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import asyncio
 import logging
 import re
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -145,6 +151,23 @@ def parse_report(text: str) -> dict[str, Any] | None:
     }
 
 
+def cause_of(parsed: Mapping[str, Any]) -> tuple[str, str]:
+    """``(cause, likely cause)`` of a :func:`parse_report` result."""
+    if parsed["unanswered"]:
+        return UNANSWERED
+    if parsed["no_status"] and parsed["signum"] is None:
+        return describe_exit()
+    return describe_exit(signum=parsed["signum"], code=parsed["code"])
+
+
+def describe_death(text: str) -> tuple[str, str] | None:
+    """``(cause, likely cause)`` of the death a Monarch report or ``SupervisionError`` text
+    describes (``("was killed by SIGKILL (signal 9)", "most often ...")``); None if the
+    text names no dead actor."""
+    parsed = parse_report(text)
+    return None if parsed is None else cause_of(parsed)
+
+
 def rank_of(coords: Mapping[str, tuple[int, int]]) -> int:
     """Row-major rank of a point (``{"hosts": (1, 2), "procs": (0, 4)}`` -> 4)."""
     rank = 0
@@ -194,6 +217,9 @@ class FailureWatch:
         groups: ``{host group: its roles}``; a dead host is reported by all of its roles.
         procs_per_host: each role's procs per host, to find the host of a rank where a
             report names the rank only (default 1).
+        replicas: actor (and proc mesh) names of generator replicas (module docstring): a
+            report of one is not the run's failure, it is handed to ``on_replica_death(name,
+            cause, likely cause)`` on the event loop's thread, once per replica.
 
     Use as ``with FailureWatch(...) as watch:`` inside the running loop.
     """
@@ -203,8 +229,13 @@ class FailureWatch:
         on_failure: Callable[[RoleFailure], None],
         groups: Mapping[str, list[str]] | None = None,
         procs_per_host: Mapping[str, int] | None = None,
+        replicas: Collection[str] = (),
+        on_replica_death: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self.roles = dict(roles)
+        self.replicas = set(replicas)
+        self.on_replica_death = on_replica_death
+        self.dead_replicas: set[str] = set()
         self.describe_host = describe_host
         self.on_failure = on_failure
         self.groups = dict(groups or {})
@@ -226,7 +257,10 @@ class FailureWatch:
     def mesh_failure(self, failure) -> None:
         """A Monarch supervision report (the fault hook). Only reports of the roles' own
         actors (and torchstore's volume) count: the helper actors of a dead proc (its
-        logger, Monarch's SPMD set-up actor) are reported too but name no role."""
+        logger, Monarch's SPMD set-up actor) are reported too but name no role. Reports of
+        a replica (its actor, or a helper actor on its proc) go to ``on_replica_death``."""
+        if self._replica_report(failure.report()):
+            return
         found = self.explain_text(failure.report(), roles_only=True)
         if found is not None:
             self._report(found)
@@ -270,12 +304,24 @@ class FailureWatch:
         rank, host = parsed["rank"], parsed["host"]
         if host is None:
             host = rank // self.procs_per_host.get(role, 1)
-        cause, hint = describe_exit(signum=parsed["signum"], code=parsed["code"])
-        if parsed["no_status"] and parsed["signum"] is None:
-            cause, hint = describe_exit()
-        if parsed["unanswered"]:
-            cause, hint = UNANSWERED
-        return RoleFailure(role, rank, self.describe_host(role, host), cause, hint)
+        return RoleFailure(role, rank, self.describe_host(role, host), *cause_of(parsed))
+
+    def _replica_report(self, text: str) -> bool:
+        """Hand a report of a replica's death to ``on_replica_death``; whether it was one."""
+        parsed = parse_report(text)
+        if parsed is None:
+            return False
+        name = next((n for n in (parsed["name"], parsed["proc"]) if n in self.replicas), None)
+        if name is None:
+            return False
+        if name in self.dead_replicas or self.loop is None or self.on_replica_death is None:
+            return True
+        self.dead_replicas.add(name)
+        try:
+            self.loop.call_soon_threadsafe(self.on_replica_death, name, *cause_of(parsed))
+        except RuntimeError:  # the loop has closed: the run is over
+            pass
+        return True
 
     def _report(self, failure: RoleFailure) -> None:
         if self.failure is not None or self.loop is None:
@@ -291,10 +337,13 @@ class FailureWatch:
             pass
 
 
-def watch_run(run: Any, placement: Any) -> FailureWatch:
+def watch_run(run: Any, placement: Any, replicas: Collection[str] = (),
+              on_replica_death: Callable[[str, str, str], None] | None = None
+              ) -> FailureWatch:
     """Start a :class:`FailureWatch` for ``run`` (an :class:`forge_ext.loop.RLLoop` during
     its ``setup``) over the roles of ``placement`` (:class:`forge_ext.placement.Placement`):
-    a dead process or host of any role calls ``run.fail`` with its :class:`RoleFailure`.
+    a dead process or host of any role calls ``run.fail`` with its :class:`RoleFailure`; a
+    dead one of ``replicas`` calls ``on_replica_death`` (:class:`FailureWatch`).
     The watch ends at the very end of the run's teardown (``run.track``), after every role
     was stopped. Call before anything is spawned.
     """
@@ -305,6 +354,7 @@ def watch_run(run: Any, placement: Any) -> FailureWatch:
     watch = FailureWatch(
         {r: r for r in roles}, placement.describe_host, run.fail, groups=groups,
         procs_per_host={r: placement.procs_per_host(r) for r in roles},
+        replicas=replicas, on_replica_death=on_replica_death,
     ).__enter__()
 
     async def stop_watch() -> None:

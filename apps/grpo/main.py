@@ -63,6 +63,7 @@ from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
+from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.supervision import RoleFailure, shutdown_monarch
 
 
@@ -200,6 +201,7 @@ class GRPOApp(RLLoop):
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
         import torchstore as ts
+        from monarch.actor import this_host
 
         from forge_ext.actors import spawn_trainer
         from forge_ext.actors.reference import spawn_reference
@@ -213,8 +215,13 @@ class GRPOApp(RLLoop):
         roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
         placement = Placement(c.hosts, c.processes())
         self.placement = placement
-        # Before anything starts: a process or host that dies is one error naming it.
-        self.watch = watch_run(self, placement)
+        # Before anything starts: a process or host that dies is one error naming it; a
+        # generator replica that dies is one warning, the others serve its requests.
+        n = c.generator.replicas
+        self.watch = watch_run(
+            self, placement, replicas=[replica_name(r, n) for r in range(n)] if n > 1 else (),
+            on_replica_death=self.replica_died,
+        )
         # What the run will do, before anything starts: model, steps, task, roles, output.
         for line in self.plan_lines(roles, placement):
             self.write(line)
@@ -232,8 +239,18 @@ class GRPOApp(RLLoop):
             placement.stop()
 
         self.track("hosts", stop_hosts)
-        await initialize_store()
-        self.track("torchstore", ts.shutdown)
+        # torchstore's storage volume in a proc of the run's own, stopped with it: given no
+        # mesh, torchstore spawns one that nothing stops (it outlived every in-process run).
+        store_procs = this_host().spawn_procs(per_host={"procs": 1}, name="torchstore")
+
+        async def stop_store() -> None:
+            try:
+                await ts.shutdown()
+            finally:
+                await store_procs.stop()
+
+        self.track("torchstore", stop_store)
+        await initialize_store(mesh=store_procs)
 
         stops: dict[str, Any] = {}  # each role's stop, once it is spawned
 
@@ -369,6 +386,15 @@ class GRPOApp(RLLoop):
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
         ]
+
+    def replica_died(self, name: str, cause: str, hint: str) -> None:
+        """The failure watch's report of a dead generator replica (``generator.replicas >
+        1``): it serves no more requests; with none left the run stops naming each."""
+        if self.generator is None:  # while spawning: spawn_replicas fails with its error
+            return
+        self.generator.lose(self.generator.index(name), cause, hint)
+        if not self.generator.live:
+            self.fail(self.generator.all_lost())
 
     def explain_error(self, error: BaseException) -> BaseException | None:
         watch = getattr(self, "watch", None)
@@ -925,7 +951,7 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
               "resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)
-    except RoleFailure as failure:  # a process or host died: one message, no traceback
+    except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
         sys.exit(failure_message(failure, app.config, argv))
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)

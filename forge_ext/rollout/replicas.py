@@ -11,8 +11,12 @@ set is the oldest a live replica serves, which is what the loop's sync gate and 
 bound read.
 
 A replica whose process dies costs only its requests in flight: they are sent to the others,
-one warning line is printed, and ``generator/live_replicas`` drops. Only when none is left
-does the run stop, with one error naming them (:class:`ReplicasLost`).
+one warning line is printed, and ``generator/live_replicas`` drops; weight updates, the
+served version and the metrics skip it from then on. Its death is learnt from whichever
+comes first: a call to it failing with Monarch's ``SupervisionError`` (~2 s after a ``kill
+-9`` on this machine, Monarch 0.7), or the run's failure watch reporting its proc
+(:mod:`forge_ext.supervision`; also when no call is in flight). Only when none is left does
+the run stop, with one error naming each (:class:`ReplicasLost`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from forge_ext.rollout.engines import Completion, WeightUpdateMode, request_seeds
 from forge_ext.rollout.router import NoReplicaError, Router
+from forge_ext.supervision import describe_death
 
 
 class ReplicasLost(RuntimeError):
@@ -36,7 +41,10 @@ class ReplicasLost(RuntimeError):
 class ReplicaLoss:
     replica: int
     name: str
-    reason: str
+    cause: str
+    """What ended it, e.g. ``was killed by SIGKILL (signal 9)``."""
+    hint: str = ""
+    """Its likely cause (:func:`forge_ext.supervision.describe_exit`)."""
 
 
 def replica_name(replica: int, replicas: int) -> str:
@@ -95,13 +103,13 @@ class GeneratorReplicas:
             try:
                 replica = self.router.route(session, cost)
             except NoReplicaError:
-                raise self._all_lost() from None
+                raise self.all_lost() from None
             try:
                 return await self.handles[replica].sample(list(prompt_ids), n, greedy, seed)
             except Exception as error:  # noqa: BLE001  (a dead replica's request moves on)
                 if not self._is_dead(error):
                     raise
-                self.lose(replica, f"{type(error).__name__}: {str(error).splitlines()[0]}")
+                self.lose(replica, *death_of(error))
                 self.retried += 1
             finally:
                 self.router.done(replica, cost)
@@ -136,38 +144,50 @@ class GeneratorReplicas:
         for replica, result in zip(live, results):
             if isinstance(result, BaseException):
                 if isinstance(result, Exception) and self._is_dead(result):
-                    self.lose(replica, f"died during the update to v{policy_version}")
+                    cause, hint = death_of(result)
+                    self.lose(replica, f"{cause} during the update to v{policy_version}", hint)
                     continue
                 raise result
             self.versions[replica] = policy_version
             for key in ("fetch_seconds", "load_seconds", "paused_seconds"):
                 worst[key] = max(worst.get(key, 0.0), result[key])
         if not self.live:
-            raise self._all_lost()
+            raise self.all_lost()
         return {"policy_version": policy_version, **worst}
 
     async def get_policy_version(self) -> int:
         """The oldest version a live replica serves."""
         if not self.live:
-            raise self._all_lost()
+            raise self.all_lost()
         return min(self.versions[r] for r in self.live)
 
     # ---- faults and metrics ----------------------------------------------------------------
-    def lose(self, replica: int, reason: str) -> None:
+    def lose(self, replica: int, cause: str, hint: str = "") -> None:
         """``replica`` died (a call to it failed that way, or Monarch reported its process):
-        no request goes there again. Prints one line the first time."""
+        no request goes there again. The first time, one warning line says what ended it
+        (``cause``, its likely cause ``hint``) while others are left; the last one's death is
+        the run's error instead (:meth:`all_lost`)."""
         if not self.router.alive[replica]:
             return
         self.router.remove(replica)
         name = self.handles[replica].name
-        self.losses.append(ReplicaLoss(replica, name, reason))
+        self.losses.append(ReplicaLoss(replica, name, cause, hint))
         left = len(self.live)
-        print(f"warning: generator replica {name} died ({reason}); its requests go to the "
-              f"{left} replica{'s' * (left != 1)} left", file=sys.stderr, flush=True)
+        if left:
+            print(f"warning: generator replica {name} {cause}{': ' + hint if hint else ''}; "
+                  f"its requests go to the {left} replica{'s' * (left != 1)} left",
+                  file=sys.stderr, flush=True)
 
-    def _all_lost(self) -> ReplicasLost:
-        lost = "; ".join(f"{x.name}: {x.reason}" for x in self.losses)
-        return ReplicasLost(f"every generator replica died ({len(self.handles)}): {lost}")
+    def index(self, name: str) -> int:
+        """The replica named ``name`` (:func:`replica_name`)."""
+        return [h.name for h in self.handles].index(name)
+
+    def all_lost(self) -> ReplicasLost:
+        """The error of a run whose replicas all died: each one's name and cause."""
+        lost = "; ".join(f"{x.name} {x.cause}" for x in self.losses)
+        hints = "; ".join(dict.fromkeys(x.hint for x in self.losses if x.hint))
+        return ReplicasLost(f"every generator replica died ({len(self.losses)} of "
+                            f"{len(self.handles)}): {lost}" + (f" ({hints})" if hints else ""))
 
     async def step_metrics(self) -> dict[str, float]:
         """What the replicas did since the previous call (a training step): per live replica
@@ -182,11 +202,14 @@ class GeneratorReplicas:
                                        return_exceptions=True)
         seconds = max(now - self._last_time, 1e-9)
         self._last_time = now
-        out = {"generator/live_replicas": float(len(live)),
+        for replica, stats in zip(live, results):
+            if isinstance(stats, Exception) and self._is_dead(stats):
+                self.lose(replica, *death_of(stats))
+        out = {"generator/live_replicas": float(len(self.live)),
                "generator/retried_requests": float(self.retried), "generator/resubmitted": 0.0}
         for replica, stats in zip(live, results):
             if isinstance(stats, BaseException):
-                continue  # a replica dying now is reported by its next request
+                continue  # died now (lost above), or an error the next request will show
             before = self._last_stats.get(replica, {})
             self._last_stats[replica] = stats
             delta = {k: v - before.get(k, 0.0) for k, v in stats.items()}
@@ -206,6 +229,13 @@ class GeneratorReplicas:
     async def stop(self) -> None:
         """Stop every replica (their engines' processes too), concurrently."""
         await asyncio.gather(*(h.stop() for h in self.handles), return_exceptions=True)
+
+
+def death_of(error: BaseException) -> tuple[str, str]:
+    """``(cause, likely cause)`` of a replica whose call failed with ``error`` (a
+    ``SupervisionError``, whose text is Monarch's report)."""
+    first_line = (str(error).splitlines() or [""])[0]
+    return describe_death(str(error)) or (f"failed ({type(error).__name__}: {first_line})", "")
 
 
 def _is_supervision_error(error: BaseException) -> bool:
