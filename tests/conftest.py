@@ -473,3 +473,23 @@ def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
         first = len(ep.prompt_ids) - 1
         labels = packed["labels"][r, first : first + len(ep.response_ids)]
         assert ((labels != -100).int().tolist()) == ep.response_mask
+
+
+def assert_every_prompt_trained_once(crashed, resumed) -> None:
+    """A run killed mid-step (``crashed``, Recording) and its rerun (``resumed``): together
+    they trained the prompt stream's rows in order, each once, and the resumed step sampled
+    what the killed one had (each sample seeded from its step, not from what ran before)."""
+    from forge_ext.tasks import PromptStream, build_task
+
+    steps = sorted(resumed.trained)
+    assert sorted(crashed.trained) == list(range(steps[0])) and steps[-1] == len(
+        crashed.trained) + len(steps) - 1
+    trained = [row for run in (crashed, resumed) for r in run.trained.values() for row in r.rows]
+    config = resumed.config
+    expected = PromptStream(build_task(config.task).train_rows(), config.seed).slice(
+        0, config.loop.steps * config.grpo.prompts_per_step)
+    assert [r.prompt for r in trained] == [r.prompt for r in expected]
+    assert len({r.prompt for r in trained}) == len(trained)
+    before, after = crashed.rollouts[steps[0]].episodes, resumed.rollouts[steps[0]].episodes
+    assert [(ep.prompt_ids, ep.response_ids) for ep in before] == [
+        (ep.prompt_ids, ep.response_ids) for ep in after]

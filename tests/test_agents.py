@@ -356,7 +356,7 @@ async def test_a_killed_agent_run_resumes_and_trains_every_prompt_of_the_stream_
     at step 2, its agent episodes are the same calls and tokens as before the crash (every
     call seeded from the step, the episode and the call's index), and every prompt of the
     stream is trained once."""
-    from forge_ext.tasks import PromptStream, build_task
+    from conftest import assert_every_prompt_trained_once
 
     root, checkpoint = agent_task
     demo = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_cpu_demo.yaml")
@@ -370,11 +370,4 @@ async def test_a_killed_agent_run_resumes_and_trains_every_prompt_of_the_stream_
     resumed = Recording(load_config(demo, agent_argv(root, checkpoint, output_dir, *extra)))
     await resumed.run()
     assert sorted(crashed.trained) == [0, 1] and sorted(resumed.trained) == [2]
-    trained = [row for run in (crashed, resumed) for r in run.trained.values() for row in r.rows]
-    config = resumed.config
-    expected = PromptStream(build_task(config.task).train_rows(), config.seed).slice(
-        0, config.loop.steps * config.grpo.prompts_per_step)
-    assert [r.prompt for r in trained] == [r.prompt for r in expected]
-    before, after = crashed.rollouts[2].episodes, resumed.rollouts[2].episodes
-    assert [(ep.prompt_ids, ep.response_ids) for ep in before] == [
-        (ep.prompt_ids, ep.response_ids) for ep in after]
+    assert_every_prompt_trained_once(crashed, resumed)

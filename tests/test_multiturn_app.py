@@ -122,21 +122,14 @@ async def test_generator_log_probs_equal_the_trainers_on_every_model_token(ratio
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_killed_multi_turn_run_resumes_every_prompt_exactly_once(runs, mode):
-    from forge_ext.tasks import PromptStream, build_task
+    from conftest import assert_every_prompt_trained_once
 
     crashed = await runs.get("hf", mode, "crashed")
     resumed = await runs.get("hf", mode, "resumed")
     assert sorted(crashed.trained) == [0, 1] and sorted(resumed.trained) == [2]
-    trained = [row for run in (crashed, resumed) for r in run.trained.values() for row in r.rows]
+    # ... and the resumed step samples the same episodes as the step the crash interrupted.
+    assert_every_prompt_trained_once(crashed, resumed)
     config = resumed.config
-    expected = PromptStream(build_task(config.task).train_rows(), config.seed).slice(
-        0, config.loop.steps * config.grpo.prompts_per_step)
-    assert [r.prompt for r in trained] == [r.prompt for r in expected]
-    assert len({r.prompt for r in trained}) == len(trained)
-    # The resumed step samples the same episodes as the step the crash interrupted.
-    before = crashed.rollouts[2].episodes
-    after = resumed.rollouts[2].episodes
-    assert [ep.response_ids for ep in before] == [ep.response_ids for ep in after]
     for run in (crashed, resumed):
         for step, r in run.trained.items():
             for ep in r.episodes:

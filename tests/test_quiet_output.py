@@ -54,7 +54,8 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     ), first
     assert lines[1].startswith("task addition: 8 training rows, 2 held-out"), lines[1]
     assert lines[2].startswith("GRPO variant: none (field defaults) | loss.aggregation="), lines[2]
-    assert lines[3] == "spawning trainer (1 proc), generator (hf, 1 proc) on this machine"
+    assert lines[3] == ("spawning trainer (1 proc), generator (hf, 1 replica, weight_update "
+                        "between_requests) on this machine")
     assert f"checkpoint of step 2 saved in " in result.stdout
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
                     f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}"), last
