@@ -85,6 +85,22 @@ def write_failed(what: str, path: str, os_error: OSError) -> OutputWriteError:
     )
 
 
+def refuse_if_short(what: str, path: str, needed_bytes: int) -> None:
+    """Raise before writing ``what`` (``needed_bytes``, known in advance) to ``path`` when its
+    filesystem has measurably less free space.
+
+    Raises:
+        OutputWriteError: one line naming what, where, the free and the needed space.
+    """
+    free = free_bytes(path)
+    if free is not None and free < needed_bytes:
+        raise OutputWriteError(
+            f"not writing {what} to {path}: {_mb(free)} free on its filesystem, "
+            f"{_mb(needed_bytes)} needed; free space or write it to a larger filesystem",
+            path=path, free_bytes=free, needed_bytes=needed_bytes,
+        )
+
+
 def free_bytes(path: str) -> int | None:
     """Free bytes for an unprivileged writer on the filesystem that holds (or will hold)
     ``path``; None if it cannot be measured."""

@@ -1,8 +1,17 @@
-"""Write Hugging Face checkpoint directories (``config.json`` + ``model.safetensors`` +
-tokenizer files) that both ``transformers`` and the engine's ``flavor: hf`` path load.
+"""Write Hugging Face checkpoint directories (``config.json`` + safetensors + tokenizer files)
+that ``transformers``, vLLM and the engine's ``flavor: hf`` path load.
 
 A directory is written under a temporary name and renamed into place when complete, so a
 reader (or a "skip if the checkpoint exists" check) never sees half a checkpoint.
+
+Weights are written as ``save_pretrained`` writes them (``transformers/modeling_utils.py``):
+one ``model.safetensors`` when they fit in ``max_shard_bytes``, else
+``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json`` (``weight_map``:
+tensor name -> file; ``metadata.total_size``: bytes). :class:`ShardWriter` takes tensors one
+at a time and writes each shard as soon as it is full, so a writer holds at most one shard
+(the distributed export, :mod:`forge_ext.engine.export`, gathers one tensor at a time into it).
+A write that hits an ``OSError`` (a full disk) is the one-line
+:class:`forge_ext.disk.OutputWriteError` and leaves no folder behind.
 
 ``config.json`` carries ``rope_theta`` at the top level as well as transformers 5's
 ``rope_parameters``: torchtitan-era readers (:func:`forge_ext.engine.models.decoder_config_from_hf`)
@@ -21,7 +30,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from forge_ext import disk
+
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""``save_pretrained``'s historical default shard size (5 GB)."""
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "vocab.json", "merges.txt",
@@ -70,6 +84,8 @@ def save_hf_checkpoint(
     config: Mapping[str, Any],
     *,
     tokenizer_from: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write an HF checkpoint directory, replacing any previous one atomically.
 
@@ -80,35 +96,151 @@ def save_hf_checkpoint(
         config: ``config.json`` contents (see :func:`hf_config_dict`).
         tokenizer_from: a folder whose tokenizer files (:data:`TOKENIZER_FILES`) and
             ``generation_config.json`` are copied (the checkpoint training started from).
+        dtype: cast floating-point tensors to it (None: as they are); ``config.json``'s
+            ``dtype`` says what was written.
+        max_shard_bytes: largest safetensors file (module docstring).
 
     Returns:
         ``directory`` as a Path.
+
+    Raises:
+        forge_ext.disk.OutputWriteError: not enough free space, or a write failed.
     """
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    staging = staging_folder(directory, str(os.getpid()))
+    tensors = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+               for name, v in state_dict.items()}
+    needed = sum(tensor_bytes(v, dtype) for v in tensors.values())
+    disk.refuse_if_short("the HF checkpoint", str(directory), needed)
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        tensors = {}
-        for name, value in state_dict.items():
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            tensors[name] = value.detach().to("cpu").contiguous().clone()
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(tmp / "config.json", "w") as f:
-            json.dump(dict(config), f, indent=2, sort_keys=True)
-        if tokenizer_from is not None:
-            for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-                source = Path(tokenizer_from) / name
-                if source.is_file():
-                    shutil.copy2(source, tmp / name)
-        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
+        staging.mkdir(parents=True)
+        writer = ShardWriter(staging, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        for name, value in tensors.items():
+            writer.add(name, value)
+        return finish_hf_folder(staging, [writer.close()], directory, config,
+                                tokenizer_from=tokenizer_from, dtype=dtype)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise disk.write_failed("the HF checkpoint", str(directory), e) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def staging_folder(directory: str | Path, tag: str) -> Path:
+    """The sibling folder a checkpoint is written into before it is renamed to
+    ``directory``: hidden, ``.<name>.staging-<tag>`` (``tag`` tells writers apart)."""
+    directory = Path(directory)
+    return directory.with_name(f".{directory.name}.staging-{tag}")
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes ``tensor`` takes in a safetensors file after :func:`cast`."""
+    itemsize = cast(torch.empty((), dtype=tensor.dtype), dtype).element_size()
+    return tensor.numel() * itemsize
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in ``dtype`` when it is floating point and ``dtype`` is set."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)
+
+
+class ShardWriter:
+    """Tensors written into safetensors files of at most ``max_shard_bytes`` each (a tensor
+    larger than that gets a file of its own), a file as soon as it is full: the writer holds
+    at most one shard's tensors.
+
+    Args:
+        folder: where the files go (``<prefix>-<k>.safetensors``; :func:`finish_hf_folder`
+            renames them to HF's names).
+        prefix: tells several writers' files apart in one folder (one per pipeline stage).
+        dtype: cast floating-point tensors to it (None: keep theirs).
+    """
+
+    def __init__(self, folder: str | Path, *, prefix: str = "part",
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 dtype: torch.dtype | None = None) -> None:
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+        self.folder, self.prefix = Path(folder), prefix
+        self.max_shard_bytes, self.dtype = max_shard_bytes, dtype
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self.shards: list[tuple[str, list[str], int]] = []
+        """``(file name, tensor names, bytes)`` of each file written, in order."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor`` (a plain, full tensor; copied to CPU), writing the current shard
+        first if ``tensor`` would overflow it."""
+        value = cast(tensor.detach(), self.dtype).to("cpu").contiguous().clone()
+        size = value.numel() * value.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = value
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        name = f"{self.prefix}-{len(self.shards):05d}.safetensors"
+        save_file(self._pending, str(self.folder / name), metadata={"format": "pt"})
+        self.shards.append((name, list(self._pending), self._pending_bytes))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[tuple[str, list[str], int]]:
+        """Write what is queued; returns :attr:`shards`."""
+        if self._pending:
+            self._flush()
+        return self.shards
+
+
+def finish_hf_folder(
+    staging: str | Path, shards: list[list[tuple[str, list[str], int]]], directory: str | Path,
+    config: Mapping[str, Any], *, tokenizer_from: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Complete the checkpoint in ``staging`` and rename it to ``directory`` (replacing a
+    previous one only once this one is complete).
+
+    Args:
+        shards: each writer's :meth:`ShardWriter.close`, in order: their files are renamed to
+            ``model.safetensors`` (one file) or ``model-0000i-of-0000N.safetensors`` with
+            ``model.safetensors.index.json``.
+        config, tokenizer_from, dtype: as for :func:`save_hf_checkpoint`.
+
+    Raises:
+        OSError: a write failed (the caller removes ``staging``).
+    """
+    staging, directory = Path(staging), Path(directory)
+    files = [shard for writer in shards for shard in writer]
+    weight_map, total = {}, 0
+    for i, (name, tensors, size) in enumerate(files):
+        final = WEIGHTS_NAME if len(files) == 1 else (
+            f"model-{i + 1:05d}-of-{len(files):05d}.safetensors")
+        os.replace(staging / name, staging / final)
+        weight_map.update({t: final for t in tensors})
+        total += size
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(config)
+    if dtype is not None:  # what the files hold (transformers 5 reads dtype, 4 torch_dtype)
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in config:
+            config["torch_dtype"] = config["dtype"]
+    with open(staging / "config.json", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if tokenizer_from is not None:
+        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+            source = Path(tokenizer_from) / name
+            if source.is_file():
+                shutil.copy2(source, staging / name)
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        directory.rename(old)
+    staging.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
     return directory
 
 

@@ -260,6 +260,17 @@ class RLTrainer(Actor):
             return self.engine.forward_batch(batch, post_hook=hook)
 
     @endpoint
+    async def export_hf(self, folder: str, dtype: str | None = None,
+                        max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """Write the model as an HF checkpoint folder (``TitanEngine.export_hf``; collective:
+        tensors gathered one at a time, each pipeline stage's first rank writes). ``dtype``:
+        ``"float32"``, ``"bfloat16"``, ``"float16"`` or None (the parameters')."""
+        from forge_ext.engine.export import export_dtype
+
+        return self.engine.export_hf(folder, dtype=export_dtype(dtype),
+                                     max_shard_bytes=max_shard_bytes)
+
+    @endpoint
     async def export_lora(self, folder: str, merged_folder: str | None = None) -> dict[str, str]:
         """Write the LoRA adapters as a PEFT folder, and with ``merged_folder`` a merged HF
         checkpoint (``TitanEngine.export_lora``; collective, rank 0 writes)."""
@@ -413,6 +424,18 @@ class TrainerHandle:
         see :meth:`RLTrainer.forward`)."""
         values = await self.actor.forward.call(inputs, targets, output, adapter)
         return torch.cat([v for v in values.values() if v is not None])
+
+    async def export_hf(self, folder: str, dtype: str | None = None,
+                        max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """:meth:`RLTrainer.export_hf` on every rank.
+
+        Raises:
+            ValueError: a bad ``dtype``, before any rank is called.
+        """
+        from forge_ext.engine.export import export_dtype
+
+        export_dtype(dtype)
+        return await self._call("export_hf", str(folder), dtype, max_shard_bytes)
 
     async def export_lora(self, folder: str, merged_folder: str | None = None) -> dict[str, str]:
         return await self._call("export_lora", str(folder),

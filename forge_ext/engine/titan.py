@@ -377,6 +377,36 @@ class TitanEngine(BaseEngine):
             for m in modules:
                 del m.forward
 
+    def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """Write the model as a Hugging Face checkpoint folder that transformers and vLLM
+        load (safetensors shards, ``config.json``, ``model.hf_path``'s tokenizer files and
+        ``generation_config.json``), atomically; tensors are gathered one at a time and each
+        pipeline stage's first rank writes its own (:func:`forge_ext.engine.export.export_hf`).
+        A collective: every rank calls it.
+
+        Args:
+            dtype: cast floating-point weights to it (None: the parameters' dtype).
+            max_shard_bytes: largest safetensors file (default 5 GB).
+
+        Returns:
+            ``{"folder", "bytes", "files", "seconds"}``.
+
+        Raises:
+            ValueError: under LoRA (the base's weights are not the policy:
+                :meth:`export_lora` writes the adapter and the merged model), or a model
+                without a ``config.json`` source (a registry flavor without ``model.hf_path``).
+            forge_ext.disk.OutputWriteError: not enough space, or a write failed (every rank).
+        """
+        from forge_ext.engine.export import export_hf
+        from forge_ext.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
+
+        if self.lora_enabled:
+            raise ValueError("export_hf: the model trains LoRA adapters; export_lora writes "
+                             "the adapter (and the merged model with merged_folder)")
+        return export_hf(self, folder, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+
     def export_lora(self, folder: str | os.PathLike, merged_folder: str | os.PathLike | None = None
                     ) -> dict[str, str]:
         """Write the adapters as a PEFT folder (:meth:`adapter_state_dict`,
@@ -394,20 +424,16 @@ class TitanEngine(BaseEngine):
             ValueError: LoRA is off, or ``merged_folder`` without a config.json source
                 (``model.hf_path`` or a small flavor).
         """
-        from forge_ext.hf_checkpoint import hf_config_dict, save_hf_checkpoint
+        from forge_ext.engine.export import hf_config_of
+        from forge_ext.hf_checkpoint import save_hf_checkpoint
         from forge_ext.lora import write_peft_folder
-        from forge_ext.engine.models import HF_MODEL_TYPES, hf_config_for, read_hf_config
 
         m = self.config.model
         if merged_folder is not None:  # on every rank, before the collectives
-            if m.hf_path:
-                config = read_hf_config(m.hf_path)
-            elif hf_config_for(m.name, m.flavor, None) is not None:
-                config = hf_config_dict(HF_MODEL_TYPES[m.name],
-                                        hf_config_for(m.name, m.flavor, None))
-            else:
-                raise ValueError(f"lora.export_merged: model.flavor={m.flavor!r} has no "
-                                 "config.json; set model.hf_path")
+            try:
+                config = hf_config_of(m)
+            except ValueError as e:
+                raise ValueError(f"lora.export_merged: {e}") from None
         tensors = {k: v.cpu() for k, v in self.adapter_state_dict().items()}
         merged = self.merged_hf_state_dict() if merged_folder is not None else None
         if not dist.is_initialized() or dist.get_rank() == 0:
