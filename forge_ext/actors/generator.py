@@ -304,10 +304,13 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
-                     seed: int | None = None) -> list[Completion]:
+                     seed: int | None = None, sampling: SamplingConfig | None = None
+                     ) -> list[Completion]:
         """One request: ``n`` completions of ``prompt_ids``, each token stamped with the
-        version that sampled it (:meth:`forge_ext.rollout.engines.Engine.sample`)."""
-        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
+        version that sampled it (:meth:`forge_ext.rollout.engines.Engine.sample`);
+        ``sampling`` overrides ``generator.sampling`` for it (an evaluation set's)."""
+        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed,
+                                        sampling=sampling)
 
     @concurrent_endpoint
     async def generate(
@@ -374,6 +377,20 @@ class Generator(Actor):
             "load_seconds": done - fetched,
             "paused_seconds": done - paused,
         }
+
+    @endpoint
+    async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
+        """Serve the PEFT adapter folder ``folder`` (read in this process: no tensor travels
+        over RPC) on the base weights as ``policy_version``, between requests: how an
+        evaluation serves a LoRA run's exported adapter (``apps.eval``)."""
+        from forge_ext.lora import read_peft_folder
+
+        tensors, adapter_config = read_peft_folder(folder)
+        await self.engine.pause("between_requests")
+        try:
+            await self.engine.load_adapter(tensors, adapter_config, policy_version)
+        finally:
+            await self.engine.resume()
 
     @endpoint
     async def get_policy_version(self) -> int:
@@ -448,8 +465,9 @@ class GeneratorHandle:
     """The replica's name (its proc mesh's and actor's; Monarch's failure reports use it)."""
 
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
-                     seed: int | None = None) -> list[Completion]:
-        return await self.actor.sample.call_one(list(prompt_ids), n, greedy, seed)
+                     seed: int | None = None, sampling: SamplingConfig | None = None
+                     ) -> list[Completion]:
+        return await self.actor.sample.call_one(list(prompt_ids), n, greedy, seed, sampling)
 
     async def generate(
         self, prompts: list[list[int]], n: int = 1, greedy: bool = False,
@@ -463,6 +481,9 @@ class GeneratorHandle:
 
     async def get_policy_version(self) -> int:
         return await self.actor.get_policy_version.call_one()
+
+    async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
+        await self.actor.load_adapter_folder.call_one(str(folder), policy_version)
 
     async def stats(self) -> dict[str, float]:
         return await self.actor.stats.call_one()

@@ -42,7 +42,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from forge_ext.rollout.engines import Completion, derive_seed
+from forge_ext.rollout.engines import Completion, SamplingConfig, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
 from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
@@ -201,7 +201,7 @@ class EpisodeRunner:
 
     async def run(self, rows: list[Row], group: int, sample: SampleFn, *,
                   greedy: bool = False, seed: int | None = None,
-                  version: int = 0) -> EpisodeBatch:
+                  version: int = 0, sampling: SamplingConfig | None = None) -> EpisodeBatch:
         """``group`` scored episodes per row, each running on its own (module docstring).
 
         ``seed`` (None: unseeded) gives every sample a seed of its own: single-turn, row ``i``
@@ -210,8 +210,12 @@ class EpisodeRunner:
         e, k)``, whatever else runs meanwhile. So the episodes of a group, and two rows
         holding the same prompt, draw apart, and a step is reproducible from its seed.
         ``version`` stamps an episode whose environment failed before any turn (it is kept,
-        with no valid token, so that its group stays whole)."""
+        with no valid token, so that its group stays whole). ``sampling`` overrides the
+        generator's sampling settings for every request (an evaluation set's); agent
+        episodes sample with the generator's own."""
         run = next(self._runs)
+        if sampling is not None:  # only when set: a SampleFn need not take it otherwise
+            sample = functools.partial(sample, sampling=sampling)
         if not self.multi_turn:
             results = await asyncio.gather(*(
                 sample(self.render(row), group, greedy=greedy,

@@ -28,7 +28,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forge_ext.rollout.engines import Completion, WeightUpdateMode, request_seeds
+from forge_ext.rollout.engines import (
+    Completion, SamplingConfig, WeightUpdateMode, request_seeds,
+)
 from forge_ext.rollout.router import NoReplicaError, Router
 from forge_ext.supervision import describe_death
 
@@ -90,22 +92,27 @@ class GeneratorReplicas:
 
     # ---- requests --------------------------------------------------------------------------
     async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
-                     seed: int | None = None, session: Hashable | None = None
-                     ) -> list[Completion]:
+                     seed: int | None = None, session: Hashable | None = None,
+                     sampling: SamplingConfig | None = None) -> list[Completion]:
         """One request (:meth:`forge_ext.actors.generator.Generator.sample`) on the replica the
         router picks for ``session``; sent again to another replica if that one dies first.
+        ``sampling`` overrides ``generator.sampling`` for this request (an evaluation set's
+        temperature, top-p and length).
 
         Raises:
             ReplicasLost: no replica is left.
         """
-        cost = len(prompt_ids) + n * self.max_new_tokens
+        longest = sampling.max_new_tokens if sampling is not None else self.max_new_tokens
+        cost = len(prompt_ids) + n * longest
+        extra = () if sampling is None else (sampling,)
         while True:
             try:
                 replica = self.router.route(session, cost)
             except NoReplicaError:
                 raise self.all_lost() from None
             try:
-                return await self.handles[replica].sample(list(prompt_ids), n, greedy, seed)
+                return await self.handles[replica].sample(list(prompt_ids), n, greedy, seed,
+                                                          *extra)
             except Exception as error:  # noqa: BLE001  (a dead replica's request moves on)
                 if not self._is_dead(error):
                     raise
@@ -154,6 +161,15 @@ class GeneratorReplicas:
         if not self.live:
             raise self.all_lost()
         return {"policy_version": policy_version, **worst}
+
+    async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
+        """Every live replica serves the PEFT adapter folder ``folder`` on its base weights
+        as ``policy_version`` (:meth:`forge_ext.actors.generator.Generator
+        .load_adapter_folder`)."""
+        await asyncio.gather(*(self.handles[r].load_adapter_folder(folder, policy_version)
+                               for r in self.live))
+        for r in self.live:
+            self.versions[r] = policy_version
 
     async def get_policy_version(self) -> int:
         """The oldest version a live replica serves."""

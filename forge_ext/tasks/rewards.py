@@ -29,7 +29,7 @@ from typing import Any
 from forge_ext.tasks.base import RewardFn, Row
 
 
-def _gsm8k_final(text: str) -> str:
+def gsm8k_final(text: str) -> str:
     """The text after the last ``####`` (GSM8K's answer marker), or ``text`` itself."""
     return text.rsplit("####", 1)[1].strip() if "####" in text else text
 
@@ -44,7 +44,7 @@ def _gold_latex(answer: str) -> str:
     wrapped as ``$...$``. math-verify's default extraction is meant for free-text completions:
     a bare-LaTeX gold as MATH stores it (``\\sqrt{2}``, ``10\\sqrt{2}``) reads as nothing or
     as its first number (verl and verifiers box the gold for the same reason)."""
-    text = _gsm8k_final(answer).strip()
+    text = gsm8k_final(answer).strip()
     if "\\boxed" in text or _MATH_DELIMITER.search(text):
         return text
     return f"${text}$"
@@ -69,7 +69,7 @@ def math_verify(completion: str, answer: str, **_: Any) -> float:
             f"(math-verify read {gold!r:.100}); fix the answer in the task's data, or score "
             "it with another reward function (exact_match, or your own)"
         )
-    prediction = parse(_gsm8k_final(completion), parsing_timeout=None)
+    prediction = parse(gsm8k_final(completion), parsing_timeout=None)
     if not prediction:
         return 0.0
     return float(verify(gold, prediction, timeout_seconds=None))
