@@ -64,9 +64,16 @@ def sft_sections() -> list[SectionDoc]:
     return sections(SFTConfig, {"trainer": EngineConfig, "task": _task_variants()})
 
 
+def eval_sections() -> list[SectionDoc]:
+    from apps.eval.main import EvalAppConfig
+
+    return sections(EvalAppConfig, {"task": _task_variants()})
+
+
 APPS = {
     "GRPO (`python -m apps.grpo.main`)": grpo_sections,
     "SFT warm-start (`python -m apps.sft.main`)": sft_sections,
+    "Evaluation (`python -m apps.eval`)": eval_sections,
 }
 
 
@@ -76,6 +83,10 @@ def grpo_help() -> str:
 
 def sft_help() -> str:
     return help_text(sft_sections())
+
+
+def eval_help() -> str:
+    return help_text(eval_sections())
 
 
 def render() -> str:

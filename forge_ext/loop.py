@@ -20,7 +20,8 @@ torchforge's GRPO ``main``::
         train_step(step, rollouts)   (waits for an in-flight push_weights first)
         push_weights / fetch_weights of the new policy version, in the background
         sync: weight-sync gate       generator version >= trainer version - max_policy_age
-        log, periodic evaluate, periodic save_checkpoint (last step always saved)
+        log, periodic evaluate, periodic save_checkpoint (last step always saved),
+        periodic export_model (last step always exported)
     finally: cancel the rollout task and in-flight syncs, close loggers, stop every tracked
              actor and proc mesh in reverse order -- also on an exception and on Ctrl-C
 
@@ -101,12 +102,15 @@ class LoopConfig:
     """Steps between held-out evaluations (0: only the baseline and the last step)."""
     save_every: int = 0
     """Steps between checkpoints (0: only the last step); needs trainer checkpointing."""
+    export_every: int = 0
+    """Steps between exports of the policy as a model others load (the GRPO app: an HF
+    checkpoint folder, ``export:``); 0: only the last step."""
     max_policy_age: int = 0
     """Largest policy age of a trained sample: ``trainer version - version that generated
     it`` (module docstring)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "eval_every", "save_every", "max_policy_age"):
+        for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age"):
             if getattr(self, name) < 0:
                 raise ValueError(f"loop.{name}={getattr(self, name)} must be >= 0")
         if self.mode not in ("sync", "async"):
@@ -226,6 +230,11 @@ class RLLoop(ABC):
     @abstractmethod
     async def save_checkpoint(self, step: int) -> None:
         """Commit a resumable checkpoint of ``step``."""
+
+    async def export_model(self, step: int) -> None:
+        """Write the policy of ``step`` as a model others load (every
+        ``loop.export_every`` steps and at the last step, after its checkpoint; default:
+        nothing)."""
 
     def log_line(self, step: int, metrics: dict[str, float]) -> str | None:
         """The console line of a step (None: print nothing)."""
@@ -350,6 +359,10 @@ class RLLoop(ABC):
             with self.busy("trainer"):
                 await self.save_checkpoint(self.step)
             self._saved_step = self.step
+        if (self.loop.export_every and self.step % self.loop.export_every == 0) or last:
+            await self._drain()
+            with self.busy("trainer"):
+                await self.export_model(self.step)
 
     def _clock_readings(self) -> tuple[float, dict[str, float]]:
         return time.perf_counter(), {role: clock.total() for role, clock in self._clocks.items()}

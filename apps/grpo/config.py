@@ -21,6 +21,8 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     procs:     {env, trainer, reference, generator}  processes and environment per role
     hosts:     forge_ext.placement.HostsConfig  where roles run: launcher, hosts per role
     metrics:   MetricsConfig
+    eval:      forge_ext.evaluation.EvalConfig  held-out accuracy, evaluation sets (pass@k ...)
+    export:    {enable, dtype, max_shard_mb}  HF checkpoint folders <output_dir>/hf/step-N
     debug:     {fail_at_step}
 """
 
@@ -36,6 +38,7 @@ from forge_ext.actors.reference import data_parallel_size
 from forge_ext.actors.trainer import check_weights_transport, world_size_of
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine import engine_config_from_mapping
+from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.losses.grpo import GRPOLoss
 from forge_ext.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.loop import LoopConfig
@@ -135,11 +138,24 @@ class DebugSection:
 
 
 @dataclass(kw_only=True, slots=True)
-class EvalSection:
-    greedy: bool = True
-    """Held-out accuracy with greedy decoding (false: one sample at the sampling settings)."""
-    batch_size: int = 256
-    """Held-out prompts per ``generate`` call."""
+class ExportSection:
+    enable: bool = True
+    """Write the policy as an HF checkpoint folder ``<output_dir>/hf/step-N`` (safetensors
+    shards, config.json, generation_config.json, tokenizer files) at the last step and every
+    ``loop.export_every`` steps: what transformers loads, vLLM serves and a next run takes as
+    ``model.hf_path``. LoRA runs write their adapter instead (``trainer.lora``)."""
+    dtype: str | None = None
+    """``float32``, ``bfloat16`` or ``float16``; null: the parameters' dtype."""
+    max_shard_mb: float = 5000.0
+    """Largest safetensors file (MB); a larger model is written in several, with
+    ``model.safetensors.index.json``."""
+
+    def __post_init__(self) -> None:
+        from forge_ext.engine.export import export_dtype
+
+        export_dtype(self.dtype)
+        if not self.max_shard_mb > 0:
+            raise ValueError(f"export.max_shard_mb={self.max_shard_mb} must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,8 +189,10 @@ class GRPOConfig:
     procs: ProcsSection = field(default_factory=ProcsSection)
     """Processes per role and their environment variables."""
     hosts: HostsConfig = field(default_factory=HostsConfig)
-    eval: EvalSection = field(default_factory=EvalSection)
-    """How held-out accuracy is measured."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """How held-out accuracy is measured, and the evaluation sets evaluated with it."""
+    export: ExportSection = field(default_factory=ExportSection)
+    """The HF checkpoint folders the run writes (``<output_dir>/hf/step-N``)."""
     metrics: MetricsConfig | None = None
     """Where metrics go (default: ``metrics.jsonl``, TensorBoard and a plot in
     ``output_dir``)."""
@@ -283,6 +301,7 @@ class GRPOConfig:
             ValueError: naming the fields that disagree and the fix.
         """
         task_config(self.task)  # source, fields, files, import paths; the rows load later
+        check_sets(self.eval.sets)
         if self.loss.kl_coef != 0 and self.reference is None and not self.trainer.get("lora"):
             raise ValueError(
                 f"loss.kl_coef={self.loss.kl_coef} needs a reference model; set the "

@@ -19,7 +19,12 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
 - ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
   ``Generator.update_weights(N)`` (torchstore).
 - ``evaluate``: held-out accuracy (greedy by default) through the generator: the rate at
-  which the rubric's accuracy function (``reward.accuracy``, default the first) scores 1.
+  which the rubric's accuracy function (``reward.accuracy``, default the first) scores 1;
+  and the evaluation sets of ``eval.sets`` (pass@k, mean@k, maj@k, greedy accuracy per set,
+  :mod:`forge_ext.evaluation`), logged as ``eval/<set>/<metric>``.
+- ``export_model``: the policy as an HF checkpoint folder ``<output_dir>/hf/step-N`` at the
+  last step and every ``loop.export_every`` steps (``export:``; LoRA runs write their
+  adapter at the last step, ``<output_dir>/adapter``).
 
 Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
 in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
@@ -58,7 +63,9 @@ from forge_ext.config import (
     scoped_env,
 )
 from forge_ext.disk import find_output_write_error
-from forge_ext.rollout.engines import Completion
+from forge_ext.evaluation import as_logged, build_sets, close_sets, evaluate_sets
+from forge_ext.evaluation.sets import check_context
+from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
@@ -80,7 +87,8 @@ prompt stream position where each checkpointed step's prompts begin."""
 
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
-    "eval.batch_size", "metrics", "procs", "hosts", "debug",
+    "loop.export_every", "eval.batch_size", "eval.sets", "export", "metrics", "procs",
+    "hosts", "debug",
     "weights.same_host",  # how weights travel, not what they are: follows the placement
     # Left out, the name comes from config.json's model_type, and the checkpoint files are
     # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
@@ -151,6 +159,10 @@ class GRPOApp(RLLoop):
                   "(characters or words outside its vocabulary)", file=sys.stderr)
         episodes = episode_config(config.task)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
+        # The evaluation sets: their rows, prompts and rubrics, checked now.
+        self.eval_sets = build_sets(
+            config.eval.sets, self.tok, prompt=config.prompt, reward=config.reward,
+            max_new_tokens=config.generator.sampling.max_new_tokens)
         # An episode after its first prompt: one turn, or up to task.max_episode_tokens.
         after = (episodes.max_episode_tokens if self.runner.multi_turn
                  else config.generator.sampling.max_new_tokens)
@@ -165,10 +177,16 @@ class GRPOApp(RLLoop):
         self.context = min((v for v in limits.values() if v is not None), default=None)
         for field_name, limit in limits.items():
             if limit is not None and longest > limit and episodes.agent is None:
+                close_sets(self.eval_sets)
                 raise ValueError(
                     f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
                     f"raise {field_name}"
                 )
+        try:
+            check_context(self.eval_sets, config.generator)
+        except ValueError:
+            close_sets(self.eval_sets)
+            raise
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "task": resolved_task(config.task),
@@ -191,12 +209,12 @@ class GRPOApp(RLLoop):
         self.bar = None
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
-                     seed: int | None = None, session=None) -> list[Completion]:
+                     seed: int | None = None, session=None, sampling=None) -> list[Completion]:
         """One request to the generator replicas (:meth:`forge_ext.rollout.replicas
         .GeneratorReplicas.sample`), timed as generator-busy (:meth:`busy`)."""
         with self.busy("generator"):
             return await self.generator.sample(prompt_ids, n, greedy=greedy, seed=seed,
-                                               session=session)
+                                               session=session, sampling=sampling)
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
@@ -231,6 +249,7 @@ class GRPOApp(RLLoop):
 
         async def stop_rewards() -> None:
             self.rubric.close()
+            close_sets(self.eval_sets)
 
         self.track("reward workers", stop_rewards)
         placement.start()
@@ -679,12 +698,28 @@ class GRPOApp(RLLoop):
             ))
         batch = EpisodeBatch.concat(batches)
         n = len(batch.rewards)
+        # The evaluation sets, each seeded from the run's seed, the step and its name.
+        sets = await evaluate_sets(self.eval_sets, self.sample, batch_size=c.eval.batch_size,
+                                   seed=derive_seed(c.seed, step))
         return {
             "eval/accuracy": sum(batch.scores.correct) / n,
             "eval/reward": sum(batch.rewards) / n,
             "eval/num_prompts": n,
             **{"eval/" + k: v for k, v in batch.metrics().items()},
+            **as_logged(sets),
         }
+
+    async def export_model(self, step: int) -> None:
+        """The policy of ``step`` as an HF checkpoint folder ``<output_dir>/hf/step-N``
+        (``RLTrainer.export_hf``: gathered a tensor at a time, written atomically); not for
+        LoRA runs, whose adapter :meth:`export_lora` writes at the last step."""
+        c = self.config
+        if self.config.trainer.get("lora") or not c.export.enable:
+            return
+        folder = Path(c.output_dir) / "hf" / f"step-{step}"
+        info = await self.trainer.export_hf(folder, c.export.dtype,
+                                            int(c.export.max_shard_mb * 10**6))
+        self.write(f"HF checkpoint of step {step} written in {info['seconds']:.1f}s: {folder}")
 
     async def save_checkpoint(self, step: int) -> None:
         if step == self.loop.steps and self.config.trainer.get("lora"):
@@ -792,6 +827,11 @@ class GRPOApp(RLLoop):
             parts.append(
                 f"held-out acc {m['eval/accuracy']:.1%} ({int(m['eval/num_prompts'])} prompts)"
             )
+        for s in self.eval_sets:  # each set's own metrics, e.g. "gsm8k pass@1 12.5% ..."
+            shown = [f"{name} {m[f'eval/{s.name}/{name}']:.1%}" for name in s.metrics
+                     if f"eval/{s.name}/{name}" in m]
+            if shown:
+                parts.append(f"{s.name} " + " ".join(shown))
         return " | ".join(parts)
 
     def plot_spec(self) -> dict[str, Any]:
@@ -818,6 +858,12 @@ class GRPOApp(RLLoop):
                             "episode/turns_max": "turns per episode (max)",
                             "episode/truncated": "truncated episodes (fraction)"},
                 )] if self.runner.multi_turn else []),
+                *([PlotPanel(
+                    keys=[f"eval/{s.name}/{name}" for s in self.eval_sets for name in s.metrics],
+                    ylabel="evaluation sets", ylim=(-0.02, 1.02),
+                    labels={f"eval/{s.name}/{name}": f"{s.name} {name}"
+                            for s in self.eval_sets for name in s.metrics},
+                )] if self.eval_sets else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
                 PlotPanel(
@@ -865,6 +911,8 @@ class GRPOApp(RLLoop):
                  f"metrics {self.metrics.jsonl_path}"]
         if self.config.trainer.get("checkpoint", {}).get("enable"):
             parts.append(f"checkpoints {self.checkpoint_folder()}")
+        if self.config.export.enable and not self.config.trainer.get("lora"):
+            parts.append(f"HF checkpoints {out / 'hf'}")
         return f"written to {out}: " + ", ".join(parts)
 
 

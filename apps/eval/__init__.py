@@ -1,0 +1,1 @@
+"""``python -m apps.eval``: evaluate checkpoints without training (:mod:`apps.eval.main`)."""
