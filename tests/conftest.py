@@ -122,6 +122,30 @@ def demo_checkpoint(tmp_path_factory):
     return str(init_hf_checkpoint(root / "ckpt", "qwen3", fields, seed=0, tokenizer_from=root / "tok"))
 
 
+def task_checkpoint(root) -> str:
+    """A tiny Qwen3 HF checkpoint under ``root`` with the addition task's tokenizer and
+    random weights (std 0.5: logits far from uniform); head_dim 32, a size vLLM's CPU
+    attention supports."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+    from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+
+    root = Path(root)
+    arch = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    save_tokenizer(root / "tok")
+    init = init_hf_checkpoint(root / "init", "qwen3", arch, seed=0, tokenizer_from=root / "tok")
+    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=9, std=0.5)
+    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", arch),
+                                  tokenizer_from=init))
+
+
 async def spawn_all(*spawns):
     """Await the spawns (of trainers, generators: anything with an async ``stop()``) at
     once and return their handles in order: a proc's start is mostly imports in a fresh

@@ -23,13 +23,12 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import pytest_asyncio
-from conftest import generator_logprob_gap, random_state_dict
+from conftest import generator_logprob_gap, task_checkpoint
 from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
-from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
-from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+from forge_ext.tasks.tokenizer import save_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the probe actor by value.
@@ -37,12 +36,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEMO = {"hf": str(CONFIGS / "grpo_cpu_demo.yaml"), "vllm": str(CONFIGS / "grpo_cpu_vllm.yaml")}
-# head_dim 32: a size vLLM's CPU attention supports.
-ARCH = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-    tie_word_embeddings=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-)
 
 
 class Probe(Actor):
@@ -86,18 +79,6 @@ class RecordingApp(GRPOApp):
         metrics = await super().train_step(step, rollouts)
         self.trained[step] = (self.trainer_version, rollouts)  # the optimizer step was taken
         return metrics
-
-
-def task_checkpoint(root: Path) -> str:
-    """A tiny Qwen3 (``ARCH``) HF checkpoint under ``root`` with the task tokenizer and
-    random weights."""
-    from safetensors.torch import load_file
-
-    save_tokenizer(root / "tok")
-    init = init_hf_checkpoint(root / "init", "qwen3", ARCH, seed=0, tokenizer_from=root / "tok")
-    weights = random_state_dict(load_file(str(init / "model.safetensors")), seed=9, std=0.5)
-    return str(save_hf_checkpoint(root / "ckpt", weights, hf_config_dict("qwen3", ARCH),
-                                  tokenizer_from=init))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import pytest_asyncio
-from test_grpo_app import Probe, history, overrides, still_running, task_checkpoint
+from conftest import task_checkpoint
+from test_grpo_app import Probe, history, overrides, still_running
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp, failure_message

@@ -1,0 +1,226 @@
+"""Evaluation metrics against independent computations on hand-made counts and answers; the
+HF checkpoint writer's shards, index and full-disk error; bad evaluation input refused in one
+line before anything is spawned (``apps.eval``, the GRPO config)."""
+
+import errno
+import itertools
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from forge_ext.evaluation import maj_at_k, mean_at_k, pass_at_k
+from forge_ext.evaluation.metrics import final_answer
+
+
+def pass_at_k_by_enumeration(n: int, c: int, k: int) -> Fraction:
+    """The fraction of the k-subsets of n samples (the first c correct) holding a correct
+    one: the definition the estimator estimates, counted."""
+    subsets = list(itertools.combinations(range(n), k))
+    return Fraction(sum(any(i < c for i in s) for s in subsets), len(subsets))
+
+
+def pass_at_k_codex(n: int, c: int, k: int) -> float:
+    """The numerically stable product form of Chen et al. 2021 (arXiv:2107.03374, Figure 3)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@pytest.mark.parametrize("n, c, k", [
+    (1, 0, 1), (1, 1, 1), (8, 0, 1), (8, 0, 8), (8, 1, 1), (8, 1, 8), (8, 3, 2), (8, 5, 4),
+    (10, 2, 5), (10, 9, 3), (16, 4, 8), (12, 11, 12), (7, 3, 7),
+])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k):
+    got = pass_at_k(n, c, k)
+    assert got == pytest.approx(float(pass_at_k_by_enumeration(n, c, k)), abs=1e-12)
+    assert got == pytest.approx(pass_at_k_codex(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_of_a_large_n_stays_exact():
+    # C(200, 100) overflows a float; the estimator is computed in integers.
+    assert pass_at_k(200, 1, 100) == pytest.approx(0.5, abs=1e-12)
+    assert pass_at_k(200, 0, 100) == 0.0
+    assert pass_at_k(200, 150, 51) == 1.0
+
+
+def test_pass_at_k_refuses_k_above_n():
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_mean_at_k_is_the_fraction_correct_of_hand_made_samples():
+    # Prompt A: 3 of 8 right; prompt B: 0 of 8; prompt C: 8 of 8.
+    samples = {"A": [1, 0, 0, 1, 0, 1, 0, 0], "B": [0] * 8, "C": [1] * 8}
+    for k in (1, 4, 8):
+        means = [mean_at_k(8, sum(s), k) for s in samples.values()]
+        assert means == [3 / 8, 0.0, 1.0]
+        # Independent: the mean accuracy over every k-subset of the samples.
+        for value, s in zip(means, samples.values()):
+            subsets = list(itertools.combinations(s, k))
+            assert value == pytest.approx(sum(sum(x) / k for x in subsets) / len(subsets))
+
+
+def maj_by_hand(answers, correct):
+    """Majority vote written out: count, take the most frequent, share ties."""
+    counts = {}
+    for a, ok in zip(answers, correct):
+        if a is not None:
+            counts.setdefault(a, []).append(ok)
+    if not counts:
+        return 0.0
+    top = max(len(v) for v in counts.values())
+    winners = [v for v in counts.values() if len(v) == top]
+    return sum(sum(v) / len(v) for v in winners) / len(winners)
+
+
+def test_maj_at_k_on_hand_made_answers():
+    # The right answer is "42"; samples vote "41" three times, "42" twice, one unfinished.
+    answers = ["41", "42", "41", None, "42", "41"]
+    correct = [False, True, False, False, True, False]
+    assert maj_at_k(answers, correct, 6) == 0.0  # "41" wins 3-2
+    # Drop one "41": a 2-2 tie shares the vote.
+    assert maj_at_k(["41", "42", "41", "42"], [False, True, False, True], 4) == 0.5
+    assert maj_at_k(["42", "42", "7"], [True, True, False], 3) == 1.0
+    assert maj_at_k([None, None], [False, False], 2) == 0.0
+    # k < n: the mean over every k-subset, checked against the subsets counted by hand.
+    for k in (1, 2, 3, 5):
+        subsets = list(itertools.combinations(range(6), k))
+        want = sum(maj_by_hand([answers[i] for i in s], [correct[i] for i in s])
+                   for s in subsets) / len(subsets)
+        assert maj_at_k(answers, correct, k) == pytest.approx(want), k
+    # maj@1: each sample alone, a sample without an answer scoring 0: the accuracy.
+    assert maj_at_k(answers, correct, 1) == pytest.approx(2 / 6)
+
+
+def test_final_answers_maj_at_k_votes_on():
+    assert final_answer(" 753 ", True) == "753"
+    assert final_answer("so 6*7 is #### 42", True) == "42"
+    assert final_answer("think <answer>12</answer> more <answer>13</answer>", True) == "13"
+    assert final_answer("753", False) is None  # cut at the length limit: no vote
+    assert final_answer(r"x \boxed{7} y \boxed{8}", True, r"\\boxed\{(.*?)\}") == "8"
+    assert final_answer("nothing", True, r"\\boxed\{(.*?)\}") is None
+
+
+# ---- the HF checkpoint writer -----------------------------------------------------------------
+
+def test_shards_and_index_are_what_transformers_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    from forge_ext.hf_checkpoint import save_hf_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 32, generator=g)
+               for i in range(5)}  # 4 KB each in bf16: two per shard
+    folder = save_hf_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "qwen3"},
+                                max_shard_bytes=10_000, dtype=torch.bfloat16)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index["metadata"]["total_size"] == 5 * 64 * 32 * 2
+    for name, value in tensors.items():
+        stored = load_file(str(folder / index["weight_map"][name]))[name]
+        assert stored.dtype == torch.bfloat16 and torch.equal(stored, value.to(torch.bfloat16))
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    # One shard: model.safetensors alone, no index (what save_pretrained writes).
+    single = save_hf_checkpoint(tmp_path / "one", tensors, {"model_type": "qwen3"})
+    assert sorted(p.name for p in single.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    from forge_ext import hf_checkpoint
+    from forge_ext.disk import OutputWriteError
+
+    tensors = {f"w{i}": torch.ones(1000) for i in range(4)}
+    old = hf_checkpoint.save_hf_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "qwen3"})
+    written = []
+
+    def full_disk(tensors, path, metadata=None):
+        if written:  # the second shard finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+
+    monkeypatch.setattr(hf_checkpoint, "save_file", full_disk)
+    with pytest.raises(OutputWriteError) as error:
+        hf_checkpoint.save_hf_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "qwen3"},
+                                         max_shard_bytes=8000)
+    message = str(error.value)
+    assert "\n" not in message and "ENOSPC" in message and str(tmp_path / "ckpt") in message
+    # The previous checkpoint is untouched and no staging folder is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name]
+    assert (old / "model.safetensors").is_file()
+
+    monkeypatch.setattr(hf_checkpoint.disk, "free_bytes", lambda path: 100)
+    with pytest.raises(OutputWriteError, match=r"not writing the HF checkpoint to .*other: "
+                       r".* free on its filesystem, .* needed"):
+        hf_checkpoint.save_hf_checkpoint(tmp_path / "other", tensors, {"model_type": "qwen3"})
+
+
+# ---- bad input, before anything is spawned -----------------------------------------------------
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fails a test that spawns a generator."""
+    import forge_ext.rollout.replicas as replicas
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a generator was spawned")
+
+    monkeypatch.setattr(replicas, "spawn_replicas", refuse)
+
+
+def run_eval(argv, capsys):
+    from apps.eval.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    message = str(exit_.value.code)
+    assert "\n" not in message, message  # one line
+    assert capsys.readouterr().out == ""  # nothing printed before: no plan, no spawn
+    return message
+
+
+EVAL = str(Path(__file__).resolve().parent.parent / "configs" / "eval_cpu_demo.yaml")
+
+
+def test_a_checkpoint_of_no_known_kind_is_one_line(tmp_path, capsys, no_spawn):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    message = run_eval(["--config", EVAL, f"checkpoint={tmp_path}"], capsys)
+    assert message.startswith(f"config error: checkpoint={tmp_path} is none of: an HF "
+                              "checkpoint folder"), message
+    message = run_eval(["--config", EVAL, f"checkpoint={tmp_path}/nothing"], capsys)
+    assert message == f"config error: checkpoint={tmp_path}/nothing does not exist"
+
+
+def test_a_set_without_a_task_is_one_line(capsys, no_spawn, demo_checkpoint):
+    message = run_eval(["--config", EVAL, f"checkpoint={demo_checkpoint}",
+                        "eval.sets=[{name: gsm8k, n: 4}]"], capsys)
+    assert message.startswith("config error: eval.sets[0] (gsm8k) has no task"), message
+
+
+def test_k_above_n_is_one_line(capsys, no_spawn, demo_checkpoint):
+    message = run_eval(["--config", EVAL, f"checkpoint={demo_checkpoint}",
+                        "eval.sets=[{name: sums, task: {source: addition}, n: 4, "
+                        "metrics: [pass@1, maj@8]}]"], capsys)
+    assert message == ("config error: eval.sets[0] (sums).metrics: maj@8 needs at least 8 "
+                       "samples per prompt but n=4; raise n to 8 or lower k"), message
+
+
+@pytest.mark.parametrize("sets, match", [
+    ("[{name: a, n: 2}]", r"eval.sets\[0\] \(a\) has no task"),
+    ("[{name: a, task: {source: addition}, n: 2, metrics: [pass@4]}]", r"pass@4 needs at least 4"),
+    ("[{name: a, task: {source: addition}, metrics: [best@1]}]", r"'best@1' is not one of"),
+    ("[{name: a, task: {source: addition}}, {name: a, task: {source: addition}}]",
+     r"two sets are named 'a'"),
+    ("[{name: reward, task: {source: addition}}]", r"taken by the held-out metrics"),
+])
+def test_the_grpo_config_refuses_bad_sets_before_spawning(sets, match):
+    from apps.grpo.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(EVAL.replace("eval_cpu_demo", "grpo_cpu_demo"), [f"eval.sets={sets}"],
+                    check_model=False)
