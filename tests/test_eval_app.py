@@ -71,9 +71,11 @@ async def test_the_fsdp_export_gives_transformers_the_trainers_logits(run):
     assert len(set(index["weight_map"].values())) > 1  # 0.1 MB shards: several files
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (folder / name).is_file(), name
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model, loading = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not any(loading.values()), loading  # every weight, each from the folder
     with torch.no_grad():
-        logits = model(IDS).logits
+        logits = model.eval()(IDS).logits
     assert logits.abs().max() > 1.0  # far from uniform: the comparison is not vacuous
     torch.testing.assert_close(logits, app.logits, rtol=1e-5, atol=1e-5)
     # The weights moved from the checkpoint the run started from: the export is the policy.
@@ -154,9 +156,12 @@ async def test_vllm_serves_the_export_with_transformers_logprobs(run, tmp_path):
 
     _, output_dir = run
     folder = output_dir / "hf" / "step-2"
-    await evaluate([f"checkpoint={folder}", f"output_dir={tmp_path}", f"eval.sets=[{SET}]",
-              "generator.backend=vllm", "generator.vllm={max_model_len: 64}",
-              "save_samples=true", "env={}"])
+    # At the set's own temperature (0.7): vLLM samples from the sharpened distribution and
+    # still reports the policy's log-probs (raw logits), which transformers computes.
+    await evaluate([f"checkpoint={folder}", f"output_dir={tmp_path}",
+                    f"eval.sets=[{SET.replace('n: 4,', 'n: 4, temperature: 0.7,')}]",
+                    "generator.backend=vllm", "generator.vllm={max_model_len: 64}",
+                    "save_samples=true", "env={}"])
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert len(samples) == 6 * (1 + 4)  # a greedy and 4 sampled completions per prompt
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -4,6 +4,7 @@ gradient accumulation over microbatches of unequal valid-token counts."""
 
 import asyncio
 import copy
+import json
 
 import pytest
 import pytest_asyncio
@@ -193,6 +194,28 @@ async def test_pipeline_trainer_pushes_complete_weights_with_dcp(meshes):
         await ts.shutdown()
     with pytest.raises(ValueError, match="use weights.transport=dcp"):
         await spawn_trainer(config(pp=2), weights={"transport": "direct"})
+
+
+@pytest.mark.parametrize("name, dp", [("pp2", 1), ("pp2dp2", 2)])
+async def test_pipeline_export_gives_transformers_the_trainers_logits(meshes, name, dp,
+                                                                      tmp_path):
+    """Each stage's first rank writes its own layers' shards into one HF folder: transformers
+    loads it with the pipeline trainer's logits (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    handle = meshes[name]
+    info = await handle.export_hf(tmp_path / "hf", max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert info["files"] == len(set(index["weight_map"].values())) > 2
+    batch = make_lm_batch(BATCH, 32, 256, seed=21)
+    model, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not any(loading.values()), loading  # every weight, each from the folder
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    assert logits.abs().max() > 1.0  # random weights (the fixture's): not vacuous
+    torch.testing.assert_close(logits, await handle.forward(*split(batch, dp)),
+                               rtol=1e-5, atol=1e-5)
 
 
 async def test_every_grpo_variant_under_pipeline_equals_no_pipeline(meshes):
