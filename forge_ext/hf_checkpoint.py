@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,20 +106,36 @@ def save_hf_checkpoint(
     Raises:
         forge_ext.disk.OutputWriteError: not enough free space, or a write failed.
     """
-    directory = Path(directory)
-    staging = staging_folder(directory, str(os.getpid()))
     tensors = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v)
                for name, v in state_dict.items()}
-    needed = sum(tensor_bytes(v, dtype) for v in tensors.values())
-    disk.refuse_if_short("the HF checkpoint", str(directory), needed)
+    return write_hf_folder(directory, tensors.items(), config,
+                           needed_bytes=sum(tensor_bytes(v, dtype) for v in tensors.values()),
+                           tokenizer_from=tokenizer_from, dtype=dtype,
+                           max_shard_bytes=max_shard_bytes)
+
+
+def write_hf_folder(
+    directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
+    config: Mapping[str, Any], *, needed_bytes: int, tokenizer_from: str | Path | None = None,
+    dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write an HF checkpoint folder from ``(name, full tensor)`` pairs, one writer in this
+    process, each shard as soon as it is full: ``tensors`` may be a generator that loads
+    them as it goes (a DCP checkpoint's, :func:`forge_ext.engine.export.dcp_to_hf`).
+    ``needed_bytes``: the folder's size, compared with the free space first;
+    ``config.json``'s ``dtype`` is what the files hold. Other arguments and errors as for
+    :func:`save_hf_checkpoint`."""
+    directory = Path(directory)
+    disk.refuse_if_short("the HF checkpoint", str(directory), needed_bytes)
+    staging = staging_folder(directory, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
         writer = ShardWriter(staging, max_shard_bytes=max_shard_bytes, dtype=dtype)
-        for name, value in tensors.items():
+        for name, value in tensors:
             writer.add(name, value)
         return finish_hf_folder(staging, [writer.close()], directory, config,
-                                tokenizer_from=tokenizer_from, dtype=dtype)
+                                tokenizer_from=tokenizer_from, dtype=writer.float_dtype)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
         raise disk.write_failed("the HF checkpoint", str(directory), e) from None
@@ -169,6 +185,8 @@ class ShardWriter:
         self.max_shard_bytes, self.dtype = max_shard_bytes, dtype
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
+        self.float_dtype: torch.dtype | None = None
+        """The dtype of the floating-point tensors written (the first one's)."""
         self.shards: list[tuple[str, list[str], int]] = []
         """``(file name, tensor names, bytes)`` of each file written, in order."""
 
@@ -176,6 +194,8 @@ class ShardWriter:
         """Queue ``tensor`` (a plain, full tensor; copied to CPU), writing the current shard
         first if ``tensor`` would overflow it."""
         value = cast(tensor.detach(), self.dtype).to("cpu").contiguous().clone()
+        if self.float_dtype is None and value.is_floating_point():
+            self.float_dtype = value.dtype
         size = value.numel() * value.element_size()
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()

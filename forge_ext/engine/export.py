@@ -32,7 +32,7 @@ import torch.distributed as dist
 from forge_ext import disk
 from forge_ext.hf_checkpoint import (
     DEFAULT_MAX_SHARD_BYTES, ShardWriter, finish_hf_folder, hf_config_dict, staging_folder,
-    tensor_bytes,
+    tensor_bytes, write_hf_folder,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -224,8 +224,6 @@ def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
             tensors that are not the model's.
         forge_ext.disk.OutputWriteError: not enough space, or a write failed.
     """
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
     from forge_ext.engine.checkpoint import is_complete_checkpoint
@@ -257,33 +255,29 @@ def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
         raise ValueError(f"{step} lacks the model's tensors {missing[:3]} ({len(missing)} in "
                          f"all): is --model the run's model ({section})?")
     config = hf_config_of(model_config)
-    needed = sum(_stored_bytes(stored[n], dtype) for n in names)
-    out = Path(out)
-    disk.refuse_if_short("the HF checkpoint", str(out), needed)
-    staging = staging_folder(out, str(os.getpid()))
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
-        writer = ShardWriter(staging, max_shard_bytes=max_shard_bytes, dtype=dtype)
-        for group in _groups(names, stored, max_shard_bytes):
-            tensors = {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
-                       for n in group}
-            with warnings.catch_warnings():  # "... assuming the intent is to load in a
-                warnings.simplefilter("ignore")  # single process": it is
-                dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
-            for hf_name, value in adapter.to_hf(tensors).items():
-                writer.add(hf_name, value)
-            del tensors
-        written = dtype or next((stored[n].properties.dtype for n in names
-                                 if stored[n].properties.dtype.is_floating_point), None)
-        return finish_hf_folder(staging, [writer.close()], out, config,
-                                tokenizer_from=model_config.hf_path or None, dtype=written)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise disk.write_failed("the HF checkpoint", str(out), e) from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return write_hf_folder(
+        out, _converted(step, names, stored, adapter, max_shard_bytes), config,
+        needed_bytes=sum(_stored_bytes(stored[n], dtype) for n in names),
+        tokenizer_from=model_config.hf_path or None, dtype=dtype,
+        max_shard_bytes=max_shard_bytes)
+
+
+def _converted(step: Path, names: list[str], stored: dict[str, Any], adapter: Any,
+               max_bytes: int):
+    """``(HF name, tensor)`` of the model tensors ``names`` of the DCP checkpoint ``step``,
+    read ``max_bytes`` at a time (DCP reads only the keys asked for) and converted by the
+    state-dict adapter."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    for group in _groups(names, stored, max_bytes):
+        tensors = {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
+                   for n in group}
+        with warnings.catch_warnings():  # "... assuming the intent is to load in a single
+            warnings.simplefilter("ignore")  # process": it is
+            dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
+        yield from adapter.to_hf(tensors).items()
 
 
 def _stored_bytes(meta: Any, dtype: torch.dtype | None = None) -> int:
