@@ -51,7 +51,8 @@ committed step is trained on exactly once.
 Logged per step by the loop (both modes): ``rollout/policy_age_mean``, ``_max``,
 ``rollout/dropped_samples``, ``time/step`` (wall seconds since the previous step),
 ``time/trainer_idle`` and ``time/generator_idle`` (the part of it in which that role had no
-call running; see :meth:`busy`), ``throughput/samples_per_s`` (samples trained / ``time/step``).
+call running; see :meth:`busy`), ``throughput/samples_per_s`` (samples trained / ``time/step``),
+``memory/controller_rss_mb`` (the controller's resident memory).
 
 A part of the run that dies on its own (a role's process or host, reported by Monarch) is
 not a Ctrl-C: the app calls :meth:`RLLoop.fail` with one error that says what died, the
@@ -71,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -370,6 +372,9 @@ class RLLoop(ABC):
         for role in ROLES:
             idle = seconds - (busy_now[role] - busy_before[role])
             metrics[f"time/{role}_idle"] = max(idle, 0.0)
+        # The controller's resident memory: flat over a long run, or something keeps what
+        # finished episodes left (a leak of a group of rows per prompt per step, issue 32).
+        metrics["memory/controller_rss_mb"] = _rss_mb()
         return metrics
 
     async def _save_before_stopping(self) -> None:
@@ -519,6 +524,15 @@ class RLLoop(ABC):
     def plot_spec(self) -> dict[str, Any]:
         """Keyword arguments of :meth:`MetricLogger.close` (which series to plot)."""
         return {}
+
+
+def _rss_mb() -> float:
+    """This process's resident set size, MB (``/proc/self/statm``; 0.0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class _RolloutTask:
