@@ -797,7 +797,11 @@ class GRPOApp(RLLoop):
     def plot_spec(self) -> dict[str, Any]:
         from forge_ext.metrics import PlotPanel
 
+        from forge_ext.rollout.replicas import replica_name
+
         how = "greedy" if self.config.eval.greedy else "sampled"
+        count = self.config.generator.replicas
+        replicas = [replica_name(r, count) for r in range(count)]
         return {
             "plot_keys": ["reward/mean", "eval/accuracy"],
             "labels": {
@@ -820,6 +824,19 @@ class GRPOApp(RLLoop):
                 )] if self.runner.multi_turn else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
+                PlotPanel(  # each replica's sampling rate
+                    keys=[f"generator/{n}/tokens_per_s" for n in replicas],
+                    ylabel="sampled tokens/s",
+                    labels={f"generator/{n}/tokens_per_s": n for n in replicas},
+                ),
+                PlotPanel(  # ... and the time it had nothing to run, or held requests
+                    keys=[f"generator/{n}/{k}" for n in replicas
+                          for k in ("idle_seconds", "paused_seconds")],
+                    ylabel="seconds per step",
+                    labels={f"generator/{n}/{k}": f"{n} {what}" for n in replicas
+                            for k, what in (("idle_seconds", "idle"),
+                                            ("paused_seconds", "paused for updates"))},
+                ),
                 PlotPanel(
                     keys=["rollout/policy_age_mean", "rollout/policy_age_max",
                           "rollout/dropped_samples"],
