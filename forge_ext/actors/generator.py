@@ -509,15 +509,20 @@ class RequestStream:
             self.pending.pop(request_id, None)
 
     async def _receive(self) -> None:
-        while True:
-            request_id, completions, error = await self.receiver.recv()
-            future = self.pending.get(request_id)
-            if future is None or future.done():
-                continue
-            if error is not None:
-                future.set_exception(RuntimeError(error))
-            else:
-                future.set_result(completions)
+        try:
+            while True:
+                request_id, completions, error = await self.receiver.recv()
+                future = self.pending.get(request_id)
+                if future is None or future.done():
+                    continue
+                if error is not None:
+                    future.set_exception(RuntimeError(error))
+                else:
+                    future.set_result(completions)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001  (no answer can arrive any more)
+            self.close(ReplicaGone(f"the replica's answers stopped arriving: {error!r}"))
 
     def close(self, error: BaseException) -> None:
         """Fail every request still waiting (the replica is gone) and stop receiving."""
@@ -545,9 +550,8 @@ class GeneratorHandle:
 
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
                      seed: int | None = None) -> list[Completion]:
-        """One request, through the replica's :class:`RequestStream`."""
-        if self.stream is None:
-            self.stream = await RequestStream.open(self.actor)
+        """One request, through the replica's :class:`RequestStream` (opened by
+        :func:`spawn_generator`: one per replica, whose port the actor answers on)."""
         return await self.stream.sample(list(prompt_ids), n, greedy, seed)
 
     async def generate(
@@ -615,10 +619,11 @@ async def spawn_generator(
             replica, replicas_on_host,
         )
         info = await actor.setup.call_one()
+        stream = await RequestStream.open(actor)
     except BaseException:
         await procs.stop()
         raise
     return GeneratorHandle(
         actor=actor, procs=procs, config=config, owner_pid=info["pid"], pids=info["pids"],
-        name=name,
+        name=name, stream=stream,
     )
