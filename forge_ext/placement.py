@@ -378,6 +378,13 @@ class Placement:
         return self.config.group_of(role) if role in ROLES else role
 
     @property
+    def master_addr(self) -> str | None:
+        """``MASTER_ADDR`` of the roles' torch.distributed worlds: 127.0.0.1 where every host
+        is this machine (``local``, ``processes``), so that their stores and gloo listen on
+        loopback only; None elsewhere (the first proc's host name)."""
+        return "127.0.0.1" if self.launcher in ("local", "processes") else None
+
+    @property
     def owns_workers(self) -> bool:
         """Whether :meth:`stop` kills the workers and all their procs (``processes``,
         ``slurm``), rather than leaving the roles' proc meshes to their handles."""

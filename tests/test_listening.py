@@ -1,15 +1,46 @@
 """What a run listens on, and where the controller listens for its workers, without a
 cluster (the real ones: tests/test_slurm.py):
 
+- a torch.distributed world rendezvousing on 127.0.0.1 (every rank on this machine: the
+  ``local`` and ``processes`` launchers) listens on loopback only, its store and gloo alike
+  (torch's own store binds every interface);
 - ``hosts.transport``: its values and errors, and the controller's host name resolving only
   to loopback is one error naming the field and the fix, before anything is submitted.
 """
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from forge_ext.placement import HostsConfig, Placement, PlacementError, SlurmHosts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WORLD = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from forge_ext.engine.distributed import free_port, rendezvous_on_master_addr
+from listening import listening_sockets
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+with rendezvous_on_master_addr():
+    dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+print(json.dumps(listening_sockets([os.getpid()])))
+"""
+
+
+def test_a_world_on_this_machine_listens_on_loopback_only():
+    out = subprocess.run([sys.executable, "-c", WORLD.format(tests=str(ROOT / "tests"))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    sockets = json.loads(out.stdout.splitlines()[-1])
+    assert len(sockets) >= 2  # the store and gloo's pair
+    assert {s["ip"] for s in sockets} == {"127.0.0.1"}, sockets
 
 
 @pytest.mark.parametrize("hosts, message", [

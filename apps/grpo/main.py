@@ -287,13 +287,14 @@ class GRPOApp(RLLoop):
             self.trainer = await spawn_trainer(
                 c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
                 weights=weights, spawn_procs=procs_of("trainer"),
+                master_addr=placement.master_addr,
             )
             stops["trainer"] = self.trainer.stop
 
         async def reference():
             self.reference = await spawn_reference(
                 c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs_of("reference"),
+                spawn_procs=procs_of("reference"), master_addr=placement.master_addr,
             )
             stops["reference"] = self.reference.stop
 
