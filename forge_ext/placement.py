@@ -16,8 +16,9 @@ anything starts, and stops what it started::
 - ``processes``: ``monarch.job.ProcessJob``; each host is a worker process on this machine
   (``run_worker_loop_forever`` on a Unix socket). For trying a layout, and for testing
   multi-host code, on one box.
-- ``slurm``: ``monarch.job.SlurmJob``; one ``sbatch`` allocation of every group's hosts
-  (``hosts.slurm``: partition, time, GPUs per host, ...), workers on TCP port ``slurm.port``.
+- ``slurm``: ``monarch.job.SlurmJob`` (through :mod:`forge_ext.compat.monarch_slurm`); one
+  ``sbatch`` allocation of every group's hosts (``hosts.slurm``: partition, time, GPUs per
+  host, ...), a worker per node on TCP port ``slurm.port`` (drawn for each run by default).
 - ``attach``: ``monarch.actor.attach_to_workers``; workers already running
   ``run_worker_loop_forever`` (Kubernetes pods, hand-started nodes) at the addresses listed
   per role in ``hosts.attach``.
@@ -35,11 +36,19 @@ runs (:func:`forge_ext.config.apply_env`). Variables that a process reads when i
 actors touch CUDA.
 
 No orphans: :meth:`Placement.stop` kills the job (``job.kill()``: every worker and every proc
-it spawned). ProcessJob workers run in sessions of their own and outlive a controller killed
-with SIGKILL, so a watchdog (:mod:`forge_ext.rollout.engines._reaper`, holding a pipe from the
-controller) kills their sessions when the controller dies in any way. Slurm and attached
-workers stop their procs themselves when the controller disconnects (Monarch's worker loop);
-the Slurm allocation is cancelled by :meth:`Placement.stop`, or ends at ``slurm.time``.
+it spawned; ``slurm``: ``scancel``). ProcessJob workers run in sessions of their own and
+outlive a controller killed with SIGKILL, so a watchdog (:mod:`forge_ext.rollout.engines._reaper`,
+holding a pipe from the controller) kills their sessions when the controller dies in any way.
+Monarch 0.7's workers keep their procs when the controller is gone (seen on Slurm), so a Slurm
+job cancels itself once the controller's heartbeat file has not changed for
+``slurm.heartbeat_timeout_s`` (:mod:`forge_ext.compat.monarch_slurm`); attached workers are
+the user's to stop (docs/hosts.md).
+
+Exposure: Monarch 0.7's workers accept any connection and run the code they are sent
+(``ca="trust_all_connections"`` is the only value it takes). So ``local`` and ``processes``
+listen on loopback and Unix sockets only; a Slurm run's workers listen on their node's
+address (not every interface) on a port drawn for the run; and the run prints every port it
+opened beyond loopback once, at its start (:meth:`Placement.exposed_ports`).
 """
 
 from __future__ import annotations
@@ -408,12 +417,11 @@ class Placement:
             return
         if launcher == "attach":
             from monarch.actor import attach_to_workers
+            from monarch.config import configure
 
             # Workers dial the controller back: over TCP at its host name, or at 127.0.0.1
             # when every worker is on this machine (a loopback-only host name has no other
-            # address, and Monarch refuses it for TcpWithHostname).
-            from monarch.config import configure
-
+            # address, and Monarch refuses it for TcpWithHostname); hosts.transport decides.
             loopback = all(
                 _is_loopback(a) for group in self.groups for a in self.config.attach[group]
             )
@@ -476,9 +484,9 @@ class Placement:
     async def _start_slurm_job(self) -> None:
         """Submit the job (one node per host of every group), start the heartbeat and wait
         until it runs (module docstring of :mod:`forge_ext.compat.monarch_slurm`)."""
-        from forge_ext.compat.monarch_slurm import JobNotStarted, SlurmJob
-
         from monarch.config import configure
+
+        from forge_ext.compat.monarch_slurm import JobNotStarted, SlurmJob
 
         s = self.config.slurm
         transport = self._transport("hostname")  # before anything is submitted
@@ -554,11 +562,8 @@ class Placement:
         ``attach``); empty for the launchers whose workers are on this machine."""
         if self.launcher == "attach":
             return {g: list(self.config.attach[g]) for g in self.groups}
-        if self.launcher == "slurm" and self.job is not None and self.job._all_hostnames:
-            hosts, out = iter(self.job._all_hostnames), {}
-            for group, n in self.groups.items():
-                out[group] = [f"tcp://{next(hosts)}:{self.job._port}" for _ in range(n)]
-            return out
+        if self.launcher == "slurm" and self.job is not None:
+            return self.job.worker_addresses()
         return {}
 
     def host_mesh(self, role: str):

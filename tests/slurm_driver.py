@@ -60,7 +60,7 @@ def record(path: str, placement, roles: dict, **extra) -> None:
     Path(path).write_text(json.dumps({
         "launcher": placement.launcher, "job_id": job_id, "roles": roles,
         "workers": placement.worker_addresses,
-        "port": getattr(job, "_port", None), "log_dir": getattr(job, "_log_dir", None),
+        "port": getattr(job, "port", None), "log_dir": getattr(job, "log_dir", None),
         "listening": listening_sockets(pids), **extra}, indent=1))
 
 

@@ -178,7 +178,11 @@ def test_workers_listen_on_their_node_address_on_a_port_drawn_per_run(placement,
 
 
 # ---- the GRPO demo on 3 nodes ---------------------------------------------------------------
+# The held-out evaluation samples (eval.greedy=false, seeded by the step): the tiny random
+# model answers no held-out prompt right greedily, and its partial-credit reward is then 0
+# too, which two launchers would agree on whatever they did.
 DEMO_RUN = ["loop.steps=2", "loop.save_every=0", "trainer.checkpoint.enable=false",
+            "eval.greedy=false",
             "hosts.trainer.hosts=2", "trainer.parallelism.data_parallel_shard_degree=2",
             "trainer.training.local_batch_size=4",
             "hosts.reference.group=rollout", "hosts.generator.group=rollout"]
@@ -223,16 +227,16 @@ def test_the_demo_on_three_nodes_equals_the_processes_launchers(demo_runs):
     trained on samples of the version pushed from the trainer's nodes to the generator's."""
     (_, processes, p_s), (_, slurm, s_s) = demo_runs["processes"], demo_runs["slurm"]
     print(f"2-step demo: processes {p_s:.0f} s, slurm {s_s:.0f} s")
-    keys = ("loss", "rollout/reward_mean", "eval/accuracy", "policy_version",
+    keys = ("loss", "reward/mean", "eval/accuracy", "eval/reward", "policy_version",
             "generator_version")
     for a, b in zip(processes, slurm, strict=True):
         assert a["step"] == b["step"]
         for key in keys:
             assert (key in a) == (key in b), key
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], key)
-    evals = [r["eval/accuracy"] for r in slurm if "eval/accuracy" in r]
-    assert len(evals) == 2  # the baseline and step 2
+            if key in a:  # the same but for float rounding (procs' thread counts may differ)
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    evals = [r["eval/reward"] for r in slurm if "eval/reward" in r]
+    assert len(evals) == 2 and max(evals) > 0  # the baseline and step 2, not all wrong
     assert [r["generator_version"] for r in slurm if "loss" in r] == [0, 1]
 
 

@@ -246,6 +246,22 @@ class SlurmJob(_MonarchSlurmJob):
     def job_id(self) -> str | None:
         return self._slurm_job_id
 
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def log_dir(self) -> str:
+        return self._log_dir
+
+    def worker_addresses(self) -> dict[str, list[str]]:
+        """``{group: [tcp://<node>:<port>, ...]}`` once the job runs (empty before)."""
+        nodes, out = iter(self._all_hostnames), {}
+        if self._all_hostnames:
+            for group, count in self._meshes.items():
+                out[group] = [f"tcp://{next(nodes)}:{self._port}" for _ in range(count)]
+        return out
+
     def log_paths(self) -> tuple[str, str]:
         """The job's stdout and stderr files."""
         base = os.path.join(self._log_dir, f"{self._job_name}-{self._slurm_job_id}")
