@@ -97,6 +97,23 @@ def test_squeue_of_this_slurm_is_read_as_monarch_reads_it(slurm):
         slurm.cancel_all()
 
 
+def test_squeue_lines_of_any_version_read_the_same():
+    """squeue's plain ``%T|%r|%N`` (the same from Slurm 2.x to 25.x), without a cluster."""
+    from forge_ext.compat.monarch_slurm import parse_squeue
+
+    expand = {"gpu[01-02]": ["gpu01", "gpu02"]}.__getitem__
+    running = parse_squeue("7", "RUNNING|None|gpu[01-02]\n", expand)
+    assert (running.state, running.reason, running.nodes) == ("RUNNING", "None",
+                                                              ("gpu01", "gpu02"))
+    assert running.monarch_json() == {
+        "job_id": "7", "job_state": ["RUNNING"], "state_reason": "None",
+        "job_resources": {"nodes": {"allocation": [{"name": "gpu01"}, {"name": "gpu02"}]}}}
+    pending = parse_squeue("8", "PENDING|Resources|", expand)
+    assert pending.nodes == () and pending.why() == (
+        "PENDING (Reason=Resources: the nodes it needs are busy with other jobs)")
+    assert parse_squeue("9", "CANCELLED|None|gpu[01-02]", expand).nodes == ()
+
+
 # ---- host meshes, defaults, where workers listen -------------------------------------------
 def global_address() -> str | None:
     """An IPv4 address of this machine that is not loopback (None if it has none)."""
