@@ -64,9 +64,9 @@ they kill) during ``setup`` (a Slurm job waiting in the queue, roles loading): t
 call is cancelled at once and teardown runs. After setup, once: the run stops at the next
 step boundary, saves a checkpoint there if checkpoints are on (``save_every > 0``) and that
 step has none yet, and raises KeyboardInterrupt after teardown; twice: the awaited call is
-cancelled at once (teardown still runs). Why not rely on asyncio's own SIGINT handling (it cancels the main task): a
-cancellation that arrives while the task awaits a Monarch endpoint call was seen to be
-swallowed, and the run went on.
+cancelled at once (teardown still runs). Why not rely on asyncio's own SIGINT handling (it
+cancels the main task): a cancellation that arrives while the task awaits a Monarch endpoint
+call was seen to be swallowed, and the run went on.
 """
 
 from __future__ import annotations
@@ -403,8 +403,9 @@ class RLLoop(ABC):
         return handled
 
     def interrupt(self, signum: int = signal.SIGINT) -> None:
-        """First call: stop at the next step boundary; second: cancel the awaited call.
-        ``signum``: the signal that asked (for the message)."""
+        """First call: stop at the next step boundary (during setup: cancel the awaited call
+        at once); second: cancel the awaited call. ``signum``: the signal that asked (for the
+        message)."""
         self._interrupts += 1
         name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
         if self._interrupts == 1 and self._setting_up:

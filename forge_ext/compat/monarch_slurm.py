@@ -8,10 +8,12 @@ Why, each seen on Debian 12's Slurm 22.05.8 (tests/test_slurm.py runs a real clu
    .name``. Slurm 22.05 ignores ``--job`` with ``--json`` (every job of the cluster comes
    back, so ``jobs[0]`` may be another user's), gives ``job_state`` as a string and nodes as
    ``job_resources.allocated_nodes[].nodename``; ``SlurmJob`` then raises ``RuntimeError: SLURM
-   job is no longer active`` for a running job, or ``AttributeError: 'str' object has no
-   attribute 'get'``. :func:`job_info` reads squeue's plain format (``-o "%T|%r|%N"``, the
-   same from Slurm 2.x to 25.x) and expands the node list with ``scontrol show hostnames``;
-   :class:`SlurmJob` hands Monarch that in the shape it reads.
+   job is no longer active`` or ``SLURM job 5 failed with status: CANCELLED`` (an older job's)
+   for a running job, or ``AttributeError: 'str' object has no attribute 'get'``.
+   :func:`job_info` reads squeue's plain format (``-o "%T|%r|%N"``: long-standing fields whose
+   output did not change shape with the JSON plugins) for the one job, and expands the node
+   list with ``scontrol show hostnames``; :class:`SlurmJob` hands Monarch that in the shape
+   it reads.
 2. **Waiting for the job to start.** ``SlurmJob.state()`` polls in a blocking loop (no
    timeout by default, no reason given): a job that can never start (more nodes than the
    partition has) kept a controller waiting forever, deaf to Ctrl-C and SIGTERM, whose asyncio
