@@ -12,8 +12,10 @@ The model is a random Qwen3 written by the bench (2 layers, hidden 128, 4/2 head
 demo's 16-id character tokenizer, fp32) whose end token's LM-head row is scaled so that its
 probability, averaged over positions, is ``1 / --typical-tokens``: each position has its own,
 so lengths have a long tail (at the defaults: median ~28, mean ~50, p90 ~130 of at most 256;
-the tables print the lengths drawn). ``max_new_tokens`` is
-``--max-tokens``. Every timed run starts with an empty prefix cache.
+the tables print the lengths drawn); ``max_new_tokens`` is ``--max-tokens``. Every timed run
+starts with an empty prefix cache. Each table runs its paths ``--reps`` rounds, their order
+reversed each round; a ratio is the median of the rounds' ratios (each listed): the load of a
+shared machine moves between rounds.
 
 Table 1, episodes (``--rows`` x ``--group`` multi-turn episodes, up to ``--turns`` turns, one
 engine on every core): the environment (:class:`SlowEnv`) sleeps a lognormal time in each
@@ -173,6 +175,13 @@ def per_rep(seconds: list[float]) -> str:
     return " + ".join(f"{s:.1f}" for s in seconds)
 
 
+def ratios(numerators: list[float], denominators: list[float]) -> str:
+    """The median of the per-rep ratios, then each: runs of one rep ran back to back, under
+    about the same load, so their ratio is steadier than one of totals."""
+    each = [a / b for a, b in zip(numerators, denominators)]
+    return f"{statistics.median(each):.2f}x ({', '.join(f'{r:.2f}' for r in each)})"
+
+
 def lengths(values: list[int]) -> str:
     """``mean / p90 / max`` of response lengths."""
     ordered = sorted(values)
@@ -311,8 +320,8 @@ async def episodes_table(engine, tok: CheckpointTokenizer, args) -> list[str]:
             f"{statistics.mean(p[1] for p in paths):.0f} | "
             f"{per_rep([r[0] for r in runs])} | {rate[name]:.2f} | "
             f"{sum(r[1] for r in runs) / wall:.0%} | {', '.join(r[3] for r in runs)} |")
-    ratio = rate["independent"] / rate["lock-step"]
-    rows_out.append(f"| independent / lock-step | | | | | | | **{ratio:.2f}x** | | |")
+    ratio = ratios([r[0] for r in results["lock-step"]], [r[0] for r in results["independent"]])
+    rows_out.append(f"| independent / lock-step (per rep) | | | | | | | **{ratio}** | | |")
     return rows_out
 
 
@@ -436,17 +445,20 @@ async def updates_table(engine, tok: CheckpointTokenizer, state_dict: dict, args
         updates = [u for r in runs for u in r["updates"]]
         lag = (f"{statistics.mean(u['lag'] for u in updates):.2f} / "
                f"{max(u['lag'] for u in updates):.2f}" if updates else "")
-        versus = f"{wall[mode] / wall['none']:.2f}x" if "none" in wall else ""
+        versus = ratios([r["seconds"] for r in runs], [r["seconds"] for r in results["none"]]
+                        ) if "none" in results else ""
         rows.append(
             f"| {'none (no update)' if mode == 'none' else mode} | "
             f"{len(updates)} / {sum(r['published'] for r in runs)} | {lag} | "
-            f"{per_rep([r['seconds'] for r in runs])} | {versus} | {tokens / wall[mode]:,.0f} | "
+            f"{per_rep([r['seconds'] for r in runs])} | {versus} | "
+            f"{tokens / wall[mode]:,.0f} | "
             f"{sum(u['pause'] for u in updates):.2f} | {sum(r['paused'] for r in runs):.2f} | "
             f"{statistics.mean(spans):.2f} / {max(spans)} | "
             f"{sum(r['resubmitted'] for r in runs)} | {', '.join(r['load'] for r in runs)} |")
     if "keep" in wall and "between_requests" in wall:
-        ratio = wall["between_requests"] / wall["keep"]
-        rows.append(f"| between_requests / keep | | | **{ratio:.2f}x** | | | | | | | |")
+        ratio = ratios([r["seconds"] for r in results["between_requests"]],
+                       [r["seconds"] for r in results["keep"]])
+        rows.append(f"| between_requests / keep (per rep) | | | | **{ratio}** | | | | | | |")
     return rows
 
 
@@ -499,12 +511,12 @@ async def replicas_table(both, tok: CheckpointTokenizer, path: str, args) -> lis
             "tokens/s (per rep) | vs 1 engine | load avg |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
-        base = statistics.mean(r[0] for r in results["1 engine, cores 0,1"])
+        base = [r[0] for r in results["1 engine, cores 0,1"]]
         for way, runs in results.items():
-            rate = statistics.mean(r[0] for r in runs)
             rows.append(
                 f"| {way} | {cores[way]} | {len(prompts)} x {args.group} | "
-                f"{', '.join(f'{r[0]:,.0f}' for r in runs)} | {rate / base:.2f}x | "
+                f"{', '.join(f'{r[0]:,.0f}' for r in runs)} | "
+                f"{ratios([r[0] for r in runs], base)} | "
                 f"{', '.join(r[2] for r in runs)} |")
         return rows
     finally:
@@ -549,7 +561,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="environment steps per episode")
     parser.add_argument("--env-median", type=float, default=0.2, help="seconds")
     parser.add_argument("--env-sigma", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3,
+                        help="rounds of each table, the order of its paths reversed each round")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--inflight", type=int, default=16)
     parser.add_argument("--update-every", type=float, default=2.0, help="seconds")
