@@ -69,6 +69,7 @@ from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
+from forge_ext.placement import PlacementError
 from forge_ext.replay_buffer import ReplayBuffer
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.supervision import RoleFailure, shutdown_monarch
@@ -231,7 +232,7 @@ class GRPOApp(RLLoop):
         c = self.config
         apply_env(c.procs.env)
         roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
-        placement = Placement(c.hosts, c.processes())
+        placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it; a
         # generator replica that dies is one warning, the others serve its requests.
@@ -252,12 +253,12 @@ class GRPOApp(RLLoop):
             close_sets(self.eval_sets)
 
         self.track("reward workers", stop_rewards)
-        placement.start()
 
         async def stop_hosts() -> None:
             placement.stop()
 
         self.track("hosts", stop_hosts)
+        await placement.start()  # a Slurm job waits in the queue here: Ctrl-C cancels it
         # torchstore's storage volume in a proc of the run's own, stopped with it: given no
         # mesh, torchstore spawns one that nothing stops (it outlived every in-process run).
         store_procs = this_host().spawn_procs(per_host={"procs": 1}, name="torchstore")
@@ -305,13 +306,14 @@ class GRPOApp(RLLoop):
             self.trainer = await spawn_trainer(
                 c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
                 weights=weights, spawn_procs=procs_of("trainer"),
+                master_addr=placement.master_addr,
             )
             stops["trainer"] = self.trainer.stop
 
         async def reference():
             self.reference = await spawn_reference(
                 c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs_of("reference"),
+                spawn_procs=procs_of("reference"), master_addr=placement.master_addr,
             )
             stops["reference"] = self.reference.stop
 
@@ -345,6 +347,14 @@ class GRPOApp(RLLoop):
 
             # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
             self.reference = base_of_trainer(self.trainer)
+        # Every port of the run that other machines may reach (all unauthenticated), once.
+        roles_procs = {"trainer": [self.trainer.procs],
+                       "generator": [h.procs for h in self.generator.handles]}
+        if c.reference and not c.reference_is_trainer_base:
+            roles_procs["reference"] = [self.reference.trainer.procs]
+        exposed = await placement.exposed_ports(roles_procs)
+        if exposed:
+            self.write(exposed)
 
     async def start_agent_endpoint(self) -> None:
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
@@ -837,7 +847,11 @@ class GRPOApp(RLLoop):
     def plot_spec(self) -> dict[str, Any]:
         from forge_ext.metrics import PlotPanel
 
+        from forge_ext.rollout.replicas import replica_name
+
         how = "greedy" if self.config.eval.greedy else "sampled"
+        count = self.config.generator.replicas
+        replicas = [replica_name(r, count) for r in range(count)]
         return {
             "plot_keys": ["reward/mean", "eval/accuracy"],
             "labels": {
@@ -866,6 +880,19 @@ class GRPOApp(RLLoop):
                 )] if self.eval_sets else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
+                PlotPanel(  # each replica's sampling rate
+                    keys=[f"generator/{n}/tokens_per_s" for n in replicas],
+                    ylabel="sampled tokens/s",
+                    labels={f"generator/{n}/tokens_per_s": n for n in replicas},
+                ),
+                PlotPanel(  # ... and the time it had nothing to run, or held requests
+                    keys=[f"generator/{n}/{k}" for n in replicas
+                          for k in ("idle_seconds", "paused_seconds")],
+                    ylabel="seconds per step",
+                    labels={f"generator/{n}/{k}": f"{n} {what}" for n in replicas
+                            for k, what in (("idle_seconds", "idle"),
+                                            ("paused_seconds", "paused for updates"))},
+                ),
                 PlotPanel(
                     keys=["rollout/policy_age_mean", "rollout/policy_age_max",
                           "rollout/dropped_samples"],
@@ -1001,6 +1028,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
         sys.exit(failure_message(failure, app.config, argv))
+    except PlacementError as error:  # the hosts did not start: the message says the fix
+        sys.exit(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)
         if write_error is None:
