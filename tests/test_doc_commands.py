@@ -7,8 +7,9 @@ install, a worker that serves until killed) are listed in :data:`SLOW` with the 
 not run; an app command among them (``python -m apps.grpo.main --config ...``) is still
 checked as far as it can be without running: its config file and every ``key=value``
 override load and validate (the checkpoint it names may be elsewhere), after the block's
-other commands (the files a heredoc writes) ran. ``python -m apps.<app>.main --help`` runs
-in this process. A command that matches no rule fails the test: say how to check it here.
+other commands (the files a heredoc writes) ran; ``python -m apps.eval --config ...`` too.
+``python -m apps.<app>.main --help`` runs in this process. A command that matches no rule
+fails the test: say how to check it here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ SLOW = [
      "--write, is checked by tests/test_config_doc.py"),
     (r"python -m apps\.(grpo|sft)\.main .*--config", "a training run (minutes); its config and "
      "overrides are validated instead"),
+    (r"python -m apps\.eval\b.*--config", "an evaluation (spawns generators: a minute or "
+     "more); its config and overrides are validated instead"),
+    (r"python -m apps\.export\b", "needs a run's DCP checkpoint (tests/test_eval_app.py "
+     "converts one)"),
     (r"python -m bench\.", "a benchmark (minutes)"),
     (r"python -c .*run_worker_loop_forever", "starts a worker that serves until killed"),
     (r"(FORGE_\w+=1 )?(\S*/)?python -m pytest\b", "tests: run by the suite itself"),
@@ -135,7 +140,11 @@ def _validate_app_command(argv: list[str]) -> None:
 
     module = argv[2]
     path, overrides = parse_cli(argv[3:])
-    if module == "apps.grpo.main":
+    if module == "apps.eval":
+        from apps.eval.main import load_eval_config
+
+        load_eval_config(path, overrides)
+    elif module == "apps.grpo.main":
         from apps.grpo.config import load_config
 
         load_config(path, overrides, check_model=False)
@@ -157,7 +166,7 @@ def test_each_command_runs_as_written_or_its_config_validates(block, tmp_path, m
         kind, reason = rule_of(command)
         env, argv = _env_and_argv(command) if "<<" not in command else ({}, [])
         is_app = len(argv) > 2 and argv[:2] == ["python", "-m"] and argv[2] in (
-            "apps.grpo.main", "apps.sft.main")
+            "apps.grpo.main", "apps.sft.main", "apps.eval")
         if kind == "slow":
             if is_app and "--config" in argv:
                 _validate_app_command(argv)

@@ -57,8 +57,10 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert lines[3] == ("spawning trainer (1 proc), generator (hf, 1 replica, weight_update "
                         "between_requests) on this machine")
     assert f"checkpoint of step 2 saved in " in result.stdout
+    assert f"HF checkpoint of step 2 written in " in result.stdout
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
-                    f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}"), last
+                    f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}, "
+                    f"HF checkpoints {out / 'hf'}"), last
     assert (out / "metrics.jsonl").is_file() and (out / "run_config.yaml").is_file()
 
 
