@@ -1,13 +1,14 @@
 """The trained model out of a run and its evaluation, through the real apps (Monarch actors,
 gloo, a real vLLM engine): a GRPO run with FSDP=2 exports ``<output_dir>/hf/step-N`` at its
 last step and evaluates an evaluation set on the way; then ``apps.eval`` evaluates that
-folder and the run's DCP step folder.
+folder, the run's DCP step folder and a LoRA adapter on that folder.
 
 What must hold: the exported folder loads in transformers with logits equal to the trainer's
 own forward (fp32, 1e-5) and vLLM (tp=1) serves it with log-probs equal to transformers' for
 the same tokens; ``apps.export`` converts the DCP step of that step into the same tensors; the
 same checkpoint evaluated twice with one seed gives the same numbers (through separate
-generator processes), another seed other samples; the GRPO app logs each set's metrics.
+generator processes), another seed other samples; a LoRA adapter folder is served on its
+base with PEFT's log-probs; the GRPO app logs each set's metrics.
 (The PP=2 export: tests/test_pipeline.py; metrics and bad input: tests/test_evaluation.py.)
 """
 
@@ -151,6 +152,60 @@ async def test_the_same_seed_gives_the_same_numbers_and_another_seed_other_sampl
         assert (tmp_path / "a" / name).is_file()
 
 
+def response_logprobs(model, samples):
+    """Each sample's response log-probs under ``model`` (transformers, fp32): ``[len]``."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
+        start = len(s["prompt_ids"]) - 1
+        out.append(logprobs[start:start + len(s["response_ids"])].gather(
+            -1, torch.tensor(s["response_ids"])[:, None])[:, 0])
+    return out
+
+
+async def test_a_lora_adapter_is_served_on_its_base_as_peft_computes_it(run, tmp_path):
+    """``checkpoint=<PEFT folder>`` is served on its ``base_model_name_or_path``: the
+    generator's log-probs of every sample are PEFT's (``PeftModel`` on the base, fp32), not
+    the base's."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.lora import peft_adapter_config, peft_key, write_peft_folder
+
+    _, output_dir = run
+    base = output_dir / "hf" / "step-2"
+    weights = {}
+    for shard in base.glob("*.safetensors"):
+        weights.update(load_file(str(shard)))
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            module = f"model.layers.{layer}.self_attn.{proj}"
+            out_dim, in_dim = weights[f"{module}.weight"].shape
+            tensors[peft_key(module, "A")] = torch.randn(4, in_dim, generator=g) * 0.5
+            tensors[peft_key(module, "B")] = torch.randn(out_dim, 4, generator=g) * 0.5
+    adapter = write_peft_folder(tmp_path / "adapter", tensors,
+                                peft_adapter_config(4, 8.0, ["q_proj", "v_proj"], str(base)))
+
+    results = await evaluate([f"checkpoint={adapter}", f"output_dir={tmp_path / 'e'}",
+                              f"eval.sets=[{SET}]", "save_samples=true", "env={}"])
+    (entry,) = results["checkpoints"]
+    assert (entry["kind"], entry["model"]) == ("lora", str(base))
+    samples = [json.loads(line) for line in open(tmp_path / "e" / "samples.jsonl")]
+    assert len(samples) == 6 * (1 + 4)
+    served = [torch.tensor(s["logprobs"]) for s in samples]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    of_base = response_logprobs(model, samples)
+    of_peft = response_logprobs(PeftModel.from_pretrained(model, adapter).eval(), samples)
+    assert max((a - b).abs().max().item() for a, b in zip(served, of_peft)) <= 1e-4
+    # Not the base: the adapter moves these log-probs far beyond the tolerance.
+    assert max((a - b).abs().max().item() for a, b in zip(served, of_base)) > 0.1
+
+
 async def test_vllm_serves_the_export_with_transformers_logprobs(run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -165,13 +220,6 @@ async def test_vllm_serves_the_export_with_transformers_logprobs(run, tmp_path):
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert len(samples) == 6 * (1 + 4)  # a greedy and 4 sampled completions per prompt
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
-        start = len(s["prompt_ids"]) - 1
-        want = logprobs[start:start + len(s["response_ids"])].gather(
-            -1, torch.tensor(s["response_ids"])[:, None])[:, 0]
-        worst = max(worst, (want - torch.tensor(s["logprobs"])).abs().max().item())
+    worst = max((want - torch.tensor(s["logprobs"])).abs().max().item()
+                for want, s in zip(response_logprobs(model, samples), samples))
     assert worst <= 1e-4, f"vLLM log-probs differ from transformers' by {worst}"

@@ -1,6 +1,7 @@
 """Evaluation metrics against independent computations on hand-made counts and answers; the
-HF checkpoint writer's shards, index and full-disk error; bad evaluation input refused in one
-line before anything is spawned (``apps.eval``, the GRPO config)."""
+HF checkpoint writer's shards, index and full-disk error; the results' JSON, table and plot;
+bad evaluation input refused in one line before anything is spawned (``apps.eval``, the GRPO
+config)."""
 
 import errno
 import itertools
@@ -158,6 +159,42 @@ def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(OutputWriteError, match=r"not writing the HF checkpoint to .*other: "
                        r".* free on its filesystem, .* needed"):
         hf_checkpoint.save_hf_checkpoint(tmp_path / "other", tensors, {"model_type": "qwen3"})
+
+
+# ---- the results a person reads ---------------------------------------------------------------
+
+def test_results_are_a_json_a_table_and_a_plot_per_step(tmp_path):
+    """Two step-N checkpoints of two sets: every number in eval_results.json, a table row per
+    checkpoint and set plus their overall mean, and a plot over the steps."""
+    from forge_ext.evaluation.report import write_results
+
+    def entry(step, a, b):
+        sets = {"sums": {"metrics": {"pass@1": a, "pass@4": 2 * a, "reward": a, "prompts": 6.0},
+                         "settings": {"rows": 6, "n": 4, "temperature": 0.7, "top_p": 1.0,
+                                      "max_new_tokens": 5, "seed": 123}},
+                "long": {"metrics": {"greedy": b, "pass@1": b, "prompts": 3.0},
+                         "settings": {"rows": 3, "n": 1, "temperature": 1.0, "top_p": 1.0,
+                                      "max_new_tokens": 5, "seed": 456}}}
+        return {"label": f"hf/step-{step}", "step": step, "kind": "hf", "sets": sets,
+                "overall": {"pass@1": (a + b) / 2, "pass@4": 2 * a, "greedy": b, "reward": a}}
+
+    results = {"seed": 0, "generator": {}, "checkpoints": [entry(2, 0.25, 0.5),
+                                                            entry(4, 0.375, 0.0)]}
+    paths = write_results(tmp_path, results)
+    assert [p.name for p in paths] == ["eval_results.json", "eval_results.md",
+                                       "eval_results.png"]
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == results
+    table = (tmp_path / "eval_results.md").read_text().splitlines()
+    assert table[0] == ("| checkpoint | set | greedy | pass@1 | pass@4 | reward | prompts |")
+    assert table[2:5] == ["| hf/step-2 | sums |  | 25.0% | 50.0% | 0.250 | 6 |",
+                          "| hf/step-2 | long | 50.0% | 50.0% |  |  | 3 |",
+                          "| hf/step-2 | overall | 50.0% | 37.5% | 50.0% | 0.250 |  |"]
+    assert "- sums: 6 prompts, n=4, temperature 0.7, top_p 1.0, max_new_tokens 5, seed 123" in (
+        table)
+    assert (tmp_path / "eval_results.png").stat().st_size > 1000
+    # One checkpoint (or none with a step): no plot.
+    assert [p.name for p in write_results(tmp_path / "one", {**results, "checkpoints": [
+        entry(2, 0.25, 0.5)]})] == ["eval_results.json", "eval_results.md"]
 
 
 # ---- bad input, before anything is spawned -----------------------------------------------------
