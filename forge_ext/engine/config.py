@@ -87,6 +87,11 @@ class ModelConfig:
     checked before spawning."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
+    value_head: bool = False
+    """The output projection is a value head, one scalar per position instead of the
+    vocabulary's logits (a critic, a reward model): HF ``score.weight [1, hidden]``, read from
+    ``hf_path`` when the checkpoint has it (a ``*ForSequenceClassification`` with
+    ``num_labels: 1``), zeros otherwise (``forge_ext.engine.models.apply_value_head``)."""
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -343,8 +348,10 @@ class EngineConfig:
         self._validate_token_budget()
         spec = build_model_spec(
             self.model.name, self.model.flavor, hf_path=self.model.hf_path,
-            attn_backend=self.model.attn_backend,
+            attn_backend=self.model.attn_backend, value_head=self.model.value_head,
         )
+        if self.model.value_head:
+            _validate_value_head(self)
         if self.model.hf_path:
             check_checkpoint_tensors(spec, self.model.hf_path)
         max_seq_len = spec.model.layers[0].attention.rope.max_seq_len
@@ -409,6 +416,23 @@ class EngineConfig:
                 "training.packing=true does not work with parallelism.context_parallel_degree"
                 f"={par.context_parallel_degree} (document masks are not sharded by sequence)"
             )
+
+
+def _validate_value_head(config: "EngineConfig") -> None:
+    """What a value head cannot be combined with (before any spawn)."""
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ValueError(
+            f"model.value_head with parallelism.tensor_parallel_degree={tp} is not supported "
+            "(a one-column head has no tensor-parallel split); use data or pipeline "
+            "parallelism for the critic or reward model"
+        )
+    if config.lora is not None:
+        raise ValueError(
+            "model.value_head with a lora section is not supported (LoRA freezes every "
+            "weight but the adapters, the value head included); remove the lora section "
+            "of the critic"
+        )
 
 
 def _validate_lora(config: "EngineConfig", spec) -> None:
