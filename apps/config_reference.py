@@ -51,10 +51,13 @@ def _task_variants() -> dict[str, type]:
 
 def grpo_sections() -> list[SectionDoc]:
     from apps.grpo.config import GRPOConfig
+    from forge_ext.actors.critic import CriticConfig
     from forge_ext.engine.config import EngineConfig
 
-    # reference: takes the trainer's fields (its field docstring says so), not listed twice.
-    return sections(GRPOConfig, {"trainer": EngineConfig, "task": _task_variants()})
+    # reference: takes the trainer's fields (its field docstring says so), not listed twice;
+    # critic: lists its own fields (CriticConfig's), the engine's being the trainer's.
+    return sections(GRPOConfig, {"trainer": EngineConfig, "critic": CriticConfig,
+                                 "task": _task_variants()})
 
 
 def sft_sections() -> list[SectionDoc]:

@@ -59,7 +59,7 @@ from forge_ext.config import (
 )
 from forge_ext.disk import find_output_write_error
 from forge_ext.rollout.engines import Completion
-from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
+from forge_ext.losses.grpo import groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.replay_buffer import ReplayBuffer
@@ -85,8 +85,9 @@ MAY_CHANGE_ON_RESUME = (
     # Left out, the name comes from config.json's model_type, and the checkpoint files are
     # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
     "trainer.model.name", "reference.model.name",
+    "critic.model.name",
     # How a batch is split into microbatches: any split gives the same gradient.
-    *(f"{role}.training.{name}" for role in ("trainer", "reference") for name in (
+    *(f"{role}.training.{name}" for role in ("trainer", "reference", "critic") for name in (
         "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
         "pad_to_multiple_of", "packing")),
 )
@@ -105,6 +106,10 @@ class Rollouts:
     seconds: dict[str, float]
     stats: dict[str, float] = field(default_factory=dict)
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
+
+
+ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
+"""How the run calls itself on the console, by ``algorithm.advantage``."""
 
 
 class GRPOApp(RLLoop):
@@ -187,7 +192,10 @@ class GRPOApp(RLLoop):
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
-        self.trainer = self.reference = self.generator = None
+        # The advantage estimator (algorithm.advantage); gae's needs the critic role.
+        self.estimator = config.algorithm.build(group_size=config.grpo.group_size,
+                                                scaling=config.grpo.advantage_scaling)
+        self.trainer = self.reference = self.generator = self.critic = None
         self.bar = None
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
@@ -204,6 +212,7 @@ class GRPOApp(RLLoop):
         from monarch.actor import this_host
 
         from forge_ext.actors import spawn_trainer
+        from forge_ext.actors.critic import spawn_critic
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.compat.torchstore_monarch import initialize_store
         from forge_ext.placement import Placement
@@ -212,7 +221,8 @@ class GRPOApp(RLLoop):
 
         c = self.config
         apply_env(c.procs.env)
-        roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
+        roles = ["trainer", *(["reference"] if c.reference else []),
+                 *(["critic"] if c.critic is not None else []), "generator"]
         placement = Placement(c.hosts, c.processes())
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it; a
@@ -306,7 +316,16 @@ class GRPOApp(RLLoop):
             )
             stops["generator"] = self.generator.stop
 
-        spawns = {"trainer": trainer, "reference": reference, "generator": generator}
+        async def critic():
+            self.critic = await spawn_critic(
+                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
+                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
+                spawn_procs=procs_of("critic"),
+            )
+            stops["critic"] = self.critic.stop
+
+        spawns = {"trainer": trainer, "reference": reference, "critic": critic,
+                  "generator": generator}
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
             # Procs read the environment when they start, after the spawning call returns:
             # roles with their own environment are spawned one at a time.
@@ -376,7 +395,7 @@ class GRPOApp(RLLoop):
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
         return [
-            f"GRPO: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
+            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
             f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
@@ -403,7 +422,16 @@ class GRPOApp(RLLoop):
     async def load_checkpoint(self) -> int:
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return 0
-        return await self.trainer.load_checkpoint()
+        # The step both the policy and the critic have (a crash between their saves leaves
+        # the policy one ahead); the folder's step is the loop's, whatever the policy's own
+        # count of updates (it does not move during critic.warmup_steps).
+        step = latest_checkpoint_step(self.config)
+        if step == 0:
+            return 0
+        await self.trainer.load_checkpoint(step)
+        if self.critic is not None:
+            await self.critic.load_checkpoint(step)
+        return step
 
     def fast_forward(self, step: int) -> None:
         from tqdm import tqdm
@@ -465,9 +493,9 @@ class GRPOApp(RLLoop):
                         for t in batches[k].trajectories[g * group : (g + 1) * group]]
         rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
         trained = len(chosen) * group
-        advantages = compute_group_advantages(
-            torch.tensor(rewards[:trained]), group, scaling=c.grpo.advantage_scaling
-        ).tolist() + [0.0] * (len(rewards) - trained)
+        # Per episode (grpo, rloo); gae's are per token, from the critic at train time.
+        advantages = self.estimator.episode_advantages(
+            torch.tensor(rewards[:trained])).tolist() + [0.0] * (len(rewards) - trained)
         episodes = [
             Episode(
                 prompt_ids=prompt_ids, response_ids=response_ids,
@@ -624,15 +652,24 @@ class GRPOApp(RLLoop):
                 f"{self.trainer_version}, fewer than the {rows} a step trains on"
             )
         packed = pack_episodes(batch, pad_id=self.tok.pad_id)
+        critic_metrics, seconds = {}, dict(rollouts.seconds)
+        if self.critic is not None:
+            start = time.perf_counter()
+            critic_metrics = await self.critic_step(packed, batch)
+            seconds["critic"] = time.perf_counter() - start
         if c.debug.fail_at_step == step + 1:
             packed["advantages"].fill_(math.nan)  # debug.fail_at_step: see DebugSection
         dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
         rows = data_parallel_rows(packed, self.trainer.config, dp)  # by tokens with a budget
         start = time.perf_counter()
-        result = await self.trainer.train_step(
-            *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
-        )
-        seconds = {**rollouts.seconds, "train": time.perf_counter() - start}
+        if self.critic is not None and step < self.critic.options.warmup_steps:
+            # critic.warmup_steps: the critic learns the start policy's values first.
+            result = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.0}
+        else:
+            result = await self.trainer.train_step(
+                *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
+            )
+        seconds["train"] = time.perf_counter() - start
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
             "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
@@ -654,8 +691,22 @@ class GRPOApp(RLLoop):
             # The GRPO loss's own token means (kl to the reference, importance ratio, clip
             # fraction), from the trainer: loss/kl, loss/ratio_mean, loss/clip_fraction.
             **{k: v for k, v in result.items() if k.startswith("loss/")},
+            **critic_metrics,
             **{f"time/{k}": v for k, v in seconds.items()},
         }
+        return metrics
+
+    async def critic_step(self, packed: dict[str, torch.Tensor], batch: list[Episode]
+                          ) -> dict[str, float]:
+        """PPO: the critic's values of the step's batch, GAE advantages into
+        ``packed["advantages"]`` (``[B, S]``), one critic update
+        (:meth:`forge_ext.actors.critic.Critic.advantages_and_update`)."""
+        kl = None
+        if self.config.algorithm.kl_in_reward:
+            kl = packed["generator_logprobs"] - packed["ref_logprobs"]
+        rewards = torch.tensor([ep.reward for ep in batch], dtype=torch.float32)
+        packed["advantages"], metrics = await self.critic.advantages_and_update(
+            packed, rewards, self.estimator, kl)
         return metrics
 
     async def push_weights(self, version: int) -> None:
@@ -695,6 +746,8 @@ class GRPOApp(RLLoop):
             self._save_stream_position(step)
         start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
+        if self.critic is not None:  # after the policy's: a resume takes the step both have
+            await self.critic.save_checkpoint(step)
         self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
                    f"{self.checkpoint_folder() / f'step-{step}'}")
 
@@ -758,8 +811,13 @@ class GRPOApp(RLLoop):
                     f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
                     "rollouts)"
                 )
-            if self.reference is not None:
+            if self.reference is not None and "loss/kl" in m:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
+            if "critic/loss" in m:  # PPO
+                parts.append(
+                    f"critic loss {m['critic/loss']:.4f} explained var "
+                    f"{m['critic/explained_variance']:+.3f}"
+                    + (" (warm-up: policy frozen)" if math.isnan(m["loss"]) else ""))
             if "loss/tis_weight_mean" in m:
                 parts.append(
                     f"is weight {m['loss/tis_weight_mean']:.3f} "
@@ -779,7 +837,8 @@ class GRPOApp(RLLoop):
             )
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "env", "reward", "reference", "train", "push", "fetch")
+                for k in ("generate", "env", "reward", "reference", "critic", "train", "push",
+                          "fetch")
                 if f"time/{k}" in m
             )
             parts.append(times)
@@ -822,6 +881,12 @@ class GRPOApp(RLLoop):
                             "episode/turns_max": "turns per episode (max)",
                             "episode/truncated": "truncated episodes (fraction)"},
                 )] if self.runner.multi_turn else []),
+                *([PlotPanel(  # PPO: how much of the returns the critic explains
+                    keys=["critic/explained_variance", "critic/loss"],
+                    ylabel="explained variance / value loss",
+                    labels={"critic/explained_variance": "critic explained variance",
+                            "critic/loss": "critic value loss"},
+                )] if self.critic is not None else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
                 PlotPanel(  # each replica's sampling rate
@@ -846,7 +911,8 @@ class GRPOApp(RLLoop):
                             "rollout/dropped_samples": "dropped samples (stale)"},
                 ),
             ],
-            "title": f"GRPO ({self.loop.mode}, max_policy_age {self.loop.max_policy_age})",
+            "title": f"{ALGORITHM_NAMES[self.config.algorithm.advantage]} ({self.loop.mode}, "
+                     f"max_policy_age {self.loop.max_policy_age})",
         }
 
     def on_finish(self, completed: bool) -> None:
@@ -887,16 +953,23 @@ class GRPOApp(RLLoop):
 
 def latest_checkpoint_step(config: GRPOConfig) -> int:
     """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
-    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), 0 if none or
-    checkpoints are off."""
+    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), and with a critic the
+    newest the critic's folder holds too; 0 if none or checkpoints are off."""
     from forge_ext.engine import engine_config_from_mapping
     from forge_ext.engine.checkpoint import complete_checkpoint_steps
 
     engine = engine_config_from_mapping(config.trainer)
     if not engine.checkpoint.enable:
         return 0
-    folder = Path(engine.dump_folder) / engine.checkpoint.folder
-    return max(complete_checkpoint_steps(folder), default=0)
+    steps = set(complete_checkpoint_steps(Path(engine.dump_folder) / engine.checkpoint.folder))
+    if config.critic is not None:  # PPO: the newest step the critic has too
+        from forge_ext.actors.critic import critic_engine_config
+
+        critic = critic_engine_config(config.critic, policy_hf_path=config.model.hf_path,
+                                      trainer=config.trainer)
+        steps &= set(complete_checkpoint_steps(
+            Path(critic.dump_folder) / critic.checkpoint.folder))
+    return max(steps, default=0)
 
 
 def _file_fingerprints(hf_path: str) -> dict[str, str]:
