@@ -449,8 +449,8 @@ class GRPOApp(RLLoop):
                 )
             self._stream_starts[step] = positions[str(step)]
         self.bar = tqdm(
-            total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
-            dynamic_ncols=True,
+            total=self.loop.steps, initial=step, unit="step", file=sys.stdout,
+            desc=ALGORITHM_NAMES[self.config.algorithm.advantage], dynamic_ncols=True,
         )
 
     def write(self, line: str) -> None:
@@ -781,7 +781,9 @@ class GRPOApp(RLLoop):
             parts += [
                 f"reward {m['reward/mean']:.3f}",
                 f"acc {m['rollout/accuracy']:.3f}",
-                f"flat groups {m['rollout/groups_without_spread']:.0%}",
+                # A group of one (PPO) is always flat: nothing to say.
+                *([f"flat groups {m['rollout/groups_without_spread']:.0%}"]
+                  if self.config.grpo.group_size > 1 else []),
                 f"loss {m['loss']:+.4f}",
             ]
             failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()
@@ -927,7 +929,8 @@ class GRPOApp(RLLoop):
         how = "greedy" if self.config.eval.greedy else "sampled"
         print(
             f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
-            f"{before:.1%} | after GRPO (step {last_step}) {after:.1%} | "
+            f"{before:.1%} | after {ALGORITHM_NAMES[self.config.algorithm.advantage]} "
+            f"(step {last_step}) {after:.1%} | "
             f"{100 * (after - before):+.1f} points"
         )
         failed = {name: n for name, n in self.rubric.error_counts.items() if n}
