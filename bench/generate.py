@@ -8,10 +8,11 @@ Run from the repository root::
     .venv/bin/python -m bench.generate --update-hidden 256 512 768
 
 Table 1, throughput (tokens/s of sampled response tokens, same model, prompts and sampling,
-``temperature 1``, fp32): ``HFSampler`` vs ``VLLMSampler`` at the CPU demo's shape (2 layers,
-hidden 128, head_dim 32, vocab 16; 64 prompts x 8 samples x 16 tokens) and at Qwen3-0.6B's shape
-(28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936; ``--big-prompts`` prompts x 8
-samples x 16 tokens). A response ends at the last vocabulary id or at ``max_new_tokens`` (vLLM
+``temperature 1``, fp32): ``HFSampler`` (one batch) vs ``VLLMEngine`` (vLLM's async engine,
+one request per prompt, all sent at once) at the CPU demo's shape (2 layers, hidden 128,
+head_dim 32, vocab 16; 64 prompts x 8 samples x 16 tokens) and at Qwen3-0.6B's shape
+(28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936; ``--big-prompts`` prompts
+x 8 samples x 16 tokens). A response ends at the last vocabulary id or at ``max_new_tokens`` (vLLM
 refuses stop ids outside the vocabulary): tokens/s counts the tokens each backend generated,
 and both sample the same distribution (mean response lengths shown).
 
@@ -22,8 +23,10 @@ Table 2, weight update into vLLM (tp=1), for Qwen3-shaped fp32 decoders (28 laye
 - ``push``: ``WeightsPublisher.publish`` with ``weights.transport: direct`` and the default
   ``same_host: auto`` (trainer and generator on this host): into a reused shared-memory slot;
 - ``update``: what ``Generator.update_weights`` does then: ``open_weights`` of the version
-  (its slot, leased) and ``forge_load_weights`` on the worker with the slot's handle (map +
-  ``reload_weights``), and a prefix-cache reset; ``push + update`` is the end-to-end figure;
+  (its slot, leased) and ``VLLMEngine.load_hf_state_dict``: ``forge_load_weights`` on the
+  worker with the slot's handle (map + ``reload_weights``), a prefix-cache reset and the new
+  weight-version label (no request is in flight, so no pause: ``bench.rollout`` times
+  updates under load); ``push + update`` is the end-to-end figure;
 - ``update, same_host off``: the same for a version published with ``same_host: off`` (what a
   trainer on another host sends): ``fetch_weights`` over torchstore's Monarch RPC into the
   generator's own shared buffer, then the same load;
@@ -46,7 +49,7 @@ import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
 from forge_ext.rollout.engines import HFSampler, SamplingConfig
-from forge_ext.rollout.engines.vllm import VLLMSampler
+from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.rollout.engines.vllm_worker import WeightSyncExtension
 from forge_ext.weights.shared_buffer import open_shared_tensors
 
@@ -118,23 +121,30 @@ def throughput(name: str, fields: dict, prompts: int, samples: int, tokens: int)
         results["hf"] = sum(len(c.response_ids) for c in out) / seconds
         lengths = {"hf": sum(len(c.response_ids) for c in out) / len(out)}
         del hf
-        vllm = VLLMSampler(
-            root, stop_token_ids=stop_id(fields), engine_args={"max_model_len": 64}
-        )
-        try:
-            vllm.generate(batch[:2], 2, sampling, seed=0)
-            start = time.perf_counter()
-            out = vllm.generate(batch, samples, sampling, seed=1)
-            seconds = time.perf_counter() - start
-            results["vllm"] = sum(len(c.response_ids) for c in out) / seconds
-            lengths["vllm"] = sum(len(c.response_ids) for c in out) / len(out)
-        finally:
-            vllm.close()
+        results["vllm"], lengths["vllm"] = asyncio.run(
+            vllm_throughput(root, fields, batch, samples, sampling))
     return [
         f"| {name} | {prompts} x {samples} x {tokens} | {results['hf']:,.0f} | "
         f"{results['vllm']:,.0f} | {results['vllm'] / results['hf']:.2f}x | "
         f"{lengths['hf']:.1f} / {lengths['vllm']:.1f} |"
     ]
+
+
+async def vllm_throughput(root: str, fields: dict, batch: list[list[int]], samples: int,
+                          sampling: SamplingConfig) -> tuple[float, float]:
+    """Tokens/s and mean response length of ``VLLMEngine.generate`` on ``batch``."""
+    engine = VLLMEngine(root, sampling=sampling, stop_token_ids=stop_id(fields),
+                        engine_args={"max_model_len": 64})
+    try:
+        await engine.start()
+        await engine.generate(batch[:2], 2, seed=0)  # warm-up
+        start = time.perf_counter()
+        out = await engine.generate(batch, samples, seed=1)
+        seconds = time.perf_counter() - start
+    finally:
+        await engine.close()
+    tokens = sum(len(c.response_ids) for c in out)
+    return tokens / seconds, tokens / len(out)
 
 
 def decoder_fields(hidden: int) -> dict:
@@ -166,9 +176,9 @@ async def update_latency(hidden: int, reps: int) -> str:
     with tempfile.TemporaryDirectory() as root:
         state_dict = write_checkpoint(root, decoder_fields(hidden))
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        sampler = VLLMSampler(
-            root, stop_token_ids=stop_id(decoder_fields(hidden)), engine_args={"max_model_len": 64},
-            worker_extension=f"{__name__}.BenchExtension",
+        engine = VLLMEngine(
+            root, sampling=SamplingConfig(), stop_token_ids=stop_id(decoder_fields(hidden)),
+            engine_args={"max_model_len": 64}, worker_extension=f"{__name__}.BenchExtension",
         )
         keep_versions = 2
         publishers = {
@@ -184,12 +194,14 @@ async def update_latency(hidden: int, reps: int) -> str:
             """Generator.update_weights' steps; seconds."""
             start = time.perf_counter()
             async with open_weights(
-                version, key_prefix=f"{prefix}_{mode}", allocate=sampler.allocate
+                version, key_prefix=f"{prefix}_{mode}", allocate=engine.allocate
             ) as weights:
-                sampler.load_hf_state_dict(weights.tensors, shared_handle=weights.shared_handle)
+                await engine.load_hf_state_dict(weights.tensors, version,
+                                                 shared_handle=weights.shared_handle)
             return time.perf_counter() - start
 
         try:
+            await engine.start()
             warmup = keep_versions + 1
             for version in range(1, warmup + reps + 1):
                 new = {k: v + 0.01 * version for k, v in state_dict.items()}
@@ -201,8 +213,8 @@ async def update_latency(hidden: int, reps: int) -> str:
                 await publishers["off"].publish(new, version)
                 del new
                 off = await update("off", version)
-                (bare,) = sampler.llm.collective_rpc(
-                    "forge_bench_bare_reload", args=(sampler.buffer.handle(),)
+                (bare,) = await engine.engine.collective_rpc(
+                    "forge_bench_bare_reload", args=(engine.buffer.handle(),)
                 )
                 if version > warmup:
                     for key, value in zip(times, (push, same, off, bare)):
@@ -210,7 +222,7 @@ async def update_latency(hidden: int, reps: int) -> str:
         finally:
             for publisher in publishers.values():
                 publisher.close()
-            sampler.close()
+            await engine.close()
     p, u, o, b = (statistics.median(times[k]) for k in times)
     return (
         f"| {nbytes / 1e6:,.0f} | {p:.3f} | {u:.3f} | {p + u:.3f} | {b:.3f} | {u / b:.2f}x | "

@@ -84,7 +84,8 @@ async def run(args) -> list[str]:
 
     from forge_ext.actors.generator import load_version
     from forge_ext.compat.torchstore_monarch import initialize_store
-    from forge_ext.rollout.engines.vllm import VLLMSampler
+    from forge_ext.rollout.engines import SamplingConfig
+    from forge_ext.rollout.engines.vllm import VLLMEngine
     from forge_ext.weights.fetch import open_weights
     from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
@@ -96,11 +97,10 @@ async def run(args) -> list[str]:
         state_dict = write_checkpoint(root, fields)
         print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
         start = time.perf_counter()
-        sampler = VLLMSampler(
-            root, stop_token_ids=fields["vocab_size"] - 1,
+        engine = VLLMEngine(
+            root, sampling=SamplingConfig(), stop_token_ids=fields["vocab_size"] - 1,
             engine_args={"max_model_len": 64, "enable_lora": True, "max_lora_rank": args.rank},
         )
-        print(f"vLLM started in {time.perf_counter() - start:.0f} s", flush=True)
         config = lora.peft_adapter_config(args.rank, 2.0 * args.rank, targets)
         keep = 1
         publishers = {
@@ -110,6 +110,8 @@ async def run(args) -> list[str]:
         times = {(way, phase): [] for way in publishers for phase in ("push", "update")}
         nbytes = {}
         try:
+            await engine.start()
+            print(f"vLLM started in {time.perf_counter() - start:.0f} s", flush=True)
             for version in range(1, keep + 2 + args.versions):
                 for way, publisher in publishers.items():
                     if way == "full":
@@ -123,8 +125,8 @@ async def run(args) -> list[str]:
                     result = await publisher.publish(tensors, version, metadata=metadata)
                     pushed = time.perf_counter()
                     async with open_weights(version, key_prefix=f"bench_{way}",
-                                            allocate=sampler.allocate) as weights:
-                        load_version(sampler, weights, version)
+                                            allocate=engine.allocate) as weights:
+                        await load_version(engine, weights, version)
                     done = time.perf_counter()
                     assert result.same_host
                     nbytes[way] = result.bytes_written
@@ -134,7 +136,7 @@ async def run(args) -> list[str]:
         finally:
             for publisher in publishers.values():
                 publisher.close()
-            sampler.close()
+            await engine.close()
             await ts.shutdown()
     median = {key: statistics.median(values) for key, values in times.items()}
     rows = [

@@ -84,7 +84,7 @@ async def build(name: str, layout: tuple[int, int], args):
                     trainer=RoleHosts(hosts=hosts, procs_per_host=per_host)),
         {"trainer": hosts * per_host, "generator": 1},
     )
-    placement.start()
+    await placement.start()
     env = {"OMP_NUM_THREADS": str(args.threads)}
     key_prefix = "bench_" + name.replace(" ", "_")
     trainer = await spawn_trainer(

@@ -60,12 +60,13 @@ awaited call is cancelled at once, teardown runs, and :meth:`RLLoop.run` raises 
 (:meth:`RLLoop.explain_error` maps an endpoint's own error to it when that arrives first).
 
 Ctrl-C (SIGINT) or SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes send before
-they kill) once: the run stops at the next step boundary, saves a checkpoint there if
-checkpoints are on (``save_every > 0``) and that step has none yet, and raises
-KeyboardInterrupt after teardown; twice: the awaited call is cancelled at once (teardown
-still runs). Why not rely on asyncio's own SIGINT handling (it cancels the main task): a
-cancellation that arrives while the task awaits a Monarch endpoint call was seen to be
-swallowed, and the run went on.
+they kill) during ``setup`` (a Slurm job waiting in the queue, roles loading): the awaited
+call is cancelled at once and teardown runs. After setup, once: the run stops at the next
+step boundary, saves a checkpoint there if checkpoints are on (``save_every > 0``) and that
+step has none yet, and raises KeyboardInterrupt after teardown; twice: the awaited call is
+cancelled at once (teardown still runs). Why not rely on asyncio's own SIGINT handling (it
+cancels the main task): a cancellation that arrives while the task awaits a Monarch endpoint
+call was seen to be swallowed, and the run went on.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class RLLoop(ABC):
         self._main_task: asyncio.Task | None = None
         self._failure: BaseException | None = None
         self._stopping = False  # teardown has begun
+        self._setting_up = False  # setup() is running: no step to finish first
 
     # ---- hooks -------------------------------------------------------------------------
     @abstractmethod
@@ -286,7 +288,9 @@ class RLLoop(ABC):
         handled = self._install_signal_handlers()
         self._background_error = asyncio.get_running_loop().create_future()
         try:
+            self._setting_up = True
             await self.setup()
+            self._setting_up = False
             self.step = self.trainer_version = await self.load_checkpoint()
             if self.step:
                 self._saved_step = self.step
@@ -399,11 +403,18 @@ class RLLoop(ABC):
         return handled
 
     def interrupt(self, signum: int = signal.SIGINT) -> None:
-        """First call: stop at the next step boundary; second: cancel the awaited call.
-        ``signum``: the signal that asked (for the message)."""
+        """First call: stop at the next step boundary (during setup: cancel the awaited call
+        at once); second: cancel the awaited call. ``signum``: the signal that asked (for the
+        message)."""
         self._interrupts += 1
-        if self._interrupts == 1:
-            name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+        name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self._interrupts == 1 and self._setting_up:
+            # No step to finish and nothing to save: waiting for setup (a Slurm job in the
+            # queue, roles loading) could take long.
+            self.write(f"{name}: stopping now (the run was still starting)")
+            if self._main_task is not None and not self._stopping:
+                self._main_task.cancel()
+        elif self._interrupts == 1:
             self.write(f"{name}: stopping after this step (Ctrl-C again to stop now)")
         elif self._main_task is not None:
             self._main_task.cancel()

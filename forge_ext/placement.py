@@ -16,8 +16,9 @@ anything starts, and stops what it started::
 - ``processes``: ``monarch.job.ProcessJob``; each host is a worker process on this machine
   (``run_worker_loop_forever`` on a Unix socket). For trying a layout, and for testing
   multi-host code, on one box.
-- ``slurm``: ``monarch.job.SlurmJob``; one ``sbatch`` allocation of every group's hosts
-  (``hosts.slurm``: partition, time, GPUs per host, ...), workers on TCP port ``slurm.port``.
+- ``slurm``: ``monarch.job.SlurmJob`` (through :mod:`forge_ext.compat.monarch_slurm`); one
+  ``sbatch`` allocation of every group's hosts (``hosts.slurm``: partition, time, GPUs per
+  host, ...), a worker per node on TCP port ``slurm.port`` (drawn for each run by default).
 - ``attach``: ``monarch.actor.attach_to_workers``; workers already running
   ``run_worker_loop_forever`` (Kubernetes pods, hand-started nodes) at the addresses listed
   per role in ``hosts.attach``.
@@ -35,23 +36,34 @@ runs (:func:`forge_ext.config.apply_env`). Variables that a process reads when i
 actors touch CUDA.
 
 No orphans: :meth:`Placement.stop` kills the job (``job.kill()``: every worker and every proc
-it spawned). ProcessJob workers run in sessions of their own and outlive a controller killed
-with SIGKILL, so a watchdog (:mod:`forge_ext.rollout.engines._reaper`, holding a pipe from the
-controller) kills their sessions when the controller dies in any way. Slurm and attached
-workers stop their procs themselves when the controller disconnects (Monarch's worker loop);
-the Slurm allocation is cancelled by :meth:`Placement.stop`, or ends at ``slurm.time``.
+it spawned; ``slurm``: ``scancel``). ProcessJob workers run in sessions of their own and
+outlive a controller killed with SIGKILL, so a watchdog (:mod:`forge_ext.rollout.engines._reaper`,
+holding a pipe from the controller) kills their sessions when the controller dies in any way.
+Monarch 0.7's workers keep their procs when the controller is gone (seen on Slurm), so a Slurm
+job cancels itself once the controller's heartbeat file has not changed for
+``slurm.heartbeat_timeout_s`` (:mod:`forge_ext.compat.monarch_slurm`); attached workers are
+the user's to stop (docs/hosts.md).
+
+Exposure: Monarch 0.7's workers accept any connection and run the code they are sent
+(``ca="trust_all_connections"`` is the only value it takes). So ``local`` and ``processes``
+listen on loopback and Unix sockets only; a Slurm run's workers listen on their node's
+address (not every interface) on a port drawn for the run; and the run prints every port it
+opened beyond loopback once, at its start (:meth:`Placement.exposed_ports`).
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import os
 import re
+import secrets
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +74,11 @@ ROLES = ("trainer", "reference", "critic", "generator")
 # A worker address: a ZMQ-style channel URL (tcp://host:port, ipc://path), optionally as a
 # Monarch ProcAddr (<proc id>@<url>); see monarch.actor.attach_to_workers.
 _ADDRESS = re.compile(r"^(\S+@)?(tcp|metatls|ipc)://\S+$")
+# hosts.transport's explicit form: an address (IPv6 in brackets) and a port.
+_TRANSPORT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")
+# hosts.slurm.port's default: drawn from these for each run (Linux's ephemeral ports, what
+# outgoing connections take, begin at 32768).
+SLURM_PORTS = range(20000, 32768)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,7 +96,8 @@ class RoleHosts:
 
 @dataclass(kw_only=True, slots=True)
 class SlurmHosts:
-    """YAML ``hosts.slurm``: the ``sbatch`` allocation (``monarch.job.SlurmJob``)."""
+    """YAML ``hosts.slurm``: the ``sbatch`` allocation (``monarch.job.SlurmJob``, through
+    :mod:`forge_ext.compat.monarch_slurm`)."""
 
     partition: str | None = None
     """Partition to submit to (required; ``sinfo`` lists them)."""
@@ -91,18 +109,29 @@ class SlurmHosts:
     """Account to charge (``--account``; default: yours)."""
     qos: str | None = None
     """Quality of service (``--qos``; default: the partition's)."""
-    python_exe: str = "python"
-    """Interpreter the workers run (the project's ``.venv/bin/python`` on a shared filesystem)."""
-    port: int = 22222
-    """TCP port the workers listen on."""
+    python_exe: str | None = None
+    """Interpreter the workers run (default: the controller's own, ``sys.executable``, which
+    every node must reach at the same path: the project's ``.venv`` on a shared filesystem)."""
+    port: int | None = None
+    """TCP port the workers listen on (default: drawn at random for each run from
+    20000-32767, below Linux's ephemeral ports)."""
     job_name: str = "forge_ext"
     """The job's name in ``squeue``."""
     log_dir: str | None = None
-    """Folder of the Slurm logs (default: the working directory)."""
+    """Folder of the job's Slurm logs and of the controller's heartbeat file (default:
+    ``<output_dir>/slurm``); the controller and the job's first node must both see it."""
     exclusive: bool = True
     """Whole nodes (``--exclusive``)."""
     sbatch_args: list[str] = field(default_factory=list)
     """Extra ``#SBATCH`` lines, e.g. ``["--constraint=h100"]``."""
+    start_timeout_s: float = 600.0
+    """Seconds the job may wait in the queue before it is cancelled and the run stops,
+    naming the job, its state and Slurm's reason (0: no limit; Ctrl-C and SIGTERM stop the
+    wait either way)."""
+    heartbeat_timeout_s: float = 60.0
+    """The job cancels itself (every worker and proc) once the controller's heartbeat file
+    has not changed for this long: a controller killed by SIGKILL, or its machine gone.
+    0: no watchdog (the job then ends at ``time`` or by ``scancel``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,6 +151,13 @@ class HostsConfig:
     attach: dict[str, list[str]] = field(default_factory=dict)
     """``launcher: attach``: worker addresses per group (or role), e.g.
     ``{trainer: [tcp://node0:26600, tcp://node1:26600], generator: [tcp://node2:26600]}``."""
+    transport: str | None = None
+    """``slurm`` and ``attach``: where the controller listens for its workers (Monarch's
+    ``default_transport``). ``hostname``: the address this machine's host name resolves to;
+    ``localhost``: 127.0.0.1 (every worker on this machine); ``tcp://<address>:<port>``: that
+    interface (port 0: any), e.g. the controller's cluster address where its host name
+    resolves only to loopback. Default: ``hostname``, or ``localhost`` on ``attach`` when
+    every worker address is on loopback."""
 
     def __post_init__(self) -> None:
         self.validate_launcher()
@@ -160,6 +196,29 @@ class HostsConfig:
                     f"hosts.slurm.time={self.slurm.time!r} must be a Slurm time limit such "
                     "as '04:00:00' or '1-00:00:00'"
                 )
+        if self.launcher == "slurm":
+            for name in ("start_timeout_s", "heartbeat_timeout_s"):
+                value = getattr(self.slurm, name)
+                if value < 0:
+                    raise ValueError(f"hosts.slurm.{name}={value} must be >= 0 (0: no limit)")
+            if 0 < self.slurm.heartbeat_timeout_s < 5:
+                raise ValueError(
+                    f"hosts.slurm.heartbeat_timeout_s={self.slurm.heartbeat_timeout_s} is "
+                    "shorter than a few heartbeats: set it to 5 or more (or 0: no watchdog)")
+            port = self.slurm.port
+            if port is not None and not 1 <= port <= 65535:
+                raise ValueError(f"hosts.slurm.port={port} must be a TCP port, 1-65535 "
+                                 "(or unset: one drawn at random for each run)")
+        if self.transport is not None:
+            if self.launcher not in ("slurm", "attach"):
+                raise ValueError(
+                    f"hosts.transport={self.transport!r} is for the slurm and attach launchers "
+                    f"(hosts.launcher={self.launcher!r} listens on this machine only): remove it")
+            if self.transport not in ("hostname", "localhost") and not _TRANSPORT.match(
+                    self.transport):
+                raise ValueError(
+                    f"hosts.transport={self.transport!r} must be 'hostname', 'localhost' or "
+                    "tcp://<address>:<port> (an address of this machine; port 0: any)")
         if self.attach and self.launcher != "attach":
             raise ValueError(
                 f"hosts.attach is set but hosts.launcher={self.launcher!r}: set "
@@ -274,13 +333,18 @@ class HostDeath:
     returncode: int
 
 
+class PlacementError(RuntimeError):
+    """The hosts could not be started (a Slurm job that did not start, a controller address
+    workers cannot reach); the message names the config field and the fix."""
+
+
 class Placement:
     """The host meshes of a run's roles, from :class:`HostsConfig` (module docstring).
 
     Usage (controller)::
 
         placement = Placement(config.hosts, {"trainer": 2, "generator": 1})  # validates
-        placement.start()                  # the job's workers (nothing for `local`)
+        await placement.start()            # the job's workers (nothing for `local`)
         procs = placement.spawn_procs("trainer", env={...})
         ...
         placement.stop()                   # kills every worker and proc of the job
@@ -290,6 +354,8 @@ class Placement:
         processes: ``{role: process count}`` of the roles this run spawns.
         on_host_death: called (from a watcher thread) when a ``processes`` worker exits
             before :meth:`stop`; the run's failure watch turns it into one error.
+        output_dir: the run's output folder (``slurm``: the default ``hosts.slurm.log_dir``
+            is its ``slurm`` subfolder).
 
     Raises:
         ValueError: from :meth:`HostsConfig.layout`, before anything starts.
@@ -298,12 +364,15 @@ class Placement:
     def __init__(
         self, config: HostsConfig, processes: Mapping[str, int],
         on_host_death: Callable[[HostDeath], None] | None = None,
+        output_dir: str | None = None,
     ) -> None:
         self.config = config
         self.layout = config.layout(processes)
         self.on_host_death = on_host_death
+        self.output_dir = output_dir
         self.job = None
         self.reaper: subprocess.Popen | None = None
+        self.heartbeat: _Heartbeat | None = None
         self.meshes: dict[str, Any] = {}
         self.stopping = False
 
@@ -320,30 +389,45 @@ class Placement:
         return self.config.group_of(role) if role in ROLES else role
 
     @property
+    def master_addr(self) -> str | None:
+        """``MASTER_ADDR`` of the roles' torch.distributed worlds: 127.0.0.1 where every host
+        is this machine (``local``, ``processes``), so that their stores and gloo listen on
+        loopback only; None elsewhere (the first proc's host name)."""
+        return "127.0.0.1" if self.launcher in ("local", "processes") else None
+
+    @property
     def owns_workers(self) -> bool:
         """Whether :meth:`stop` kills the workers and all their procs (``processes``,
         ``slurm``), rather than leaving the roles' proc meshes to their handles."""
         return self.job is not None
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Start (``processes``, ``slurm``) or reach (``attach``) the hosts; ``local`` needs
         nothing. Call in the controller before any other Monarch use (``slurm`` and
-        ``attach`` switch the controller to TCP, which workers on other machines dial)."""
+        ``attach`` switch the controller to TCP, which workers on other machines dial).
+
+        ``slurm`` waits for the job on the event loop: a Ctrl-C or SIGTERM (or any
+        cancellation) during the wait cancels the job.
+
+        Raises:
+            PlacementError: the Slurm job did not start within
+                ``hosts.slurm.start_timeout_s`` (it was cancelled), or the controller's host
+                name resolves only to loopback and ``hosts.transport`` is not set.
+        """
         launcher = self.launcher
         if launcher == "local" or self.meshes:
             return
         if launcher == "attach":
-            from monarch.actor import ChannelTransport, attach_to_workers
+            from monarch.actor import attach_to_workers
             from monarch.config import configure
 
             # Workers dial the controller back: over TCP at its host name, or at 127.0.0.1
             # when every worker is on this machine (a loopback-only host name has no other
-            # address, and Monarch refuses it for TcpWithHostname).
+            # address, and Monarch refuses it for TcpWithHostname); hosts.transport decides.
             loopback = all(
                 _is_loopback(a) for group in self.groups for a in self.config.attach[group]
             )
-            configure(default_transport=ChannelTransport.TcpWithLocalhost if loopback
-                      else ChannelTransport.TcpWithHostname)
+            configure(default_transport=self._transport("localhost" if loopback else "hostname"))
             self.meshes = {
                 group: attach_to_workers(
                     name=group, ca="trust_all_connections", workers=self.config.attach[group]
@@ -356,21 +440,14 @@ class Placement:
         # set their level when imported: import first.)
         import monarch.job  # noqa: F401
 
-        for name in ("monarch._src.job.job", "monarch._src.job.process"):
+        for name in ("monarch._src.job.job", "monarch._src.job.process",
+                     "monarch._src.job.slurm"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        if launcher == "processes":
-            self.job = _WatchedProcessJob(self.groups, on_exit=self._worker_exited)
-        else:
-            from monarch.job import SlurmJob
-
-            s = self.config.slurm
-            self.job = SlurmJob(
-                dict(self.groups), python_exe=s.python_exe, slurm_args=list(s.sbatch_args),
-                monarch_port=s.port, job_name=s.job_name, time_limit=s.time,
-                partition=s.partition, log_dir=s.log_dir, exclusive=s.exclusive,
-                gpus_per_node=s.gpus_per_host, account=s.account, qos=s.qos,
-            )
         try:
+            if launcher == "processes":
+                self.job = _WatchedProcessJob(self.groups, on_exit=self._worker_exited)
+            else:
+                await self._start_slurm_job()
             state = self.job.state(cached_path=None)
             self.meshes = {group: getattr(state, group) for group in self.groups}
             if launcher == "processes":
@@ -378,6 +455,118 @@ class Placement:
         except BaseException:
             self.stop()
             raise
+
+    def _transport(self, default: str):
+        """Monarch's ``default_transport`` from ``hosts.transport`` (or ``default``).
+
+        Raises:
+            PlacementError: ``hostname`` where this machine's host name resolves only to
+                loopback (Monarch would panic: "hostname resolved to no non-loopback,
+                non-link-local address").
+        """
+        from monarch.actor import ChannelTransport
+
+        transport = self.config.transport or default
+        if transport == "hostname":
+            name, addresses = socket.gethostname(), _host_name_addresses()
+            if not any(_reachable(a) for a in addresses):
+                others = [a for a in _interface_addresses() if _reachable(a)]
+                example = f"tcp://{others[0]}:0" if others else "tcp://<its cluster address>:0"
+                raise PlacementError(
+                    f"this machine's host name {name!r} resolves only to "
+                    f"{', '.join(addresses) or 'nothing'}, which workers on other nodes cannot "
+                    f"dial: set hosts.transport={example} (this machine's address on the "
+                    "cluster network), or hosts.transport=localhost when every worker is on "
+                    "this machine")
+            return ChannelTransport.TcpWithHostname
+        if transport == "localhost":
+            return ChannelTransport.TcpWithLocalhost
+        return transport
+
+    async def _start_slurm_job(self) -> None:
+        """Submit the job (one node per host of every group), start the heartbeat and wait
+        until it runs (module docstring of :mod:`forge_ext.compat.monarch_slurm`)."""
+        from monarch.config import configure
+
+        from forge_ext.compat.monarch_slurm import JobNotStarted, SlurmJob
+
+        s = self.config.slurm
+        transport = self._transport("hostname")  # before anything is submitted
+        log_dir = os.path.abspath(s.log_dir or os.path.join(self.output_dir or ".", "slurm"))
+        os.makedirs(log_dir, exist_ok=True)
+        if s.heartbeat_timeout_s > 0:
+            self.heartbeat = _Heartbeat(
+                os.path.join(log_dir, f"heartbeat-{os.getpid()}-{secrets.token_hex(4)}"),
+                s.heartbeat_timeout_s)
+        self.job = SlurmJob(
+            dict(self.groups), python_exe=s.python_exe or sys.executable,
+            slurm_args=list(s.sbatch_args),
+            monarch_port=s.port if s.port is not None else secrets.choice(SLURM_PORTS),
+            job_name=s.job_name, time_limit=s.time, partition=s.partition, log_dir=log_dir,
+            exclusive=s.exclusive, gpus_per_node=s.gpus_per_host, account=s.account, qos=s.qos,
+            heartbeat=self.heartbeat.path if self.heartbeat else None,
+            heartbeat_timeout_s=s.heartbeat_timeout_s,
+        )
+        # After SlurmJob's own configure(TcpWithHostname), before any Monarch channel opens.
+        configure(default_transport=transport)
+        self.job.apply()  # sbatch
+        try:
+            await self.job.wait_running(s.start_timeout_s)
+        except JobNotStarted as error:
+            state = error.info.why() if error.info is not None else "no longer in squeue"
+            if error.timed_out:
+                raise PlacementError(
+                    f"Slurm job {error.job_id} did not start within hosts.slurm.start_timeout_s"
+                    f"={s.start_timeout_s:g}: {state}; it was cancelled. Raise "
+                    "hosts.slurm.start_timeout_s to wait longer, or ask for fewer nodes or "
+                    "another partition (`sinfo`, `scontrol show partition`)") from None
+            raise PlacementError(
+                f"Slurm job {error.job_id} ended before it started: {state}; its log: "
+                f"{self.job.log_paths()[1]}") from None
+
+    async def exposed_ports(self, procs: Mapping[str, Sequence[Any]]) -> str | None:
+        """The line a run prints once, when its roles are up: every port it listens on that
+        another machine could reach, all unauthenticated (Monarch 0.7's workers run any code
+        they are sent; docs/hosts.md, "Security"). None when there is none (``local`` and
+        ``processes`` listen on loopback and Unix sockets only).
+
+        Lists the workers (``slurm``, ``attach``: always, they are there to be dialed), this
+        process's and its children's listeners beyond loopback, and (``slurm``, ``attach``)
+        those of each role's procs, asked by a probe actor on ``procs``' meshes.
+
+        Args:
+            procs: ``{role: [proc mesh, ...]}`` of the run's roles.
+        """
+        from forge_ext.actors.ports import ListeningPorts, beyond_loopback, listening, show
+
+        parts = [f"{group} workers {', '.join(a.split('@')[-1] for a in addresses)}"
+                 for group, addresses in self.worker_addresses.items()]
+        mine = beyond_loopback(listening())
+        if mine:
+            parts.append(f"controller {', '.join(show(*s) for s in mine)}")
+        if self.launcher in ("slurm", "attach"):
+            for role, meshes in procs.items():
+                for i, mesh in enumerate(meshes):
+                    found = await mesh.spawn("listening_ports", ListeningPorts).sockets.call()
+                    for rank, sockets in enumerate(found.values()):
+                        sockets = beyond_loopback(sockets)
+                        if sockets:
+                            where = f"replica {i}" if len(meshes) > 1 else f"rank {rank}"
+                            parts.append(f"{role} {where} {', '.join(show(*s) for s in sockets)}")
+        if not parts:
+            return None
+        return ("listening beyond loopback, unauthenticated (whoever reaches these ports can "
+                "run code as this user: see docs/hosts.md, \"Security\"): " + "; ".join(parts))
+
+    @property
+    def worker_addresses(self) -> dict[str, list[str]]:
+        """``{group: [tcp://host:port, ...]}`` of workers reached over TCP (``slurm``,
+        ``attach``); empty for the launchers whose workers are on this machine."""
+        if self.launcher == "attach":
+            return {g: list(self.config.attach[g]) for g in self.groups}
+        if self.launcher == "slurm" and self.job is not None:
+            return self.job.worker_addresses()
+        return {}
 
     def host_mesh(self, role: str):
         """The role's ``HostMesh`` (``this_host()`` for ``local``)."""
@@ -451,8 +640,9 @@ class Placement:
         self.on_host_death(HostDeath(group=group, host=host, pid=pid, returncode=returncode))
 
     def stop(self) -> None:
-        """Kill the job: every worker and every proc it spawned (``local``: nothing to do,
-        the roles' proc meshes are stopped by their handles). Idempotent."""
+        """Kill the job: every worker and every proc it spawned (``slurm``: ``scancel``;
+        ``local``: nothing to do, the roles' proc meshes are stopped by their handles).
+        Idempotent."""
         self.stopping = True
         job, self.job = self.job, None
         self.meshes = {}
@@ -460,10 +650,74 @@ class Placement:
             if job is not None:
                 job.kill()
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+                self.heartbeat = None
             if self.reaper is not None:
                 self.reaper.stdin.close()  # the job is gone: the watchdog has nothing to do
                 self.reaper.wait()
                 self.reaper = None
+
+
+class _Heartbeat:
+    """The controller's side of a Slurm job's watchdog: a thread that rewrites ``path``
+    with a counter every :func:`~forge_ext.compat.monarch_slurm.heartbeat_period` seconds
+    while this process lives; :meth:`stop` removes the file."""
+
+    def __init__(self, path: str, timeout_s: float):
+        from forge_ext.compat.monarch_slurm import heartbeat_period
+
+        self.path, self.period = path, heartbeat_period(timeout_s)
+        self._stopped = threading.Event()
+        self._beat(0)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="slurm-heartbeat")
+        self._thread.start()
+
+    def _beat(self, count: int) -> None:
+        # In place (not a rename): a reader's open after this close sees it on NFS too.
+        with open(self.path, "w") as f:
+            f.write(f"{count}\n")
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stopped.wait(self.period):
+            count += 1
+            try:
+                self._beat(count)
+            except OSError as error:  # a full or unmounted disk: the job will cancel itself
+                logger.warning("could not write the Slurm heartbeat %s: %s", self.path, error)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _host_name_addresses() -> list[str]:
+    """The addresses this machine's host name resolves to."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return []
+    return sorted({info[4][0] for info in infos})
+
+
+def _interface_addresses() -> list[str]:
+    """This machine's IPv4 and IPv6 interface addresses."""
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)]
+
+
+def _reachable(address: str) -> bool:
+    """Whether another machine could dial ``address``: neither loopback nor link-local
+    (what Monarch's TcpWithHostname accepts)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
 
 
 def _start_session_reaper(job) -> subprocess.Popen:

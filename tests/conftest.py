@@ -308,6 +308,24 @@ def vllm_environment_restored():
         vllm.envs.disable_envs_cache()
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster of 3 simulated nodes on this machine for the session
+    (:mod:`slurm_cluster`: partitions ``all``, 3 nodes, and ``one``), installed from the
+    distribution's packages when missing. Skipped, saying why, only where this machine cannot
+    run Slurm (not root)."""
+    from slurm_cluster import SlurmCluster, slurm_unavailable
+
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(nodes=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def pytest_sessionfinish(session, exitstatus):
     session.config._forge_exit_status = int(exitstatus)
 

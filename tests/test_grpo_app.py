@@ -24,6 +24,7 @@ import cloudpickle
 import pytest
 import pytest_asyncio
 from conftest import generator_logprob_gap, random_state_dict
+from listening import is_loopback, listening_sockets, run_processes
 from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
@@ -62,6 +63,7 @@ class RecordingApp(GRPOApp):
         self.trained = {}
         self.pids = []
         self.logprob_gap = {}
+        self.listening = []
 
     async def setup(self):
         await super().setup()
@@ -80,6 +82,8 @@ class RecordingApp(GRPOApp):
         self.logprob_gap[step] = await generator_logprob_gap(
             self.trainer, rollouts.episodes, self.tok.pad_id
         )
+        if step == 1:  # every role up, a weight version published and fetched
+            self.listening = listening_sockets(run_processes(os.getpid()))
         return rollouts
 
     async def train_step(self, step, rollouts):
@@ -184,6 +188,15 @@ async def test_the_generator_samples_with_the_pushed_weights(crashed_run):
     app, _, _ = crashed_run
     assert sorted(app.logprob_gap) == [0, 1, 2, 3]
     assert max(app.logprob_gap.values()) <= 1e-4, app.logprob_gap
+
+
+async def test_a_run_on_this_machine_listens_on_loopback_only(crashed_run):
+    """``hosts.launcher: local``: every TCP socket the run's processes listen on (the
+    trainer's and reference's torch.distributed store and gloo, vLLM's workers, Monarch's) is
+    on loopback, none on every interface (torch's own store listens on ``::``)."""
+    app, _, _ = crashed_run
+    assert app.listening, "no listening socket found: the probe missed the run's processes"
+    assert [s for s in app.listening if not is_loopback(s["ip"])] == []
 
 
 async def test_three_steps_advance_the_policy_and_sample_with_the_pushed_version(crashed_run):

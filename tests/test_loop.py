@@ -209,6 +209,23 @@ async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path, m
         assert job._rollout_task.task.done()
 
 
+async def test_sigterm_during_setup_stops_at_once(tmp_path):
+    """A SIGTERM while setup waits (a Slurm job in the queue for ever): the wait is
+    cancelled at once, not after a step that will never come, and what setup had started
+    is stopped."""
+    job = FakeJob(tmp_path, steps=10)
+
+    async def setup():
+        job.track("hosts", lambda: job.record_stop("hosts"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(3600)
+
+    job.setup = setup
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(job.run(), 10)
+    assert job.stopped == ["hosts"] and job.events == []
+
+
 async def test_sigterm_stops_like_ctrl_c(tmp_path):
     """What a scheduler (Slurm, Kubernetes) or ``timeout`` sends first: a real SIGTERM to
     this process, in the middle of step 3."""

@@ -72,11 +72,11 @@ def split(batch, dp):
             [{"labels": t} for t in batch["labels"].chunk(dp)])
 
 
-def processes_placement(**roles) -> Placement:
+async def processes_placement(**roles) -> Placement:
     """A started ``processes`` placement: ``roles`` maps a role to its hosts (1 proc each)."""
     hosts = HostsConfig(launcher="processes", **{r: RoleHosts(hosts=n) for r, n in roles.items()})
     placement = Placement(hosts, dict(roles))
-    placement.start()
+    await placement.start()
     return placement
 
 
@@ -102,8 +102,8 @@ class Reader(Actor):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def trainers(store, tmp_path_factory):
-    dp_hosts = processes_placement(trainer=2, generator=1)  # generator: the reader's host
-    pp_hosts = processes_placement(trainer=2)
+    dp_hosts = await processes_placement(trainer=2, generator=1)  # generator: reader's host
+    pp_hosts = await processes_placement(trainer=2)
     ckpt = {"checkpoint": {"enable": True, "folder": "ckpt"},
             "dump_folder": str(tmp_path_factory.mktemp("multihost_ckpt"))}
     handles = {}
@@ -240,7 +240,7 @@ class KilledRun(RLLoop):
     async def setup(self):
         self.placement = Placement(self.hosts, self.processes)
         self.watch = watch_run(self, self.placement)
-        self.placement.start()
+        await self.placement.start()
 
         async def stop_hosts():
             self.placement.stop()

@@ -398,6 +398,8 @@ class GRPOConfig:
             have, what = self.hosts.slurm.gpus_per_host, "hosts.slurm.gpus_per_host"
         elif self.hosts.launcher in ("local", "processes") and torch.cuda.is_available():
             have, what = torch.cuda.device_count(), "this machine's GPUs"
+            if not have:  # CUDA without a device to count (a stub): nothing to check against
+                return
         elif self.hosts.launcher in ("local", "processes") and self.generator.backend == "vllm":
             have, what = len(os.sched_getaffinity(0)), "this machine's CPU cores"
         else:

@@ -62,6 +62,7 @@ from forge_ext.rollout.engines import Completion
 from forge_ext.losses.grpo import groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
+from forge_ext.placement import PlacementError
 from forge_ext.replay_buffer import ReplayBuffer
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.supervision import RoleFailure, shutdown_monarch
@@ -223,7 +224,7 @@ class GRPOApp(RLLoop):
         apply_env(c.procs.env)
         roles = ["trainer", *(["reference"] if c.reference else []),
                  *(["critic"] if c.critic is not None else []), "generator"]
-        placement = Placement(c.hosts, c.processes())
+        placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it; a
         # generator replica that dies is one warning, the others serve its requests.
@@ -243,12 +244,12 @@ class GRPOApp(RLLoop):
             self.rubric.close()
 
         self.track("reward workers", stop_rewards)
-        placement.start()
 
         async def stop_hosts() -> None:
             placement.stop()
 
         self.track("hosts", stop_hosts)
+        await placement.start()  # a Slurm job waits in the queue here: Ctrl-C cancels it
         # torchstore's storage volume in a proc of the run's own, stopped with it: given no
         # mesh, torchstore spawns one that nothing stops (it outlived every in-process run).
         store_procs = this_host().spawn_procs(per_host={"procs": 1}, name="torchstore")
@@ -296,13 +297,14 @@ class GRPOApp(RLLoop):
             self.trainer = await spawn_trainer(
                 c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
                 weights=weights, spawn_procs=procs_of("trainer"),
+                master_addr=placement.master_addr,
             )
             stops["trainer"] = self.trainer.stop
 
         async def reference():
             self.reference = await spawn_reference(
                 c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs_of("reference"),
+                spawn_procs=procs_of("reference"), master_addr=placement.master_addr,
             )
             stops["reference"] = self.reference.stop
 
@@ -320,7 +322,7 @@ class GRPOApp(RLLoop):
             self.critic = await spawn_critic(
                 c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
                 loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
-                spawn_procs=procs_of("critic"),
+                spawn_procs=procs_of("critic"), master_addr=placement.master_addr,
             )
             stops["critic"] = self.critic.stop
 
@@ -345,6 +347,16 @@ class GRPOApp(RLLoop):
 
             # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
             self.reference = base_of_trainer(self.trainer)
+        # Every port of the run that other machines may reach (all unauthenticated), once.
+        roles_procs = {"trainer": [self.trainer.procs],
+                       "generator": [h.procs for h in self.generator.handles]}
+        if c.reference and not c.reference_is_trainer_base:
+            roles_procs["reference"] = [self.reference.trainer.procs]
+        if self.critic is not None:
+            roles_procs["critic"] = [self.critic.trainer.procs]
+        exposed = await placement.exposed_ports(roles_procs)
+        if exposed:
+            self.write(exposed)
 
     async def start_agent_endpoint(self) -> None:
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
@@ -539,8 +551,8 @@ class GRPOApp(RLLoop):
         """
         if rows == self.config.grpo.batch_size:
             return
-        for role in ("trainer", "reference"):
-            section = getattr(self.config, role) if role == "trainer" else self.config.reference
+        for role in ("trainer", "reference", "critic"):
+            section = getattr(self.config, role)
             if section is not None and not section.get("training", {}).get(
                     "max_tokens_per_microbatch"):
                 raise ValueError(
@@ -1046,6 +1058,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
         sys.exit(failure_message(failure, app.config, argv))
+    except PlacementError as error:  # the hosts did not start: the message says the fix
+        sys.exit(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)
         if write_error is None:

@@ -185,14 +185,15 @@ class Critic:
 async def spawn_critic(
     critic: Mapping[str, Any], *, policy_hf_path: str, trainer: Mapping[str, Any],
     loss: Mapping[str, Any], num_procs: int | None = None, name: str = "critic",
-    spawn_procs: Callable[[], Any] | None = None,
+    spawn_procs: Callable[[], Any] | None = None, master_addr: str | None = None,
 ) -> Critic:
     """Spawn the critic from a YAML ``critic:`` mapping (:func:`critic_sections`; the
-    policy's ``trainer:`` and ``loss:`` sections give its defaults). Raises ValueError on a
-    config error, before spawning."""
+    policy's ``trainer:`` and ``loss:`` sections give its defaults; ``spawn_procs`` and
+    ``master_addr`` as in :func:`spawn_trainer`). Raises ValueError on a config error, before
+    spawning."""
     engine, options = critic_sections(critic, policy_hf_path=policy_hf_path, trainer=trainer)
     handle = await spawn_trainer(engine, loss=critic_loss(options, loss), num_procs=num_procs,
-                                 name=name, spawn_procs=spawn_procs)
+                                 name=name, spawn_procs=spawn_procs, master_addr=master_addr)
     return Critic(handle, options)
 
 

@@ -129,11 +129,12 @@ def base_of_trainer(trainer: TrainerHandle) -> ReferenceModel:
 
 async def spawn_reference(
     reference: dict[str, Any], num_procs: int | None = None, name: str = "reference",
-    spawn_procs: Callable[[], Any] | None = None,
+    spawn_procs: Callable[[], Any] | None = None, master_addr: str | None = None,
 ) -> ReferenceModel:
     """Spawn the reference model from a YAML ``reference:`` engine mapping (same schema as
-    ``trainer:``; ``spawn_procs`` as in :func:`spawn_trainer`). Raises ValueError on a config
-    error, before spawning."""
+    ``trainer:``; ``spawn_procs`` and ``master_addr`` as in :func:`spawn_trainer`). Raises
+    ValueError on a config error, before spawning."""
     return ReferenceModel(
-        await spawn_trainer(reference, num_procs=num_procs, name=name, spawn_procs=spawn_procs)
+        await spawn_trainer(reference, num_procs=num_procs, name=name, spawn_procs=spawn_procs,
+                            master_addr=master_addr)
     )

@@ -25,6 +25,7 @@ from monarch.actor import Actor, ProcMesh, current_rank, endpoint, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_ext.engine import EngineConfig, TitanEngine, engine_config_from_mapping
+from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
@@ -481,13 +482,14 @@ async def spawn_trainer(
     name: str = "trainer",
     weights: dict[str, Any] | None = None,
     spawn_procs: Callable[[], ProcMesh] | None = None,
+    master_addr: str | None = None,
 ) -> TrainerHandle:
     """Validate the config, spawn a proc mesh, set up torch.distributed and the engine.
 
     The whole config is validated here, in the controller, before any process is spawned.
     The torch.distributed world is the whole proc mesh, across its hosts: rank = host x
     procs per host + local rank, ``MASTER_ADDR`` the first proc's host name
-    (``monarch.spmd.setup_torch_elastic_env_async``).
+    (``monarch.spmd.setup_torch_elastic_env_async``), or ``master_addr``.
 
     Args:
         trainer: YAML ``trainer:`` mapping.
@@ -497,6 +499,11 @@ async def spawn_trainer(
         spawn_procs: returns the proc mesh to run on, called after validation (e.g.
             :meth:`forge_ext.placement.Placement.spawn_procs` for a role on several hosts);
             default: ``num_procs`` procs on this host.
+        master_addr: ``MASTER_ADDR`` of an address of this machine, with a free port of it,
+            when every proc runs here (:attr:`forge_ext.placement.Placement.master_addr`);
+            default: 127.0.0.1 for procs on this host (``spawn_procs`` None), else the first
+            proc's host name. The world's store and gloo then listen on that address only
+            (:func:`forge_ext.engine.distributed.rendezvous_on_master_addr`).
 
     Raises:
         ValueError: a config error naming the field; the mesh ``spawn_procs`` returned does
@@ -518,7 +525,12 @@ async def spawn_trainer(
     try:
         if procs.size() != n:
             raise ValueError(f"{name}: the proc mesh holds {procs.size()} procs, not {n}")
-        await setup_torch_elastic_env_async(procs)
+        if master_addr is None and spawn_procs is None:
+            master_addr = "127.0.0.1"
+        if master_addr is None:
+            await setup_torch_elastic_env_async(procs)
+        else:
+            await setup_torch_elastic_env_async(procs, master_addr, free_port(master_addr))
         actor = procs.spawn(name, RLTrainer, trainer, loss, weights)
         await actor.setup.call()
     except BaseException:

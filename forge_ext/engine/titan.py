@@ -42,6 +42,7 @@ from forge_ext.engine.base import (
     split_batch,
 )
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.distributed import rendezvous_on_master_addr
 from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.engine.models import (
     VALUE_HEAD_HF_NAME, apply_lora, build_model_spec, checkpoint_tensor_names,
@@ -70,7 +71,9 @@ class TitanEngine(BaseEngine):
         self.config = config
         self.device = titan_utils.get_local_device()
         titan_utils.device_module.set_device(self.device)
-        world_size = dist_utils.init_distributed(CommConfig(), base_folder=config.dump_folder)
+        with rendezvous_on_master_addr():  # not torch's store on every interface
+            world_size = dist_utils.init_distributed(CommConfig(),
+                                                     base_folder=config.dump_folder)
         par = config.parallelism
         try:
             self.parallel_dims = ParallelDims.from_config(par, world_size)

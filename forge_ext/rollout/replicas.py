@@ -171,6 +171,11 @@ class GeneratorReplicas:
             return
         self.router.remove(replica)
         name = self.handles[replica].name
+        stream = getattr(self.handles[replica], "stream", None)
+        if stream is not None:  # its requests in flight fail now and go to the others
+            from forge_ext.actors.generator import ReplicaGone
+
+            stream.close(ReplicaGone(f"generator replica {name} {cause}"))
         self.losses.append(ReplicaLoss(replica, name, cause, hint))
         left = len(self.live)
         if left:
@@ -239,11 +244,13 @@ def death_of(error: BaseException) -> tuple[str, str]:
 
 
 def _is_supervision_error(error: BaseException) -> bool:
-    """A Monarch error that says the actor's process is gone."""
+    """A Monarch error that says the actor's process is gone, or a request stream's
+    :class:`forge_ext.actors.generator.ReplicaGone`."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if type(error).__name__ in ("SupervisionError", "ActorMeshStoppedError"):
+        if type(error).__name__ in ("SupervisionError", "ActorMeshStoppedError",
+                                    "ReplicaGone"):
             return True
         error = error.__cause__ or error.__context__ or getattr(error, "exception", None)
     return False
