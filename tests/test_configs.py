@@ -48,7 +48,7 @@ def test_configs_exist_for_demo_gpu_and_pp_ga():
 
 @pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml",
                                   "grpo_cpu_lora.yaml",
-                                  "grpo_cpu_chain_sum.yaml"])
+                                  "grpo_cpu_chain_sum.yaml", "ppo_cpu_demo.yaml"])
 def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
     assert isinstance(config, GRPOConfig)
@@ -58,6 +58,17 @@ def test_cpu_grpo_configs_validate(name, demo_checkpoint):
         assert config.reference_is_trainer_base and name == "grpo_cpu_lora.yaml"
     else:
         assert config.reference["model"]["hf_path"] == demo_checkpoint
+
+
+def test_ppo_demo_is_the_grpo_demo_with_a_critic_at_the_same_samples_per_step(demo_checkpoint):
+    grpo, ppo = (load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
+                 for name in ("grpo_cpu_demo.yaml", "ppo_cpu_demo.yaml"))
+    assert ppo.algorithm.advantage == "gae" and ppo.critic is not None
+    assert ppo.grpo.group_size == 1 and ppo.grpo.batch_size == grpo.grpo.batch_size == 512
+    # The policy's side is the GRPO demo's: same trainer (but its folder), loss and steps.
+    assert {**ppo.trainer, "dump_folder": None} == {**grpo.trainer, "dump_folder": None}
+    assert ppo.loss == grpo.loss and ppo.loop.steps == grpo.loop.steps
+    assert ppo.output_dir != grpo.output_dir
 
 
 def test_pp_ga_variant_overrides_only_the_trainer_split(demo_checkpoint):

@@ -407,7 +407,8 @@ class GRPOApp(RLLoop):
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
         return [
-            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
+            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) "
+            f"of {c.grpo.prompts_per_step} prompts x "
             f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
