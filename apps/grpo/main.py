@@ -52,6 +52,7 @@ from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
     resolved_task,
 )
+from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -129,7 +130,9 @@ class GRPOApp(RLLoop):
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
         # a bad data file, field, reward or template is a config error now.
         task = build_task(config.task)
-        rubric = Rubric(config.reward, task)
+        episodes = episode_config(config.task)
+        # An environment's rewards may stand alone (no reward function).
+        rubric = Rubric(config.reward, task, environment=episodes.environment is not None)
         self.tok = CheckpointTokenizer(config.model.hf_path)
         self.render = render = PromptRenderer(self.tok, config.prompt)
         train_rows, self.eval_rows = list(task.train_rows()), list(task.eval_rows())
@@ -150,7 +153,6 @@ class GRPOApp(RLLoop):
             print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
                   f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
                   "(characters or words outside its vocabulary)", file=sys.stderr)
-        episodes = episode_config(config.task)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # An episode after its first prompt: one turn, or up to task.max_episode_tokens.
         after = (episodes.max_episode_tokens if self.runner.multi_turn
@@ -385,12 +387,13 @@ class GRPOApp(RLLoop):
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        rewards = ", ".join(self.rubric.names) or "the environment's"
         return [
             f"GRPO: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
             f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
+            f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
@@ -982,6 +985,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(failure_message(failure, app.config, argv))
     except PlacementError as error:  # the hosts did not start: the message says the fix
         sys.exit(f"error: {error}")
+    except RewardFailure as failure:  # every call of a batch failed: count and traceback
+        sys.exit(f"error: {failure}")
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)
         if write_error is None:
