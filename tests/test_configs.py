@@ -235,9 +235,40 @@ def test_cross_section_checks(demo_checkpoint):
     with pytest.raises(ValueError, match="loss.kl_coef=0.01 needs a reference"):
         load_config(path, [model, "reference=null"])
     with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=512 x 1 .* = 128"):
-        load_config(path, [model, "grpo.prompts_per_step=16"])
+        load_config(path, [model, "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512"])
     with pytest.raises(ValueError, match="needs trainer.checkpoint.enable=true"):
         load_config(path, [model, "trainer.checkpoint.enable=false"])
+
+
+def test_a_run_resized_by_prompts_per_step_alone_validates(demo_checkpoint):
+    """Batch sizes follow from grpo.prompts_per_step x grpo.group_size / data-parallel ranks,
+    and the reference's seq_len from the trainer's, unless set (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    model = f"model.hf_path={demo_checkpoint}"
+    config = load_config(path, [model, "grpo.prompts_per_step=16"])
+    assert config.trainer["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["seq_len"] == config.trainer["training"]["seq_len"] == 32
+    config = load_config(path, [model, "grpo.group_size=4", "trainer.training.seq_len=48",
+                                "procs.trainer.num_procs=2"])
+    assert config.trainer["training"]["local_batch_size"] == 64 * 4 // 2  # two DP ranks
+    assert config.reference["training"]["local_batch_size"] == 64 * 4
+    assert config.reference["training"]["seq_len"] == 48
+
+
+def test_hand_set_sizes_that_disagree_are_refused_together_in_one_message(demo_checkpoint):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError) as refused:
+        load_config(path, [f"model.hf_path={demo_checkpoint}", "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512",
+                           "reference.training.local_batch_size=256",
+                           "reference.training.seq_len=64"])
+    message = str(refused.value)
+    assert message.startswith("sizes that disagree: ")
+    assert "trainer.training.local_batch_size=512 x 1 data-parallel ranks = 512 sequences" in message
+    assert "reference.training.local_batch_size=256 x 1" in message
+    assert "reference.training.seq_len=64 but trainer.training.seq_len=32" in message
 
 
 @pytest.mark.parametrize(

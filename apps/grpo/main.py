@@ -166,12 +166,11 @@ class GRPOApp(RLLoop):
         if config.generator.backend == "vllm":
             limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
         self.context = min((v for v in limits.values() if v is not None), default=None)
-        for field_name, limit in limits.items():
-            if limit is not None and longest > limit and episodes.agent is None:
-                raise ValueError(
-                    f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
-                    f"raise {field_name}"
-                )
+        short = [f"{field_name}={limit}" for field_name, limit in limits.items()
+                 if limit is not None and longest > limit and episodes.agent is None]
+        if short:  # every limit at once (the reference's seq_len follows the trainer's)
+            raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
+                             f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "task": resolved_task(config.task),
