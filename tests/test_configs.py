@@ -465,6 +465,23 @@ def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_p
     assert latest_checkpoint_step(config) == 5  # step-10 is incomplete: no .metadata yet
 
 
+def test_a_resume_is_announced_before_anything_is_spawned(demo_checkpoint, tmp_path):
+    """The plan printed before spawning says the run resumes (it came after the spawn, 54 s
+    later, issue 38)."""
+    from apps.grpo.main import GRPOApp
+
+    out = tmp_path / "run"
+    overrides = [f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=8",
+                 "task.num_train=16", "task.num_eval=2"]
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    assert not any("resuming" in line for line in GRPOApp(config).plan_lines(["generator"], None))
+    (out / "checkpoints" / "step-5").mkdir(parents=True)
+    (out / "checkpoints" / "step-5" / ".metadata").write_text("")
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    lines = GRPOApp(config).plan_lines(["generator"], None)
+    assert f"resuming from the checkpoint of step 5 in {out}" in lines
+
+
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
     import shutil
 

@@ -42,6 +42,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
+    from apps.fast_help import print_saved_help
+
+    print_saved_help("grpo")
+
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
@@ -181,6 +186,8 @@ class GRPOApp(RLLoop):
         )
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
+        self.resume_step = resume_step
+        """The checkpoint step the run resumes from (0: it starts over)."""
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
@@ -394,6 +401,9 @@ class GRPOApp(RLLoop):
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
+            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"
+               + (" (a finished run: it only re-evaluates)"
+                  if self.resume_step >= c.loop.steps else "")] if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),

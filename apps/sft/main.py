@@ -30,6 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
+    from apps.fast_help import print_saved_help
+
+    print_saved_help("sft")
+
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.tasks import (
