@@ -134,6 +134,8 @@ def test_sft_config_validates_and_shares_the_demo_task():
         ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded"),
         ("trainer.parallelism.data_parallel_shard_degree=2",
          "degrees multiply to 2 processes, but the SFT app trains in this one process"),
+        ("trainer.training.seq_len=6",  # a rank's traceback mid-run before (issue 38)
+         r"trainer.training.seq_len=6 < \d+ tokens \(longest training prompt \+ answer"),
     ],
 )
 def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
@@ -255,6 +257,16 @@ def test_a_run_resized_by_prompts_per_step_alone_validates(demo_checkpoint):
     assert config.trainer["training"]["local_batch_size"] == 64 * 4 // 2  # two DP ranks
     assert config.reference["training"]["local_batch_size"] == 64 * 4
     assert config.reference["training"]["seq_len"] == 48
+
+
+def test_a_run_without_a_kl_term_spawns_no_reference(demo_checkpoint):
+    """The DAPO preset with loss.kl_coef=0 on the demo (whose reference: section it
+    inherits) spawned and ran a reference model for nothing (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    config = load_config(path, [f"model.hf_path={demo_checkpoint}", "loss.preset=dapo",
+                                "loss.kl_coef=0"])
+    assert config.reference is None and set(config.processes()) == {"trainer", "generator"}
+    assert load_config(path, [f"model.hf_path={demo_checkpoint}"]).reference is not None
 
 
 def test_hand_set_sizes_that_disagree_are_refused_together_in_one_message(demo_checkpoint):

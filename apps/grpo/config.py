@@ -168,7 +168,8 @@ class GRPOConfig:
     """The frozen reference model's engine (an engine section like ``trainer:``, usually
     ``model: ${trainer.model}``) for the KL term, on its own procs; null needs
     ``loss.kl_coef: 0``, or ``trainer.lora``: then the reference is the trainer's own frozen
-    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``)."""
+    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``). Unused,
+    and not spawned, when ``loss.kl_coef`` is 0 (the DAPO, Dr. GRPO and GSPO presets)."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
     """Processes per role and their environment variables."""
@@ -182,6 +183,10 @@ class GRPOConfig:
     """Fault injection for tests."""
 
     def __post_init__(self) -> None:
+        if self.loss.kl_coef == 0 and self.reference is not None:
+            # No KL term: a reference would be a role spawned (a model loaded, a forward per
+            # step) for nothing but the logged kl; none is spawned (the run record says null).
+            self.reference = None
         self._lora_generator()
         # Lengths that default to the response limit, filled here so that the run record
         # holds the values the run used.

@@ -442,9 +442,11 @@ class GRPOApp(RLLoop):
                     "dropped groups consumed. Use a new output_dir"
                 )
             self._stream_starts[step] = positions[str(step)]
+        # No bar when stdout is not a terminal (disable=None): a redirected log would hold
+        # its every carriage-return update; the per-step lines say the same.
         self.bar = tqdm(
             total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
-            dynamic_ncols=True,
+            dynamic_ncols=True, disable=None,
         )
 
     def write(self, line: str) -> None:
