@@ -494,6 +494,18 @@ def test_a_resume_is_announced_before_anything_is_spawned(demo_checkpoint, tmp_p
     assert f"resuming from the checkpoint of step 5 in {out}" in lines
 
 
+def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_checkpoint,
+                                                                         tmp_path):
+    from apps.grpo.main import GRPOApp
+
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path}", "task.num_train=16",
+        "task.num_eval=2"])
+    spec = GRPOApp(config).plot_spec()
+    plotted = {key for panel in spec["panels"] for key in panel.keys}
+    assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
+
+
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
     import shutil
 

@@ -484,3 +484,22 @@ def test_a_batch_whose_environment_always_fails_stops_the_run(setup):
     with pytest.raises(RewardFailure, match=r"(?s)the environment \(.*RaisesAtStep\) failed "
                                             r"on 4 of 4 calls.*an environment bug"):
         asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+
+
+def test_the_samples_of_a_batch_are_what_the_rubric_scored(setup):
+    """metrics.samples_per_step's records (samples.jsonl): each holds the completion the
+    rubric scored and that function's score of it, recomputed here (issue 38)."""
+    from forge_ext.tasks.rewards import exact_match
+
+    _, tok, _ = setup
+    runner, generate, _ = runner_for(setup, PaysOne, max_turns=2, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=5))
+    records = batch.samples(tok, [0, 2])
+    assert [r["prompt"] for r in records] == [ROWS[0].prompt, ROWS[1].prompt]
+    for i, record in zip([0, 2], records):
+        t = batch.trajectories[i]
+        assert record["completion"] == tok.completion_text(t.last_turn)[0]
+        assert record["rewards"] == {"exact_match": exact_match(record["completion"], "42")}
+        assert record["reward"] == batch.rewards[i] == pytest.approx(
+            record["rewards"]["exact_match"] + t.env_reward)
+        assert record["response_tokens"] == len(t.response_ids) and record["turns"] == t.turns

@@ -85,6 +85,10 @@ PROMPT_STREAM_FILE = "prompt_stream.json"
 """In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
 prompt stream position where each checkpointed step's prompts begin."""
 
+SAMPLES_FILE = "samples.jsonl"
+"""In ``metrics.log_dir``: ``metrics.samples_per_step`` completions per training step, one
+JSON object a line (:meth:`forge_ext.rollout.EpisodeBatch.samples`, with its ``step``)."""
+
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "eval.batch_size", "metrics", "procs", "hosts", "debug",
@@ -680,7 +684,23 @@ class GRPOApp(RLLoop):
             **{k: v for k, v in result.items() if k.startswith("loss/")},
             **{f"time/{k}": v for k, v in seconds.items()},
         }
+        self._write_samples(step + 1, rollouts)
         return metrics
+
+    def _write_samples(self, step: int, rollouts: Rollouts) -> None:
+        """Append ``metrics.samples_per_step`` of the step's episodes (the first of each
+        group) to ``samples.jsonl`` in the metrics folder, as the rubric scored them."""
+        count = self.metrics.config.samples_per_step
+        if not count:
+            return
+        group = self.config.grpo.group_size
+        batch = rollouts.batch
+        indices = list(range(0, len(batch.trajectories), group))[:count]
+        path = Path(self.metrics.config.log_dir) / SAMPLES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for record in batch.samples(self.tok, indices):
+                f.write(json.dumps({"step": step, **record}) + "\n")
 
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
@@ -833,6 +853,15 @@ class GRPOApp(RLLoop):
                 "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             },
             "panels": [
+                # How training went (issue 38): the loss and the KL to the reference, each
+                # reward function's mean, the response length.
+                PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
+                          labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
+                PlotPanel(keys=[f"reward/{name}" for name in self.rubric.names],
+                          ylabel="mean score",
+                          labels={f"reward/{name}": name for name in self.rubric.names}),
+                PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
+                          labels={"rollout/response_tokens": "response length (mean)"}),
                 PlotPanel(
                     keys=["time/step", "time/generator_idle", "time/trainer_idle"],
                     ylabel="seconds per step",

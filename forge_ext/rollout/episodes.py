@@ -147,6 +147,24 @@ class EpisodeBatch:
             agent=first.agent,
         )
 
+    def samples(self, tok: CheckpointTokenizer, indices: list[int]) -> list[dict]:
+        """Episodes ``indices`` as records for a samples file: the row's prompt text and
+        answer, the ``completion`` the rubric scored (the last model turn decoded, or an
+        agent's answer), whether it ``finished``, the episode's ``reward``, each reward
+        function's score (``rewards``), ``response_tokens`` and ``turns``."""
+        records = []
+        for i in indices:
+            t = self.trajectories[i]
+            text, finished = tok.completion_text(t.last_turn)
+            records.append({
+                "prompt": t.row.text, "answer": t.row.answer,
+                "completion": t.answer if t.answer is not None else text,
+                "finished": finished, "reward": self.rewards[i],
+                "rewards": {name: v[i] for name, v in self.scores.by_function.items()},
+                "response_tokens": len(t.response_ids), "turns": t.turns,
+            })
+        return records
+
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
         ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction),
