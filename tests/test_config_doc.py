@@ -116,11 +116,15 @@ def test_help_takes_under_two_seconds_and_imports_nothing_heavy(app):
                             text=True, timeout=120)
     assert "usage: python -m apps." in result.stdout and "config reference" in result.stdout
     assert "EXIT 0 IMPORTED []" in result.stderr, result.stderr[-2000:]
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "pass"], cwd=root, check=True)
-    bare = time.perf_counter() - start
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", f"apps.{app}.main", "--help"], cwd=root, check=True,
-                   capture_output=True, timeout=120)
-    took = time.perf_counter() - start
+
+    def seconds(*args):  # the best of 3: a busy machine's spikes are not the command's
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, *args], cwd=root, check=True, capture_output=True,
+                           timeout=120)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    bare, took = seconds("-c", "pass"), seconds("-m", f"apps.{app}.main", "--help")
     assert took < 2.0 + bare, f"--help took {took:.1f} s (a bare python: {bare:.1f} s)"
