@@ -55,10 +55,15 @@ from forge_ext.engine.checkpoint import CheckpointManager
 # - CheckpointManager.Config.__post_init__: "initial_load_model_only=True has no effect without
 #   an initial_load_path": True is its default, and the engine loads model.hf_path itself;
 # - StateDictAdapter.__init__: "model.safetensors.index.json not found ...": an unsharded
-#   checkpoint has none, and the engine never saves through the adapter's HF writer.
+#   checkpoint has none, and the engine never saves through the adapter's HF writer;
+# - LRSchedulersContainer (components/optimizer/lr_scheduler.py): "Warmup steps (10) exceed
+#   total steps (2) ..." and "Warmup (10) + decay (3) steps exceed total steps ...": a short
+#   run (a try, a test) of a config written for a long one; torchtitan fits the warm-up and
+#   decay into the run itself, so there is nothing for the user to fix.
 TITAN_NOTICES_NOT_APPLICABLE = (
     "initial_load_model_only=True has no effect without an initial_load_path",
     "model.safetensors.index.json not found at hf_assets_path",
+    "Warmup steps (", "Warmup (",
 )
 
 
