@@ -278,6 +278,10 @@ def test_a_run_without_a_kl_term_spawns_no_reference(demo_checkpoint):
                                 "loss.kl_coef=0"])
     assert config.reference is None and set(config.processes()) == {"trainer", "generator"}
     assert load_config(path, [f"model.hf_path={demo_checkpoint}"]).reference is not None
+    # PPO's KL penalty in the reward needs the reference's log-probs with loss.kl_coef 0.
+    ppo = load_config(str(CONFIGS / "ppo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", "loss.kl_coef=0", "algorithm.kl_in_reward=true"])
+    assert ppo.reference is not None and "reference" in ppo.processes()
 
 
 def test_hand_set_sizes_that_disagree_are_refused_together_in_one_message(demo_checkpoint):
