@@ -1,4 +1,5 @@
 PYTHON ?= python3.11
+SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -24,8 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	if [ "$(VLLM_BUILD)" = cpu ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
+# The suite's output is also kept in .pytest.log; a run that does not pass ends with a short
+# report of it (tests/suite_report.py: what ran last, what failed, a crash's Python frames).
 test: $(STAMP)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest tests
+	@set -o pipefail; PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 $(PY) -m pytest tests 2>&1 | tee .pytest.log \
+	  || { status=$$?; $(PY) tests/suite_report.py .pytest.log $$status; exit $$status; }
 
 demo: $(STAMP)
 	$(PY) -m apps.sft.main --config configs/sft_cpu_demo.yaml

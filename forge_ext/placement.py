@@ -1,6 +1,6 @@
 """Where each role's processes run: Monarch host meshes chosen by the YAML ``hosts:`` section.
 
-A role (``trainer``, ``reference``, ``generator``) runs on a host mesh; its procs are
+A role (``trainer``, ``reference``, ``critic``, ``generator``) runs on a host mesh; its procs are
 ``procs_per_host`` processes on each of its ``hosts``. The launcher says where hosts come from;
 every launcher is Monarch's own, this module only chooses one, validates the layout before
 anything starts, and stops what it started::
@@ -70,7 +70,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "processes", "slurm", "attach")
-ROLES = ("trainer", "reference", "generator")
+ROLES = ("trainer", "reference", "critic", "generator")
 # A worker address: a ZMQ-style channel URL (tcp://host:port, ipc://path), optionally as a
 # Monarch ProcAddr (<proc id>@<url>); see monarch.actor.attach_to_workers.
 _ADDRESS = re.compile(r"^(\S+@)?(tcp|metatls|ipc)://\S+$")
@@ -144,6 +144,8 @@ class HostsConfig:
     allocation) or ``attach`` (workers already running, addresses in ``hosts.attach``)."""
     trainer: RoleHosts = field(default_factory=RoleHosts)
     reference: RoleHosts = field(default_factory=RoleHosts)
+    critic: RoleHosts = field(default_factory=RoleHosts)
+    """The critic's hosts (PPO, ``algorithm.advantage: gae``)."""
     generator: RoleHosts = field(default_factory=RoleHosts)
     slurm: SlurmHosts = field(default_factory=SlurmHosts)
     attach: dict[str, list[str]] = field(default_factory=dict)

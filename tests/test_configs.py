@@ -48,7 +48,7 @@ def test_configs_exist_for_demo_gpu_and_pp_ga():
 
 @pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml",
                                   "grpo_cpu_lora.yaml",
-                                  "grpo_cpu_chain_sum.yaml"])
+                                  "grpo_cpu_chain_sum.yaml", "ppo_cpu_demo.yaml"])
 def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
     assert isinstance(config, GRPOConfig)
@@ -58,6 +58,17 @@ def test_cpu_grpo_configs_validate(name, demo_checkpoint):
         assert config.reference_is_trainer_base and name == "grpo_cpu_lora.yaml"
     else:
         assert config.reference["model"]["hf_path"] == demo_checkpoint
+
+
+def test_ppo_demo_is_the_grpo_demo_with_a_critic_at_the_same_samples_per_step(demo_checkpoint):
+    grpo, ppo = (load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])
+                 for name in ("grpo_cpu_demo.yaml", "ppo_cpu_demo.yaml"))
+    assert ppo.algorithm.advantage == "gae" and ppo.critic is not None
+    assert ppo.grpo.group_size == 1 and ppo.grpo.batch_size == grpo.grpo.batch_size == 512
+    # The policy's side is the GRPO demo's: same trainer (but its folder), loss and steps.
+    assert {**ppo.trainer, "dump_folder": None} == {**grpo.trainer, "dump_folder": None}
+    assert ppo.loss == grpo.loss and ppo.loop.steps == grpo.loop.steps
+    assert ppo.output_dir != grpo.output_dir
 
 
 def test_pp_ga_variant_overrides_only_the_trainer_split(demo_checkpoint):
@@ -134,6 +145,8 @@ def test_sft_config_validates_and_shares_the_demo_task():
         ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded"),
         ("trainer.parallelism.data_parallel_shard_degree=2",
          "degrees multiply to 2 processes, but the SFT app trains in this one process"),
+        ("trainer.training.seq_len=6",  # a rank's traceback mid-run before (issue 38)
+         r"trainer.training.seq_len=6 < \d+ tokens \(longest training prompt \+ answer"),
     ],
 )
 def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
@@ -235,9 +248,54 @@ def test_cross_section_checks(demo_checkpoint):
     with pytest.raises(ValueError, match="loss.kl_coef=0.01 needs a reference"):
         load_config(path, [model, "reference=null"])
     with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=512 x 1 .* = 128"):
-        load_config(path, [model, "grpo.prompts_per_step=16"])
+        load_config(path, [model, "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512"])
     with pytest.raises(ValueError, match="needs trainer.checkpoint.enable=true"):
         load_config(path, [model, "trainer.checkpoint.enable=false"])
+
+
+def test_a_run_resized_by_prompts_per_step_alone_validates(demo_checkpoint):
+    """Batch sizes follow from grpo.prompts_per_step x grpo.group_size / data-parallel ranks,
+    and the reference's seq_len from the trainer's, unless set (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    model = f"model.hf_path={demo_checkpoint}"
+    config = load_config(path, [model, "grpo.prompts_per_step=16"])
+    assert config.trainer["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["seq_len"] == config.trainer["training"]["seq_len"] == 32
+    config = load_config(path, [model, "grpo.group_size=4", "trainer.training.seq_len=48",
+                                "procs.trainer.num_procs=2"])
+    assert config.trainer["training"]["local_batch_size"] == 64 * 4 // 2  # two DP ranks
+    assert config.reference["training"]["local_batch_size"] == 64 * 4
+    assert config.reference["training"]["seq_len"] == 48
+
+
+def test_a_run_without_a_kl_term_spawns_no_reference(demo_checkpoint):
+    """The DAPO preset with loss.kl_coef=0 on the demo (whose reference: section it
+    inherits) spawned and ran a reference model for nothing (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    config = load_config(path, [f"model.hf_path={demo_checkpoint}", "loss.preset=dapo",
+                                "loss.kl_coef=0"])
+    assert config.reference is None and set(config.processes()) == {"trainer", "generator"}
+    assert load_config(path, [f"model.hf_path={demo_checkpoint}"]).reference is not None
+    # PPO's KL penalty in the reward needs the reference's log-probs with loss.kl_coef 0.
+    ppo = load_config(str(CONFIGS / "ppo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", "loss.kl_coef=0", "algorithm.kl_in_reward=true"])
+    assert ppo.reference is not None and "reference" in ppo.processes()
+
+
+def test_hand_set_sizes_that_disagree_are_refused_together_in_one_message(demo_checkpoint):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError) as refused:
+        load_config(path, [f"model.hf_path={demo_checkpoint}", "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512",
+                           "reference.training.local_batch_size=256",
+                           "reference.training.seq_len=64"])
+    message = str(refused.value)
+    assert message.startswith("sizes that disagree: ")
+    assert "trainer.training.local_batch_size=512 x 1 data-parallel ranks = 512 sequences" in message
+    assert "reference.training.local_batch_size=256 x 1" in message
+    assert "reference.training.seq_len=64 but trainer.training.seq_len=32" in message
 
 
 @pytest.mark.parametrize(
@@ -432,6 +490,35 @@ def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_p
         (out / "checkpoints" / f"step-{step}").mkdir(parents=True)
     (out / "checkpoints" / "step-5" / ".metadata").write_text("")
     assert latest_checkpoint_step(config) == 5  # step-10 is incomplete: no .metadata yet
+
+
+def test_a_resume_is_announced_before_anything_is_spawned(demo_checkpoint, tmp_path):
+    """The plan printed before spawning says the run resumes (it came after the spawn, 54 s
+    later, issue 38)."""
+    from apps.grpo.main import GRPOApp
+
+    out = tmp_path / "run"
+    overrides = [f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=8",
+                 "task.num_train=16", "task.num_eval=2"]
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    assert not any("resuming" in line for line in GRPOApp(config).plan_lines(["generator"], None))
+    (out / "checkpoints" / "step-5").mkdir(parents=True)
+    (out / "checkpoints" / "step-5" / ".metadata").write_text("")
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    lines = GRPOApp(config).plan_lines(["generator"], None)
+    assert f"resuming from the checkpoint of step 5 in {out}" in lines
+
+
+def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_checkpoint,
+                                                                         tmp_path):
+    from apps.grpo.main import GRPOApp
+
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path}", "task.num_train=16",
+        "task.num_eval=2"])
+    spec = GRPOApp(config).plot_spec()
+    plotted = {key for panel in spec["panels"] for key in panel.keys}
+    assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
 
 
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):

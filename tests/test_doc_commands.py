@@ -42,6 +42,7 @@ SLOW = [
     (r"python -c .*run_worker_loop_forever", "starts a worker that serves until killed"),
     (r"(FORGE_\w+=1 )?(\S*/)?python -m pytest\b", "tests: run by the suite itself"),
     (r"tensorboard\b", "a server that runs until stopped"),
+    (r"curl\b", "talks to a running run's endpoint"),
 ]
 #: Commands run as written, in this process or a shell, under a minute.
 QUICK = [
@@ -49,6 +50,7 @@ QUICK = [
     r"python -m apps\.config_reference --check$",
     r"cat > \S+ <<",
     r"(ls|cat|head|tail|wc|mkdir|echo)\b",
+    r"\w+=\S*$",  # a shell variable set for the next commands
 ]
 
 
@@ -169,6 +171,9 @@ def test_each_command_runs_as_written_or_its_config_validates(block, tmp_path, m
             "apps.grpo.main", "apps.sft.main", "apps.eval")
         if kind == "slow":
             if is_app and "--config" in argv:
+                for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+                    if entry:  # the user's modules (an agent, a reward) the config names
+                        monkeypatch.syspath_prepend(str(tmp_path / entry))
                 _validate_app_command(argv)
             skipped.append(f"{command.splitlines()[0]} ({reason})")
         elif kind == "quick" and is_app:  # --help, in this process

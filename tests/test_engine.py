@@ -451,3 +451,91 @@ def test_a_save_with_measurably_too_little_free_space_is_refused_before_writing(
     )):
         engine.save_checkpoint(2)
     assert not os.path.exists(tmp_path / "ckpt" / "step-2")
+
+
+def value_head_engine(**training) -> TitanEngine:
+    c = config(**training)
+    c["model"]["value_head"] = True
+    return TitanEngine(c)
+
+
+def test_value_head_is_exact_under_gradient_accumulation():
+    """A critic (``model.value_head``) trains on the clipped value loss through the same
+    microbatch core: GA=4 gives GA=1's loss and gradient, and both equal plain autograd of
+    the value loss written out over the whole batch (no microbatches, no loss weights)."""
+    from forge_ext.engine.base import split_batch
+    from forge_ext.losses.value import ValueLoss
+
+    init_single_process_env()
+    engine = value_head_engine()
+    weights_ = random_state_dict(engine.model_state_dict(), seed=11, std=0.1)
+    engine.load_model_state_dict(weights_)
+    batch = make_lm_batch(8, 32, 256, seed=11, ignore_prefix=PREFIX)
+    values = engine.forward_batch(batch)
+    assert values.shape == (8, 32, 1)
+    g = torch.Generator().manual_seed(11)
+    batch["old_values"] = values[..., 0] + 0.5 * torch.randn(8, 32, generator=g)
+    batch["returns"] = torch.randn(8, 32, generator=g)
+    loss_fn = ValueLoss(ValueLoss.Config(clip_value=0.2))
+    results = {}
+    for k in (1, 4):
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(split_batch(batch, k), loss_fn, loss_fn.weight)
+        results[k] = (out, grads(engine))
+    engine.optimizer_zero_grad()
+    v = engine.model_parts[0](batch["input_ids"])[..., 0]
+    valid = batch["labels"] != -100
+    old, ret = batch["old_values"], batch["returns"]
+    clipped = old + (v - old).clamp(-0.2, 0.2)
+    token = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+    reference = token[valid].mean()
+    reference.backward()
+    want = grads(engine)
+    assert 0 < results[4][0].metrics["clip_fraction"] < 1
+    for k, (out, got) in results.items():
+        assert out.loss == pytest.approx(float(reference), rel=1e-5), k
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4,
+                                       atol=1e-5 * float(want[name].abs().max()), msg=name)
+
+
+def test_value_head_reads_a_classifier_score_and_starts_at_zero_on_a_causal_lm(tmp_path):
+    """``model.value_head`` on transformers' ``Qwen3ForSequenceClassification`` (num_labels
+    1) reproduces its per-position scores (``score.weight`` read, exported under that name);
+    on a causal LM checkpoint it reads the trunk only and its head starts at zero."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification
+
+    init_single_process_env()
+    torch.manual_seed(0)
+    arch = Qwen3Config(**HF_ARCH, num_labels=1, pad_token_id=0, attn_implementation="sdpa")
+    classifier = Qwen3ForSequenceClassification(arch).float().eval()
+    with torch.no_grad():
+        for name, p in classifier.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    classifier.save_pretrained(tmp_path / "rm")
+    engine = TitanEngine({"model": {"flavor": "hf", "hf_path": str(tmp_path / "rm"),
+                                    "value_head": True},
+                          "training": {"local_batch_size": 2, "seq_len": 64}})
+    batch = make_lm_batch(2, 48, HF_ARCH["vocab_size"], seed=9)
+    batch["input_ids"].clamp_(min=1)  # no pad id inside: HF scores the last token
+    with torch.no_grad():
+        hidden = classifier.model(batch["input_ids"]).last_hidden_state
+        expected = classifier.score(hidden)
+        last = classifier(batch["input_ids"]).logits
+    got = engine.forward_batch(batch)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[:, -1], last, rtol=1e-4, atol=1e-4)
+    exported = engine.hf_state_dict()
+    assert "score.weight" in exported and "lm_head.weight" not in exported
+    torch.testing.assert_close(full(exported["score.weight"]), classifier.score.weight)
+
+    causal = Qwen3ForCausalLM(Qwen3Config(**HF_ARCH)).float()
+    causal.model.load_state_dict(classifier.model.state_dict())
+    causal.save_pretrained(tmp_path / "lm")
+    critic = TitanEngine({"model": {"flavor": "hf", "hf_path": str(tmp_path / "lm"),
+                                    "value_head": True},
+                          "training": {"local_batch_size": 2, "seq_len": 64}})
+    assert (critic.forward_batch(batch) == 0).all()
+    trunk = {k: full(v) for k, v in critic.hf_state_dict().items() if k != "score.weight"}
+    for k, v in trunk.items():
+        torch.testing.assert_close(v, classifier.state_dict()[k], msg=k)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import pytest_asyncio
 import torch
-from conftest import assert_grad_close, make_lm_batch, random_state_dict, spawn_all
+from conftest import assert_grad_close, full, make_lm_batch, random_state_dict, spawn_all
 
 from forge_ext.actors import spawn_trainer
 
@@ -28,6 +28,7 @@ PREFIX = [0, 25, 3, 30, 10, 0, 31, 16]
 # rows 4-7 with 31+30+29+30 = 120: a rank-local normalisation is far off the global one.
 DP_PREFIX = [27, 28, 29, 30, 0, 1, 2, 1]
 BUDGET = 96  # training.max_tokens_per_microbatch of the token-budget trainer
+CRITIC_LOSS = {"name": "value", "clip_value": 0.2}
 
 
 def trainer_config(dp: int, fsdp: bool = False, **extra):
@@ -52,7 +53,10 @@ async def trainers(tmp_path_factory):
     budget = trainer_config(2, fsdp=True)
     budget["training"].pop("microbatch_size")
     budget["training"]["max_tokens_per_microbatch"] = BUDGET
-    dp1, dp2, fsdp2, grpo, budget2 = await spawn_all(
+    critic = trainer_config(2, fsdp=True, checkpoint={"enable": True, "folder": "critic"},
+                            dump_folder=str(tmp_path_factory.mktemp("ckpt_critic")))
+    critic["model"]["value_head"] = True
+    dp1, dp2, fsdp2, grpo, budget2, critic2 = await spawn_all(
         spawn_trainer(trainer_config(1, **ckpt)),
         spawn_trainer(trainer_config(
             2, checkpoint={"enable": True, "folder": "ckpt"},
@@ -61,8 +65,10 @@ async def trainers(tmp_path_factory):
         spawn_trainer(trainer_config(2, fsdp=True)),
         spawn_trainer(trainer_config(2), loss=GRPO_LOSS),
         spawn_trainer(budget),
+        spawn_trainer(critic, loss=CRITIC_LOSS),
     )
-    handles = {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "grpo": grpo, "budget2": budget2}
+    handles = {"dp1": dp1, "dp2": dp2, "fsdp2": fsdp2, "grpo": grpo, "budget2": budget2,
+               "critic2": critic2}
     yield {**handles, "ckpt": ckpt}
     await asyncio.gather(*(handle.stop() for handle in handles.values()))
 
@@ -307,3 +313,74 @@ async def test_every_grpo_variant_under_dp2_equals_dp1(trainers):
     assert all(b - a > 1e-3 * abs(b) for a, b in zip(values, values[1:])), losses
     with pytest.raises(ValueError, match="loss.aggregation='nope'"):
         await dp2.set_loss({"name": "grpo", "aggregation": "nope"})
+
+
+def critic_targets(values, seed):
+    """``old_values`` near the given values (the clip binds on some tokens) and returns."""
+    g = torch.Generator().manual_seed(seed)
+    return {"old_values": values + 0.5 * torch.randn(values.shape, generator=g),
+            "returns": torch.randn(values.shape, generator=g)}
+
+
+async def test_critic_gradients_under_fsdp2_and_ga_equal_one_process_autograd(trainers):
+    """The critic (value head, clipped value loss) on 2 FSDP ranks x 2 microbatches each,
+    ranks of 10 and 120 valid tokens: its loss and every parameter's gradient equal plain
+    autograd of the value loss over the whole batch in one process (no ranks, no
+    microbatches, no loss weights)."""
+    from forge_ext.engine import TitanEngine
+    from forge_ext.engine.distributed import init_single_process_env
+
+    critic = trainers["critic2"]
+    init_single_process_env()
+    config = trainer_config(1)
+    config["model"]["value_head"] = True
+    local = TitanEngine(config)
+    weights = random_state_dict(local.hf_state_dict(), seed=12, std=0.1)
+    local.load_model_state_dict(local.sd_adapter.from_hf(weights))
+    await critic.load_hf_state_dict(weights)
+    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=12, ignore_prefix=DP_PREFIX)
+    values = (await critic.forward(split(batch, 2)[0], split(batch, 2)[1], output="values"))
+    torch.testing.assert_close(values, local.forward_batch(batch)[..., 0])
+    batch.update(critic_targets(values, seed=12))
+    v = local.model_parts[0](batch["input_ids"])[..., 0]
+    valid = batch["labels"] != -100
+    old, ret = batch["old_values"], batch["returns"]
+    token = 0.5 * torch.maximum((v - ret) ** 2, (old + (v - old).clamp(-0.2, 0.2) - ret) ** 2)
+    expected = token[valid].mean()
+    expected.backward()
+    want = {n: full(p.grad) for n, p in local.model_parts[0].named_parameters()}
+    inputs, targets = split(batch, 2)
+    for target, lo in zip(targets, (0, GLOBAL_BATCH // 2)):
+        for key in ("old_values", "returns"):
+            target[key] = batch[key][lo : lo + GLOBAL_BATCH // 2]
+    fb = await critic.forward_backward(inputs, targets)
+    got = await critic.get_gradients()
+    await critic.optim_step()  # consumes (zeroes) the gradients
+    assert fb["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert 0 < fb["loss/clip_fraction"] < 1
+    assert set(got) == set(want)
+    for name in want:
+        assert_grad_close(got[name], want[name], name)
+
+
+async def test_critic_checkpoint_restores_its_weights_optimizer_and_schedule(trainers):
+    """A critic reloaded from its checkpoint takes the next two steps exactly as the critic
+    that saved it went on: the loss of the first shows the weights, the second's the Adam
+    moments and the LR schedule."""
+    critic = trainers["critic2"]
+    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=13, ignore_prefix=DP_PREFIX)
+    inputs, targets = split(batch, 2)
+    values = await critic.forward(inputs, targets, output="values")
+    extra = critic_targets(values, seed=13)
+    for target, lo in zip(targets, (0, GLOBAL_BATCH // 2)):
+        for key, value in extra.items():
+            target[key] = value[lo : lo + GLOBAL_BATCH // 2]
+    await critic.train_step(inputs, targets)  # Adam moments before the save
+    saved = await critic.save_checkpoint()
+    expected = [await critic.train_step(inputs, targets, return_metrics=True) for _ in range(2)]
+    assert await critic.load_checkpoint(saved) == saved
+    got = [await critic.train_step(inputs, targets, return_metrics=True) for _ in range(2)]
+    for e, g in zip(expected, got):
+        for key in ("loss", "grad_norm", "lr", "loss/clip_fraction"):
+            assert g[key] == e[key], key
+    assert expected[1]["loss"] != expected[0]["loss"]

@@ -9,6 +9,9 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     reward:    forge_ext.tasks.RewardConfig   reward functions, weights, timeout, on_error
     grpo:      {prompts_per_step, group_size, advantage_scaling, dynamic_sampling,
                 max_rollout_batches}
+    algorithm: forge_ext.advantages.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
+    critic:    engine mapping or null         PPO's value model (forge_ext.actors.critic); with
+                                              algorithm.advantage: gae
     prompt:    forge_ext.tasks.PromptConfig   template, chat_template: how a row becomes ids
     loss:      GRPOLoss.Config                preset, aggregation, ratio_level, clip_eps_low/high,
                                               kl_coef, mask_truncated, off_policy_correction
@@ -18,7 +21,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
                                               the trainer's base with its adapters disabled)
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
-    procs:     {env, trainer, reference, generator}  processes and environment per role
+    procs:     {env, trainer, reference, critic, generator}  processes and environment per role
     hosts:     forge_ext.placement.HostsConfig  where roles run: launcher, hosts per role
     metrics:   MetricsConfig
     eval:      forge_ext.evaluation.EvalConfig  held-out accuracy, evaluation sets (pass@k ...)
@@ -33,9 +36,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from forge_ext.actors.critic import critic_engine_config, critic_sections
 from forge_ext.actors.generator import GeneratorConfig
 from forge_ext.actors.reference import data_parallel_size
 from forge_ext.actors.trainer import check_weights_transport, world_size_of
+from forge_ext.advantages import AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.evaluation import EvalConfig, check_sets
@@ -60,7 +65,9 @@ class GRPOSection:
     prompts_per_step: int = 8
     """Distinct training prompts per step."""
     group_size: int = 8
-    """Completions sampled per prompt; advantages are relative to each group's mean."""
+    """Completions sampled per prompt; advantages are relative to each group's mean (``grpo``,
+    ``rloo``: at least 2). PPO (``algorithm.advantage: gae``) takes 1: its baseline is the
+    critic's."""
     advantage_scaling: Literal["group_std", "none", "batch_std"] = "group_std"
     """What the mean-centred rewards are divided by: the group's std (DeepSeekMath), nothing
     (Dr. GRPO), or the whole batch's std (:func:`forge_ext.losses.compute_group_advantages`)."""
@@ -74,10 +81,10 @@ class GRPOSection:
     (zero advantage: no policy gradient, counted in ``rollout/short_groups``)."""
 
     def __post_init__(self) -> None:
-        if self.prompts_per_step < 1 or self.group_size < 2:
+        if self.prompts_per_step < 1 or self.group_size < 1:
             raise ValueError(
-                f"grpo.prompts_per_step={self.prompts_per_step} must be >= 1 and "
-                f"grpo.group_size={self.group_size} >= 2 (a group of one has no advantage)"
+                f"grpo.prompts_per_step={self.prompts_per_step} and grpo.group_size="
+                f"{self.group_size} must be >= 1"
             )
         from forge_ext.losses.grpo import ADVANTAGE_SCALINGS
 
@@ -116,6 +123,8 @@ class ProcsSection:
     """The trainer's processes."""
     reference: RoleProcs = field(default_factory=RoleProcs)
     """The reference model's processes."""
+    critic: RoleProcs = field(default_factory=RoleProcs)
+    """The critic's processes (PPO)."""
     generator: RoleProcs = field(default_factory=RoleProcs)
     """The generator's processes (one per replica: ``generator.replicas``)."""
 
@@ -176,6 +185,15 @@ class GRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """Prompts per step, samples per prompt, advantage scaling and dynamic sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The advantage estimator: ``grpo`` (default), ``rloo``, or ``gae`` (PPO, with the
+    ``critic:`` role)."""
+    critic: dict[str, Any] | None = None
+    """PPO's value model (:class:`forge_ext.actors.critic.CriticConfig`: an engine section
+    like ``trainer:`` plus ``hf_path``, ``clip_value``, ``warmup_steps``), on its own procs;
+    needed by, and only by, ``algorithm.advantage: gae``. ``{}`` takes every default: the
+    policy's checkpoint with a value head, the trainer's batch settings are not copied (give
+    ``training``)."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
     loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
     """The GRPO loss: its variant (``preset``, aggregation, ratio level), clipping, KL
@@ -184,7 +202,9 @@ class GRPOConfig:
     """The frozen reference model's engine (an engine section like ``trainer:``, usually
     ``model: ${trainer.model}``) for the KL term, on its own procs; null needs
     ``loss.kl_coef: 0``, or ``trainer.lora``: then the reference is the trainer's own frozen
-    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``)."""
+    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``). Unused,
+    and not spawned, when ``loss.kl_coef`` is 0 (the DAPO, Dr. GRPO and GSPO presets) and
+    ``algorithm.kl_in_reward`` is false."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
     """Processes per role and their environment variables."""
@@ -200,6 +220,12 @@ class GRPOConfig:
     """Fault injection for tests."""
 
     def __post_init__(self) -> None:
+        if (self.loss.kl_coef == 0 and not self.algorithm.kl_in_reward
+                and self.reference is not None):
+            # No KL term (in the loss or in PPO's reward): a reference would be a role spawned
+            # (a model loaded, a forward per step) for nothing but the logged kl; none is
+            # spawned (the run record says null).
+            self.reference = None
         self._lora_generator()
         # Lengths that default to the response limit, filled here so that the run record
         # holds the values the run used.
@@ -308,6 +334,7 @@ class GRPOConfig:
                 "reference: section, trainer.lora (the reference is then the trainer's base) "
                 "or loss.kl_coef=0"
             )
+        self._validate_algorithm()
         if self.loop.save_every and not self.trainer.get("checkpoint", {}).get("enable"):
             raise ValueError(
                 f"loop.save_every={self.loop.save_every} needs trainer.checkpoint.enable=true"
@@ -324,20 +351,104 @@ class GRPOConfig:
                 "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
                 "directory"
             )
+        self._derive_sizes()
         engines = self._engines()
         check_weights_transport(engines["trainer"], self.weights)
         processes = self.processes(engines)
         layout = self.hosts.layout(processes)
         self._check_replica_devices(layout["generator"][1])
-        for name, engine in engines.items():
-            dp = data_parallel_size(engine, processes[name])
-            global_batch = engine.training.local_batch_size * dp
-            if global_batch != self.grpo.batch_size:
+
+    def _derive_sizes(self) -> None:
+        """Fill the sizes that follow from the rest of the config where they are unset (so a
+        run is resized by ``grpo.prompts_per_step`` or ``grpo.group_size`` alone, as verl and
+        TRL derive theirs from the rollout batch): ``training.local_batch_size`` of the trainer
+        and the reference = ``grpo.batch_size`` / their data-parallel ranks, and the
+        reference's ``training.seq_len`` = the trainer's (it scores the same sequences).
+
+        Raises:
+            ValueError: every hand-set value that disagrees (and a batch the data-parallel
+                ranks cannot split), all in one message.
+        """
+        batch = self.grpo.batch_size
+        sections = {"trainer": self.trainer}
+        if self.reference is not None:
+            sections["reference"] = self.reference
+        given = {role: dict(section.get("training") or {}) for role, section in sections.items()}
+        # Parsed once with the whole batch in place of an unset local_batch_size (any split
+        # that divides batch / dp divides batch too, so this refuses nothing the real one
+        # takes), and the reference with the trainer's seq_len unless it has its own.
+        unset = {"local_batch_size": batch, **({"seq_len": given["trainer"]["seq_len"]}
+                                                if "seq_len" in given["trainer"] else {})}
+        engines = {role: engine_config_from_mapping(
+            {**section, "training": {**unset, **given[role]}}, section=role)
+            for role, section in sections.items()}
+        processes = self.processes(engines)
+        problems = []
+        for role, section in sections.items():
+            dp = data_parallel_size(engines[role], processes[role])
+            local = given[role].get("local_batch_size")
+            if local is not None and local * dp != batch:
+                problems.append(
+                    f"{role}.training.local_batch_size={local} x {dp} data-parallel ranks = "
+                    f"{local * dp} sequences, but grpo.prompts_per_step x grpo.group_size = "
+                    f"{batch} (unset it: it follows, {batch} / {dp})")
+            elif local is None and batch % dp:
+                problems.append(
+                    f"grpo.prompts_per_step x grpo.group_size = {batch} sequences do not split "
+                    f"over {role}'s {dp} data-parallel ranks; make it a multiple of {dp}")
+            elif local is None:
+                section.setdefault("training", {})["local_batch_size"] = batch // dp
+        if "reference" in sections:
+            trainer_len = engines["trainer"].training.seq_len
+            reference_len = given["reference"].get("seq_len")
+            if reference_len is not None and reference_len != trainer_len:
+                problems.append(
+                    f"reference.training.seq_len={reference_len} but trainer.training.seq_len="
+                    f"{trainer_len}: the reference scores the trainer's sequences (unset it: "
+                    "it follows the trainer's)")
+            elif reference_len is None:
+                self.reference.setdefault("training", {})["seq_len"] = trainer_len
+        if problems:
+            raise ValueError("sizes that disagree: " + "; ".join(problems))
+
+    def _validate_algorithm(self) -> None:
+        """The estimator against the sections it needs (before the engines are read).
+
+        Raises:
+            ValueError: naming the fields that disagree and the fix.
+        """
+        a = self.algorithm
+        a.build(group_size=self.grpo.group_size, scaling=self.grpo.advantage_scaling)
+        if a.needs_critic and self.critic is None:
+            raise ValueError(
+                "algorithm.advantage=gae needs the critic: section (the value model; "
+                "critic: {} takes the policy's checkpoint and defaults, plus critic.training)")
+        if self.critic is not None and not a.needs_critic:
+            raise ValueError(
+                f"critic: is set but algorithm.advantage={a.advantage} uses no critic; set "
+                "algorithm.advantage=gae, or critic=null")
+        if a.needs_critic and self.grpo.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling drops groups whose rewards are all equal, which means "
+                "nothing to algorithm.advantage=gae (its baseline is the critic's); set "
+                "grpo.dynamic_sampling=false")
+        if a.kl_in_reward and self.reference is None and not self.trainer.get("lora"):
+            raise ValueError(
+                "algorithm.kl_in_reward needs a reference model's log-probs; set the "
+                "reference: section (or trainer.lora), or algorithm.kl_in_reward=false")
+        if self.critic is not None:
+            engine, options = critic_sections(self.critic, policy_hf_path=self.model.hf_path,
+                                              trainer=self.trainer)
+            if (self.loop.save_every or self.trainer.get("checkpoint", {}).get("enable")) \
+                    and not engine["checkpoint"]["enable"]:
                 raise ValueError(
-                    f"{name}.training.local_batch_size={engine.training.local_batch_size} x "
-                    f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
-                    f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
-                )
+                    "critic.checkpoint.enable=false while the trainer checkpoints: a resumed "
+                    "run would restart the critic from scratch; set "
+                    "critic.checkpoint.enable=true (the default)")
+            if options.warmup_steps >= self.loop.steps > 0:
+                raise ValueError(
+                    f"critic.warmup_steps={options.warmup_steps} >= loop.steps="
+                    f"{self.loop.steps}: the policy would never train")
 
     def _check_replica_devices(self, per_host: int) -> None:
         """Each host's generator replicas x ``tensor_parallel_size`` against what that host
@@ -370,12 +481,17 @@ class GRPOConfig:
                              "lower generator.replicas or the tensor parallelism")
 
     def _engines(self) -> dict[str, Any]:
-        """``{role: EngineConfig}`` of the trainer and (unless null) the reference."""
+        """``{role: EngineConfig}`` of the trainer, the reference and the critic (those not
+        null)."""
         sections = {"trainer": self.trainer}
         if self.reference is not None:
             sections["reference"] = self.reference
-        return {role: engine_config_from_mapping(mapping, section=role)
-                for role, mapping in sections.items()}
+        engines = {role: engine_config_from_mapping(mapping, section=role)
+                   for role, mapping in sections.items()}
+        if self.critic is not None:
+            engines["critic"] = critic_engine_config(
+                self.critic, policy_hf_path=self.model.hf_path, trainer=self.trainer)
+        return engines
 
     def processes(self, engines: dict[str, Any] | None = None) -> dict[str, int]:
         """``{role: process count}`` of the roles this run spawns: the trainer's and

@@ -47,6 +47,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
+    from apps.fast_help import print_saved_help
+
+    print_saved_help("grpo")
+
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
@@ -57,6 +62,7 @@ from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
     resolved_task,
 )
+from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -66,7 +72,7 @@ from forge_ext.disk import find_output_write_error
 from forge_ext.evaluation import as_logged, build_sets, close_sets, evaluate_sets
 from forge_ext.evaluation.sets import check_context
 from forge_ext.rollout.engines import Completion, derive_seed
-from forge_ext.losses.grpo import compute_group_advantages, groups_with_spread
+from forge_ext.losses.grpo import groups_with_spread
 from forge_ext.loop import RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import PlacementError
@@ -86,6 +92,10 @@ PROMPT_STREAM_FILE = "prompt_stream.json"
 """In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
 prompt stream position where each checkpointed step's prompts begin."""
 
+SAMPLES_FILE = "samples.jsonl"
+"""In ``metrics.log_dir``: ``metrics.samples_per_step`` completions per training step, one
+JSON object a line (:meth:`forge_ext.rollout.EpisodeBatch.samples`, with its ``step``)."""
+
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
     "loop.export_every", "eval.batch_size", "eval.sets", "export", "metrics", "procs",
@@ -94,8 +104,9 @@ MAY_CHANGE_ON_RESUME = (
     # Left out, the name comes from config.json's model_type, and the checkpoint files are
     # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
     "trainer.model.name", "reference.model.name",
+    "critic.model.name",
     # How a batch is split into microbatches: any split gives the same gradient.
-    *(f"{role}.training.{name}" for role in ("trainer", "reference") for name in (
+    *(f"{role}.training.{name}" for role in ("trainer", "reference", "critic") for name in (
         "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
         "pad_to_multiple_of", "packing")),
 )
@@ -114,6 +125,10 @@ class Rollouts:
     seconds: dict[str, float]
     stats: dict[str, float] = field(default_factory=dict)
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
+
+
+ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
+"""How the run calls itself on the console, by ``algorithm.advantage``."""
 
 
 class GRPOApp(RLLoop):
@@ -137,7 +152,9 @@ class GRPOApp(RLLoop):
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
         # a bad data file, field, reward or template is a config error now.
         task = build_task(config.task)
-        rubric = Rubric(config.reward, task)
+        episodes = episode_config(config.task)
+        # An environment's rewards may stand alone (no reward function).
+        rubric = Rubric(config.reward, task, environment=episodes.environment is not None)
         self.tok = CheckpointTokenizer(config.model.hf_path)
         self.render = render = PromptRenderer(self.tok, config.prompt)
         train_rows, self.eval_rows = list(task.train_rows()), list(task.eval_rows())
@@ -158,7 +175,6 @@ class GRPOApp(RLLoop):
             print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
                   f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
                   "(characters or words outside its vocabulary)", file=sys.stderr)
-        episodes = episode_config(config.task)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # The evaluation sets: their rows, prompts and rubrics, checked now.
         self.eval_sets = build_sets(
@@ -176,13 +192,12 @@ class GRPOApp(RLLoop):
         if config.generator.backend == "vllm":
             limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
         self.context = min((v for v in limits.values() if v is not None), default=None)
-        for field_name, limit in limits.items():
-            if limit is not None and longest > limit and episodes.agent is None:
-                close_sets(self.eval_sets)
-                raise ValueError(
-                    f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
-                    f"raise {field_name}"
-                )
+        short = [f"{field_name}={limit}" for field_name, limit in limits.items()
+                 if limit is not None and longest > limit and episodes.agent is None]
+        if short:  # every limit at once (the reference's seq_len follows the trainer's)
+            close_sets(self.eval_sets)
+            raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
+                             f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
         try:
             check_context(self.eval_sets, config.generator)
         except ValueError:
@@ -198,6 +213,8 @@ class GRPOApp(RLLoop):
         )
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
+        self.resume_step = resume_step
+        """The checkpoint step the run resumes from (0: it starts over)."""
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
@@ -206,7 +223,10 @@ class GRPOApp(RLLoop):
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
-        self.trainer = self.reference = self.generator = None
+        # The advantage estimator (algorithm.advantage); gae's needs the critic role.
+        self.estimator = config.algorithm.build(group_size=config.grpo.group_size,
+                                                scaling=config.grpo.advantage_scaling)
+        self.trainer = self.reference = self.generator = self.critic = None
         self.bar = None
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
@@ -223,6 +243,7 @@ class GRPOApp(RLLoop):
         from monarch.actor import this_host
 
         from forge_ext.actors import spawn_trainer
+        from forge_ext.actors.critic import spawn_critic
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.compat.torchstore_monarch import initialize_store
         from forge_ext.placement import Placement
@@ -231,7 +252,8 @@ class GRPOApp(RLLoop):
 
         c = self.config
         apply_env(c.procs.env)
-        roles = ["trainer", *(["reference"] if c.reference else []), "generator"]
+        roles = ["trainer", *(["reference"] if c.reference else []),
+                 *(["critic"] if c.critic is not None else []), "generator"]
         placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
         self.placement = placement
         # Before anything starts: a process or host that dies is one error naming it; a
@@ -327,7 +349,16 @@ class GRPOApp(RLLoop):
             )
             stops["generator"] = self.generator.stop
 
-        spawns = {"trainer": trainer, "reference": reference, "generator": generator}
+        async def critic():
+            self.critic = await spawn_critic(
+                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
+                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
+                spawn_procs=procs_of("critic"), master_addr=placement.master_addr,
+            )
+            stops["critic"] = self.critic.stop
+
+        spawns = {"trainer": trainer, "reference": reference, "critic": critic,
+                  "generator": generator}
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
             # Procs read the environment when they start, after the spawning call returns:
             # roles with their own environment are spawned one at a time.
@@ -352,6 +383,8 @@ class GRPOApp(RLLoop):
                        "generator": [h.procs for h in self.generator.handles]}
         if c.reference and not c.reference_is_trainer_base:
             roles_procs["reference"] = [self.reference.trainer.procs]
+        if self.critic is not None:
+            roles_procs["critic"] = [self.critic.trainer.procs]
         exposed = await placement.exposed_ports(roles_procs)
         if exposed:
             self.write(exposed)
@@ -404,13 +437,18 @@ class GRPOApp(RLLoop):
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        rewards = ", ".join(self.rubric.names) or "the environment's"
         return [
-            f"GRPO: {c.loop.steps} steps ({c.loop.mode}) of {c.grpo.prompts_per_step} prompts x "
+            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) "
+            f"of {c.grpo.prompts_per_step} prompts x "
             f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
+            f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
+            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"
+               + (" (a finished run: it only re-evaluates)"
+                  if self.resume_step >= c.loop.steps else "")] if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
@@ -432,7 +470,16 @@ class GRPOApp(RLLoop):
     async def load_checkpoint(self) -> int:
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return 0
-        return await self.trainer.load_checkpoint()
+        # The step both the policy and the critic have (a crash between their saves leaves
+        # the policy one ahead); the folder's step is the loop's, whatever the policy's own
+        # count of updates (it does not move during critic.warmup_steps).
+        step = latest_checkpoint_step(self.config)
+        if step == 0:
+            return 0
+        await self.trainer.load_checkpoint(step)
+        if self.critic is not None:
+            await self.critic.load_checkpoint(step)
+        return step
 
     def fast_forward(self, step: int) -> None:
         from tqdm import tqdm
@@ -449,9 +496,12 @@ class GRPOApp(RLLoop):
                     "dropped groups consumed. Use a new output_dir"
                 )
             self._stream_starts[step] = positions[str(step)]
+        # No bar when stdout is not a terminal (disable=None): a redirected log would hold
+        # its every carriage-return update; the per-step lines say the same.
         self.bar = tqdm(
-            total=self.loop.steps, initial=step, desc="GRPO", unit="step", file=sys.stdout,
-            dynamic_ncols=True,
+            total=self.loop.steps, initial=step, unit="step", file=sys.stdout,
+            desc=ALGORITHM_NAMES[self.config.algorithm.advantage], dynamic_ncols=True,
+            disable=None,
         )
 
     def write(self, line: str) -> None:
@@ -494,9 +544,9 @@ class GRPOApp(RLLoop):
                         for t in batches[k].trajectories[g * group : (g + 1) * group]]
         rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
         trained = len(chosen) * group
-        advantages = compute_group_advantages(
-            torch.tensor(rewards[:trained]), group, scaling=c.grpo.advantage_scaling
-        ).tolist() + [0.0] * (len(rewards) - trained)
+        # Per episode (grpo, rloo); gae's are per token, from the critic at train time.
+        advantages = self.estimator.episode_advantages(
+            torch.tensor(rewards[:trained])).tolist() + [0.0] * (len(rewards) - trained)
         episodes = [
             Episode(
                 prompt_ids=prompt_ids, response_ids=response_ids,
@@ -540,8 +590,8 @@ class GRPOApp(RLLoop):
         """
         if rows == self.config.grpo.batch_size:
             return
-        for role in ("trainer", "reference"):
-            section = getattr(self.config, role) if role == "trainer" else self.config.reference
+        for role in ("trainer", "reference", "critic"):
+            section = getattr(self.config, role)
             if section is not None and not section.get("training", {}).get(
                     "max_tokens_per_microbatch"):
                 raise ValueError(
@@ -653,15 +703,24 @@ class GRPOApp(RLLoop):
                 f"{self.trainer_version}, fewer than the {rows} a step trains on"
             )
         packed = pack_episodes(batch, pad_id=self.tok.pad_id)
+        critic_metrics, seconds = {}, dict(rollouts.seconds)
+        if self.critic is not None:
+            start = time.perf_counter()
+            critic_metrics = await self.critic_step(packed, batch)
+            seconds["critic"] = time.perf_counter() - start
         if c.debug.fail_at_step == step + 1:
             packed["advantages"].fill_(math.nan)  # debug.fail_at_step: see DebugSection
         dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
         rows = data_parallel_rows(packed, self.trainer.config, dp)  # by tokens with a budget
         start = time.perf_counter()
-        result = await self.trainer.train_step(
-            *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
-        )
-        seconds = {**rollouts.seconds, "train": time.perf_counter() - start}
+        if self.critic is not None and step < self.critic.options.warmup_steps:
+            # critic.warmup_steps: the critic learns the start policy's values first.
+            result = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.0}
+        else:
+            result = await self.trainer.train_step(
+                *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
+            )
+        seconds["train"] = time.perf_counter() - start
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
             "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
@@ -683,9 +742,39 @@ class GRPOApp(RLLoop):
             # The GRPO loss's own token means (kl to the reference, importance ratio, clip
             # fraction), from the trainer: loss/kl, loss/ratio_mean, loss/clip_fraction.
             **{k: v for k, v in result.items() if k.startswith("loss/")},
+            **critic_metrics,
             **{f"time/{k}": v for k, v in seconds.items()},
         }
+        self._write_samples(step + 1, rollouts)
         return metrics
+
+    async def critic_step(self, packed: dict[str, torch.Tensor], batch: list[Episode]
+                          ) -> dict[str, float]:
+        """PPO: the critic's values of the step's batch, GAE advantages into
+        ``packed["advantages"]`` (``[B, S]``), one critic update
+        (:meth:`forge_ext.actors.critic.Critic.advantages_and_update`)."""
+        kl = None
+        if self.config.algorithm.kl_in_reward:
+            kl = packed["generator_logprobs"] - packed["ref_logprobs"]
+        rewards = torch.tensor([ep.reward for ep in batch], dtype=torch.float32)
+        packed["advantages"], metrics = await self.critic.advantages_and_update(
+            packed, rewards, self.estimator, kl)
+        return metrics
+
+    def _write_samples(self, step: int, rollouts: Rollouts) -> None:
+        """Append ``metrics.samples_per_step`` of the step's episodes (the first of each
+        group) to ``samples.jsonl`` in the metrics folder, as the rubric scored them."""
+        count = self.metrics.config.samples_per_step
+        if not count:
+            return
+        group = self.config.grpo.group_size
+        batch = rollouts.batch
+        indices = list(range(0, len(batch.trajectories), group))[:count]
+        path = Path(self.metrics.config.log_dir) / SAMPLES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for record in batch.samples(self.tok, indices):
+                f.write(json.dumps({"step": step, **record}) + "\n")
 
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
@@ -740,6 +829,8 @@ class GRPOApp(RLLoop):
             self._save_stream_position(step)
         start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
+        if self.critic is not None:  # after the policy's: a resume takes the step both have
+            await self.critic.save_checkpoint(step)
         self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
                    f"{self.checkpoint_folder() / f'step-{step}'}")
 
@@ -773,7 +864,9 @@ class GRPOApp(RLLoop):
             parts += [
                 f"reward {m['reward/mean']:.3f}",
                 f"acc {m['rollout/accuracy']:.3f}",
-                f"flat groups {m['rollout/groups_without_spread']:.0%}",
+                # A group of one (PPO) is always flat: nothing to say.
+                *([f"flat groups {m['rollout/groups_without_spread']:.0%}"]
+                  if self.config.grpo.group_size > 1 else []),
                 f"loss {m['loss']:+.4f}",
             ]
             failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()
@@ -803,8 +896,13 @@ class GRPOApp(RLLoop):
                     f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
                     "rollouts)"
                 )
-            if self.reference is not None:
+            if self.reference is not None and "loss/kl" in m:
                 parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
+            if "critic/loss" in m:  # PPO
+                parts.append(
+                    f"critic loss {m['critic/loss']:.4f} explained var "
+                    f"{m['critic/explained_variance']:+.3f}"
+                    + (" (warm-up: policy frozen)" if math.isnan(m["loss"]) else ""))
             if "loss/tis_weight_mean" in m:
                 parts.append(
                     f"is weight {m['loss/tis_weight_mean']:.3f} "
@@ -824,7 +922,8 @@ class GRPOApp(RLLoop):
             )
             times = " ".join(
                 f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "env", "reward", "reference", "train", "push", "fetch")
+                for k in ("generate", "env", "reward", "reference", "critic", "train", "push",
+                          "fetch")
                 if f"time/{k}" in m
             )
             parts.append(times)
@@ -859,6 +958,15 @@ class GRPOApp(RLLoop):
                 "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             },
             "panels": [
+                # How training went (issue 38): the loss and the KL to the reference, each
+                # reward function's mean, the response length.
+                PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
+                          labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
+                PlotPanel(keys=[f"reward/{name}" for name in self.rubric.names],
+                          ylabel="mean score",
+                          labels={f"reward/{name}": name for name in self.rubric.names}),
+                PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
+                          labels={"rollout/response_tokens": "response length (mean)"}),
                 PlotPanel(
                     keys=["time/step", "time/generator_idle", "time/trainer_idle"],
                     ylabel="seconds per step",
@@ -878,6 +986,12 @@ class GRPOApp(RLLoop):
                     labels={f"eval/{s.name}/{name}": f"{s.name} {name}"
                             for s in self.eval_sets for name in s.metrics},
                 )] if self.eval_sets else []),
+                *([PlotPanel(  # PPO: how much of the returns the critic explains
+                    keys=["critic/explained_variance", "critic/loss"],
+                    ylabel="explained variance / value loss",
+                    labels={"critic/explained_variance": "critic explained variance",
+                            "critic/loss": "critic value loss"},
+                )] if self.critic is not None else []),
                 PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
                           labels={"throughput/samples_per_s": "samples trained per second"}),
                 PlotPanel(  # each replica's sampling rate
@@ -902,7 +1016,8 @@ class GRPOApp(RLLoop):
                             "rollout/dropped_samples": "dropped samples (stale)"},
                 ),
             ],
-            "title": f"GRPO ({self.loop.mode}, max_policy_age {self.loop.max_policy_age})",
+            "title": f"{ALGORITHM_NAMES[self.config.algorithm.advantage]} ({self.loop.mode}, "
+                     f"max_policy_age {self.loop.max_policy_age})",
         }
 
     def on_finish(self, completed: bool) -> None:
@@ -917,7 +1032,8 @@ class GRPOApp(RLLoop):
         how = "greedy" if self.config.eval.greedy else "sampled"
         print(
             f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
-            f"{before:.1%} | after GRPO (step {last_step}) {after:.1%} | "
+            f"{before:.1%} | after {ALGORITHM_NAMES[self.config.algorithm.advantage]} "
+            f"(step {last_step}) {after:.1%} | "
             f"{100 * (after - before):+.1f} points"
         )
         failed = {name: n for name, n in self.rubric.error_counts.items() if n}
@@ -945,16 +1061,23 @@ class GRPOApp(RLLoop):
 
 def latest_checkpoint_step(config: GRPOConfig) -> int:
     """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
-    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), 0 if none or
-    checkpoints are off."""
+    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), and with a critic the
+    newest the critic's folder holds too; 0 if none or checkpoints are off."""
     from forge_ext.engine import engine_config_from_mapping
     from forge_ext.engine.checkpoint import complete_checkpoint_steps
 
     engine = engine_config_from_mapping(config.trainer)
     if not engine.checkpoint.enable:
         return 0
-    folder = Path(engine.dump_folder) / engine.checkpoint.folder
-    return max(complete_checkpoint_steps(folder), default=0)
+    steps = set(complete_checkpoint_steps(Path(engine.dump_folder) / engine.checkpoint.folder))
+    if config.critic is not None:  # PPO: the newest step the critic has too
+        from forge_ext.actors.critic import critic_engine_config
+
+        critic = critic_engine_config(config.critic, policy_hf_path=config.model.hf_path,
+                                      trainer=config.trainer)
+        steps &= set(complete_checkpoint_steps(
+            Path(critic.dump_folder) / critic.checkpoint.folder))
+    return max(steps, default=0)
 
 
 def _file_fingerprints(hf_path: str) -> dict[str, str]:
@@ -1030,6 +1153,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(failure_message(failure, app.config, argv))
     except PlacementError as error:  # the hosts did not start: the message says the fix
         sys.exit(f"error: {error}")
+    except RewardFailure as failure:  # every call of a batch failed: count and traceback
+        sys.exit(f"error: {failure}")
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)
         if write_error is None:

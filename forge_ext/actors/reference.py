@@ -63,6 +63,23 @@ def split_for_data_parallel(
     return inputs, targets
 
 
+async def forward_rows(trainer: TrainerHandle, batch: dict[str, torch.Tensor], output: str,
+                       adapter: bool = True) -> torch.Tensor:
+    """``trainer.forward(..., output)`` of ``batch``'s ``input_ids`` and ``labels``, split over
+    its data-parallel ranks (balanced by tokens under a token budget) and returned in the
+    batch's row order: ``[B, S]`` (``output``: ``logprobs`` or ``values``)."""
+    dp = data_parallel_size(trainer.config, trainer.num_procs)
+    batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    rows = data_parallel_rows(batch, trainer.config, dp)
+    inputs, targets = split_for_data_parallel(batch, dp, rows=rows)
+    out = await trainer.forward(inputs, targets, output=output, adapter=adapter)
+    if rows is None:
+        return out
+    # Outputs come in rank order; put each row back where the batch had it.
+    order = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+    return out[torch.argsort(order)]
+
+
 @dataclass
 class ReferenceModel:
     """Controller handle: ``await ref.logprobs(batch)`` -> ``[B, S]`` reference log-probs.
@@ -88,16 +105,7 @@ class ReferenceModel:
         Returns:
             ``[B, S]`` float32, 0 where the label is ignored.
         """
-        dp = data_parallel_size(self.trainer.config, self.trainer.num_procs)
-        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-        rows = data_parallel_rows(batch, self.trainer.config, dp)
-        inputs, targets = split_for_data_parallel(batch, dp, rows=rows)
-        out = await self.trainer.forward(inputs, targets, output="logprobs", adapter=self.adapter)
-        if rows is None:
-            return out
-        # Outputs come in rank order; put each row back where the batch had it.
-        order = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
-        return out[torch.argsort(order)]
+        return await forward_rows(self.trainer, batch, "logprobs", adapter=self.adapter)
 
     async def stop(self) -> None:
         if self.owns_trainer:

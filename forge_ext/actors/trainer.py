@@ -240,21 +240,24 @@ class RLTrainer(Actor):
         """Forward-only pass over this rank's batch (no gradients).
 
         Args:
-            output: ``"logits"`` (``[local_batch, S, V]``) or ``"logprobs"`` (``[local_batch,
+            output: ``"logits"`` (``[local_batch, S, V]``), ``"logprobs"`` (``[local_batch,
                 S]`` log-probability of each label, 0 where the label is ignored; needs
-                ``targets`` with ``labels``).
+                ``targets`` with ``labels``) or ``"values"`` (``[local_batch, S]`` fp32, a
+                value head's one value per position: ``model.value_head``).
             adapter: false: with the LoRA adapters disabled, i.e. the frozen base model
                 (the KL reference of a LoRA policy, ``TitanEngine.adapters_disabled``).
 
         Returns:
             The output on ranks holding the last PP stage; None on the other stages.
         """
-        if output not in ("logits", "logprobs"):
-            raise ValueError(f"output={output!r} must be 'logits' or 'logprobs'")
+        if output not in ("logits", "logprobs", "values"):
+            raise ValueError(f"output={output!r} must be 'logits', 'logprobs' or 'values'")
         if output == "logprobs" and targets is None:
             raise ValueError("output='logprobs' needs targets with 'labels'")
+        if output == "values" and not self.engine.config.model.value_head:
+            raise ValueError("output='values' needs a value head (model.value_head: true)")
         batch = self._local_batch(inputs, targets or [{} for _ in inputs])
-        hook = _label_logprobs if output == "logprobs" else None
+        hook = {"logprobs": _label_logprobs, "values": _values}.get(output)
         if adapter:
             return self.engine.forward_batch(batch, post_hook=hook)
         with self.engine.adapters_disabled():
@@ -557,6 +560,13 @@ async def spawn_trainer(
         await procs.stop()
         raise
     return TrainerHandle(actor=actor, procs=procs, config=config, num_procs=n)
+
+
+def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, S]`` fp32 values of a value head's output ``[b, S, 1]``."""
+    from forge_ext.losses.value import value_predictions
+
+    return value_predictions(output)
 
 
 def _label_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

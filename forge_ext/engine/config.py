@@ -55,10 +55,15 @@ from forge_ext.engine.checkpoint import CheckpointManager
 # - CheckpointManager.Config.__post_init__: "initial_load_model_only=True has no effect without
 #   an initial_load_path": True is its default, and the engine loads model.hf_path itself;
 # - StateDictAdapter.__init__: "model.safetensors.index.json not found ...": an unsharded
-#   checkpoint has none, and the engine never saves through the adapter's HF writer.
+#   checkpoint has none, and the engine never saves through the adapter's HF writer;
+# - LRSchedulersContainer (components/optimizer/lr_scheduler.py): "Warmup steps (10) exceed
+#   total steps (2) ..." and "Warmup (10) + decay (3) steps exceed total steps ...": a short
+#   run (a try, a test) of a config written for a long one; torchtitan fits the warm-up and
+#   decay into the run itself, so there is nothing for the user to fix.
 TITAN_NOTICES_NOT_APPLICABLE = (
     "initial_load_model_only=True has no effect without an initial_load_path",
     "model.safetensors.index.json not found at hf_assets_path",
+    "Warmup steps (", "Warmup (",
 )
 
 
@@ -87,6 +92,11 @@ class ModelConfig:
     checked before spawning."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Inner attention. ``sdpa`` (causal) is the only one with a CPU backward."""
+    value_head: bool = False
+    """The output projection is a value head, one scalar per position instead of the
+    vocabulary's logits (a critic, a reward model): HF ``score.weight [1, hidden]``, read from
+    ``hf_path`` when the checkpoint has it (a ``*ForSequenceClassification`` with
+    ``num_labels: 1``), zeros otherwise (``forge_ext.engine.models.apply_value_head``)."""
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -343,8 +353,10 @@ class EngineConfig:
         self._validate_token_budget()
         spec = build_model_spec(
             self.model.name, self.model.flavor, hf_path=self.model.hf_path,
-            attn_backend=self.model.attn_backend,
+            attn_backend=self.model.attn_backend, value_head=self.model.value_head,
         )
+        if self.model.value_head:
+            _validate_value_head(self)
         if self.model.hf_path:
             check_checkpoint_tensors(spec, self.model.hf_path)
         max_seq_len = spec.model.layers[0].attention.rope.max_seq_len
@@ -409,6 +421,23 @@ class EngineConfig:
                 "training.packing=true does not work with parallelism.context_parallel_degree"
                 f"={par.context_parallel_degree} (document masks are not sharded by sequence)"
             )
+
+
+def _validate_value_head(config: "EngineConfig") -> None:
+    """What a value head cannot be combined with (before any spawn)."""
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ValueError(
+            f"model.value_head with parallelism.tensor_parallel_degree={tp} is not supported "
+            "(a one-column head has no tensor-parallel split); use data or pipeline "
+            "parallelism for the critic or reward model"
+        )
+    if config.lora is not None:
+        raise ValueError(
+            "model.value_head with a lora section is not supported (LoRA freezes every "
+            "weight but the adapters, the value head included); remove the lora section "
+            "of the critic"
+        )
 
 
 def _validate_lora(config: "EngineConfig", spec) -> None:

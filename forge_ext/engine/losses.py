@@ -37,9 +37,16 @@ def _grpo(**kwargs):
     return grpo.build(**kwargs)
 
 
+def _value(**kwargs):
+    from forge_ext.losses import value
+
+    return value.build(**kwargs)
+
+
 LOSSES = {
     "cross_entropy": lambda: (cross_entropy_loss, valid_tokens),
     "grpo": _grpo,
+    "value": _value,  # the critic's clipped value loss (forge_ext/losses/value.py)
 }
 
 

@@ -420,20 +420,17 @@ def check_checkpoint_tensors(spec: ModelSpec, hf_path: str) -> None:
         ValueError: naming ``model.hf_path``, the first names in excess or missing and
             their count.
     """
-    import glob
-
-    from safetensors import safe_open
-
-    found: set[str] = set()
-    for path in sorted(glob.glob(os.path.join(hf_path, "*.safetensors"))):
-        with safe_open(path, framework="pt") as f:
-            found.update(f.keys())
+    found = checkpoint_tensor_names(hf_path)
     if not found:
         return
     with torch.device("meta"):
         model = spec.model.build()
     expected = set(spec.state_dict_adapter(spec.model, None).to_hf(model.state_dict()))
     ignored = {"lm_head.weight"} if getattr(spec.model, "enable_weight_tying", False) else set()
+    if VALUE_HEAD_HF_NAME in expected:
+        # A value head reads a classifier's score, and starts from zeros on a causal LM,
+        # whose LM head it does not read (apply_value_head).
+        ignored |= {"lm_head.weight", VALUE_HEAD_HF_NAME}
     unused = sorted(n for n in found - expected - ignored if not n.endswith("rotary_emb.inv_freq"))
     missing = sorted(expected - found - ignored)
     if unused or missing:
@@ -502,8 +499,62 @@ def check_flavor_matches_checkpoint(flavor: str, built: Any, from_checkpoint: An
         )
 
 
+VALUE_HEAD_HF_NAME = "score.weight"
+"""HF name of a value head's ``[1, hidden]`` weight: transformers'
+``Qwen3ForSequenceClassification`` / ``LlamaForSequenceClassification`` (and their token
+classification twins) with ``num_labels: 1`` call their output projection ``score``."""
+
+
+def apply_value_head(spec: ModelSpec) -> ModelSpec:
+    """Make ``spec``'s output projection a value head, in place: ``lm_head`` becomes
+    ``Linear(hidden, 1, bias=False)`` (one scalar per position, on the final norm's output,
+    as transformers' ``*ForSequenceClassification.score``), zero-initialised so that a
+    critic built from a causal LM starts at ``V = 0``; embeddings are untied. Its HF name is
+    ``score.weight`` (:data:`VALUE_HEAD_HF_NAME`): a sequence-classification checkpoint (a
+    reward model, a saved critic) loads its head, a causal LM's ``lm_head.weight`` is not
+    read (:meth:`forge_ext.engine.TitanEngine.load_hf_weights`). The model's output is then
+    ``[batch, seq, 1]`` where an LM's is ``[batch, seq, vocab]``."""
+    model = spec.model
+    model.lm_head = replace(model.lm_head, out_features=1, bias=False,
+                            param_init={"weight": torch.nn.init.zeros_})
+    model.enable_weight_tying = False
+    base = spec.state_dict_adapter
+
+    class ValueHeadStateDictAdapter(base):
+        """``base``'s HF conversion with the output projection named ``score.weight``."""
+
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            hf = super().to_hf(state_dict)
+            if "lm_head.weight" in hf:
+                hf[VALUE_HEAD_HF_NAME] = hf.pop("lm_head.weight")
+            return hf
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            hf = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
+            if VALUE_HEAD_HF_NAME in hf:
+                hf["lm_head.weight"] = hf.pop(VALUE_HEAD_HF_NAME)
+            return super().from_hf(hf)
+
+    spec.state_dict_adapter = ValueHeadStateDictAdapter
+    return spec
+
+
+def checkpoint_tensor_names(hf_path: str) -> set[str]:
+    """The tensor names of ``hf_path``'s ``*.safetensors`` files (headers only)."""
+    import glob
+
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for path in sorted(glob.glob(os.path.join(hf_path, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            found.update(f.keys())
+    return found
+
+
 def build_model_spec(
-    name: str, flavor: str, *, hf_path: str | None = None, attn_backend: str = "sdpa"
+    name: str, flavor: str, *, hf_path: str | None = None, attn_backend: str = "sdpa",
+    value_head: bool = False,
 ) -> ModelSpec:
     """Look up a model by name and flavor and set its inner attention backend.
 
@@ -511,7 +562,8 @@ def build_model_spec(
     ``ScaledDotProductAttention`` (causal), extended with document masks for packed rows
     (:class:`forge_ext.engine.attention.DocumentMaskedSDPA`): the only backend with a CPU
     backward (FlexAttention has none on CPU, varlen is CUDA-only). Batches are right-padded,
-    so causal attention is exact for every valid token.
+    so causal attention is exact for every valid token. ``value_head=True``: the output
+    projection is a value head (:func:`apply_value_head`), for a critic or a reward model.
 
     Raises:
         ValueError: unknown ``model.name``, ``model.flavor`` or ``model.attn_backend``
@@ -551,6 +603,8 @@ def build_model_spec(
     if attn_backend == "sdpa":
         for layer in spec.model.layers:
             layer.attention.inner_attention = DocumentMaskedSDPA.Config()
+    if value_head:
+        apply_value_head(spec)
     return spec
 
 

@@ -44,7 +44,9 @@ from forge_ext.engine.base import (
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
 from forge_ext.engine.distributed import rendezvous_on_master_addr
 from forge_ext.engine.losses import IGNORE_INDEX
-from forge_ext.engine.models import apply_lora, build_model_spec
+from forge_ext.engine.models import (
+    VALUE_HEAD_HF_NAME, apply_lora, build_model_spec, checkpoint_tensor_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class TitanEngine(BaseEngine):
 
         self.model_spec = build_model_spec(
             config.model.name, config.model.flavor, hf_path=config.model.hf_path,
-            attn_backend=config.model.attn_backend,
+            attn_backend=config.model.attn_backend, value_head=config.model.value_head,
         )
         model_config = self.model_spec.model
         model_config.update_from_config(config=config)
@@ -264,9 +266,16 @@ class TitanEngine(BaseEngine):
 
     def load_hf_weights(self, hf_path: str) -> None:
         """Load HF safetensors from ``hf_path`` through the adapter and DCP's HF reader
-        (the path torchtitan's ``CheckpointManager.dcp_load`` takes for ``from_hf``)."""
+        (the path torchtitan's ``CheckpointManager.dcp_load`` takes for ``from_hf``). With
+        ``model.value_head`` a checkpoint without ``score.weight`` (a causal LM) loads every
+        weight but the head, which keeps its zeros."""
         wrapper = ModelWrapper(self.model_parts)
         hf_sd = self.sd_adapter.to_hf(wrapper.state_dict())
+        if self.config.model.value_head and VALUE_HEAD_HF_NAME not in checkpoint_tensor_names(
+                hf_path):
+            # A critic from a causal LM: its value head keeps its init (zeros), the LM head
+            # is not read (models.apply_value_head); load_state_dict below is not strict.
+            hf_sd.pop(VALUE_HEAD_HF_NAME, None)
         dcp.load(hf_sd, storage_reader=self.sd_adapter.get_hf_storage_reader(hf_path, False))
         wrapper.load_state_dict(self.sd_adapter.from_hf(hf_sd))
 

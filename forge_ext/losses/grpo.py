@@ -307,6 +307,44 @@ def valid_sequence_count(
     return (counts > 0).sum()
 
 
+def aggregation_coefficients(
+    mask: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, aggregation: str,
+    max_response_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's share of a microbatch's loss under ``aggregation`` (module docstring,
+    "Aggregation"): the loss is ``sum_t coef_t * loss_t / units``, with ``units`` the
+    engine's loss weight (valid tokens for ``token_mean``, sequences with a valid token for
+    the ``seq_mean_*`` modes). Shared by every loss aggregated like the policy loss (GRPO's,
+    the critic's value loss).
+
+    Args:
+        mask: ``[batch, seq]`` bool, the valid tokens (:func:`loss_mask`).
+        ids: ``[batch, seq]`` int64, each token's sequence (:func:`sequence_ids`).
+        counts: ``[slots]`` valid tokens per sequence (``_sequence_sums`` of the mask).
+        aggregation: one of :data:`AGGREGATIONS`.
+        max_response_tokens: the constant of ``seq_mean_token_sum_norm``.
+
+    Returns:
+        ``(coef, metric_coef, units)``: ``[batch, seq]`` loss coefficients (0 off the mask),
+        ``[batch, seq]`` coefficients of a metric averaged over the same unit (each token's
+        share of its sequence for the ``seq_mean_*`` modes), and the 0-dim unit count.
+    """
+    dtype = counts.dtype
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    seq_of = torch.where(mask, ids, torch.zeros_like(ids))  # a safe gather index everywhere
+    per_sequence_mean = torch.where(mask, (1.0 / counts.clamp(min=1.0))[seq_of], zeros)
+    if aggregation == "token_mean":
+        coef = mask.to(dtype)
+        return coef, coef, counts.sum()
+    if aggregation == "seq_mean_token_mean":
+        coef = per_sequence_mean
+    elif aggregation == "seq_mean_token_sum":
+        coef = mask.to(dtype)
+    else:  # seq_mean_token_sum_norm (Dr. GRPO): a constant, not the sequence's length
+        coef = mask.to(dtype) / float(max_response_tokens)
+    return coef, per_sequence_mean, (counts > 0).sum().to(dtype)
+
+
 def compute_group_advantages(
     rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scaling: str = "group_std"
 ) -> torch.Tensor:
@@ -565,21 +603,9 @@ def grpo_loss_and_metrics(
             kl = zeros
 
     token_loss = torch.where(mask, -objective, zeros)
-    # Each token's share of the microbatch mean (module docstring, "Aggregation"): the loss
-    # is sum_t coef_t * loss_t / unit_count, with unit_count the engine's loss weight.
-    per_sequence_mean = torch.where(mask, (1.0 / counts.clamp(min=1.0))[seq_of], zeros)
-    if aggregation == "token_mean":
-        coef, units = mask.to(logprobs.dtype), num_valid
-        metric_coef = coef
-    else:
-        if aggregation == "seq_mean_token_mean":
-            coef = per_sequence_mean
-        elif aggregation == "seq_mean_token_sum":
-            coef = mask.to(logprobs.dtype)
-        else:  # seq_mean_token_sum_norm (Dr. GRPO): a constant, not the sequence's length
-            coef = mask.to(logprobs.dtype) / float(max_response_tokens)
-        units = num_sequences
-        metric_coef = per_sequence_mean
+    coef, metric_coef, units = aggregation_coefficients(
+        mask, ids, counts, aggregation, max_response_tokens
+    )
     loss = (token_loss * coef).sum() / units.clamp(min=1.0)
 
     # Tensor ops only (no .item()), so computing metrics never forces a device sync.
