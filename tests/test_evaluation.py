@@ -197,6 +197,28 @@ def test_results_are_a_json_a_table_and_a_plot_per_step(tmp_path):
         entry(2, 0.25, 0.5)]})] == ["eval_results.json", "eval_results.md"]
 
 
+def test_a_set_whose_environment_gives_the_rewards_needs_no_reward_function(tmp_path):
+    """As in training, a multi-turn set's environment rewards may stand alone: no
+    ``reward.functions`` and a task without default rewards (a dataset file) is a set."""
+    from forge_ext.evaluation import EvalSetConfig, build_sets, close_sets
+    from forge_ext.tasks import PromptConfig, RewardConfig
+    from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2)}) + "\n"
+                            for i in range(6)))
+    save_tokenizer(tmp_path / "tok")
+    task = {"source": "dataset", "train_path": str(data), "num_eval": 2,
+            "environment": "feedback"}
+    (built,) = build_sets([EvalSetConfig(name="feedback", task=task)],
+                          CheckpointTokenizer(str(tmp_path / "tok")), prompt=PromptConfig(),
+                          reward=RewardConfig(), max_new_tokens=4)
+    try:
+        assert built.runner.rubric.names == [] and len(built.rows) == 2
+    finally:
+        close_sets([built])
+
+
 # ---- bad input, before anything is spawned -----------------------------------------------------
 
 @pytest.fixture

@@ -326,8 +326,11 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
                     render(row)
                 except ValueError as e:
                     raise ValueError(f"eval.sets[{i}] ({c.name}) row {j}: {e}") from None
-            rubric = Rubric(c.reward or reward, task)
-            runner = EpisodeRunner(tok, render, rubric, episode_config(c.task))
+            episodes = episode_config(c.task)
+            # An environment's rewards may stand alone (no reward functions), as in training.
+            rubric = Rubric(c.reward or reward, task,
+                            environment=episodes.environment is not None)
+            runner = EpisodeRunner(tok, render, rubric, episodes)
             built.append(EvalSet(c, task, runner, rows, c.sampling(max_new_tokens),
                                  resolved_task(c.task)))
     except BaseException:
