@@ -199,6 +199,181 @@ def test_forward_batch_does_not_depend_on_microbatches(reference_weights):
     torch.testing.assert_close(tails[2], b[2, -3:], rtol=1e-5, atol=1e-5)
 
 
+def test_infer_batch_gives_eval_batchs_loss_and_forward_batchs_outputs(reference_weights):
+    """verl's ``infer_batch``: forward only, with an optional loss; ``eval_batch`` and
+    ``forward_batch`` are its two halves, at any split."""
+    batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
+    logits = build(reference_weights).forward_batch(batch)
+    reference = float(torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    ))
+    engine = build(reference_weights, microbatch_size=2)
+    out = engine.infer_batch(batch, cross_entropy_loss, valid_tokens)
+    assert out.loss == pytest.approx(reference, rel=1e-5)
+    assert out.global_weight == float(valid_tokens(batch))
+    torch.testing.assert_close(out.outputs, logits, rtol=1e-5, atol=1e-5)
+    assert engine.infer_batch(batch).loss is None
+    assert engine.infer_batch(batch, cross_entropy_loss, valid_tokens,
+                              return_outputs=False).outputs is None
+    assert all(p.grad is None for p in engine.parameters())
+
+
+def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_weights):
+    """verl's ``train_mode`` / ``eval_mode``: every model part switches, the innermost
+    context wins, and leaving one restores what was there (also after an error)."""
+    engine = build(reference_weights)
+    training = lambda: [m.training for m in engine.model_modules()]  # noqa: E731
+    assert training() == [True] and engine.mode is None
+    with engine.eval_mode():
+        assert training() == [False] and engine.mode == "eval"
+        with engine.train_mode():
+            assert training() == [True] and engine.mode == "train"
+        assert training() == [False] and engine.mode == "eval"
+    assert training() == [True] and engine.mode is None
+    with pytest.raises(ValueError), engine.eval_mode():
+        engine.infer_batch(make_lm_batch(3, 32, 256, seed=0))  # bad batch size
+    assert training() == [True] and engine.mode is None
+    # The verbs run in their mode: a post hook sees the model as the forward did.
+    seen = []
+    engine.forward_batch(make_lm_batch(8, 32, 256, seed=0),
+                         post_hook=lambda logits, mb: seen.append(training()) or logits)
+    assert seen == [[False]] and training() == [True]
+
+
+def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time(
+    reference_weights, monkeypatch
+):
+    """verl's ``get_per_tensor_param``: exactly ``hf_state_dict()``'s names, order and
+    values, each gathered only when reached. Under FSDP over several ranks every gather
+    allocates a full tensor; here (one rank, where most gathers are views) every gather
+    is made to allocate, and the bytes of gathered tensors alive at once are measured from
+    their storages' lifetimes while a consumer copies each tensor out and drops it."""
+    import weakref
+
+    from forge_ext.engine import titan
+
+    engine = build(reference_weights)
+    expected = {k: full(v).clone() for k, v in engine.hf_state_dict().items()}
+    live, peak = [0], [0]
+
+    def gather_allocating(t):
+        copy = full(t).clone()
+        nbytes = copy.untyped_storage().nbytes()
+        live[0] += nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(copy.untyped_storage(), lambda: live.__setitem__(0, live[0] - nbytes))
+        return copy
+
+    monkeypatch.setattr(titan, "_full", gather_allocating)
+    tensors, adapter_config = engine.get_per_tensor_param()
+    assert adapter_config is None
+    names = []
+    for name, tensor in tensors:
+        names.append(name)
+        assert torch.equal(tensor.clone(), expected[name]), name  # the consumer's copy
+        del tensor
+    assert names == list(expected)
+    full_copy = sum(t.numel() * t.element_size() for t in expected.values())
+    largest = max(t.numel() * t.element_size() for t in expected.values())
+    assert 0 < peak[0] <= largest < full_copy / 4, (peak[0], largest, full_copy)
+    # sharded=True: the tensors as held (what the weight publisher writes), no gather.
+    monkeypatch.setattr(titan, "_full", lambda t: pytest.fail("gathered"))
+    held = dict(engine.get_per_tensor_param(sharded=True)[0])
+    assert list(held) == names and all(torch.equal(full(held[k]), expected[k]) for k in held)
+
+
+def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
+    reference_weights, monkeypatch
+):
+    """verl's ``to``: on this CPU-only machine the engine's device is the CPU, so ``to`` is
+    the identity (nothing copied) even with both offloads on; then the offload path itself
+    (every tensor copied to host memory and back, FSDP re-binding its shards) is forced and
+    leaves parameters, gradients and Adam's state bit for bit, and the next step equal to
+    that of an engine that never moved."""
+    from forge_ext.engine import offload
+
+    cfg = config()
+    cfg["offload"] = {"params": True, "optimizer": True}
+    engine, twin = TitanEngine(cfg), build(reference_weights)
+    engine.load_model_state_dict(reference_weights)
+    assert engine.is_param_offload_enabled and engine.is_optimizer_offload_enabled
+    assert not twin.is_param_offload_enabled and not twin.is_optimizer_offload_enabled
+    batch = make_lm_batch(8, 32, 256, seed=2, ignore_prefix=PREFIX)
+    for e in (engine, twin):
+        e.train_batch(batch, cross_entropy_loss, valid_tokens)  # Adam state exists
+        e.forward_backward_batch(e.microbatches(batch), cross_entropy_loss, valid_tokens)
+
+    def snapshot():
+        params = {n: (p, p.grad) for n, p in engine.model_parts[0].named_parameters()}
+        state = {(n, k): v for n, p in engine.model_parts[0].named_parameters()
+                 for k, v in engine.optimizers.optimizers[0].state[p].items()}
+        return params, state
+
+    def storage(t):
+        return (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage().data_ptr()
+
+    params, state = snapshot()
+    values = {n: (full(p).clone(), full(g).clone()) for n, (p, g) in params.items()}
+    state_values = {k: full(v).clone() for k, v in state.items()}
+    storages = {n: storage(p) for n, (p, _) in params.items()}
+    state_storages = {k: storage(v) for k, v in state.items()}
+    assert len(state) == 3 * len(params)  # step, exp_avg, exp_avg_sq
+
+    engine.to("cpu")
+    engine.to(engine.device)
+    assert {n: storage(p) for n, (p, _) in snapshot()[0].items()} == storages  # identity
+    with pytest.raises(ValueError, match=r"to\(model=False\)"):
+        engine.to("cpu", model=False)
+    with pytest.raises(ValueError, match="device='meta'"):
+        engine.to("meta")
+
+    monkeypatch.setattr(offload, "same_place", lambda tensor, device: False)
+    engine.to("cpu")
+    engine.to(engine.device)
+    monkeypatch.undo()
+    params, state = snapshot()
+    assert all(storage(p) != storages[n] for n, (p, _) in params.items())  # all copied
+    assert all(storage(v) != state_storages[k] for k, v in state.items())
+    for n, (p, g) in params.items():
+        assert torch.equal(full(p), values[n][0]) and torch.equal(full(g), values[n][1]), n
+    for k, v in state.items():
+        assert v is not None and torch.equal(full(v), state_values[k]), k
+    # The optimizer still holds these parameters and their moments: the next step is the
+    # step of an engine that never moved.
+    for e in (engine, twin):
+        e.optimizer_step()
+    w, w_twin = weights(engine), weights(twin)
+    for k in w:
+        assert torch.equal(w[k], w_twin[k]), k
+
+
+def test_engine_registry_builds_the_configured_backend(reference_weights, monkeypatch):
+    """``trainer.engine`` picks a class registered with ``EngineRegistry`` (verl's registry):
+    ``titan`` by default, a second backend once registered; an unknown name is refused by
+    the config check (before any spawn), naming the field."""
+    from forge_ext.engine import MODEL_TYPE, EngineRegistry, build_engine
+
+    assert EngineRegistry.backends() == ["titan"]
+    assert type(build_engine(config())) is TitanEngine
+    assert type(EngineRegistry.new(MODEL_TYPE, "titan", config())) is TitanEngine
+    with pytest.raises(ValueError, match="trainer: engine='other' is not an engine backend "
+                                         "for language_model \\(registered: titan\\)"):
+        build_engine({**config(), "engine": "other"})
+
+    monkeypatch.setattr(EngineRegistry, "_engines",
+                        {k: dict(v) for k, v in EngineRegistry._engines.items()})
+
+    @EngineRegistry.register(MODEL_TYPE, ["other", "another"])
+    class OtherEngine(TitanEngine):
+        pass
+
+    assert EngineRegistry.backends() == ["another", "other", "titan"]
+    engine = build_engine({**config(), "engine": "other"})
+    assert type(engine) is OtherEngine and engine.config.engine == "other"
+    with pytest.raises(TypeError, match="not a BaseEngine"):
+        EngineRegistry.register(MODEL_TYPE, "x")(object)
+
+
 def test_checkpoint_round_trip(reference_weights, tmp_path):
     """A fresh engine loaded from step 2 takes step 3 exactly as the uninterrupted run did:
     same loss and grad norm (weights), same LR (scheduler state) and the same updated weights

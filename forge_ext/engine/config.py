@@ -3,6 +3,7 @@
 The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
 
     trainer:
+      engine: titan                  # the backend (forge_ext.engine.base.EngineRegistry)
       model: {name: qwen3, flavor: tiny, hf_path: null, attn_backend: sdpa}
       training: {local_batch_size: 8, microbatch_size: 2, seq_len: 64, steps: 100}
       parallelism: {data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1}
@@ -12,6 +13,7 @@ The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
       compile: {enable: false}
       activation_checkpoint: {mode: none}
       lora: {rank: 8, alpha: 16, target_modules: all-linear}   # absent or null: full fine-tuning
+      offload: {params: false, optimizer: false}
 
 ``training``, ``parallelism``, ``lr_scheduler``, ``checkpoint`` and ``compile`` are torchtitan's
 own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``
@@ -227,10 +229,27 @@ class LoRAConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """What rests in host memory while the engine is not using it (verl's ``param_offload``
+    / ``optimizer_offload``): moved to the accelerator on entering ``train_mode`` /
+    ``eval_mode`` (and the state verbs), back on leaving. Frees the accelerator for a
+    generator sharing it, at the cost of two copies per use. On a machine without an
+    accelerator the engine already computes in host memory: accepted, nothing moves."""
+
+    params: bool = False
+    """Parameters, buffers and gradients."""
+    optimizer: bool = False
+    """The optimizer state (Adam's moments)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
     parallelised, and its checkpoints (module docstring)."""
 
+    engine: str = "titan"
+    """The engine backend, a name registered with ``forge_ext.engine.EngineRegistry``:
+    ``titan`` (torchtitan's models, ``forge_ext.engine.TitanEngine``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -253,6 +272,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     """LoRA adapters instead of full fine-tuning (:class:`LoRAConfig`); null: every weight
     trains."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Parameter and optimizer offload to host memory between uses (:class:`OffloadConfig`)."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
@@ -333,8 +354,10 @@ class EngineConfig:
         Raises:
             ValueError: naming the offending field and the fix.
         """
+        from forge_ext.engine import MODEL_TYPE, EngineRegistry  # registers the backends
         from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
 
+        EngineRegistry.get_engine_cls(MODEL_TYPE, self.engine)
         if self.training.local_batch_size <= 0:
             raise ValueError(
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
