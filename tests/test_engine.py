@@ -2,6 +2,7 @@
 eval never depends on the split, checkpoints round-trip, bad input is rejected clearly."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -353,11 +354,11 @@ def test_engine_registry_builds_the_configured_backend(reference_weights, monkey
     the config check (before any spawn), naming the field."""
     from forge_ext.engine import MODEL_TYPE, EngineRegistry, build_engine
 
-    assert EngineRegistry.backends() == ["titan"]
+    assert EngineRegistry.backends() == ["hf", "titan"]
     assert type(build_engine(config())) is TitanEngine
     assert type(EngineRegistry.new(MODEL_TYPE, "titan", config())) is TitanEngine
     with pytest.raises(ValueError, match="trainer: engine='other' is not an engine backend "
-                                         "for language_model \\(registered: titan\\)"):
+                                         "for language_model \\(registered: hf, titan\\)"):
         build_engine({**config(), "engine": "other"})
 
     monkeypatch.setattr(EngineRegistry, "_engines",
@@ -367,7 +368,7 @@ def test_engine_registry_builds_the_configured_backend(reference_weights, monkey
     class OtherEngine(TitanEngine):
         pass
 
-    assert EngineRegistry.backends() == ["another", "other", "titan"]
+    assert EngineRegistry.backends() == ["another", "hf", "other", "titan"]
     engine = build_engine({**config(), "engine": "other"})
     assert type(engine) is OtherEngine and engine.config.engine == "other"
     with pytest.raises(TypeError, match="not a BaseEngine"):
@@ -626,3 +627,100 @@ def test_a_save_with_measurably_too_little_free_space_is_refused_before_writing(
     )):
         engine.save_checkpoint(2)
     assert not os.path.exists(tmp_path / "ckpt" / "step-2")
+
+
+def _tiny_hf_checkpoint(path, model_type="qwen3"):
+    """A small transformers checkpoint with random weights (norms near 1, so attention is far
+    from uniform) written by ``save_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(HF_ARCH, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
+    if model_type == "qwen2":
+        fields.pop("head_dim")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields),
+                                             dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_hf_engine_trains_like_the_titan_engine_at_any_gradient_accumulation(tmp_path):
+    """``trainer.engine: hf`` (transformers' own module) on a Qwen3 checkpoint that the titan
+    engine also reads: the same microbatch core gives the same loss, grad norm and updated
+    weights, whatever the split (rows of very unequal valid-token counts)."""
+    from forge_ext.engine import build_engine
+    from forge_ext.engine.hf import HFEngine
+
+    init_single_process_env()
+    path = _tiny_hf_checkpoint(tmp_path / "qwen3")
+    common = {"model": {"hf_path": path},
+              "training": {"local_batch_size": 8, "seq_len": 64, "max_norm": 1.0},
+              "optimizer": {"lr": 1e-2, "eps": 1e-3}}
+    titan = TitanEngine({**common, "model": {"flavor": "hf", "hf_path": path}})
+    engines = {k: build_engine({**common, "engine": "hf", "training": {
+        **common["training"], "gradient_accumulation_steps": k}}) for k in (1, 4)}
+    assert all(type(e) is HFEngine for e in engines.values())
+    batches = [make_lm_batch(8, 32, HF_ARCH["vocab_size"], seed=s, ignore_prefix=PREFIX)
+               for s in (0, 1)]
+    torch.testing.assert_close(engines[4].forward_batch(batches[0]),
+                               titan.forward_batch(batches[0]), rtol=1e-4, atol=1e-4)
+    for batch in batches:
+        want = titan.train_batch(batch, cross_entropy_loss, valid_tokens)
+        for k, engine in engines.items():
+            got = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+            assert got["num_microbatches"] == k
+            for key in ("loss", "grad_norm", "lr", "num_tokens"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), (k, key)
+    want = {k: full(v) for k, v in titan.hf_state_dict().items()}
+    for k, engine in engines.items():
+        got = dict(engine.get_per_tensor_param()[0])
+        assert set(got) >= set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5,
+                                       msg=f"{k} {name}")
+
+
+def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(
+    tmp_path, monkeypatch
+):
+    """A Qwen2 checkpoint (q/k/v biases: the titan engine refuses it) trains with the hf
+    engine: the loss falls. Parallelism, LoRA and checkpoints are refused when the config is
+    read, naming the field."""
+    from forge_ext.engine import build_engine
+
+    init_single_process_env()
+    path = _tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2")
+    cfg = {"engine": "hf", "model": {"hf_path": path},
+           "training": {"local_batch_size": 8, "seq_len": 64, "microbatch_size": 4},
+           "optimizer": {"lr": 1e-2}}
+    with pytest.raises(ValueError, match="model_type='qwen2'"):
+        engine_config_from_mapping({**cfg, "engine": "titan"})
+    engine = build_engine(cfg)
+    batch = make_lm_batch(8, 32, HF_ARCH["vocab_size"], seed=0, ignore_prefix=PREFIX)
+    losses = [engine.train_batch(batch, cross_entropy_loss, valid_tokens)["loss"]
+              for _ in range(4)]
+    assert losses[-1] < 0.9 * losses[0], losses
+    for change, message in (
+        ({"parallelism": {"pipeline_parallel_degree": 2}},
+         "engine=hf does not support parallelism.pipeline_parallel_degree=2"),
+        ({"parallelism": {"tensor_parallel_degree": 2}},
+         "engine=hf does not support parallelism.tensor_parallel_degree=2"),
+        ({"lora": {"rank": 4}}, "engine=hf does not support lora"),
+        ({"checkpoint": {"enable": True}}, "engine=hf does not support checkpoint.enable"),
+        ({"model": {}}, "engine=hf needs model.hf_path"),
+    ):
+        with pytest.raises(ValueError, match=f"trainer: {re.escape(message)}"):
+            engine_config_from_mapping({**cfg, **change})
+    # Several processes would each train their own copy: refused before spawning, and by
+    # the engine itself.
+    from forge_ext.actors.trainer import world_size_of
+
+    assert world_size_of(engine_config_from_mapping(cfg), None) == 1
+    with pytest.raises(ValueError, match="num_procs=2: engine=hf runs on one process"):
+        world_size_of(engine_config_from_mapping(cfg), 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="engine=hf runs on one process for now, not WORLD_S"):
+        build_engine(cfg)

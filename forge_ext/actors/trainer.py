@@ -233,7 +233,9 @@ class RLTrainer(Actor):
             name for part in self.engine.model_parts for name, _ in part.named_buffers()
         }
         buffer_sd = {k: v for k, v in titan_sd.items() if k in buffers}
-        return set(self.engine.sd_adapter.to_hf(buffer_sd)) if buffer_sd else set()
+        if not buffer_sd or self.engine.sd_adapter is None:  # None: HF names already
+            return set(buffer_sd)
+        return set(self.engine.sd_adapter.to_hf(buffer_sd))
 
     @endpoint
     async def forward(
@@ -287,7 +289,7 @@ class RLTrainer(Actor):
     async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the model weights with full tensors in HF layout (each PP stage and DP/TP
         shard takes its part). Optimizer state is left as is."""
-        self.engine.load_model_state_dict(self.engine.sd_adapter.from_hf(state_dict))
+        self.engine.load_hf_state_dict(state_dict)
 
     @endpoint
     async def get_gradients(self) -> dict[str, torch.Tensor]:
@@ -468,6 +470,9 @@ def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
         * par.context_parallel_degree * par.tensor_parallel_degree
         * par.pipeline_parallel_degree
     )
+    if config.engine == "hf" and num_procs not in (None, 1):
+        raise ValueError(f"num_procs={num_procs}: engine=hf runs on one process for now; "
+                         "use num_procs=1, or engine=titan for data parallelism")
     if num_procs is None:
         return fixed
     if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):

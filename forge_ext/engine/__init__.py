@@ -19,6 +19,7 @@ from forge_ext.engine.config import (
 )
 from forge_ext.engine.losses import IGNORE_INDEX, cross_entropy_loss, valid_tokens
 from forge_ext.engine.titan import TitanEngine  # registers the "titan" backend
+from forge_ext.engine.hf import HFEngine  # registers the "hf" backend  # noqa: E402
 
 
 def build_engine(config: EngineConfig | dict) -> BaseEngine:
@@ -38,6 +39,7 @@ __all__ = [
     "EngineConfig",
     "EngineRegistry",
     "ForwardBackwardOutputs",
+    "HFEngine",
     "IGNORE_INDEX",
     "InferOutputs",
     "LoRAConfig",

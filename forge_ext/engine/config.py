@@ -249,7 +249,9 @@ class EngineConfig:
 
     engine: str = "titan"
     """The engine backend, a name registered with ``forge_ext.engine.EngineRegistry``:
-    ``titan`` (torchtitan's models, ``forge_ext.engine.TitanEngine``)."""
+    ``titan`` (torchtitan's models, ``forge_ext.engine.TitanEngine``, every parallelism) or
+    ``hf`` (any ``AutoModelForCausalLM`` checkpoint in ``model.hf_path``,
+    ``forge_ext.engine.hf.HFEngine``; one process, no LoRA or checkpoints yet)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -358,6 +360,11 @@ class EngineConfig:
         from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
 
         EngineRegistry.get_engine_cls(MODEL_TYPE, self.engine)
+        if self.engine == "hf":  # transformers' module: none of torchtitan's model checks
+            from forge_ext.engine.hf import validate_hf_engine
+
+            validate_hf_engine(self)
+            return
         if self.training.local_batch_size <= 0:
             raise ValueError(
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
@@ -525,6 +532,16 @@ def engine_config_from_mapping(
     check_keys(EngineConfig, raw, section)
     _defaults(raw)
     model = raw.get("model")
+    if (raw.get("engine") == "hf" and isinstance(model, Mapping) and model.get("name") is None
+            and model.get("hf_path")):
+        # Any family: the name is the checkpoint's own model_type, read by transformers.
+        from forge_ext.engine.models import read_hf_config
+
+        try:
+            model_type = read_hf_config(model["hf_path"]).get("model_type")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{section}: {e}") from None
+        raw["model"] = model = {**model, "name": model_type}
     if isinstance(model, Mapping) and model.get("name") is None:
         # The name from the checkpoint here, so that a refusal names the section.
         from forge_ext.engine.models import model_name_of

@@ -387,6 +387,18 @@ class TitanEngine(BaseEngine):
             sharded[key] = value
         wrapper.load_state_dict(sharded)
 
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the weights with full tensors in HF names and layout (the inverse of
+        :meth:`hf_state_dict`; each PP stage and DP/TP shard takes its part). Optimizer state
+        is left as is.
+
+        Raises:
+            KeyError: naming model keys the converted state dict lacks.
+        """
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        self.load_model_state_dict(self.sd_adapter.from_hf(state_dict))
+
     def load_hf_weights(self, hf_path: str) -> None:
         """Load HF safetensors from ``hf_path`` through the adapter and DCP's HF reader
         (the path torchtitan's ``CheckpointManager.dcp_load`` takes for ``from_hf``)."""
@@ -771,14 +783,19 @@ class TitanEngine(BaseEngine):
         with self.resident(optimizer=True):
             return self._optimizer_step()
 
-    def _optimizer_step(self) -> float:
-        grad_norm = dist_utils.clip_grad_norm_(
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip the trainable parameters' gradients to ``training.max_norm``; return the
+        pre-clip norm over all ranks and stages (torchtitan's ``clip_grad_norm_``)."""
+        return dist_utils.clip_grad_norm_(
             self.trainable_parameters(),
             self.config.training.max_norm,
             foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
             ep_enabled=self.parallel_dims.ep_enabled,
         )
+
+    def _optimizer_step(self) -> float:
+        grad_norm = self._clip_grad_norm()
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm} at step {self.step + 1}")
