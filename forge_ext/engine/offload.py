@@ -35,9 +35,11 @@ def moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if same_place(tensor, device):
         return tensor
     if isinstance(tensor, DTensor):
+        # Same spec (mesh, placements, global shape), the local shard elsewhere: the way
+        # DTensor's own dispatch wraps results (aten._to_copy of a DTensor gives the same).
+        # Not DTensor.from_local: it moves a local tensor back to the mesh's device type.
         local = moved(tensor._local_tensor, device)
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements,
-                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+        return DTensor(local, tensor._spec, requires_grad=tensor.requires_grad)
     if device.type == "cpu" and tensor.device.type != "cpu":
         host = torch.empty_like(tensor, device="cpu", pin_memory=True)
         host.copy_(tensor, non_blocking=True)
