@@ -323,8 +323,10 @@ def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
     engine.to("cpu")
     engine.to(engine.device)
     assert {n: storage(p) for n, (p, _) in snapshot()[0].items()} == storages  # identity
-    with pytest.raises(ValueError, match=r"to\(model=False\)"):
+    with pytest.raises(ValueError, match=r"to\(model=False, grad=True\)"):
         engine.to("cpu", model=False)
+    engine.to("cpu", model=False, grad=False)  # the optimizer state alone (optimizer offload)
+    engine.to(engine.device, model=False, grad=False)
     with pytest.raises(ValueError, match="device='meta'"):
         engine.to("meta")
 

@@ -262,7 +262,7 @@ class TitanEngine(BaseEngine):
 
         Raises:
             ValueError: ``device`` is neither the CPU nor the engine's device type, or
-                ``grad`` / ``optimizer`` without ``model`` (verl's contract).
+                ``grad`` without ``model``.
         """
         target = torch.device(device)
         if target.type != "cpu":
@@ -270,9 +270,10 @@ class TitanEngine(BaseEngine):
                 raise ValueError(f"to(device={str(device)!r}): the engine runs on "
                                  f"{self.device}; move to 'cpu' or {self.device.type!r}")
             target = self.device
-        if (grad or optimizer) and not model:
-            raise ValueError("to(model=False) moves nothing else either: gradients and "
-                             "optimizer state move with the parameters (model=True)")
+        if grad and not model:
+            raise ValueError("to(model=False, grad=True): a gradient lives on its "
+                             "parameter's device; move both (model=True) or neither "
+                             "(grad=False)")
         if model and not offload.modules_on(self.model_parts, target):
             offload.move_modules(self.model_parts, target)
         if optimizer:
