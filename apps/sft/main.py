@@ -213,7 +213,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     """
     from tqdm import tqdm
 
-    from forge_ext.engine import TitanEngine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
+    from forge_ext.engine import build_engine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
     from forge_ext.engine.distributed import init_single_process_env
 
     out = Path(config.output_dir)
@@ -243,7 +243,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         len(tok.encode_answer(row.answer)) for row in train_rows + eval_rows
     )
     init_single_process_env()
-    engine = TitanEngine(engine_config)
+    engine = build_engine(engine_config)
     sampler = HFSampler(
         config.init.hf_path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id
     )
