@@ -181,3 +181,31 @@ def test_reward_model_entries_are_refused_naming_the_field(tmp_path, checkpoint)
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((__import__("pathlib").Path(checkpoint) / f).read_bytes())
     refused({"model": str(bare)}, r"has no tokenizer")
+    # The SFT app scores held-out answers with functions only.
+    from apps.sft.main import functions_only
+
+    with pytest.raises(ValueError, match="'rm' is a reward model .* which the SFT app"):
+        functions_only(Rubric(from_mapping(RewardConfig, {"functions": [
+            {"fn": "exact_match"}, {"model": checkpoint, "name": "rm"}],
+            "isolation": "thread"}), NoTask()))
+
+
+def test_the_grpo_config_checks_a_reward_model_before_spawning(checkpoint, demo_checkpoint):
+    """``load_config`` validates a reward model's engine (errors naming its entry) and
+    refuses the launchers that run roles on other hosts."""
+    from pathlib import Path
+
+    from apps.grpo.config import load_config
+
+    path = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
+    entry = f"{{model: {checkpoint}, weight: 0.1, name: rm, procs: 2}}"
+    functions = f"reward.functions=[{{fn: addition}}, {entry}]"
+    config = load_config(path, [f"model.hf_path={demo_checkpoint}", functions])
+    assert [f.metric_name for f in config.reward.functions] == ["addition", "rm"]
+    too_long = f"reward.functions=[{{model: {checkpoint}, seq_len: 4096}}]"
+    with pytest.raises(ValueError, match=r"reward.functions\[0\]: training.seq_len=4096 exceeds"):
+        load_config(path, [f"model.hf_path={demo_checkpoint}", too_long])
+    slurm = ["hosts.launcher=slurm", "hosts.slurm.partition=p", functions]
+    with pytest.raises(ValueError, match=r"reward.functions\[1\].model: a reward model runs on "
+                       "this machine's procs only"):
+        load_config(path, slurm, check_model=False)
