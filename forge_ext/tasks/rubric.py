@@ -262,7 +262,9 @@ class Rubric:
             that needs an argument the rubric does not pass, duplicate names, weights summing
             to 0, an unknown ``reward.accuracy``; a task whose ``rewards()`` or
             ``default_rewards()`` returns the wrong type; under ``reward.isolation:
-            process``, a function that cannot be sent to a worker process.
+            process``, a function that cannot be sent to a worker process; an entry with
+            both or neither of ``fn`` and ``model``, or a reward model's checkpoint that
+            :func:`forge_ext.tasks.rewards.check_reward_model` refuses.
 
     ``max_concurrency``: worker threads for synchronous reward functions under
     ``reward.isolation: thread`` (calls beyond it queue; a call's timeout counts from when it
@@ -297,19 +299,18 @@ class Rubric:
         """Reward models by name: their entries (which say how to spawn each,
         :mod:`forge_ext.actors.reward_model`) and weights. They score once a scorer is
         attached (:meth:`attach_model`)."""
-        self.weights: dict[str, float] = {}
-        """Every function's and reward model's weight, in ``reward.functions`` order."""
+        self._order: list[str] = []  # reward.functions order
         sent: dict[str, bytes] = {}  # pickled for the worker processes
         for i, entry in enumerate(entries):
             entry.check(f"reward.functions[{i}]")
             name = entry.metric_name
-            if name in self.weights:
+            if name in self._order:
                 raise ValueError(
                     f"reward.functions[{i}]: a second function named {name!r}; give one a name"
                 )
             if not math.isfinite(entry.weight):
                 raise ValueError(f"reward.functions[{i}].weight={entry.weight} must be finite")
-            self.weights[name] = float(entry.weight)
+            self._order.append(name)
             if entry.model is not None:
                 check_reward_model(entry.model, f"reward.functions[{i}].model")
                 self.models[name] = (entry, float(entry.weight))
@@ -347,7 +348,13 @@ class Rubric:
 
     @property
     def names(self) -> list[str]:
-        return list(self.weights)
+        return list(self._order)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Every function's and reward model's weight, in ``reward.functions`` order."""
+        return {n: (self.functions[n] if n in self.functions else self.models[n])[1]
+                for n in self._order}
 
     def attach_model(self, name: str, scorer: ModelScorer) -> None:
         """Score the reward model ``name`` with ``scorer(prompts, completions)``: one call
@@ -393,8 +400,9 @@ class Rubric:
         models = list(self.models)
         results = await asyncio.gather(
             *calls, *(self._score_model(name, samples) for name in models))
-        by_function: dict[str, list[float]] = {name: [] for name in self.weights}
-        errors = {name: 0 for name in self.weights}
+        weights = self.weights
+        by_function: dict[str, list[float]] = {name: [] for name in weights}
+        errors = {name: 0 for name in weights}
         for k, (value, failed) in enumerate(results[: len(calls)]):
             name = names[k % len(names)]
             by_function[name].append(value)
@@ -402,7 +410,7 @@ class Rubric:
         for name, (values, failed) in zip(models, results[len(calls):]):
             by_function[name], errors[name] = values, failed
         rewards = [
-            sum(w * by_function[n][i] for n, w in self.weights.items())
+            sum(w * by_function[n][i] for n, w in weights.items())
             for i in range(len(samples))
         ]
         correct = [v >= 1.0 for v in by_function[self.accuracy_name]]
