@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,11 +39,14 @@ from forge_ext.engine import engine_config_from_mapping
 from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.tasks.rewards import REWARD_MODEL_ARCHITECTURES, check_reward_model
 
+if TYPE_CHECKING:
+    from forge_ext.tasks.rubric import RewardFunctionConfig
+
 DEFAULT_TOKEN_BUDGET = 4096
 """``max_tokens_per_microbatch`` of a reward model whose entry does not set it."""
 
 
-def reward_model_engine(entry: Any, field: str) -> dict[str, Any]:
+def reward_model_engine(entry: RewardFunctionConfig, field: str) -> dict[str, Any]:
     """The engine section (the schema of ``trainer:``) of a ``reward.functions`` entry with
     ``model`` (:class:`forge_ext.tasks.rubric.RewardFunctionConfig`): the checkpoint with a
     value head, ``entry.procs`` data-parallel replicas (each holds the whole frozen model: a
@@ -68,7 +71,7 @@ def reward_model_engine(entry: Any, field: str) -> dict[str, Any]:
     }
 
 
-def validate_reward_model(entry: Any, field: str) -> None:
+def validate_reward_model(entry: RewardFunctionConfig, field: str) -> None:
     """Everything :func:`spawn_reward_model` checks before spawning (the engine's own
     validation of the checkpoint included), errors naming ``field``."""
     engine_config_from_mapping(reward_model_engine(entry, field), section=field)
@@ -144,7 +147,7 @@ class RewardModel:
 
 
 async def spawn_reward_model(
-    entry: Any, field: str, *, name: str = "reward_model",
+    entry: RewardFunctionConfig, field: str, *, name: str = "reward_model",
     spawn_procs: Callable[[], Any] | None = None, master_addr: str | None = None,
 ) -> RewardModel:
     """Spawn the reward model of a ``reward.functions`` entry with ``model``
