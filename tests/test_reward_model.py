@@ -163,6 +163,8 @@ def test_reward_model_entries_are_refused_naming_the_field(tmp_path, checkpoint)
     refused({"fn": "exact_match", "model": checkpoint}, r"exactly one .* both")
     refused({"fn": "exact_match", "procs": 2}, r"reward.functions\[0\].procs is a reward "
             "model's setting")
+    refused({"fn": "exact_match", "env": {"CUDA_VISIBLE_DEVICES": "1"}},
+            r"reward.functions\[0\].env is a reward model's setting")
     refused({"model": checkpoint, "max_tokens_per_microbatch": 0},
             r"max_tokens_per_microbatch=0 must be an int >= 1")
     refused({"model": str(tmp_path / "none")}, r"reward.functions\[0\].model=.* no config.json")

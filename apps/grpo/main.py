@@ -352,9 +352,11 @@ class GRPOApp(RLLoop):
         spawns = {"trainer": trainer, "reference": reference, "critic": critic,
                   "generator": generator}
         # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
-        # per batch; spawned beside the roles, stopped with them.
-        models = {reward_model_role(entry.metric_name): reward_model(i, entry)
-                  for i, entry in enumerate(c.reward.functions) if entry.model is not None}
+        # per batch; spawned beside the roles (those with their own env after them, one at
+        # a time), stopped with them.
+        entries = [(i, e) for i, e in enumerate(c.reward.functions) if e.model is not None]
+        models = {reward_model_role(e.metric_name): reward_model(i, e)
+                  for i, e in entries if not e.env}
         spawns.update(models)
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
             # Procs read the environment when they start, after the spawning call returns:
@@ -370,6 +372,10 @@ class GRPOApp(RLLoop):
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+        for i, entry in entries:
+            if entry.env:
+                with scoped_env(entry.env):
+                    await reward_model(i, entry)()
         if self.runner.config.agent is not None:
             await self.start_agent_endpoint()
         if c.reference_is_trainer_base:

@@ -91,6 +91,11 @@ class RewardFunctionConfig:
     max_tokens_per_microbatch: int | None = None
     """``model`` only: the token budget of one forward microbatch per process (padded
     positions); default 4096."""
+    env: dict[str, str] = field(default_factory=dict)
+    """``model`` only: environment of the reward model's procs, e.g.
+    ``{CUDA_VISIBLE_DEVICES: "6,7"}`` to give it GPUs of its own beside the roles' (its procs
+    otherwise take the first ones, as a role without ``procs.<role>.env`` does); reward
+    models with an ``env`` are spawned after the roles, one at a time."""
     seq_len: int | None = None
     """``model`` only: the longest conversation it scores (tokens of its own tokenizer,
     chat template included); a longer one scores ``reward.on_error``, counted. Default: the
@@ -123,6 +128,9 @@ class RewardFunctionConfig:
                                  f"function (fn={self.fn!r}): remove it, or set model")
             if isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field}.{key}={value!r} must be an int >= 1")
+        if self.env and self.model is None:
+            raise ValueError(f"{field}.env is a reward model's setting; {field} is a "
+                             f"function (fn={self.fn!r}): remove it, or set model")
 
 
 @dataclass(kw_only=True, slots=True)
