@@ -3,6 +3,9 @@
     python -m apps.config_reference --write   # regenerate docs/config.md (also: make docs)
     python -m apps.config_reference --check   # exit 1 if docs/config.md differs from the code
 
+``--write`` also saves each app's ``--help`` output (``apps/<app>/help.txt``), which ``python
+-m apps.<app>.main --help`` prints without importing the app (:mod:`apps.fast_help`).
+
 Each app's sections are its config dataclass walked by :func:`forge_ext.config_doc.sections`,
 with the mapping sections described by the dataclasses that validate them: the engine's
 ``trainer:`` (:class:`forge_ext.engine.config.EngineConfig`; ``reference:`` takes the same) and ``task:``
@@ -13,7 +16,11 @@ every source takes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import importlib
+import io
+import os
 import sys
 from pathlib import Path
 
@@ -86,24 +93,49 @@ def render() -> str:
     return markdown("Config reference", INTRO, {app: build() for app, build in APPS.items()})
 
 
+HELP_PATHS = {app: ROOT / "apps" / app / "help.txt" for app in ("grpo", "sft")}
+"""Each app's ``--help`` output, saved: ``python -m apps.<app>.main --help`` prints it without
+importing the app (torch, torchtitan, Monarch: 10 s and more on a small machine)."""
+
+
+def help_output(app: str) -> str:
+    """What ``apps.<app>.main``'s ``--help`` prints, at 80 columns (argparse wraps the usage
+    to the terminal's width)."""
+    module = importlib.import_module(f"apps.{app}.main")
+    out = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            module.main(["--help"])
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    return out.getvalue()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help=f"write {DOC_PATH.relative_to(ROOT)}")
     mode.add_argument("--check", action="store_true", help="exit 1 if it differs from the code")
     args = parser.parse_args(argv)
-    text = render()
+    outputs = {DOC_PATH: render(), **{path: help_output(app) for app, path in HELP_PATHS.items()}}
     if args.write:
-        DOC_PATH.parent.mkdir(exist_ok=True)
-        DOC_PATH.write_text(text)
-        print(f"wrote {DOC_PATH}")
+        for path, text in outputs.items():
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
         return
-    current = DOC_PATH.read_text() if DOC_PATH.is_file() else ""
-    if current != text:
-        sys.stdout.writelines(difflib.unified_diff(
-            current.splitlines(True), text.splitlines(True), str(DOC_PATH), "from the code"))
-        sys.exit(f"{DOC_PATH} differs from the code; regenerate it: {REGENERATE}")
-    print(f"{DOC_PATH} matches the code")
+    for path, text in outputs.items():
+        current = path.read_text() if path.is_file() else ""
+        if current != text:
+            sys.stdout.writelines(difflib.unified_diff(
+                current.splitlines(True), text.splitlines(True), str(path), "from the code"))
+            sys.exit(f"{path} differs from the code; regenerate it: {REGENERATE}")
+        print(f"{path} matches the code")
 
 
 if __name__ == "__main__":

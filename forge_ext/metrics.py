@@ -30,6 +30,14 @@ class MetricsConfig:
     """Write TensorBoard event files (``tensorboard --logdir <log_dir>/tensorboard``)."""
     plot: str | None = "progress.png"
     """File name (in ``log_dir``) of the PNG plot written on close; null disables it."""
+    samples_per_step: int = 4
+    """GRPO: completions per training step appended to ``samples.jsonl`` in ``log_dir`` (the
+    first episode of each of the step's first prompts: prompt, answer, completion, reward and
+    each reward function's score); 0: none."""
+
+    def __post_init__(self) -> None:
+        if self.samples_per_step < 0:
+            raise ValueError(f"metrics.samples_per_step={self.samples_per_step} must be >= 0")
 
 
 class MetricLogger:

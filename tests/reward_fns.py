@@ -83,3 +83,37 @@ def power(completion):
 async def power_async(completion):
     """:func:`power` from an async function: a blocking C call inside a coroutine."""
     return power(completion)
+
+
+# A user's functions reading a row's column ``gold``, the three ways TRL and our docs show.
+def gold_by_key(completion, row):
+    return float(completion == row["gold"])
+
+
+def gold_by_keyword(completion, gold, level=-1):
+    return float(completion == gold) + 10 * level  # level: another column, optional
+
+
+def gold_by_kwargs(completion, **columns):
+    return float(completion == columns["gold"]) + 100 * ("row" in columns)
+
+
+class GoldTask:
+    """Rows with columns ``gold`` and ``level`` beside the prompt and answer."""
+
+    name = "gold"
+
+    def train_rows(self):
+        from forge_ext.tasks import Row
+
+        return [Row(prompt=f"q{i}", answer="unused", metadata={"gold": str(i), "level": i})
+                for i in range(3)]
+
+    def eval_rows(self):
+        return self.train_rows()[:1]
+
+    def rewards(self):
+        return {}
+
+    def default_rewards(self):
+        return []

@@ -280,7 +280,8 @@ async def test_a_failing_agent_costs_its_episode_counted_and_the_others_score(
     from test_multiturn import _NoTask
 
     rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
-                                 on_error=-1.0, isolation="thread"), _NoTask())
+                                 on_error=-1.0, isolation="thread", max_error_rate=None),
+                    _NoTask())
     config = episode_config({"agent": f"{__name__}:{agent}", "agent_timeout_s": 2})
     runner = EpisodeRunner(endpoint.tok, PromptRenderer(endpoint.tok, PromptConfig()), rubric,
                            config)

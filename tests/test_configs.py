@@ -145,6 +145,8 @@ def test_sft_config_validates_and_shares_the_demo_task():
         ("init.model_type=qwen2", "model_type='qwen2' cannot be loaded"),
         ("trainer.parallelism.data_parallel_shard_degree=2",
          "degrees multiply to 2 processes, but the SFT app trains in this one process"),
+        ("trainer.training.seq_len=6",  # a rank's traceback mid-run before (issue 38)
+         r"trainer.training.seq_len=6 < \d+ tokens \(longest training prompt \+ answer"),
     ],
 )
 def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
@@ -246,9 +248,54 @@ def test_cross_section_checks(demo_checkpoint):
     with pytest.raises(ValueError, match="loss.kl_coef=0.01 needs a reference"):
         load_config(path, [model, "reference=null"])
     with pytest.raises(ValueError, match=r"trainer.training.local_batch_size=512 x 1 .* = 128"):
-        load_config(path, [model, "grpo.prompts_per_step=16"])
+        load_config(path, [model, "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512"])
     with pytest.raises(ValueError, match="needs trainer.checkpoint.enable=true"):
         load_config(path, [model, "trainer.checkpoint.enable=false"])
+
+
+def test_a_run_resized_by_prompts_per_step_alone_validates(demo_checkpoint):
+    """Batch sizes follow from grpo.prompts_per_step x grpo.group_size / data-parallel ranks,
+    and the reference's seq_len from the trainer's, unless set (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    model = f"model.hf_path={demo_checkpoint}"
+    config = load_config(path, [model, "grpo.prompts_per_step=16"])
+    assert config.trainer["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["local_batch_size"] == 16 * 8
+    assert config.reference["training"]["seq_len"] == config.trainer["training"]["seq_len"] == 32
+    config = load_config(path, [model, "grpo.group_size=4", "trainer.training.seq_len=48",
+                                "procs.trainer.num_procs=2"])
+    assert config.trainer["training"]["local_batch_size"] == 64 * 4 // 2  # two DP ranks
+    assert config.reference["training"]["local_batch_size"] == 64 * 4
+    assert config.reference["training"]["seq_len"] == 48
+
+
+def test_a_run_without_a_kl_term_spawns_no_reference(demo_checkpoint):
+    """The DAPO preset with loss.kl_coef=0 on the demo (whose reference: section it
+    inherits) spawned and ran a reference model for nothing (issue 38)."""
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    config = load_config(path, [f"model.hf_path={demo_checkpoint}", "loss.preset=dapo",
+                                "loss.kl_coef=0"])
+    assert config.reference is None and set(config.processes()) == {"trainer", "generator"}
+    assert load_config(path, [f"model.hf_path={demo_checkpoint}"]).reference is not None
+    # PPO's KL penalty in the reward needs the reference's log-probs with loss.kl_coef 0.
+    ppo = load_config(str(CONFIGS / "ppo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", "loss.kl_coef=0", "algorithm.kl_in_reward=true"])
+    assert ppo.reference is not None and "reference" in ppo.processes()
+
+
+def test_hand_set_sizes_that_disagree_are_refused_together_in_one_message(demo_checkpoint):
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(ValueError) as refused:
+        load_config(path, [f"model.hf_path={demo_checkpoint}", "grpo.prompts_per_step=16",
+                           "trainer.training.local_batch_size=512",
+                           "reference.training.local_batch_size=256",
+                           "reference.training.seq_len=64"])
+    message = str(refused.value)
+    assert message.startswith("sizes that disagree: ")
+    assert "trainer.training.local_batch_size=512 x 1 data-parallel ranks = 512 sequences" in message
+    assert "reference.training.local_batch_size=256 x 1" in message
+    assert "reference.training.seq_len=64 but trainer.training.seq_len=32" in message
 
 
 @pytest.mark.parametrize(
@@ -443,6 +490,35 @@ def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_p
         (out / "checkpoints" / f"step-{step}").mkdir(parents=True)
     (out / "checkpoints" / "step-5" / ".metadata").write_text("")
     assert latest_checkpoint_step(config) == 5  # step-10 is incomplete: no .metadata yet
+
+
+def test_a_resume_is_announced_before_anything_is_spawned(demo_checkpoint, tmp_path):
+    """The plan printed before spawning says the run resumes (it came after the spawn, 54 s
+    later, issue 38)."""
+    from apps.grpo.main import GRPOApp
+
+    out = tmp_path / "run"
+    overrides = [f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=8",
+                 "task.num_train=16", "task.num_eval=2"]
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    assert not any("resuming" in line for line in GRPOApp(config).plan_lines(["generator"], None))
+    (out / "checkpoints" / "step-5").mkdir(parents=True)
+    (out / "checkpoints" / "step-5" / ".metadata").write_text("")
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
+    lines = GRPOApp(config).plan_lines(["generator"], None)
+    assert f"resuming from the checkpoint of step 5 in {out}" in lines
+
+
+def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_checkpoint,
+                                                                         tmp_path):
+    from apps.grpo.main import GRPOApp
+
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path}", "task.num_train=16",
+        "task.num_eval=2"])
+    spec = GRPOApp(config).plot_spec()
+    plotted = {key for panel in spec["panels"] for key in panel.keys}
+    assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
 
 
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):

@@ -96,8 +96,10 @@ def runner_for(setup, env, **limits):
     rubric, and a ``sample`` over the real engine that records every request's prompt."""
     path, tok, sampler = setup
     render = PromptRenderer(tok, PromptConfig())
+    # max_error_rate=None: these tests check what a failure costs its episode; a batch that
+    # fails whole stopping the run is test_a_batch_whose_environment_always_fails_stops_the_run.
     rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
-                                 on_error=-1.0), _NoTask())
+                                 on_error=-1.0, max_error_rate=None), _NoTask())
     config = EpisodeConfig(environment=f"{__name__}:{env.__name__}", **limits)
     engine = HFEngine(path, sampling=SamplingConfig(max_new_tokens=16), sampler=sampler,
                       stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
@@ -425,3 +427,79 @@ def test_a_step_result_or_reply_of_the_wrong_shape_costs_its_episode(setup):
         if not t.truncated:
             assert t.env_error == "error"
     assert batch.metrics()["episode/env_errors"] >= 1
+
+
+# ----------------------------------------------------- failures that stop a run (issue 38)
+class PaysOne:
+    """An environment whose reward is the episode's only one: 1.0 for the answer."""
+
+    async def reset(self, row):
+        self.row = row
+        return row.prompt
+
+    async def step(self, completion):
+        return None, float(completion.strip() == self.row["answer"]) + 0.25, True
+
+
+def test_an_environments_rewards_suffice_without_a_reward_function(setup):
+    """A task with an environment and no reward function: its rewards are the episode's, the
+    accuracy its reward >= 1; without an environment the rubric is still refused."""
+    path, tok, sampler = setup
+    with pytest.raises(ValueError, match="reward.functions is empty"):
+        Rubric(RewardConfig(), _NoTask())
+    rubric = Rubric(RewardConfig(), _NoTask(), environment=True)
+    assert rubric.names == []
+    runner, generate, _ = runner_for(setup, PaysOne, max_turns=2, max_episode_tokens=400)
+    runner.rubric = rubric
+    rows = [Row(prompt=r.prompt, answer=r.answer) for r in ROWS]
+    batch = asyncio.run(runner.run(rows, 2, generate, seed=5))
+    for t, reward, correct in zip(batch.trajectories, batch.rewards, batch.scores.correct):
+        text, _ = tok.completion_text(t.last_turn)
+        expected = float(text.strip() == t.row.answer) + 0.25
+        assert t.env_error is None and reward == t.env_reward == expected
+        assert correct == (expected >= 1.0)
+
+
+def test_a_batch_whose_reward_function_always_fails_stops_the_run(setup, capsys):
+    from forge_ext.tasks.rubric import RewardFailure
+
+    runner, generate, _ = runner_for(setup, PaysOne, max_turns=2, max_episode_tokens=400)
+    runner.rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reward_fns:raises"),
+                                                   RewardFunctionConfig(fn="exact_match")],
+                                        num_workers=1), _NoTask())
+    with pytest.raises(RewardFailure, match=r"(?s)reward function 'raises' failed on 4 of 4 "
+                                            r"calls.*reward.max_error_rate=1.0.*"
+                                            r"RuntimeError: boom"):
+        asyncio.run(runner.run(ROWS, 2, generate, seed=5))
+    runner.rubric.close()
+
+
+def test_a_batch_whose_environment_always_fails_stops_the_run(setup):
+    """Every episode's environment raised: the batch stops the run with the count and the
+    first traceback."""
+    from forge_ext.tasks.rubric import RewardFailure
+
+    runner, generate, _ = runner_for(setup, RaisesAtStep, max_turns=3, max_episode_tokens=400)
+    runner.rubric.config.max_error_rate = 1.0  # the default (runner_for turns it off)
+    with pytest.raises(RewardFailure, match=r"(?s)the environment \(.*RaisesAtStep\) failed "
+                                            r"on 4 of 4 calls.*an environment bug"):
+        asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+
+
+def test_the_samples_of_a_batch_are_what_the_rubric_scored(setup):
+    """metrics.samples_per_step's records (samples.jsonl): each holds the completion the
+    rubric scored and that function's score of it, recomputed here (issue 38)."""
+    from forge_ext.tasks.rewards import exact_match
+
+    _, tok, _ = setup
+    runner, generate, _ = runner_for(setup, PaysOne, max_turns=2, max_episode_tokens=400)
+    batch = asyncio.run(runner.run(ROWS, 2, generate, seed=5))
+    records = batch.samples(tok, [0, 2])
+    assert [r["prompt"] for r in records] == [ROWS[0].prompt, ROWS[1].prompt]
+    for i, record in zip([0, 2], records):
+        t = batch.trajectories[i]
+        assert record["completion"] == tok.completion_text(t.last_turn)[0]
+        assert record["rewards"] == {"exact_match": exact_match(record["completion"], "42")}
+        assert record["reward"] == batch.rewards[i] == pytest.approx(
+            record["rewards"]["exact_match"] + t.env_reward)
+        assert record["response_tokens"] == len(t.response_ids) and record["turns"] == t.turns

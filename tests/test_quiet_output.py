@@ -6,6 +6,7 @@ vLLM's chat-template warm-up) nor torchtitan's notices about defaults that do no
 A test session on spawned procs ends with pytest's status and nothing after its summary
 (``tests/conftest.py``'s ``pytest_unconfigure``)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     for notice in (*TITAN_NOTICES_NOT_APPLICABLE, "INFO:root:", "HYPERACTOR_CODEC_MAX_FRAME",
                    "Loading weights", "min_new_tokens", "DTensor random operators"):
         assert notice not in output, notice
+    # No progress bar on a pipe: a redirected log held its every carriage-return update
+    # (issue 38); torchtitan's "Warmup (10) + decay ..." of a 2-step run is in the notices.
+    assert "\r" not in result.stdout and "GRPO:   0%" not in result.stdout
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     first, last = lines[0], lines[-1]
     assert first.startswith(
@@ -60,6 +64,10 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
                     f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}"), last
     assert (out / "metrics.jsonl").is_file() and (out / "run_config.yaml").is_file()
+    # Sample completions per step (issue 38): both prompts of each of the 2 steps.
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    assert all(set(s["rewards"]) == {"addition"} and "completion" in s for s in samples)
 
 
 def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback():

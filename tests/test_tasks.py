@@ -757,3 +757,37 @@ def test_an_episode_longer_than_vllms_context_is_refused_before_any_spawn(tmp_pa
     with pytest.raises(ValueError, match=r"generator.vllm.max_model_len=48 < 57 tokens "
                                          r"\(longest prompt \+ task.max_episode_tokens\)"):
         GRPOApp(config)
+
+
+# ------------------------------------------------------------- the row's columns (issue 38)
+def test_a_reward_function_gets_the_rows_columns_by_key_and_as_keywords():
+    """A user writes ``row["gold"]`` or ``def f(completion, gold)`` (TRL's style): both get
+    the row's column, in a reward worker process; ``**kwargs`` gets every column and the
+    rubric's arguments."""
+    entries = [RewardFunctionConfig(fn=f"reward_fns:{name}")
+               for name in ("gold_by_key", "gold_by_keyword", "gold_by_kwargs")]
+    rubric = Rubric(RewardConfig(functions=entries, num_workers=1), fns.GoldTask())
+    rows = fns.GoldTask().train_rows()
+    scores = rubric.score_sync([Sample(row=rows[1], completion="1"),
+                                Sample(row=rows[2], completion="1")])
+    rubric.close()
+    assert scores.errors == {"gold_by_key": 0, "gold_by_keyword": 0, "gold_by_kwargs": 0}
+    assert scores.by_function == {"gold_by_key": [1.0, 0.0], "gold_by_keyword": [11.0, 20.0],
+                                  "gold_by_kwargs": [101.0, 100.0]}
+    row = rows[2]
+    assert (row["gold"], row["level"], row["prompt"], row["answer"]) == ("2", 2, "q2", "unused")
+    assert dict(row) == {"gold": "2", "level": 2, "prompt": "q2", "answer": "unused"}
+    with pytest.raises(KeyError, match=r"'silver': the row's columns are \['gold', 'level'"):
+        row["silver"]
+
+
+def test_a_reward_function_requiring_a_column_the_rows_lack_is_refused_naming_them():
+    class _Task(fns.GoldTask):
+        def train_rows(self):
+            return [Row(prompt="q", answer="a", metadata={"silver": "1"})]
+
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].fn: the reward function "
+                                         r"requires \['gold'\].*columns \['answer', 'prompt', "
+                                         r"'silver'\]"):
+        Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reward_fns:gold_by_keyword")]),
+               _Task())

@@ -187,7 +187,9 @@ class GRPOConfig:
     """The frozen reference model's engine (an engine section like ``trainer:``, usually
     ``model: ${trainer.model}``) for the KL term, on its own procs; null needs
     ``loss.kl_coef: 0``, or ``trainer.lora``: then the reference is the trainer's own frozen
-    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``)."""
+    base, its adapters disabled (no second copy of the weights, ``docs/lora.md``). Unused,
+    and not spawned, when ``loss.kl_coef`` is 0 (the DAPO, Dr. GRPO and GSPO presets) and
+    ``algorithm.kl_in_reward`` is false."""
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     procs: ProcsSection = field(default_factory=ProcsSection)
     """Processes per role and their environment variables."""
@@ -201,6 +203,12 @@ class GRPOConfig:
     """Fault injection for tests."""
 
     def __post_init__(self) -> None:
+        if (self.loss.kl_coef == 0 and not self.algorithm.kl_in_reward
+                and self.reference is not None):
+            # No KL term (in the loss or in PPO's reward): a reference would be a role spawned
+            # (a model loaded, a forward per step) for nothing but the logged kl; none is
+            # spawned (the run record says null).
+            self.reference = None
         self._lora_generator()
         # Lengths that default to the response limit, filled here so that the run record
         # holds the values the run used.
@@ -326,21 +334,66 @@ class GRPOConfig:
                 "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
                 "directory"
             )
+        self._derive_sizes()
         engines = self._engines()
         self._validate_reward_models(check_model=True)
         check_weights_transport(engines["trainer"], self.weights)
         processes = self.processes(engines)
         layout = self.hosts.layout(processes)
         self._check_replica_devices(layout["generator"][1])
-        for name, engine in engines.items():
-            dp = data_parallel_size(engine, processes[name])
-            global_batch = engine.training.local_batch_size * dp
-            if global_batch != self.grpo.batch_size:
-                raise ValueError(
-                    f"{name}.training.local_batch_size={engine.training.local_batch_size} x "
-                    f"{dp} data-parallel ranks = {global_batch} sequences, but grpo."
-                    f"prompts_per_step x grpo.group_size = {self.grpo.batch_size}; make them equal"
-                )
+
+    def _derive_sizes(self) -> None:
+        """Fill the sizes that follow from the rest of the config where they are unset (so a
+        run is resized by ``grpo.prompts_per_step`` or ``grpo.group_size`` alone, as verl and
+        TRL derive theirs from the rollout batch): ``training.local_batch_size`` of the trainer
+        and the reference = ``grpo.batch_size`` / their data-parallel ranks, and the
+        reference's ``training.seq_len`` = the trainer's (it scores the same sequences).
+
+        Raises:
+            ValueError: every hand-set value that disagrees (and a batch the data-parallel
+                ranks cannot split), all in one message.
+        """
+        batch = self.grpo.batch_size
+        sections = {"trainer": self.trainer}
+        if self.reference is not None:
+            sections["reference"] = self.reference
+        given = {role: dict(section.get("training") or {}) for role, section in sections.items()}
+        # Parsed once with the whole batch in place of an unset local_batch_size (any split
+        # that divides batch / dp divides batch too, so this refuses nothing the real one
+        # takes), and the reference with the trainer's seq_len unless it has its own.
+        unset = {"local_batch_size": batch, **({"seq_len": given["trainer"]["seq_len"]}
+                                                if "seq_len" in given["trainer"] else {})}
+        engines = {role: engine_config_from_mapping(
+            {**section, "training": {**unset, **given[role]}}, section=role)
+            for role, section in sections.items()}
+        processes = self.processes(engines)
+        problems = []
+        for role, section in sections.items():
+            dp = data_parallel_size(engines[role], processes[role])
+            local = given[role].get("local_batch_size")
+            if local is not None and local * dp != batch:
+                problems.append(
+                    f"{role}.training.local_batch_size={local} x {dp} data-parallel ranks = "
+                    f"{local * dp} sequences, but grpo.prompts_per_step x grpo.group_size = "
+                    f"{batch} (unset it: it follows, {batch} / {dp})")
+            elif local is None and batch % dp:
+                problems.append(
+                    f"grpo.prompts_per_step x grpo.group_size = {batch} sequences do not split "
+                    f"over {role}'s {dp} data-parallel ranks; make it a multiple of {dp}")
+            elif local is None:
+                section.setdefault("training", {})["local_batch_size"] = batch // dp
+        if "reference" in sections:
+            trainer_len = engines["trainer"].training.seq_len
+            reference_len = given["reference"].get("seq_len")
+            if reference_len is not None and reference_len != trainer_len:
+                problems.append(
+                    f"reference.training.seq_len={reference_len} but trainer.training.seq_len="
+                    f"{trainer_len}: the reference scores the trainer's sequences (unset it: "
+                    "it follows the trainer's)")
+            elif reference_len is None:
+                self.reference.setdefault("training", {})["seq_len"] = trainer_len
+        if problems:
+            raise ValueError("sizes that disagree: " + "; ".join(problems))
 
     def _validate_reward_models(self, *, check_model: bool) -> None:
         """Each reward model of ``reward.functions`` (:mod:`forge_ext.actors.reward_model`):

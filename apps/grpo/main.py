@@ -43,6 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
+    from apps.fast_help import print_saved_help
+
+    print_saved_help("grpo")
+
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
@@ -53,6 +58,7 @@ from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
     resolved_task,
 )
+from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -79,6 +85,10 @@ from forge_ext.supervision import RoleFailure, shutdown_monarch
 PROMPT_STREAM_FILE = "prompt_stream.json"
 """In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
 prompt stream position where each checkpointed step's prompts begin."""
+
+SAMPLES_FILE = "samples.jsonl"
+"""In ``metrics.log_dir``: ``metrics.samples_per_step`` completions per training step, one
+JSON object a line (:meth:`forge_ext.rollout.EpisodeBatch.samples`, with its ``step``)."""
 
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
@@ -143,7 +153,9 @@ class GRPOApp(RLLoop):
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
         # a bad data file, field, reward or template is a config error now.
         task = build_task(config.task)
-        rubric = Rubric(config.reward, task)
+        episodes = episode_config(config.task)
+        # An environment's rewards may stand alone (no reward function).
+        rubric = Rubric(config.reward, task, environment=episodes.environment is not None)
         self.tok = CheckpointTokenizer(config.model.hf_path)
         self.render = render = PromptRenderer(self.tok, config.prompt)
         train_rows, self.eval_rows = list(task.train_rows()), list(task.eval_rows())
@@ -164,7 +176,6 @@ class GRPOApp(RLLoop):
             print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
                   f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
                   "(characters or words outside its vocabulary)", file=sys.stderr)
-        episodes = episode_config(config.task)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # An episode after its first prompt: one turn, or up to task.max_episode_tokens.
         after = (episodes.max_episode_tokens if self.runner.multi_turn
@@ -178,12 +189,11 @@ class GRPOApp(RLLoop):
         if config.generator.backend == "vllm":
             limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
         self.context = min((v for v in limits.values() if v is not None), default=None)
-        for field_name, limit in limits.items():
-            if limit is not None and longest > limit and episodes.agent is None:
-                raise ValueError(
-                    f"{field_name}={limit} < {longest} tokens (longest prompt + {what}); "
-                    f"raise {field_name}"
-                )
+        short = [f"{field_name}={limit}" for field_name, limit in limits.items()
+                 if limit is not None and longest > limit and episodes.agent is None]
+        if short:  # every limit at once (the reference's seq_len follows the trainer's)
+            raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
+                             f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "task": resolved_task(config.task),
@@ -194,6 +204,8 @@ class GRPOApp(RLLoop):
         )
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
+        self.resume_step = resume_step
+        """The checkpoint step the run resumes from (0: it starts over)."""
         self.task, self.rubric = task, rubric
         self.prompts = PromptStream(train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
@@ -447,14 +459,18 @@ class GRPOApp(RLLoop):
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
         ) + f" (hosts x procs, launcher {c.hosts.launcher})"
+        rewards = ", ".join(self.rubric.names) or "the environment's"
         return [
             f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) "
             f"of {c.grpo.prompts_per_step} prompts x "
             f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
             f"{c.output_dir}",
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {', '.join(self.rubric.names)}",
+            f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
+            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"
+               + (" (a finished run: it only re-evaluates)"
+                  if self.resume_step >= c.loop.steps else "")] if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
@@ -502,9 +518,12 @@ class GRPOApp(RLLoop):
                     "dropped groups consumed. Use a new output_dir"
                 )
             self._stream_starts[step] = positions[str(step)]
+        # No bar when stdout is not a terminal (disable=None): a redirected log would hold
+        # its every carriage-return update; the per-step lines say the same.
         self.bar = tqdm(
             total=self.loop.steps, initial=step, unit="step", file=sys.stdout,
             desc=ALGORITHM_NAMES[self.config.algorithm.advantage], dynamic_ncols=True,
+            disable=None,
         )
 
     def write(self, line: str) -> None:
@@ -748,6 +767,7 @@ class GRPOApp(RLLoop):
             **critic_metrics,
             **{f"time/{k}": v for k, v in seconds.items()},
         }
+        self._write_samples(step + 1, rollouts)
         return metrics
 
     async def critic_step(self, packed: dict[str, torch.Tensor], batch: list[Episode]
@@ -762,6 +782,21 @@ class GRPOApp(RLLoop):
         packed["advantages"], metrics = await self.critic.advantages_and_update(
             packed, rewards, self.estimator, kl)
         return metrics
+
+    def _write_samples(self, step: int, rollouts: Rollouts) -> None:
+        """Append ``metrics.samples_per_step`` of the step's episodes (the first of each
+        group) to ``samples.jsonl`` in the metrics folder, as the rubric scored them."""
+        count = self.metrics.config.samples_per_step
+        if not count:
+            return
+        group = self.config.grpo.group_size
+        batch = rollouts.batch
+        indices = list(range(0, len(batch.trajectories), group))[:count]
+        path = Path(self.metrics.config.log_dir) / SAMPLES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for record in batch.samples(self.tok, indices):
+                f.write(json.dumps({"step": step, **record}) + "\n")
 
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
@@ -924,6 +959,15 @@ class GRPOApp(RLLoop):
                 "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             },
             "panels": [
+                # How training went (issue 38): the loss and the KL to the reference, each
+                # reward function's mean, the response length.
+                PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
+                          labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
+                PlotPanel(keys=[f"reward/{name}" for name in self.rubric.names],
+                          ylabel="mean score",
+                          labels={f"reward/{name}": name for name in self.rubric.names}),
+                PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
+                          labels={"rollout/response_tokens": "response length (mean)"}),
                 PlotPanel(
                     keys=["time/step", "time/generator_idle", "time/trainer_idle"],
                     ylabel="seconds per step",
@@ -1102,6 +1146,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(failure_message(failure, app.config, argv))
     except PlacementError as error:  # the hosts did not start: the message says the fix
         sys.exit(f"error: {error}")
+    except RewardFailure as failure:  # every call of a batch failed: count and traceback
+        sys.exit(f"error: {failure}")
     except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
         write_error = find_output_write_error(error)
         if write_error is None:

@@ -30,6 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
+    from apps.fast_help import print_saved_help
+
+    print_saved_help("sft")
+
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.tasks import (
@@ -223,7 +228,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     """
     from tqdm import tqdm
 
-    from forge_ext.engine import TitanEngine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
+    from forge_ext.engine import build_engine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
     from forge_ext.engine.distributed import init_single_process_env
 
     out = Path(config.output_dir)
@@ -253,7 +258,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         len(tok.encode_answer(row.answer)) for row in train_rows + eval_rows
     )
     init_single_process_env()
-    engine = TitanEngine(engine_config)
+    engine = build_engine(engine_config)
     sampler = HFSampler(
         config.init.hf_path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id
     )
@@ -274,7 +279,10 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     steps, batch_size = engine_config.training.steps, engine_config.training.local_batch_size
     start = time.perf_counter()
     step = 0
-    bar = tqdm(range(1, steps + 1), desc="warm-start (SFT)", unit="step", file=sys.stdout)
+    # No bar when stdout is not a terminal (disable=None): a redirected log would hold its
+    # every carriage-return update.
+    bar = tqdm(range(1, steps + 1), desc="warm-start (SFT)", unit="step", file=sys.stdout,
+               disable=None)
     for step in bar:
         batch = sft_batch([rng.choice(train_rows) for _ in range(batch_size)], render, tok)
         metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
@@ -361,6 +369,18 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(
                     f"trainer.parallelism degrees multiply to {processes} processes, but the "
                     "SFT app trains in this one process; set them to 1 (or leave them out)"
+                )
+            # Every training row must fit, as the GRPO app checks before spawning (the
+            # engine's refusal mid-run was a 20-line traceback).
+            tok = CheckpointTokenizer(config.init.hf_path)
+            render = PromptRenderer(tok, config.prompt)
+            longest = max(len(render(row)) + len(tok.encode_answer(row.answer))
+                          for row in task.train_rows())
+            if longest > engine.training.seq_len:
+                raise ValueError(
+                    f"trainer.training.seq_len={engine.training.seq_len} < {longest} tokens "
+                    "(longest training prompt + answer + end token); raise "
+                    "trainer.training.seq_len"
                 )
         except (ValueError, FileNotFoundError) as e:
             if wrote:  # a random model the engine refuses: not left for the next run to reuse

@@ -26,8 +26,14 @@ own environment instance, and turns alternate until the environment says done,
 An environment call that raises or runs past ``task.env_timeout_s`` ends its episode, which
 then scores ``reward.on_error`` (counted in ``episode/env_errors`` / ``episode/env_timeouts``);
 the others go on. An episode's reward is the rubric's score of its last model turn plus the sum
-of its environment rewards; its policy version is that of its oldest token (staleness is
-bounded by the oldest).
+of its environment rewards (the environment's alone where the rubric has no functions: its
+accuracy is then an episode reward >= 1); its policy version is that of its oldest token
+(staleness is bounded by the oldest).
+
+A batch in which one reward function's failed calls, or the failed episodes of the
+environment or agent, reach ``reward.max_error_rate`` (default: all of them) raises
+:class:`~forge_ext.tasks.rubric.RewardFailure` with the count and the first traceback: a run
+does not train on ``reward.on_error`` values.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 
 from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
+from forge_ext.tasks.rubric import check_failures
 from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
@@ -140,6 +147,24 @@ class EpisodeBatch:
             agent=first.agent,
         )
 
+    def samples(self, tok: CheckpointTokenizer, indices: list[int]) -> list[dict]:
+        """Episodes ``indices`` as records for a samples file: the row's prompt text and
+        answer, the ``completion`` the rubric scored (the last model turn decoded, or an
+        agent's answer), whether it ``finished``, the episode's ``reward``, each reward
+        function's score (``rewards``), ``response_tokens`` and ``turns``."""
+        records = []
+        for i in indices:
+            t = self.trajectories[i]
+            text, finished = tok.completion_text(t.last_turn)
+            records.append({
+                "prompt": t.row.text, "answer": t.row.answer,
+                "completion": t.answer if t.answer is not None else text,
+                "finished": finished, "reward": self.rewards[i],
+                "rewards": {name: v[i] for name, v in self.scores.by_function.items()},
+                "response_tokens": len(t.response_ids), "turns": t.turns,
+            })
+        return records
+
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
         ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction),
@@ -186,6 +211,7 @@ class EpisodeRunner:
         if config.environment is not None:
             render.check_continuation()
         self._reported: set[str] = set()
+        self._first_failure: str | None = None  # the environment's or agent's first traceback
         self._pool = DaemonPool(8)  # environments' sync reset/step
         self._runs = itertools.count()  # tells sessions of different calls apart
         self.endpoint = None
@@ -381,6 +407,8 @@ class EpisodeRunner:
         if key not in self._reported:
             self._reported.add(key)
             detail = "".join(traceback.format_exception(error)).rstrip()
+            if self._first_failure is None:
+                self._first_failure = detail
             who, metric = ((f"the agent ({self.config.agent})", f"agent/{kind}s")
                            if what == "agent" else
                            (f"the environment's {what}()", f"episode/env_{kind}s"))
@@ -398,7 +426,13 @@ class EpisodeRunner:
             samples.append(Sample(row=t.row, completion=text, finished=finished,
                                   completion_ids=t.last_turn))
         scores = await self.rubric.score(samples)
+        self.rubric.check(scores)
+        failed = sum(t.env_error is not None for t in trajectories)
+        check_failures(f"the agent ({self.config.agent})" if self.config.agent is not None
+                       else f"the environment ({self.config.environment})", failed,
+                       len(trajectories), self._first_failure, self.rubric.config.max_error_rate)
         on_error = float(self.rubric.config.on_error)
+        alone = not self.rubric.names  # the environment's rewards alone (no function, no model)
         rewards = []
         for i, t in enumerate(trajectories):
             if t.env_error is not None:
@@ -409,6 +443,8 @@ class EpisodeRunner:
                 rewards.append(t.reward_value)
             else:
                 rewards.append(scores.rewards[i] + t.env_reward)
+                if alone:
+                    scores.correct[i] = t.env_reward >= 1.0
         return EpisodeBatch(trajectories=trajectories, scores=scores, rewards=rewards,
                             env_seconds=sum(t.env_seconds for t in trajectories),
                             multi_turn=self.multi_turn, agent=self.config.agent is not None,

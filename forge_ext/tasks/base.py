@@ -10,7 +10,7 @@ source it trains on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,12 @@ Message = dict[str, str]
 
 # weakref_slot: caches keyed by a row (PromptRenderer) let it go when nothing else holds it.
 @dataclass(frozen=True, slots=True, weakref_slot=True)
-class Row:
-    """One prompt of a task with its reference answer.
+class Row(Mapping):
+    """One prompt of a task with its reference answer, and a read-only mapping over its
+    columns: ``row["gold"]`` is ``row.metadata["gold"]`` (a dataset row's column, a
+    reasoning-gym entry's field), and ``row["prompt"]`` / ``row["answer"]`` are
+    :attr:`prompt` / :attr:`answer` where the metadata has no such key. ``row.get``,
+    ``"gold" in row``, ``dict(row)`` work as on a dict.
 
     Raises ``ValueError`` on construction if ``prompt`` is neither a non-empty string nor a
     non-empty list of ``{role, content}`` messages with string values, or ``answer`` is not a
@@ -61,6 +65,20 @@ class Row:
                 f"{self.answer!r:.80}"
             )
 
+    def __getitem__(self, key: str) -> Any:
+        if key in self.metadata:
+            return self.metadata[key]
+        if key in _ROW_FIELDS:
+            return getattr(self, key)
+        raise KeyError(f"{key!r}: the row's columns are {list(self)}")
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.metadata
+        yield from (k for k in _ROW_FIELDS if k not in self.metadata)
+
+    def __len__(self) -> int:
+        return len(self.metadata) + sum(k not in self.metadata for k in _ROW_FIELDS)
+
     @property
     def text(self) -> str:
         """The prompt's text: the prompt itself, or its messages' contents joined by blank
@@ -68,6 +86,9 @@ class Row:
         if isinstance(self.prompt, str):
             return self.prompt
         return "\n\n".join(m["content"] for m in self.prompt)
+
+
+_ROW_FIELDS = ("prompt", "answer")
 
 
 RewardFn = Callable[..., Any]

@@ -6,8 +6,22 @@ A completion's reward is ``sum_i weight_i * score_i`` over ``reward.functions`` 
 ``reward.timeout_s``, or returns anything but a finite real number (a string, None, NaN, inf)
 scores ``reward.on_error`` for that function and sample, is counted in
 ``reward/errors/<name>``, and the first traceback of each function is printed once (to
-stderr); the run goes on. Logged per batch: ``reward/<name>`` (the function's mean score),
-``reward/errors/<name>``.
+stderr); the run goes on, unless a function's failed calls in one rollout batch (a step's
+episodes, an evaluation chunk) reach ``reward.max_error_rate`` (default 1.0: every call
+failed): then the batch raises :class:`RewardFailure` with the count and that first traceback,
+and the run stops rather than train on ``on_error`` values
+(:meth:`forge_ext.rollout.episodes.EpisodeRunner.run` checks). Logged per batch:
+``reward/<name>`` (the function's mean score), ``reward/errors/<name>``.
+
+A reward function is called with the keyword arguments its signature names (a function taking
+``**kwargs`` gets them all): ``completion``, ``prompt``, ``answer``, ``row``, ``finished``,
+``completion_ids`` (:data:`~forge_ext.tasks.base.RewardFn`), and the row's columns as TRL
+passes them (``def f(completion, gold)`` gets the row's ``gold``; the row itself is a mapping
+too: ``row["gold"]``). A column named like one of the six is shadowed by it.
+
+A task with an environment may have no reward functions (``reward.functions`` empty and no
+task default, :class:`Rubric` built with ``environment=True``): the environment's rewards are
+then the episode's reward.
 
 Where the calls run (``reward.isolation``, :mod:`forge_ext.tasks.workers`):
 
@@ -32,8 +46,8 @@ sequence-classification checkpoint): it runs frozen in its own procs
 :meth:`Rubric.attach_model`) and scores a batch's completions in one call, beside the
 functions' calls; its scores are weighted, summed and logged (``reward/<name>``) like a
 function's. A call that fails costs that batch's scores of the model (``reward.on_error``
-each, all counted in ``reward/errors/<name>``), never the run; ``reward.timeout_s`` and
-``reward.isolation`` apply to functions only.
+each, all counted in ``reward/errors/<name>``), never the run: ``reward.max_error_rate``,
+``reward.timeout_s`` and ``reward.isolation`` apply to functions only.
 
 ``accuracy`` of a batch is the fraction of completions whose ``reward.accuracy`` function
 (default: the first) scored at least 1.0: exact answers, not partial credit.
@@ -214,6 +228,12 @@ class RewardConfig:
     num_workers: int | None = None
     """Worker processes under ``isolation: process``; unset: the CPUs this process may use,
     at most 8."""
+    max_error_rate: float | None = 1.0
+    """Stop the run when one reward function's failed calls (raised, timed out, not a finite
+    number), or an environment's or agent's failed episodes, reach this fraction of a rollout
+    batch (a step's episodes, an evaluation chunk): the error names the function, the count
+    and its first traceback. 1.0: only when every call of the batch failed; None: never (the
+    failures score ``on_error`` and are counted)."""
 
     def __post_init__(self) -> None:
         for i, entry in enumerate(self.functions):
@@ -226,6 +246,9 @@ class RewardConfig:
             raise ValueError(f"reward.isolation={self.isolation!r} must be 'process' or 'thread'")
         if self.num_workers is not None and self.num_workers < 1:
             raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1")
+        if self.max_error_rate is not None and not 0 < self.max_error_rate <= 1:
+            raise ValueError(f"reward.max_error_rate={self.max_error_rate} must be in (0, 1], "
+                             "or null (never stop)")
 
 
 @dataclass(slots=True)
@@ -262,6 +285,28 @@ class RewardTimeout(Exception):
     pass
 
 
+class RewardFailure(RuntimeError):
+    """A reward function, environment or agent failed at or above ``reward.max_error_rate``
+    of a rollout batch's calls; the message has the count and the first traceback."""
+
+
+def check_failures(what: str, failed: int, calls: int, first: str | None,
+                   max_error_rate: float | None) -> None:
+    """Raise :class:`RewardFailure` if ``failed`` of ``calls`` reaches ``max_error_rate``.
+
+    ``what``: names the failing function ("reward function 'gold'"); ``first``: its first
+    traceback (None if not kept)."""
+    if max_error_rate is None or not calls or failed < max_error_rate * calls:
+        return
+    rate = "every call" if failed == calls else f"{failed / calls:.0%} of the calls"
+    raise RewardFailure(
+        f"{what} failed on {failed} of {calls} calls of this batch ({rate}; "
+        f"reward.max_error_rate={max_error_rate}): the run stops rather than train on "
+        "reward.on_error values; fix it, or set reward.max_error_rate higher or null."
+        + (f" Its first failure:\n{first}" if first else "")
+    )
+
+
 class Rubric:
     """``reward:`` resolved against a task (module docstring).
 
@@ -277,9 +322,13 @@ class Rubric:
     ``max_concurrency``: worker threads for synchronous reward functions under
     ``reward.isolation: thread`` (calls beyond it queue; a call's timeout counts from when it
     starts). Under ``process`` the workers are ``reward.num_workers``.
+
+    ``environment``: episodes have an environment whose rewards may stand alone: no
+    functions is then allowed (every score is empty, the reward the environment's).
     """
 
-    def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16) -> None:
+    def __init__(self, config: RewardConfig, task: Task, *, max_concurrency: int = 16,
+                 environment: bool = False) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
         defaults, task_rewards = list(task.default_rewards()), task.rewards()
@@ -295,7 +344,7 @@ class Rubric:
                 f"{task_rewards!r:.100}"
             )
         entries = config.functions or [RewardFunctionConfig(fn=f) for f in defaults]
-        if not entries:
+        if not entries and not environment:
             raise ValueError(
                 f"reward.functions is empty and the task ({task.name}) has no default reward; "
                 "set e.g. reward.functions=[{fn: math_verify}] or [{fn: exact_match}], or "
@@ -325,32 +374,35 @@ class Rubric:
                 continue
             where = f"reward.functions[{i}].fn"
             fn = resolve_reward(entry.fn, task_rewards, where)
-            self.functions[name] = (fn, float(entry.weight), _accepted_kwargs(fn, where))
+            self.functions[name] = (fn, float(entry.weight),
+                                    _accepted_kwargs(fn, where, task))
             if config.isolation == "process":
                 sent[name] = _by_reference(fn, f"{where}={entry.fn!r}")
-        if sum(self.weights.values()) == 0:
+        weights = self.weights
+        if weights and sum(weights.values()) == 0:
             raise ValueError(
                 "reward.functions weights sum to 0: every completion would get reward 0"
             )
-        self.accuracy_name = config.accuracy or next(iter(self.weights))
-        if self.accuracy_name not in self.weights:
+        self.accuracy_name = config.accuracy or next(iter(weights), None)
+        if self.accuracy_name not in weights and (weights or config.accuracy):
             raise ValueError(
                 f"reward.accuracy={config.accuracy!r} is not one of the reward functions "
                 f"{list(self.weights)}"
             )
         self.error_counts = {name: 0 for name in self.weights}
-        """Errors per function (per sample) over the rubric's life."""
+        """Errors per function or reward model (per sample) over the rubric's life."""
+        self.first_failures: dict[str, str] = {}
+        """Each failed function's (or reward model's) first traceback."""
         self._reported: set[str] = set()
         self._scorers: dict[str, ModelScorer] = {}
         # Futures are made per call in the running loop, so score_sync (a new loop each
         # time) and an app's loop can share the rubric.
         self._threads: DaemonPool | None = None
         self._processes: ProcessPool | None = None
-        if config.isolation == "process":
-            if sent:  # reward models only: no worker to start
-                self._processes = ProcessPool(sent, config.num_workers or default_workers(),
-                                              config.timeout_s)
-                weakref.finalize(self, self._processes.close)
+        if config.isolation == "process" and self.functions:
+            self._processes = ProcessPool(sent, config.num_workers or default_workers(),
+                                          config.timeout_s)
+            weakref.finalize(self, self._processes.close)
         else:
             self._threads = DaemonPool(max_concurrency)
 
@@ -421,8 +473,19 @@ class Rubric:
             sum(w * by_function[n][i] for n, w in weights.items())
             for i in range(len(samples))
         ]
-        correct = [v >= 1.0 for v in by_function[self.accuracy_name]]
+        correct = ([v >= 1.0 for v in by_function[self.accuracy_name]]
+                   if self.accuracy_name else [False] * len(samples))
         return Scores(rewards=rewards, by_function=by_function, errors=errors, correct=correct)
+
+    def check(self, scores: Scores) -> None:
+        """Raise :class:`RewardFailure` for the first function whose failed calls in
+        ``scores`` reach ``reward.max_error_rate`` (module docstring). Reward models are not
+        checked: a failed call of one costs its batch's scores, never the run (issue 35)."""
+        for name, failed in scores.errors.items():
+            if name in self.models:
+                continue
+            check_failures(f"reward function {name!r}", failed, len(scores.rewards),
+                           self.first_failures.get(name), self.config.max_error_rate)
 
     def score_sync(self, samples: Sequence[Sample]) -> Scores:
         """:meth:`score` from synchronous code (no event loop running in this thread)."""
@@ -430,12 +493,14 @@ class Rubric:
 
     async def _call(self, name: str, sample: Sample) -> tuple[float, bool]:
         fn, _, accepted = self.functions[name]
-        offered = {
+        offered = {  # the row's columns, then the rubric's arguments (they win a clash)
+            **sample.row.metadata,
             "completion": sample.completion, "prompt": sample.row.prompt,
             "answer": sample.row.answer, "row": sample.row, "finished": sample.finished,
             "completion_ids": list(sample.completion_ids),
         }
-        kwargs = offered if accepted is None else {k: offered[k] for k in accepted}
+        kwargs = offered if accepted is None else {k: offered[k] for k in accepted
+                                                   if k in offered}
         timeout = self.config.timeout_s
         try:
             if self._processes is not None:  # bounded by the worker's thread
@@ -499,6 +564,7 @@ class Rubric:
             return
         self._reported.add(name)
         detail = "".join(traceback.format_exception(error)).rstrip()
+        self.first_failures[name] = detail
         print(
             f"{kind} {name!r} failed; {cost} reward.on_error={self.config.on_error}, and "
             f"later failures are only counted (reward/errors/{name}):\n{detail}",
@@ -530,6 +596,16 @@ def as_reward(value: Any) -> float:
     return value
 
 
+def columns(task: Task) -> set[str] | None:
+    """The columns of ``task``'s rows as a reward function receives them (its first training
+    row's keys, :class:`~forge_ext.tasks.base.Row`), or None if it has no rows to look at."""
+    try:
+        rows = task.train_rows()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return set(rows[0]) if rows else None
+
+
 def _by_reference(fn: RewardFn, field: str) -> bytes:
     """``fn`` pickled for a worker process: a module-level function as its module and name,
     a callable object as its class and state (module docstring).
@@ -552,12 +628,18 @@ def _by_reference(fn: RewardFn, field: str) -> bytes:
         ) from None
 
 
-def _accepted_kwargs(fn: RewardFn, field: str) -> set[str] | None:
-    """The keyword arguments to pass ``fn``: all of :data:`REWARD_KWARGS` (None) if it takes
-    ``**kwargs`` or has no inspectable signature, else those it names.
+def _accepted_kwargs(fn: RewardFn, field: str, task: Task) -> set[str] | None:
+    """The keyword arguments to pass ``fn``: all of :data:`REWARD_KWARGS` and the row's
+    columns (None) if it takes ``**kwargs`` or has no inspectable signature, else those it
+    names (a named column a row lacks is not passed: its default applies, or the call fails
+    and is counted).
+
+    The task's columns (:func:`columns`) are read only for a function requiring names
+    outside :data:`REWARD_KWARGS`.
 
     Raises:
-        ValueError: ``fn`` requires an argument the rubric does not pass.
+        ValueError: ``fn`` requires an argument that is neither in :data:`REWARD_KWARGS` nor
+            one of the task's columns.
     """
     try:
         signature = inspect.signature(fn)
@@ -572,9 +654,12 @@ def _accepted_kwargs(fn: RewardFn, field: str) -> set[str] | None:
         and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     ]
     unknown = [n for n in required if n not in REWARD_KWARGS]
-    if unknown:
+    known = columns(task) if unknown else None
+    if known is not None and not set(unknown) <= known:
         raise ValueError(
             f"{field}: the reward function requires {unknown}, but reward functions are called "
-            f"with keyword arguments from {list(REWARD_KWARGS)}"
+            f"with keyword arguments from {list(REWARD_KWARGS)} and the row's columns "
+            f"{sorted(known)}"
         )
-    return {p.name for p in params if p.name in REWARD_KWARGS}
+    return {p.name for p in params
+            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)}
