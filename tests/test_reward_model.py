@@ -135,6 +135,7 @@ async def test_a_failing_reward_model_costs_its_scores_not_the_run(checkpoint, r
     assert scores.by_function == {"exact_match": [1.0, 0.0], "rm": [-2.0, -2.0]}
     assert scores.rewards == [-1.0, -2.0]
     assert scores.metrics()["reward/errors/rm"] == 2
+    rubric.check(scores)  # every call failed: reward.max_error_rate stops functions, not models
     rubric.attach_model("rm", reward_model.score)
     again = await rubric.score(samples(prompts, completions))
     assert again.by_function["rm"] == pytest.approx(
