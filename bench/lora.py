@@ -15,7 +15,7 @@ Two tables:
    and optimizer-state bytes (every tensor in ``optimizer.state``: AdamW's two moments and
    step) after the first step: exact counts, not allocator figures.
 2. **KL reference.** (a) the trainer's own base, adapters disabled
-   (``TitanEngine.adapters_disabled``, the GRPO app's choice with ``reference: null``): a
+   (``TitanEngine.disable_adapter``, the GRPO app's choice with ``reference: null``): a
    forward of the LoRA engine, no extra weights; (b) a reference role: a second engine (its
    own process in the app) holding a full copy of the weights. Forward seconds per batch
    (median, alternating), the extra weight bytes, and with ``--rss`` the resident memory of a
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     ids = {"input_ids": batch["input_ids"]}
 
     def base_forward():
-        with lora.adapters_disabled():
+        with lora.disable_adapter():
             lora.forward_batch(ids)
 
     t_base, t_ref = alternate(base_forward, lambda: full.forward_batch(ids), args.steps,

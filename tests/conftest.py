@@ -176,9 +176,9 @@ async def store():
 
 @pytest.fixture
 def mesh_failures():
-    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded
-    instead of passed to Monarch's default ``unhandled_fault_hook`` (``sys.exit``, which
-    reaches pytest as a KeyboardInterrupt); every other failure still goes to it.
+    """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded;
+    every other failure is printed and goes on to the hook before (forge_ext's, installed at
+    the session's start).
 
     The hook stays for the rest of the session: Monarch reports each actor of the dead proc
     (the generator, its logger, ...), some after the test has ended.
@@ -190,9 +190,8 @@ def mesh_failures():
 
     def record_sigkill(failure):
         if "Killed(sig=9)" not in failure.report():
-            # Said before Monarch's hook ends the session (a KeyboardInterrupt in pytest).
             print(f"unexpected mesh failure: {failure.report()}", file=sys.stderr, flush=True)
-            default(failure)
+            default(failure)  # forge_ext's hook (pytest_sessionstart): never exits
         failures.append(failure)
 
     monarch.actor.unhandled_fault_hook = record_sigkill
@@ -348,6 +347,19 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+def pytest_sessionstart(session):
+    """Monarch's failure reports go to forge_ext's hook from the session's start
+    (:func:`forge_ext.supervision.install_fault_hook`: to the active run's watch, else logged
+    and dropped), never to Monarch's default, ``sys.exit(1)`` from its client thread: a late
+    report of a proc an earlier test killed (a host killed, its procs' reports arriving after
+    the test) ended a whole session at 56% with status 1, no summary and nothing printed (the
+    default hook's message goes to the test's captured stderr). A test that needs a dead proc
+    noticed sees it in its own calls or its run's watch."""
+    from forge_ext.supervision import install_fault_hook
+
+    install_fault_hook()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -2,6 +2,7 @@
 eval never depends on the split, checkpoints round-trip, bad input is rejected clearly."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -197,6 +198,183 @@ def test_forward_batch_does_not_depend_on_microbatches(reference_weights):
     tails = engine.forward(batch, output_seqlens=[3] * 8)
     assert len(tails) == 8 and tails[0].shape == (3, 256)
     torch.testing.assert_close(tails[2], b[2, -3:], rtol=1e-5, atol=1e-5)
+
+
+def test_infer_batch_gives_eval_batchs_loss_and_forward_batchs_outputs(reference_weights):
+    """verl's ``infer_batch``: forward only, with an optional loss; ``eval_batch`` and
+    ``forward_batch`` are its two halves, at any split."""
+    batch = make_lm_batch(8, 32, 256, seed=4, ignore_prefix=PREFIX)
+    logits = build(reference_weights).forward_batch(batch)
+    reference = float(torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    ))
+    engine = build(reference_weights, microbatch_size=2)
+    out = engine.infer_batch(batch, cross_entropy_loss, valid_tokens)
+    assert out.loss == pytest.approx(reference, rel=1e-5)
+    assert out.global_weight == float(valid_tokens(batch))
+    torch.testing.assert_close(out.outputs, logits, rtol=1e-5, atol=1e-5)
+    assert engine.infer_batch(batch).loss is None
+    assert engine.infer_batch(batch, cross_entropy_loss, valid_tokens,
+                              return_outputs=False).outputs is None
+    assert all(p.grad is None for p in engine.parameters())
+
+
+def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_weights):
+    """verl's ``train_mode`` / ``eval_mode``: every model part switches, the innermost
+    context wins, and leaving one restores what was there (also after an error)."""
+    engine = build(reference_weights)
+    training = lambda: [m.training for m in engine.model_modules()]  # noqa: E731
+    assert training() == [True] and engine.mode is None
+    with engine.eval_mode():
+        assert training() == [False] and engine.mode == "eval"
+        with engine.train_mode():
+            assert training() == [True] and engine.mode == "train"
+        assert training() == [False] and engine.mode == "eval"
+    assert training() == [True] and engine.mode is None
+    with pytest.raises(ValueError), engine.eval_mode():
+        engine.infer_batch(make_lm_batch(3, 32, 256, seed=0))  # bad batch size
+    assert training() == [True] and engine.mode is None
+    # The verbs run in their mode: a post hook sees the model as the forward did.
+    seen = []
+    engine.forward_batch(make_lm_batch(8, 32, 256, seed=0),
+                         post_hook=lambda logits, mb: seen.append(training()) or logits)
+    assert seen == [[False]] and training() == [True]
+
+
+def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time(
+    reference_weights, monkeypatch
+):
+    """verl's ``get_per_tensor_param``: exactly ``hf_state_dict()``'s names, order and
+    values, each gathered only when reached. Under FSDP over several ranks every gather
+    allocates a full tensor; here (one rank, where most gathers are views) every gather
+    is made to allocate, and the bytes of gathered tensors alive at once are measured from
+    their storages' lifetimes while a consumer copies each tensor out and drops it."""
+    import weakref
+
+    from forge_ext.engine import titan
+
+    engine = build(reference_weights)
+    expected = {k: full(v).clone() for k, v in engine.hf_state_dict().items()}
+    live, peak = [0], [0]
+
+    def gather_allocating(t):
+        copy = full(t).clone()
+        nbytes = copy.untyped_storage().nbytes()
+        live[0] += nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(copy.untyped_storage(), lambda: live.__setitem__(0, live[0] - nbytes))
+        return copy
+
+    monkeypatch.setattr(titan, "_full", gather_allocating)
+    tensors, adapter_config = engine.get_per_tensor_param()
+    assert adapter_config is None
+    names = []
+    for name, tensor in tensors:
+        names.append(name)
+        assert torch.equal(tensor.clone(), expected[name]), name  # the consumer's copy
+        del tensor
+    assert names == list(expected)
+    full_copy = sum(t.numel() * t.element_size() for t in expected.values())
+    largest = max(t.numel() * t.element_size() for t in expected.values())
+    assert 0 < peak[0] <= largest < full_copy / 4, (peak[0], largest, full_copy)
+    # sharded=True: the tensors as held (what the weight publisher writes), no gather.
+    monkeypatch.setattr(titan, "_full", lambda t: pytest.fail("gathered"))
+    held = dict(engine.get_per_tensor_param(sharded=True)[0])
+    assert list(held) == names and all(torch.equal(full(held[k]), expected[k]) for k in held)
+
+
+def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
+    reference_weights, monkeypatch
+):
+    """verl's ``to``: on this CPU-only machine the engine's device is the CPU, so ``to`` is
+    the identity (nothing copied) even with both offloads on; then the offload path itself
+    (every tensor copied to host memory and back, FSDP re-binding its shards) is forced and
+    leaves parameters, gradients and Adam's state bit for bit, and the next step equal to
+    that of an engine that never moved."""
+    from forge_ext.engine import offload
+
+    cfg = config()
+    cfg["offload"] = {"params": True, "optimizer": True}
+    engine, twin = TitanEngine(cfg), build(reference_weights)
+    engine.load_model_state_dict(reference_weights)
+    assert engine.is_param_offload_enabled and engine.is_optimizer_offload_enabled
+    assert not twin.is_param_offload_enabled and not twin.is_optimizer_offload_enabled
+    batch = make_lm_batch(8, 32, 256, seed=2, ignore_prefix=PREFIX)
+    for e in (engine, twin):
+        e.train_batch(batch, cross_entropy_loss, valid_tokens)  # Adam state exists
+        e.forward_backward_batch(e.microbatches(batch), cross_entropy_loss, valid_tokens)
+
+    def snapshot():
+        params = {n: (p, p.grad) for n, p in engine.model_parts[0].named_parameters()}
+        state = {(n, k): v for n, p in engine.model_parts[0].named_parameters()
+                 for k, v in engine.optimizers.optimizers[0].state[p].items()}
+        return params, state
+
+    def storage(t):
+        return (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage().data_ptr()
+
+    params, state = snapshot()
+    values = {n: (full(p).clone(), full(g).clone()) for n, (p, g) in params.items()}
+    state_values = {k: full(v).clone() for k, v in state.items()}
+    storages = {n: storage(p) for n, (p, _) in params.items()}
+    state_storages = {k: storage(v) for k, v in state.items()}
+    assert len(state) == 3 * len(params)  # step, exp_avg, exp_avg_sq
+
+    engine.to("cpu")
+    engine.to(engine.device)
+    assert {n: storage(p) for n, (p, _) in snapshot()[0].items()} == storages  # identity
+    with pytest.raises(ValueError, match=r"to\(model=False, grad=True\)"):
+        engine.to("cpu", model=False)
+    engine.to("cpu", model=False, grad=False)  # the optimizer state alone (optimizer offload)
+    engine.to(engine.device, model=False, grad=False)
+    with pytest.raises(ValueError, match="device='meta'"):
+        engine.to("meta")
+
+    monkeypatch.setattr(offload, "same_place", lambda tensor, device: False)
+    engine.to("cpu")
+    engine.to(engine.device)
+    monkeypatch.undo()
+    params, state = snapshot()
+    assert all(storage(p) != storages[n] for n, (p, _) in params.items())  # all copied
+    assert all(storage(v) != state_storages[k] for k, v in state.items())
+    for n, (p, g) in params.items():
+        assert torch.equal(full(p), values[n][0]) and torch.equal(full(g), values[n][1]), n
+    for k, v in state.items():
+        assert v is not None and torch.equal(full(v), state_values[k]), k
+    # The optimizer still holds these parameters and their moments: the next step is the
+    # step of an engine that never moved.
+    for e in (engine, twin):
+        e.optimizer_step()
+    w, w_twin = weights(engine), weights(twin)
+    for k in w:
+        assert torch.equal(w[k], w_twin[k]), k
+
+
+def test_engine_registry_builds_the_configured_backend(reference_weights, monkeypatch):
+    """``trainer.engine`` picks a class registered with ``EngineRegistry`` (verl's registry):
+    ``titan`` by default, a second backend once registered; an unknown name is refused by
+    the config check (before any spawn), naming the field."""
+    from forge_ext.engine import MODEL_TYPE, EngineRegistry, build_engine
+
+    assert EngineRegistry.backends() == ["hf", "titan"]
+    assert type(build_engine(config())) is TitanEngine
+    assert type(EngineRegistry.new(MODEL_TYPE, "titan", config())) is TitanEngine
+    with pytest.raises(ValueError, match="trainer: engine='other' is not an engine backend "
+                                         "for language_model \\(registered: hf, titan\\)"):
+        build_engine({**config(), "engine": "other"})
+
+    monkeypatch.setattr(EngineRegistry, "_engines",
+                        {k: dict(v) for k, v in EngineRegistry._engines.items()})
+
+    @EngineRegistry.register(MODEL_TYPE, ["other", "another"])
+    class OtherEngine(TitanEngine):
+        pass
+
+    assert EngineRegistry.backends() == ["another", "hf", "other", "titan"]
+    engine = build_engine({**config(), "engine": "other"})
+    assert type(engine) is OtherEngine and engine.config.engine == "other"
+    with pytest.raises(TypeError, match="not a BaseEngine"):
+        EngineRegistry.register(MODEL_TYPE, "x")(object)
 
 
 def test_checkpoint_round_trip(reference_weights, tmp_path):
@@ -539,3 +717,122 @@ def test_value_head_reads_a_classifier_score_and_starts_at_zero_on_a_causal_lm(t
     trunk = {k: full(v) for k, v in critic.hf_state_dict().items() if k != "score.weight"}
     for k, v in trunk.items():
         torch.testing.assert_close(v, classifier.state_dict()[k], msg=k)
+
+
+def _tiny_hf_checkpoint(path, model_type="qwen3"):
+    """A small transformers checkpoint with random weights (norms near 1, so attention is far
+    from uniform) written by ``save_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(HF_ARCH, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
+    if model_type == "qwen2":
+        fields.pop("head_dim")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields),
+                                             dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_hf_engine_trains_like_the_titan_engine_at_any_gradient_accumulation(tmp_path):
+    """``trainer.engine: hf`` (transformers' own module) on a Qwen3 checkpoint that the titan
+    engine also reads: the same microbatch core gives the same loss, grad norm and updated
+    weights, whatever the split (rows of very unequal valid-token counts)."""
+    from forge_ext.engine import build_engine
+    from forge_ext.engine.hf import HFEngine
+
+    init_single_process_env()
+    path = _tiny_hf_checkpoint(tmp_path / "qwen3")
+    common = {"model": {"hf_path": path},
+              "training": {"local_batch_size": 8, "seq_len": 64, "max_norm": 1.0},
+              "optimizer": {"lr": 1e-2, "eps": 1e-3}}
+    titan = TitanEngine({**common, "model": {"flavor": "hf", "hf_path": path}})
+    engines = {k: build_engine({**common, "engine": "hf", "training": {
+        **common["training"], "gradient_accumulation_steps": k}}) for k in (1, 4)}
+    assert all(type(e) is HFEngine for e in engines.values())
+    batches = [make_lm_batch(8, 32, HF_ARCH["vocab_size"], seed=s, ignore_prefix=PREFIX)
+               for s in (0, 1)]
+    torch.testing.assert_close(engines[4].forward_batch(batches[0]),
+                               titan.forward_batch(batches[0]), rtol=1e-4, atol=1e-4)
+    for batch in batches:
+        want = titan.train_batch(batch, cross_entropy_loss, valid_tokens)
+        for k, engine in engines.items():
+            got = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+            assert got["num_microbatches"] == k
+            for key in ("loss", "grad_norm", "lr", "num_tokens"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), (k, key)
+    want = {k: full(v) for k, v in titan.hf_state_dict().items()}
+    for k, engine in engines.items():
+        got = dict(engine.get_per_tensor_param()[0])
+        assert set(got) >= set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5,
+                                       msg=f"{k} {name}")
+
+
+def test_hf_engine_exports_a_folder_transformers_loads_with_its_logits(tmp_path):
+    """The hf backend (no device mesh) writes its trained weights as an HF folder, as a GRPO
+    run's last step does: transformers loads it with the engine's own logits (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_ext.engine import build_engine
+
+    init_single_process_env()
+    path = _tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2")
+    engine = build_engine({"engine": "hf", "model": {"hf_path": path},
+                           "training": {"local_batch_size": 8, "seq_len": 64},
+                           "optimizer": {"lr": 1e-2}})
+    batch = make_lm_batch(8, 32, HF_ARCH["vocab_size"], seed=0, ignore_prefix=PREFIX)
+    engine.train_batch(batch, cross_entropy_loss, valid_tokens)  # weights moved from the start
+    info = engine.export_hf(tmp_path / "out")
+    assert info["files"] == 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    torch.testing.assert_close(logits, engine.forward_batch(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(
+    tmp_path, monkeypatch
+):
+    """A Qwen2 checkpoint (q/k/v biases: the titan engine refuses it) trains with the hf
+    engine: the loss falls. Parallelism, LoRA and checkpoints are refused when the config is
+    read, naming the field."""
+    from forge_ext.engine import build_engine
+
+    init_single_process_env()
+    path = _tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2")
+    cfg = {"engine": "hf", "model": {"hf_path": path},
+           "training": {"local_batch_size": 8, "seq_len": 64, "microbatch_size": 4},
+           "optimizer": {"lr": 1e-2}}
+    with pytest.raises(ValueError, match="model_type='qwen2'"):
+        engine_config_from_mapping({**cfg, "engine": "titan"})
+    engine = build_engine(cfg)
+    batch = make_lm_batch(8, 32, HF_ARCH["vocab_size"], seed=0, ignore_prefix=PREFIX)
+    losses = [engine.train_batch(batch, cross_entropy_loss, valid_tokens)["loss"]
+              for _ in range(4)]
+    assert losses[-1] < 0.9 * losses[0], losses
+    for change, message in (
+        ({"parallelism": {"pipeline_parallel_degree": 2}},
+         "engine=hf does not support parallelism.pipeline_parallel_degree=2"),
+        ({"parallelism": {"tensor_parallel_degree": 2}},
+         "engine=hf does not support parallelism.tensor_parallel_degree=2"),
+        ({"lora": {"rank": 4}}, "engine=hf does not support lora"),
+        ({"checkpoint": {"enable": True}}, "engine=hf does not support checkpoint.enable"),
+        ({"model": {}}, "engine=hf needs model.hf_path"),
+    ):
+        with pytest.raises(ValueError, match=f"trainer: {re.escape(message)}"):
+            engine_config_from_mapping({**cfg, **change})
+    # Several processes would each train their own copy: refused before spawning, and by
+    # the engine itself.
+    from forge_ext.actors.trainer import world_size_of
+
+    assert world_size_of(engine_config_from_mapping(cfg), None) == 1
+    with pytest.raises(ValueError, match="num_procs=2: engine=hf runs on one process"):
+        world_size_of(engine_config_from_mapping(cfg), 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="engine=hf runs on one process for now, not WORLD_S"):
+        build_engine(cfg)

@@ -128,6 +128,12 @@ def test_logits_equal_transformers_with_merged_weights_and_peft_with_the_export(
     assert adapter_config["base_model_name_or_path"] == base
     for k, v in engine.adapter_state_dict().items():
         assert torch.equal(tensors[k], v), k
+    # What push_weights publishes under LoRA: the adapters and their config, not the base.
+    per_tensor, per_tensor_config = engine.get_per_tensor_param()
+    per_tensor = dict(per_tensor)
+    assert per_tensor_config == adapter_config and set(per_tensor) == set(tensors)
+    for k, v in per_tensor.items():
+        assert torch.equal(v, tensors[k]), k
 
     base_sd = load_file(f"{base}/model.safetensors")
     merged = merge_into(base_sd, tensors, adapter_config)
@@ -146,9 +152,11 @@ def test_logits_equal_transformers_with_merged_weights_and_peft_with_the_export(
     with torch.no_grad():
         close(logits, peft_model(ids).logits, "peft")
 
-    with engine.adapters_disabled():  # the KL reference: the base, from the same weights
-        close(engine.forward_batch({"input_ids": ids}), transformers_logits(base_sd, ids),
-              "adapters disabled")
+    base_logits = transformers_logits(base_sd, ids)
+    with engine.disable_adapter():  # the KL reference: the base, from the same weights
+        close(engine.forward_batch({"input_ids": ids}), base_logits, "adapters disabled")
+    with engine.adapters_disabled():  # the earlier name, an alias
+        close(engine.forward_batch({"input_ids": ids}), base_logits, "adapters disabled")
     torch.testing.assert_close(engine.forward_batch({"input_ids": ids}), logits, rtol=0, atol=0)
 
 

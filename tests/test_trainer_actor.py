@@ -102,6 +102,12 @@ async def test_dp2_replicate_and_fsdp_equal_dp1_and_loss_falls(trainers):
     values = await dp2.actor.train_step.call(*split(batch, 2))
     assert len(set(values.values())) == 1
     assert await dp2.get_policy_version() == 11
+    # The engine's mode contexts switch the model on every rank, and the verbs leave it
+    # in training mode.
+    for handle in others.values():
+        for mode, training in (("eval", False), ("train", True), (None, True)):
+            modes = await handle.actor.get_model_training.call(mode)
+            assert list(modes.values()) == [[training]] * 2, (mode, modes)
 
 
 async def test_forward_backward_then_optim_step_equals_train_step(trainers):

@@ -213,7 +213,7 @@ class EvalApp:
 
     def __init__(self, config: EvalAppConfig) -> None:
         from forge_ext.evaluation import build_sets, default_set
-        from forge_ext.evaluation.sets import check_context
+        from forge_ext.evaluation.sets import check_context, check_reward_models
         from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
         self.config = config
@@ -232,6 +232,7 @@ class EvalApp:
                                max_new_tokens=generator.sampling.max_new_tokens)
         try:
             check_context(self.sets, generator)
+            check_reward_models(self.sets, {})  # this app spawns no reward model
         except ValueError:
             self.close()
             raise

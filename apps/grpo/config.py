@@ -6,7 +6,8 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     model:     {hf_path}                      one checkpoint for trainer, reference, generator
     task:      {source, ...}                  forge_ext.tasks: addition (default), dataset,
                                               reasoning_gym, or "package.module:factory"
-    reward:    forge_ext.tasks.RewardConfig   reward functions, weights, timeout, on_error
+    reward:    forge_ext.tasks.RewardConfig   reward functions and reward models, weights,
+                                              timeout, on_error
     grpo:      {prompts_per_step, group_size, advantage_scaling, dynamic_sampling,
                 max_rollout_batches}
     algorithm: forge_ext.advantages.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
@@ -341,6 +342,7 @@ class GRPOConfig:
             )
         if self.debug.fail_at_step is not None and self.debug.fail_at_step < 1:
             raise ValueError(f"debug.fail_at_step={self.debug.fail_at_step} must be >= 1")
+        self._validate_reward_models(check_model=False)
         if not check_model:
             return
         hf_path = self.model.hf_path
@@ -353,6 +355,7 @@ class GRPOConfig:
             )
         self._derive_sizes()
         engines = self._engines()
+        self._validate_reward_models(check_model=True)
         check_weights_transport(engines["trainer"], self.weights)
         processes = self.processes(engines)
         layout = self.hosts.layout(processes)
@@ -410,6 +413,27 @@ class GRPOConfig:
                 self.reference.setdefault("training", {})["seq_len"] = trainer_len
         if problems:
             raise ValueError("sizes that disagree: " + "; ".join(problems))
+
+    def _validate_reward_models(self, *, check_model: bool) -> None:
+        """Each reward model of ``reward.functions`` (:mod:`forge_ext.actors.reward_model`):
+        where it can run, and with ``check_model`` its checkpoint and engine.
+
+        Raises:
+            ValueError: naming ``reward.functions[i]`` and the fix.
+        """
+        from forge_ext.actors.reward_model import validate_reward_model
+
+        for i, entry in enumerate(self.reward.functions):
+            if entry.model is None:
+                continue
+            field = f"reward.functions[{i}]"
+            if self.hosts.launcher not in ("local", "processes"):
+                raise ValueError(
+                    f"{field}.model: a reward model runs on this machine's procs only, and "
+                    f"hosts.launcher={self.hosts.launcher!r} runs the roles on other hosts; "
+                    "use hosts.launcher=local or processes, or a reward function")
+            if check_model:
+                validate_reward_model(entry, field)
 
     def _validate_algorithm(self) -> None:
         """The estimator against the sections it needs (before the engines are read).

@@ -5,8 +5,9 @@ The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its
 - ``setup``: the hosts (``hosts:``, :mod:`forge_ext.placement`) and a watch that turns a
   dead process or host into one error (:mod:`forge_ext.supervision`), torchstore, then the
   ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
-  null``) and the ``Generator``, spawned concurrently on their host meshes; teardown stops
-  them (concurrently), then torchstore, then the hosts.
+  null``), the critic (PPO), each reward model of ``reward.functions`` (attached to the
+  rubric, :mod:`forge_ext.actors.reward_model`) and the ``Generator``, spawned concurrently
+  on their host meshes; teardown stops them (concurrently), then torchstore, then the hosts.
 - ``build_rollouts``: the ``grpo.prompts_per_step`` task rows of the step (by stream
   position, :class:`forge_ext.tasks.PromptStream`), ``grpo.group_size`` samples each (seeded
   by the step), rewards from the rubric (``reward:``, :mod:`forge_ext.tasks.rubric`),
@@ -70,7 +71,7 @@ from forge_ext.config import (
 )
 from forge_ext.disk import find_output_write_error
 from forge_ext.evaluation import as_logged, build_sets, close_sets, evaluate_sets
-from forge_ext.evaluation.sets import check_context
+from forge_ext.evaluation.sets import check_context, check_reward_models
 from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.losses.grpo import groups_with_spread
 from forge_ext.loop import RLLoop
@@ -110,6 +111,14 @@ MAY_CHANGE_ON_RESUME = (
         "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
         "pad_to_multiple_of", "packing")),
 )
+
+
+def reward_model_role(name: str) -> str:
+    """The proc mesh and actor name of reward model ``name`` (Monarch's failure reports
+    name it)."""
+    import re
+
+    return "reward_model." + re.sub(r"[^\w.-]", "_", name)
 
 
 @dataclass
@@ -200,6 +209,9 @@ class GRPOApp(RLLoop):
                              f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
         try:
             check_context(self.eval_sets, config.generator)
+            # The sets' reward models are the run's: spawned once, attached to every rubric.
+            check_reward_models(self.eval_sets,
+                                {n: entry for n, (entry, _) in rubric.models.items()})
         except ValueError:
             close_sets(self.eval_sets)
             raise
@@ -227,6 +239,8 @@ class GRPOApp(RLLoop):
         self.estimator = config.algorithm.build(group_size=config.grpo.group_size,
                                                 scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
+        self.reward_models: dict[str, Any] = {}
+        """``{name: RewardModel}`` of ``reward.functions``' reward models, once spawned."""
         self.bar = None
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
@@ -245,6 +259,7 @@ class GRPOApp(RLLoop):
         from forge_ext.actors import spawn_trainer
         from forge_ext.actors.critic import spawn_critic
         from forge_ext.actors.reference import spawn_reference
+        from forge_ext.actors.reward_model import spawn_reward_model
         from forge_ext.compat.torchstore_monarch import initialize_store
         from forge_ext.placement import Placement
         from forge_ext.rollout.replicas import spawn_replicas
@@ -357,20 +372,46 @@ class GRPOApp(RLLoop):
             )
             stops["critic"] = self.critic.stop
 
+        def reward_model(index: int, entry: Any):
+            async def spawn() -> None:
+                # On this machine (GRPOConfig.validate refuses the launchers of other hosts).
+                name = entry.metric_name
+                model = await spawn_reward_model(
+                    entry, f"reward.functions[{index}]", name=reward_model_role(name))
+                stops[f"reward model {name}"] = model.stop
+                self.reward_models[name] = model
+                for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
+                    if name in rubric.models:  # the evaluation sets' scored by it too
+                        rubric.attach_model(name, model.score)
+            return spawn
+
         spawns = {"trainer": trainer, "reference": reference, "critic": critic,
                   "generator": generator}
+        # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
+        # per batch; spawned beside the roles (those with their own env after them, one at
+        # a time), stopped with them.
+        entries = [(i, e) for i, e in enumerate(c.reward.functions) if e.model is not None]
+        models = {reward_model_role(e.metric_name): reward_model(i, e)
+                  for i, e in entries if not e.env}
+        spawns.update(models)
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
             # Procs read the environment when they start, after the spawning call returns:
             # roles with their own environment are spawned one at a time.
             for role in roles:
                 with scoped_env(getattr(c.procs, role).env):
                     await spawns[role]()
+            for spawn in models.values():
+                await spawn()
         else:
-            results = await asyncio.gather(*(spawns[r]() for r in roles),
+            results = await asyncio.gather(*(spawns[r]() for r in [*roles, *models]),
                                            return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+        for i, entry in entries:
+            if entry.env:
+                with scoped_env(entry.env):
+                    await reward_model(i, entry)()
         if self.runner.config.agent is not None:
             await self.start_agent_endpoint()
         if c.reference_is_trainer_base:
@@ -385,6 +426,8 @@ class GRPOApp(RLLoop):
             roles_procs["reference"] = [self.reference.trainer.procs]
         if self.critic is not None:
             roles_procs["critic"] = [self.critic.trainer.procs]
+        for name, model in self.reward_models.items():
+            roles_procs[f"reward model {name}"] = [model.trainer.procs]
         exposed = await placement.exposed_ports(roles_procs)
         if exposed:
             self.write(exposed)
@@ -433,6 +476,9 @@ class GRPOApp(RLLoop):
             f"weight_update {c.generator.weight_update})" if r == "generator"
             else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)})"
             for r in roles
+        ) + "".join(
+            f", reward model {rm} ({entry.procs or 1} proc{'s' * ((entry.procs or 1) > 1)})"
+            for rm, (entry, _) in self.rubric.models.items()
         )
         where = "this machine" if c.hosts.launcher == "local" else ", ".join(
             f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles

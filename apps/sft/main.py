@@ -120,6 +120,21 @@ class SFTConfig:
     :func:`forge_ext.config.apply_env`)."""
 
 
+def functions_only(rubric: Rubric) -> Rubric:
+    """``rubric``, if it has no reward model: the SFT app scores its held-out answers in the
+    controller, with reward functions only (a reward model is a role of the GRPO app).
+
+    Raises:
+        ValueError: naming the reward model's entry.
+    """
+    if rubric.models:
+        name = next(iter(rubric.models))
+        raise ValueError(
+            f"reward.functions: {name!r} is a reward model (model: ...), which the SFT app "
+            "does not run; its held-out accuracy needs a reward function (fn: ...)")
+    return rubric
+
+
 def kept_checkpoint(config: SFTConfig) -> bool:
     """True if ``skip_if_exists`` keeps a checkpoint already in ``output_dir``.
 
@@ -213,7 +228,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     """
     from tqdm import tqdm
 
-    from forge_ext.engine import TitanEngine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
+    from forge_ext.engine import build_engine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
     from forge_ext.engine.distributed import init_single_process_env
 
     out = Path(config.output_dir)
@@ -222,7 +237,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         return None
     apply_env(config.env)
     task = task or build_task(config.task)
-    rubric = Rubric(config.reward, task)
+    rubric = functions_only(Rubric(config.reward, task))
     train_rows, eval_rows = list(task.train_rows()), list(task.eval_rows())
     if not eval_rows:
         raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval")
@@ -243,7 +258,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         len(tok.encode_answer(row.answer)) for row in train_rows + eval_rows
     )
     init_single_process_env()
-    engine = TitanEngine(engine_config)
+    engine = build_engine(engine_config)
     sampler = HFSampler(
         config.init.hf_path, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id
     )
@@ -343,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         apply_env(config.env)
         try:
             task = build_task(config.task)
-            Rubric(config.reward, task)
+            functions_only(Rubric(config.reward, task))
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"config error: {e}")
         wrote = ensure_init_checkpoint(config, task)  # the trainer: section reads its config.json

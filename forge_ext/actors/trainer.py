@@ -24,7 +24,7 @@ import torch
 from monarch.actor import Actor, ProcMesh, current_rank, endpoint, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from forge_ext.engine import EngineConfig, TitanEngine, engine_config_from_mapping
+from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_config_from_mapping
 from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
@@ -56,7 +56,7 @@ class RLTrainer(Actor):
         self.trainer_config = dict(trainer)
         self.loss_config = dict(loss or {"name": "cross_entropy"})
         self.weights_config = WeightsConfig(**(weights or {}))
-        self.engine: TitanEngine | None = None
+        self.engine: BaseEngine | None = None
         self.publisher: WeightsPublisher | None = None
 
     @endpoint
@@ -72,7 +72,8 @@ class RLTrainer(Actor):
         # from every rank. Warnings and errors still do; the app prints its own save line.
         logging.getLogger().setLevel(logging.WARNING)
         self.loss_fn, self.loss_weight_fn = build_loss(**self.loss_config)
-        self.engine = TitanEngine(engine_config_from_mapping(self.trainer_config))
+        # trainer.engine names the backend (forge_ext.engine.EngineRegistry).
+        self.engine = build_engine(engine_config_from_mapping(self.trainer_config))
         return {
             "rank": current_rank().rank,
             "dp_rank": self.engine.dp_rank,
@@ -132,9 +133,10 @@ class RLTrainer(Actor):
             function's metrics as ``loss/<name>`` (as in :meth:`train_step`).
         """
         batch = self._local_batch(inputs, targets)
-        out = self.engine.forward_backward_batch(
-            self.engine.microbatches(batch), self.loss_fn, self.loss_weight_fn
-        )
+        with self.engine.train_mode():
+            out = self.engine.forward_backward_batch(
+                self.engine.microbatches(batch), self.loss_fn, self.loss_weight_fn
+            )
         metrics = {f"loss/{name}": value for name, value in out.metrics.items()}
         return {"loss": out.loss, "num_tokens": out.global_weight, **metrics}
 
@@ -146,7 +148,8 @@ class RLTrainer(Actor):
             ``{"grad_norm", "lr" (used by this step), "policy_version"}``.
         """
         lr = self.engine.current_lr()
-        grad_norm = self.engine.optimizer_step()  # zeroes the gradients it applied
+        with self.engine.train_mode():
+            grad_norm = self.engine.optimizer_step()  # zeroes the gradients it applied
         self.engine.lr_scheduler_step()
         return {"grad_norm": grad_norm, "lr": lr, "policy_version": self.engine.step}
 
@@ -206,17 +209,20 @@ class RLTrainer(Actor):
             self.publisher = WeightsPublisher(self.weights_config)
             self.hf_buffer_names = self._hf_buffer_names()
         version = self.engine.step if policy_version is None else policy_version
-        if self.engine.lora_enabled:
-            # The base weights never change: the version is the adapter alone, its
-            # adapter_config.json mapping travelling in the commit record (forge_ext.lora).
-            result = await self.publisher.publish(
-                self.engine.adapter_state_dict(), version,
-                metadata={"adapter_config": self.engine.adapter_config()},
-            )
-        else:
-            result = await self.publisher.publish(
-                self.engine.hf_state_dict(), version, exclude_from_cast=self.hf_buffer_names
-            )
+        # One source for what a generator needs (verl's get_per_tensor_param): HF-named
+        # tensors as each rank holds them (shards, no gather, no copy: each rank writes its
+        # own), or under LoRA the adapter alone, its adapter_config.json mapping travelling
+        # in the commit record (forge_ext.lora); the base weights never change then.
+        with self.engine.resident(optimizer=False):
+            tensors, adapter_config = self.engine.get_per_tensor_param(sharded=True)
+            if adapter_config is not None:
+                result = await self.publisher.publish(
+                    dict(tensors), version, metadata={"adapter_config": adapter_config},
+                )
+            else:
+                result = await self.publisher.publish(
+                    dict(tensors), version, exclude_from_cast=self.hf_buffer_names
+                )
         return {"policy_version": version, "bytes": result.bytes_written,
                 "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
 
@@ -227,7 +233,9 @@ class RLTrainer(Actor):
             name for part in self.engine.model_parts for name, _ in part.named_buffers()
         }
         buffer_sd = {k: v for k, v in titan_sd.items() if k in buffers}
-        return set(self.engine.sd_adapter.to_hf(buffer_sd)) if buffer_sd else set()
+        if not buffer_sd or self.engine.sd_adapter is None:  # None: HF names already
+            return set(buffer_sd)
+        return set(self.engine.sd_adapter.to_hf(buffer_sd))
 
     @endpoint
     async def forward(
@@ -245,7 +253,7 @@ class RLTrainer(Actor):
                 ``targets`` with ``labels``) or ``"values"`` (``[local_batch, S]`` fp32, a
                 value head's one value per position: ``model.value_head``).
             adapter: false: with the LoRA adapters disabled, i.e. the frozen base model
-                (the KL reference of a LoRA policy, ``TitanEngine.adapters_disabled``).
+                (the KL reference of a LoRA policy, ``TitanEngine.disable_adapter``).
 
         Returns:
             The output on ranks holding the last PP stage; None on the other stages.
@@ -260,7 +268,7 @@ class RLTrainer(Actor):
         hook = {"logprobs": _label_logprobs, "values": _values}.get(output)
         if adapter:
             return self.engine.forward_batch(batch, post_hook=hook)
-        with self.engine.adapters_disabled():
+        with self.engine.disable_adapter():
             return self.engine.forward_batch(batch, post_hook=hook)
 
     @endpoint
@@ -295,7 +303,7 @@ class RLTrainer(Actor):
     async def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the model weights with full tensors in HF layout (each PP stage and DP/TP
         shard takes its part). Optimizer state is left as is."""
-        self.engine.load_model_state_dict(self.engine.sd_adapter.from_hf(state_dict))
+        self.engine.load_hf_state_dict(state_dict)
 
     @endpoint
     async def get_gradients(self) -> dict[str, torch.Tensor]:
@@ -307,6 +315,18 @@ class RLTrainer(Actor):
             for name, p in part.named_parameters()
             if p.grad is not None
         }
+
+    @endpoint
+    async def get_model_training(self, mode: str | None = None) -> list[bool]:
+        """``module.training`` of each model part on this rank, inside
+        ``engine.train_mode()`` / ``engine.eval_mode()`` when ``mode`` is ``"train"`` /
+        ``"eval"``, as the verbs leave it when None. For tests and debugging."""
+        if mode is None:
+            return [m.training for m in self.engine.model_modules()]
+        if mode not in ("train", "eval"):
+            raise ValueError(f"mode={mode!r} must be 'train', 'eval' or None")
+        with getattr(self.engine, f"{mode}_mode")():
+            return [m.training for m in self.engine.model_modules()]
 
     @endpoint
     async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -476,6 +496,9 @@ def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
         * par.context_parallel_degree * par.tensor_parallel_degree
         * par.pipeline_parallel_degree
     )
+    if config.engine == "hf" and num_procs not in (None, 1):
+        raise ValueError(f"num_procs={num_procs}: engine=hf runs on one process for now; "
+                         "use num_procs=1, or engine=titan for data parallelism")
     if num_procs is None:
         return fixed
     if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):

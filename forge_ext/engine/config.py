@@ -3,6 +3,7 @@
 The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
 
     trainer:
+      engine: titan                  # the backend (forge_ext.engine.base.EngineRegistry)
       model: {name: qwen3, flavor: tiny, hf_path: null, attn_backend: sdpa}
       training: {local_batch_size: 8, microbatch_size: 2, seq_len: 64, steps: 100}
       parallelism: {data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1}
@@ -12,6 +13,7 @@ The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
       compile: {enable: false}
       activation_checkpoint: {mode: none}
       lora: {rank: 8, alpha: 16, target_modules: all-linear}   # absent or null: full fine-tuning
+      offload: {params: false, optimizer: false}
 
 ``training``, ``parallelism``, ``lr_scheduler``, ``checkpoint`` and ``compile`` are torchtitan's
 own config dataclasses (``torchtitan/config/configs.py``, ``CheckpointManager.Config``
@@ -237,10 +239,29 @@ class LoRAConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """What rests in host memory while the engine is not using it (verl's ``param_offload``
+    / ``optimizer_offload``): moved to the accelerator on entering ``train_mode`` /
+    ``eval_mode`` (and the state verbs), back on leaving. Frees the accelerator for a
+    generator sharing it, at the cost of two copies per use. On a machine without an
+    accelerator the engine already computes in host memory: accepted, nothing moves."""
+
+    params: bool = False
+    """Parameters, buffers and gradients."""
+    optimizer: bool = False
+    """The optimizer state (Adam's moments)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """An engine section (YAML ``trainer:``, ``reference:``): the model, how it is trained and
     parallelised, and its checkpoints (module docstring)."""
 
+    engine: str = "titan"
+    """The engine backend, a name registered with ``forge_ext.engine.EngineRegistry``:
+    ``titan`` (torchtitan's models, ``forge_ext.engine.TitanEngine``, every parallelism) or
+    ``hf`` (any ``AutoModelForCausalLM`` checkpoint in ``model.hf_path``,
+    ``forge_ext.engine.hf.HFEngine``; one process, no LoRA or checkpoints yet)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -263,6 +284,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     """LoRA adapters instead of full fine-tuning (:class:`LoRAConfig`); null: every weight
     trains."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Parameter and optimizer offload to host memory between uses (:class:`OffloadConfig`)."""
     dump_folder: str = "outputs"
     """Base folder for checkpoints (``<dump_folder>/<checkpoint.folder>``)."""
     seed: int = 0
@@ -343,8 +366,15 @@ class EngineConfig:
         Raises:
             ValueError: naming the offending field and the fix.
         """
+        from forge_ext.engine import MODEL_TYPE, EngineRegistry  # registers the backends
         from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
 
+        EngineRegistry.get_engine_cls(MODEL_TYPE, self.engine)
+        if self.engine == "hf":  # transformers' module: none of torchtitan's model checks
+            from forge_ext.engine.hf import validate_hf_engine
+
+            validate_hf_engine(self)
+            return
         if self.training.local_batch_size <= 0:
             raise ValueError(
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
@@ -531,6 +561,16 @@ def engine_config_from_mapping(
     check_keys(EngineConfig, raw, section)
     _defaults(raw)
     model = raw.get("model")
+    if (raw.get("engine") == "hf" and isinstance(model, Mapping) and model.get("name") is None
+            and model.get("hf_path")):
+        # Any family: the name is the checkpoint's own model_type, read by transformers.
+        from forge_ext.engine.models import read_hf_config
+
+        try:
+            model_type = read_hf_config(model["hf_path"]).get("model_type")
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{section}: {e}") from None
+        raw["model"] = model = {**model, "name": model_type}
     if isinstance(model, Mapping) and model.get("name") is None:
         # The name from the checkpoint here, so that a refusal names the section.
         from forge_ext.engine.models import model_name_of

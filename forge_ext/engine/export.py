@@ -67,7 +67,7 @@ def hf_config_of(model: Any) -> dict[str, Any]:
 
     if model.hf_path:
         config = read_hf_config(model.hf_path)
-        model_type = config.get("model_type", HF_MODEL_TYPES[model.name])
+        model_type = config.get("model_type") or HF_MODEL_TYPES.get(model.name)
         if not config.get("architectures") and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
         return config
@@ -80,8 +80,9 @@ def hf_config_of(model: Any) -> dict[str, Any]:
 
 def export_hf(engine: Any, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
-    """Write ``engine``'s model (a :class:`forge_ext.engine.TitanEngine`) as an HF checkpoint
-    folder (module docstring). A collective: every rank of the engine calls it.
+    """Write ``engine``'s model (a :class:`forge_ext.engine.TitanEngine`, or the ``hf``
+    backend's :class:`forge_ext.engine.hf.HFEngine`) as an HF checkpoint folder (module
+    docstring). A collective: every rank of the engine calls it.
 
     Args:
         dtype: cast floating-point weights to it (None: the parameters' dtype).
@@ -99,11 +100,20 @@ def export_hf(engine: Any, folder: str | os.PathLike, *, dtype: torch.dtype | No
     start = time.perf_counter()
     folder = Path(folder)
     config = hf_config_of(engine.config.model)
+    # With trainer.offload the parameters rest in host memory: on the device while exported.
+    with engine.resident(optimizer=False), torch.no_grad():
+        return _export(engine, folder, config, dtype, max_shard_bytes, start)
+
+
+def _export(engine: Any, folder: Path, config: dict[str, Any], dtype: torch.dtype | None,
+            max_shard_bytes: int, start: float) -> dict[str, Any]:
     state = engine.hf_state_dict()
     written = dtype or next((v.dtype for v in state.values() if v.is_floating_point()), None)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    pp_mesh = engine.parallel_dims.get_optional_mesh("pp")
+    # The hf backend (one process, transformers' module) has no device mesh: one stage.
+    parallel_dims = getattr(engine, "parallel_dims", None)
+    pp_mesh = parallel_dims.get_optional_mesh("pp") if parallel_dims is not None else None
     stage = pp_mesh.get_local_rank() if pp_mesh is not None else 0
     size = sum(tensor_bytes(v, dtype) for v in state.values())
     # Each stage's lowest rank writes its tensors; the folder's size is the stages' sum.

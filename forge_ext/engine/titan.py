@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +32,13 @@ from torchtitan.tools import utils as titan_utils
 
 from forge_ext import disk
 from forge_ext.engine import microbatch as token_budget
+from forge_ext.engine import offload
 from forge_ext.engine.attention import DocumentMask
 from forge_ext.engine.base import (
+    MODEL_TYPE,
     Batch,
     BaseEngine,
+    EngineRegistry,
     ForwardBackwardOutputs,
     LossFn,
     LossWeightFn,
@@ -54,8 +57,12 @@ logger = logging.getLogger(__name__)
 DTENSOR_CPU_RANDOM_NOTICE = "DTensor random operators may not have complete support on cpu"
 
 
+@EngineRegistry.register(MODEL_TYPE, "titan")
 class TitanEngine(BaseEngine):
     """A torchtitan model with optimizer, LR scheduler and checkpointer, driven in microbatches.
+
+    The ``titan`` backend (``trainer.engine: titan``), built by
+    ``EngineRegistry.new("language_model", "titan", config)``.
 
     Args:
         config: an :class:`EngineConfig` or the nested mapping of a YAML ``trainer:`` section.
@@ -149,10 +156,10 @@ class TitanEngine(BaseEngine):
         if config.model.hf_path:
             self.load_hf_weights(config.model.hf_path)
 
-        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
-        self.dp_mesh = batch_mesh
-        self.dp_size = batch_mesh.size() if batch_mesh is not None else 1
-        self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        self.dp_mesh = self.parallel_dims.get_optional_mesh("batch")
+        # (id(param), key) -> device of each optimizer state tensor moved to the host.
+        self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
+        self.offload()  # with trainer.offload on, the engine rests in host memory
 
     # ---- construction ------------------------------------------------------------------
     def _parallelize(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -203,6 +210,120 @@ class TitanEngine(BaseEngine):
             part.train()
         return parts
 
+    # ---- verl's interface: modules, data parallelism, offload ---------------------------
+    def model_modules(self) -> list[torch.nn.Module]:
+        """The model parts on this rank: one, or one per pipeline stage held here."""
+        return self.model_parts
+
+    def get_data_parallel_size(self) -> int:
+        """Data-parallel ranks: ``data_parallel_replicate_degree x data_parallel_shard_degree``
+        (torchtitan's ``batch`` mesh), 1 without data parallelism."""
+        return self.dp_mesh.size() if self.dp_mesh is not None else 1
+
+    def get_data_parallel_rank(self) -> int:
+        """This process's coordinate on the ``batch`` mesh (0 without data parallelism): the
+        index of the batch part it trains on."""
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's data-parallel ranks (the ``batch`` mesh), over
+        which losses and weights are summed; None without data parallelism."""
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        """``trainer.offload.params``: parameters and gradients rest in host memory
+        outside :meth:`train_mode` / :meth:`eval_mode` and the state verbs."""
+        return self.config.offload.params
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        """``trainer.offload.optimizer``: the optimizer state rests in host memory outside
+        :meth:`train_mode` and the checkpoint verbs."""
+        return self.config.offload.optimizer
+
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True,
+           grad: bool = True) -> None:
+        """Move parameters and buffers (``model``), gradients (``grad``) and the optimizer
+        state (``optimizer``) of this rank to ``device``: ``"cpu"`` (pinned host memory when
+        the engine runs on an accelerator) or the engine's device (``"cuda"`` means this
+        rank's). Exact: copies, no casts; a round trip gives back the same bits, each
+        optimizer state tensor on the device it came from (Adam's ``step`` stays on the CPU).
+        After a move to the CPU the accelerator's cached blocks are released
+        (``empty_cache``), so the engine's memory there is free for the generator.
+
+        A gradient lives on its parameter's device (torch refuses anything else), so
+        gradients move with the parameters whenever ``model`` is set; ``grad=False`` only
+        says the caller does not need them (verl's ``eval_mode`` passes it). A tensor
+        already on ``device`` is not copied: on a machine without an accelerator the engine's
+        device is the CPU and ``to`` is the identity.
+
+        The compute verbs need what they use on the engine's device: call them inside
+        :meth:`train_mode` / :meth:`eval_mode` (``train_batch`` and ``infer_batch`` enter them
+        themselves), or after ``to(engine.device)``. verl's ``BaseEngine.to``.
+
+        Raises:
+            ValueError: ``device`` is neither the CPU nor the engine's device type, or
+                ``grad`` without ``model``.
+        """
+        target = torch.device(device)
+        if target.type != "cpu":
+            if target.type != self.device.type:
+                raise ValueError(f"to(device={str(device)!r}): the engine runs on "
+                                 f"{self.device}; move to 'cpu' or {self.device.type!r}")
+            target = self.device
+        if grad and not model:
+            raise ValueError("to(model=False, grad=True): a gradient lives on its "
+                             "parameter's device; move both (model=True) or neither "
+                             "(grad=False)")
+        if model and not offload.modules_on(self.model_parts, target):
+            offload.move_modules(self.model_parts, target)
+        if optimizer:
+            offload.move_optimizer_state(self.optimizers, target, self._optimizer_homes)
+        if self.device.type != "cpu":
+            titan_utils.device_module.synchronize()  # the pinned copies have landed
+            if target.type == "cpu":
+                titan_utils.device_module.empty_cache()
+
+    def get_per_tensor_param(self, sharded: bool = False
+                             ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
+        """What a generator needs to serve this policy, one tensor at a time (verl's
+        ``get_per_tensor_param``): ``(tensors, adapter_config)``.
+
+        Without LoRA ``tensors`` yields ``(HF name, tensor)`` for every entry of
+        :meth:`hf_state_dict`, in its order and with its values: each is converted
+        (state-dict adapter ``to_hf``, one torchtitan key at a time) and gathered to a
+        full tensor (``full_tensor()``) only when the generator reaches it, so at most
+        one gathered tensor is alive beyond the ones the caller keeps: never a second full
+        copy of the model. Gathering is a collective under FSDP/TP: every rank must iterate
+        in step. With ``sharded=True`` the tensors come as held (DTensor shards, no
+        collective, no copy), for a consumer that writes each rank's own shard (the weight
+        publisher, ``RLTrainer.push_weights``). ``adapter_config`` is None.
+
+        With LoRA the base never changes: ``tensors`` yields the adapters in PEFT names
+        (:meth:`adapter_state_dict`, full, small) and ``adapter_config`` is their
+        ``adapter_config.json`` mapping (:meth:`adapter_config`).
+
+        The tensors are detached and share storage with the parameters where no gather or
+        layout change was needed: copy one before the next optimizer step if it must not
+        change. With parameter offload on, the parameters are on the engine's device until
+        the generator finishes (or is closed).
+
+        Raises:
+            ValueError: the model has no HF state-dict adapter.
+        """
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        if self.lora_enabled:
+            return iter(self.adapter_state_dict().items()), self.adapter_config()
+        return self._hf_tensors(sharded), None
+
+    def _hf_tensors(self, sharded: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        with self.resident(optimizer=False), torch.no_grad():
+            for key, value in self.model_state_dict().items():
+                for name, hf_value in self.sd_adapter.to_hf({key: value}).items():
+                    yield name, (hf_value if sharded else _full(hf_value)).detach()
+
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Train state saved with checkpoints (``train_state``): the step counter."""
@@ -213,7 +334,8 @@ class TitanEngine(BaseEngine):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict in torchtitan layout (DTensors under DP/TP), all parts."""
-        return ModelWrapper(self.model_parts).state_dict()
+        with self.resident(optimizer=False):
+            return ModelWrapper(self.model_parts).state_dict()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict in HF layout (torchtitan's state-dict adapter ``to_hf``).
@@ -245,6 +367,10 @@ class TitanEngine(BaseEngine):
         Raises:
             KeyError: naming keys of the model missing from ``state_dict``.
         """
+        with self.resident(optimizer=False):
+            self._load_model_state_dict(state_dict)
+
+    def _load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         wrapper = ModelWrapper(self.model_parts)
         current = wrapper.state_dict()
         # With LoRA a base state dict (from_hf of an HF checkpoint) has no adapter keys:
@@ -263,6 +389,18 @@ class TitanEngine(BaseEngine):
                 )
             sharded[key] = value
         wrapper.load_state_dict(sharded)
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the weights with full tensors in HF names and layout (the inverse of
+        :meth:`hf_state_dict`; each PP stage and DP/TP shard takes its part). Optimizer state
+        is left as is.
+
+        Raises:
+            KeyError: naming model keys the converted state dict lacks.
+        """
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        self.load_model_state_dict(self.sd_adapter.from_hf(state_dict))
 
     def load_hf_weights(self, hf_path: str) -> None:
         """Load HF safetensors from ``hf_path`` through the adapter and DCP's HF reader
@@ -316,10 +454,11 @@ class TitanEngine(BaseEngine):
         if not self.lora_enabled:
             raise ValueError("adapter_state_dict: LoRA is off; set trainer.lora.rank")
         out: dict[str, torch.Tensor] = {}
-        for titan_module, (weight, *tensors) in _adapter_modules(self.model_parts).items():
-            module = self._hf_module_name(titan_module, weight)
-            for matrix, value in zip("AB", tensors):
-                out[peft_key(module, matrix)] = _full(value).detach().clone()
+        with self.resident(optimizer=False):
+            for titan_module, (weight, *tensors) in _adapter_modules(self.model_parts).items():
+                module = self._hf_module_name(titan_module, weight)
+                for matrix, value in zip("AB", tensors):
+                    out[peft_key(module, matrix)] = _full(value).detach().clone()
         return out
 
     def load_adapter_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -343,7 +482,7 @@ class TitanEngine(BaseEngine):
             extra, missing = sorted(set(tensors) - set(targets)), sorted(set(targets) - set(tensors))
             raise ValueError(f"adapter tensors do not match the model's adapters: extra "
                              f"{extra[:3]}, missing {missing[:3]}")
-        with torch.no_grad():
+        with torch.no_grad(), self.resident(optimizer=False):
             for key, param in targets.items():
                 value = tensors[key].detach()
                 if tuple(value.shape) != tuple(param.shape):
@@ -372,11 +511,12 @@ class TitanEngine(BaseEngine):
         )
 
     @contextlib.contextmanager
-    def adapters_disabled(self):
+    def disable_adapter(self):
         """Within the block the model computes its base model: every ``LoRALinear`` runs
         its base class's forward (``x W^T``, the adapter path skipped, not multiplied by 0),
         restored on exit. No copy of any weight: the KL reference of a LoRA policy
-        (``docs/lora.md``). A no-op without LoRA. Not re-entrant across threads."""
+        (``docs/lora.md``). A no-op without LoRA. Not re-entrant across threads. PEFT's and
+        verl's name (``PeftModel.disable_adapter``); alias :meth:`adapters_disabled`."""
         modules = [m for part in self.model_parts for m in part.modules()
                    if hasattr(m, "lora_a") and hasattr(m, "lora_b")]
         for m in modules:
@@ -388,6 +528,10 @@ class TitanEngine(BaseEngine):
         finally:
             for m in modules:
                 del m.forward
+
+    def adapters_disabled(self):
+        """Alias of :meth:`disable_adapter` (this project's earlier name)."""
+        return self.disable_adapter()
 
     def export_hf(self, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
                   max_shard_bytes: int | None = None) -> dict[str, Any]:
@@ -507,6 +651,18 @@ class TitanEngine(BaseEngine):
         output_post_hook: Callable[[torch.Tensor, Batch], Any] | None = None,
         return_outputs: bool = False,
         forward_only: bool = False,
+    ) -> ForwardBackwardOutputs:
+        # With offload on the parameters come to the device for the call (the mode
+        # contexts keep them there across calls).
+        with self.resident(optimizer=False):
+            return self._forward_backward_batch(
+                data_iterator, loss_fn, loss_weight_fn, output_post_hook, return_outputs,
+                forward_only,
+            )
+
+    def _forward_backward_batch(
+        self, data_iterator, loss_fn, loss_weight_fn, output_post_hook, return_outputs,
+        forward_only,
     ) -> ForwardBackwardOutputs:
         if loss_fn is not None and loss_weight_fn is None:
             raise ValueError("loss_weight_fn is required with loss_fn")
@@ -660,13 +816,22 @@ class TitanEngine(BaseEngine):
         self.optimizers.zero_grad()
 
     def optimizer_step(self) -> float:
-        grad_norm = dist_utils.clip_grad_norm_(
+        with self.resident(optimizer=True):
+            return self._optimizer_step()
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip the trainable parameters' gradients to ``training.max_norm``; return the
+        pre-clip norm over all ranks and stages (torchtitan's ``clip_grad_norm_``)."""
+        return dist_utils.clip_grad_norm_(
             self.trainable_parameters(),
             self.config.training.max_norm,
             foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
             ep_enabled=self.parallel_dims.ep_enabled,
         )
+
+    def _optimizer_step(self) -> float:
+        grad_norm = self._clip_grad_norm()
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm} at step {self.step + 1}")
@@ -701,6 +866,10 @@ class TitanEngine(BaseEngine):
         """
         if not self.checkpointer.enable:
             raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        with self.resident(optimizer=True):
+            self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> None:
         folder = self.checkpointer.folder
         # Not last_step=True: torchtitan's last-step save skips the keep_latest_k purge.
         self._last_checkpoint_bytes = disk.write_checkpoint(
@@ -723,7 +892,8 @@ class TitanEngine(BaseEngine):
         """
         if not self.checkpointer.enable:
             raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
-        self.checkpointer.load(step=-1 if step is None else step)
+        with self.resident(optimizer=True):
+            self.checkpointer.load(step=-1 if step is None else step)
         return self.step
 
     def close(self) -> None:

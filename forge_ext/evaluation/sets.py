@@ -173,6 +173,27 @@ def check_context(sets: list[EvalSet], generator: Any) -> None:
                 "the set's max_new_tokens")
 
 
+def check_reward_models(sets: list[EvalSet], run_models: dict[str, Any]) -> None:
+    """Each set's reward models (``reward.functions[i].model``) are among ``run_models``
+    (``{name: entry}`` of the reward models the app spawns and attaches to the sets' rubrics:
+    a GRPO run's own; none in ``apps.eval``), with the same entries: an unattached model
+    would score every sample ``reward.on_error``.
+
+    Raises:
+        ValueError: naming the set, the reward model and the fix.
+    """
+    for i, s in enumerate(sets):
+        for name, (entry, _) in s.runner.rubric.models.items():
+            if run_models.get(name) == entry:
+                continue
+            runs = ("the run's reward models, which are the ones it spawns" if run_models
+                    else "run here (apps.eval and a run without reward models spawn none)")
+            raise ValueError(
+                f"eval.sets[{i}] ({s.name}): its reward model {name!r} (reward.functions: "
+                f"model: {entry.model}) is not {runs}; score the set with reward functions "
+                "(fn: ...)" + (" or the run's reward" if run_models else ""))
+
+
 def default_set(task: dict[str, Any], greedy: bool = True) -> EvalSetConfig:
     """The held-out split of the run's ``task:`` as an evaluation set: its greedy accuracy
     (or, with ``greedy`` false, pass@1 of one sample)."""

@@ -436,7 +436,7 @@ class EpisodeRunner:
                        else f"the environment ({self.config.environment})", failed,
                        len(trajectories), self._first_failure, self.rubric.config.max_error_rate)
         on_error = float(self.rubric.config.on_error)
-        alone = not self.rubric.functions  # the environment's rewards alone
+        alone = not self.rubric.names  # the environment's rewards alone (no function, no model)
         rewards = []
         for i, t in enumerate(trajectories):
             if t.env_error is not None:

@@ -18,11 +18,18 @@ A task may bring its own, looked up first: the addition task's ``addition``, the
 ``reasoning_gym`` source's ``reasoning_gym`` (:class:`ReasoningGymScore`: the ``score_answer``
 of the dataset that made the rows, for the text inside the completion's last
 ``<answer>...</answer>``, else the stripped completion).
+
+A reward may also be a learned model (``reward.functions[i].model``: an HF
+sequence-classification checkpoint, run as its own role by
+:mod:`forge_ext.actors.reward_model`); :func:`check_reward_model` is what is checked of its
+checkpoint before anything is spawned.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import re
 from typing import Any
 
@@ -195,3 +202,63 @@ def resolve_reward(fn: str, task_rewards: dict[str, RewardFn], field: str) -> Re
     if not callable(obj):
         raise ValueError(f"{field}={fn!r} names a {type(obj).__name__}, not a callable")
     return obj
+
+
+REWARD_MODEL_ARCHITECTURES = {
+    "Qwen3ForSequenceClassification": "qwen3",
+    "LlamaForSequenceClassification": "llama3",
+}
+"""The ``config.json`` ``architectures`` a reward model may have, with the engine's
+``model.name`` that builds each (its trunk, plus ``score.weight`` as a one-column value head:
+:func:`forge_ext.engine.models.apply_value_head`)."""
+
+
+def check_reward_model(path: str, field: str) -> dict[str, Any]:
+    """Check what a reward model's checkpoint directory shows before any spawn, and return
+    its ``config.json``.
+
+    Raises:
+        ValueError: naming ``field`` and the fix: no ``config.json``; ``architectures`` not
+            one of :data:`REWARD_MODEL_ARCHITECTURES` (a causal LM has no ``score`` head);
+            ``num_labels`` other than 1 (``id2label``'s length, as transformers reads it; 2
+            when absent, transformers' default); no ``score.weight`` in its
+            ``*.safetensors``; no tokenizer files.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(
+            f"{field}={path!r} has no config.json; point it at a Hugging Face "
+            "sequence-classification checkpoint directory (config.json, *.safetensors, "
+            "tokenizer)")
+    with open(config_path) as f:
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    if not any(a in REWARD_MODEL_ARCHITECTURES for a in architectures):
+        raise ValueError(
+            f"{field}={path!r} is a {architectures or 'checkpoint without architectures'} "
+            f"checkpoint; a reward model must be one of {list(REWARD_MODEL_ARCHITECTURES)} "
+            "(a sequence classifier with num_labels: 1; a causal LM has no score head)")
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
+    if labels != 1:
+        raise ValueError(
+            f"{field}={path!r}: config.json has num_labels={labels}; a reward model gives one "
+            "score per completion (num_labels: 1)")
+    import glob
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for tensors in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(tensors, framework="pt") as f:
+            names.update(f.keys())
+    if "score.weight" not in names:
+        raise ValueError(
+            f"{field}={path!r} holds no score.weight in its *.safetensors: a "
+            "sequence-classification checkpoint's head is needed (the score it gives)")
+    if not any(os.path.isfile(os.path.join(path, name))
+               for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(
+            f"{field}={path!r} has no tokenizer (tokenizer.json or tokenizer_config.json): "
+            "completions are tokenized with the reward model's own tokenizer; save it beside "
+            "the weights")
+    return config

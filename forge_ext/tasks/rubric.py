@@ -40,6 +40,15 @@ Where the calls run (``reward.isolation``, :mod:`forge_ext.tasks.workers`):
   costs its sample and a thread, but one that holds the GIL stops the whole controller until
   it returns.
 
+A reward may also be a learned model (``reward.functions[i].model``, an HF
+sequence-classification checkpoint): it runs frozen in its own procs
+(:mod:`forge_ext.actors.reward_model`, spawned by the app and attached with
+:meth:`Rubric.attach_model`) and scores a batch's completions in one call, beside the
+functions' calls; its scores are weighted, summed and logged (``reward/<name>``) like a
+function's. A call that fails costs that batch's scores of the model (``reward.on_error``
+each, all counted in ``reward/errors/<name>``), never the run: ``reward.max_error_rate``,
+``reward.timeout_s`` and ``reward.isolation`` apply to functions only.
+
 ``accuracy`` of a batch is the fraction of completions whose ``reward.accuracy`` function
 (default: the first) scored at least 1.0: exact answers, not partial credit.
 """
@@ -50,17 +59,21 @@ import asyncio
 import inspect
 import math
 import numbers
+import os
 import pickle
 import sys
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from forge_ext.tasks.base import RewardFn, Row, Task
-from forge_ext.tasks.rewards import resolve_reward
+from forge_ext.tasks.rewards import check_reward_model, resolve_reward
 from forge_ext.tasks.workers import DaemonPool, ProcessPool, default_workers
+
+ModelScorer = Callable[[list[Any], list[str]], Awaitable[Sequence[float | None]]]
+"""A reward model's scoring call: ``(prompts, completions) -> scores`` (None: no score)."""
 
 # Keyword arguments a reward function may ask for; the first four are always offered.
 REWARD_KWARGS = ("completion", "prompt", "answer", "row", "finished", "completion_ids")
@@ -68,16 +81,70 @@ REWARD_KWARGS = ("completion", "prompt", "answer", "row", "finished", "completio
 
 @dataclass(kw_only=True, slots=True)
 class RewardFunctionConfig:
-    """One entry of ``reward.functions``."""
+    """One entry of ``reward.functions``: a function (``fn``) or a reward model (``model``),
+    exactly one of them."""
 
-    fn: str
+    fn: str | None = None
     """A built-in (``math_verify``, ``exact_match``), one of the task's own (the addition
     task's ``addition``, the reasoning-gym source's ``reasoning_gym``), or
     ``"package.module:function"``."""
+    model: str | None = None
+    """A reward model instead of a function: an HF sequence-classification checkpoint
+    directory (``Qwen3ForSequenceClassification`` or ``LlamaForSequenceClassification``,
+    ``num_labels: 1``, with its tokenizer), run frozen in its own procs
+    (:mod:`forge_ext.actors.reward_model`); a completion's score is the model's value at
+    the last token of its chat-templated conversation."""
     weight: float = 1.0
     """Its weight in the completion's reward."""
     name: str | None = None
-    """Its metric name (``reward/<name>``); default: ``fn``'s name (after the ``:``)."""
+    """Its metric name (``reward/<name>``); default: ``fn``'s name (after the ``:``), or the
+    ``model`` directory's name."""
+    procs: int | None = None
+    """``model`` only: data-parallel processes of the reward model (each holds the whole
+    model; a step's completions are split between them by tokens); default 1."""
+    max_tokens_per_microbatch: int | None = None
+    """``model`` only: the token budget of one forward microbatch per process (padded
+    positions); default 4096."""
+    env: dict[str, str] = field(default_factory=dict)
+    """``model`` only: environment of the reward model's procs, e.g.
+    ``{CUDA_VISIBLE_DEVICES: "6,7"}`` to give it GPUs of its own beside the roles' (its procs
+    otherwise take the first ones, as a role without ``procs.<role>.env`` does); reward
+    models with an ``env`` are spawned after the roles, one at a time."""
+    seq_len: int | None = None
+    """``model`` only: the longest conversation it scores (tokens of its own tokenizer,
+    chat template included); a longer one scores ``reward.on_error``, counted. Default: the
+    checkpoint's ``max_position_embeddings``."""
+
+    @property
+    def metric_name(self) -> str:
+        """``name``, or the default above."""
+        if self.name:
+            return self.name
+        if self.model is not None:
+            return os.path.basename(os.path.normpath(self.model))
+        return self.fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+    def check(self, field: str) -> None:
+        """Raise ValueError naming ``field`` (``reward.functions[i]``): neither or both of
+        ``fn`` and ``model``, a reward model's engine fields on a function, or one < 1."""
+        if (self.fn is None) == (self.model is None):
+            raise ValueError(
+                f"{field} needs exactly one of fn (a reward function) and model (a reward "
+                f"model's checkpoint directory); it has "
+                f"{'both' if self.fn is not None else 'neither'}")
+        engine = ("procs", "max_tokens_per_microbatch", "seq_len")
+        for key in engine:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.model is None:
+                raise ValueError(f"{field}.{key} is a reward model's setting; {field} is a "
+                                 f"function (fn={self.fn!r}): remove it, or set model")
+            if isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field}.{key}={value!r} must be an int >= 1")
+        if self.env and self.model is None:
+            raise ValueError(f"{field}.env is a reward model's setting; {field} is a "
+                             f"function (fn={self.fn!r}): remove it, or set model")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,6 +236,8 @@ class RewardConfig:
     failures score ``on_error`` and are counted)."""
 
     def __post_init__(self) -> None:
+        for i, entry in enumerate(self.functions):
+            entry.check(f"reward.functions[{i}]")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0")
         if not math.isfinite(self.on_error):
@@ -246,7 +315,9 @@ class Rubric:
             that needs an argument the rubric does not pass, duplicate names, weights summing
             to 0, an unknown ``reward.accuracy``; a task whose ``rewards()`` or
             ``default_rewards()`` returns the wrong type; under ``reward.isolation:
-            process``, a function that cannot be sent to a worker process.
+            process``, a function that cannot be sent to a worker process; an entry with
+            both or neither of ``fn`` and ``model``, or a reward model's checkpoint that
+            :func:`forge_ext.tasks.rewards.check_reward_model` refuses.
 
     ``max_concurrency``: worker threads for synchronous reward functions under
     ``reward.isolation: thread`` (calls beyond it queue; a call's timeout counts from when it
@@ -281,36 +352,49 @@ class Rubric:
             )
         self.config = config
         self.functions: dict[str, tuple[RewardFn, float, set[str] | None]] = {}
+        self.models: dict[str, tuple[RewardFunctionConfig, float]] = {}
+        """Reward models by name: their entries (which say how to spawn each,
+        :mod:`forge_ext.actors.reward_model`) and weights. They score once a scorer is
+        attached (:meth:`attach_model`)."""
+        self._order: list[str] = []  # reward.functions order
         sent: dict[str, bytes] = {}  # pickled for the worker processes
         for i, entry in enumerate(entries):
-            where = f"reward.functions[{i}].fn"
-            fn = resolve_reward(entry.fn, task_rewards, where)
-            name = entry.name or entry.fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
-            if name in self.functions:
+            entry.check(f"reward.functions[{i}]")
+            name = entry.metric_name
+            if name in self._order:
                 raise ValueError(
                     f"reward.functions[{i}]: a second function named {name!r}; give one a name"
                 )
             if not math.isfinite(entry.weight):
                 raise ValueError(f"reward.functions[{i}].weight={entry.weight} must be finite")
+            self._order.append(name)
+            if entry.model is not None:
+                check_reward_model(entry.model, f"reward.functions[{i}].model")
+                self.models[name] = (entry, float(entry.weight))
+                continue
+            where = f"reward.functions[{i}].fn"
+            fn = resolve_reward(entry.fn, task_rewards, where)
             self.functions[name] = (fn, float(entry.weight),
                                     _accepted_kwargs(fn, where, task))
             if config.isolation == "process":
                 sent[name] = _by_reference(fn, f"{where}={entry.fn!r}")
-        if self.functions and sum(w for _, w, _ in self.functions.values()) == 0:
+        weights = self.weights
+        if weights and sum(weights.values()) == 0:
             raise ValueError(
                 "reward.functions weights sum to 0: every completion would get reward 0"
             )
-        self.accuracy_name = config.accuracy or next(iter(self.functions), None)
-        if self.accuracy_name not in self.functions and (self.functions or config.accuracy):
+        self.accuracy_name = config.accuracy or next(iter(weights), None)
+        if self.accuracy_name not in weights and (weights or config.accuracy):
             raise ValueError(
                 f"reward.accuracy={config.accuracy!r} is not one of the reward functions "
-                f"{list(self.functions)}"
+                f"{list(self.weights)}"
             )
-        self.error_counts = {name: 0 for name in self.functions}
-        """Errors per function over the rubric's life."""
+        self.error_counts = {name: 0 for name in self.weights}
+        """Errors per function or reward model (per sample) over the rubric's life."""
         self.first_failures: dict[str, str] = {}
-        """Each failed function's first traceback."""
+        """Each failed function's (or reward model's) first traceback."""
         self._reported: set[str] = set()
+        self._scorers: dict[str, ModelScorer] = {}
         # Futures are made per call in the running loop, so score_sync (a new loop each
         # time) and an app's loop can share the rubric.
         self._threads: DaemonPool | None = None
@@ -324,7 +408,26 @@ class Rubric:
 
     @property
     def names(self) -> list[str]:
-        return list(self.functions)
+        return list(self._order)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Every function's and reward model's weight, in ``reward.functions`` order."""
+        return {n: (self.functions[n] if n in self.functions else self.models[n])[1]
+                for n in self._order}
+
+    def attach_model(self, name: str, scorer: ModelScorer) -> None:
+        """Score the reward model ``name`` with ``scorer(prompts, completions)``: one call
+        per batch, returning a score per completion, or None for one it cannot score (e.g.
+        :meth:`forge_ext.actors.reward_model.RewardModel.score`). Until then its samples
+        score ``reward.on_error``, counted.
+
+        Raises:
+            KeyError: ``name`` is not one of the rubric's reward models.
+        """
+        if name not in self.models:
+            raise KeyError(f"{name!r} is not a reward model of the rubric ({list(self.models)})")
+        self._scorers[name] = scorer
 
     def start(self) -> None:
         """Start the worker processes now, all at once, without waiting for them (else the
@@ -350,19 +453,24 @@ class Rubric:
         self.close()
 
     async def score(self, samples: Sequence[Sample]) -> Scores:
-        """Score every sample with every function, concurrently (module docstring)."""
+        """Score every sample with every function, and every sample with each reward model
+        in one call per model, all concurrently (module docstring)."""
         names = list(self.functions)
-        results = await asyncio.gather(*(
-            self._call(name, sample) for sample in samples for name in names
-        ))
-        by_function = {name: [] for name in names}
-        errors = {name: 0 for name in names}
-        for k, (value, failed) in enumerate(results):
+        calls = [self._call(name, sample) for sample in samples for name in names]
+        models = list(self.models)
+        results = await asyncio.gather(
+            *calls, *(self._score_model(name, samples) for name in models))
+        weights = self.weights
+        by_function: dict[str, list[float]] = {name: [] for name in weights}
+        errors = {name: 0 for name in weights}
+        for k, (value, failed) in enumerate(results[: len(calls)]):
             name = names[k % len(names)]
             by_function[name].append(value)
             errors[name] += failed
+        for name, (values, failed) in zip(models, results[len(calls):]):
+            by_function[name], errors[name] = values, failed
         rewards = [
-            sum(self.functions[n][1] * by_function[n][i] for n in names)
+            sum(w * by_function[n][i] for n, w in weights.items())
             for i in range(len(samples))
         ]
         correct = ([v >= 1.0 for v in by_function[self.accuracy_name]]
@@ -371,8 +479,11 @@ class Rubric:
 
     def check(self, scores: Scores) -> None:
         """Raise :class:`RewardFailure` for the first function whose failed calls in
-        ``scores`` reach ``reward.max_error_rate`` (module docstring)."""
+        ``scores`` reach ``reward.max_error_rate`` (module docstring). Reward models are not
+        checked: a failed call of one costs its batch's scores, never the run (issue 35)."""
         for name, failed in scores.errors.items():
+            if name in self.models:
+                continue
             check_failures(f"reward function {name!r}", failed, len(scores.rewards),
                            self.first_failures.get(name), self.config.max_error_rate)
 
@@ -407,18 +518,58 @@ class Rubric:
             if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
                 e = RewardTimeout(f"took longer than reward.timeout_s={timeout}" + (
                     "; its worker process was killed and replaced" if self._processes else ""))
-            self.error_counts[name] += 1
-            if name not in self._reported:
-                self._reported.add(name)
-                detail = "".join(traceback.format_exception(e)).rstrip()
-                self.first_failures[name] = detail
-                print(
-                    f"reward function {name!r} failed; its sample scores reward.on_error="
-                    f"{self.config.on_error}, and later failures are only counted "
-                    f"(reward/errors/{name}):\n{detail}",
-                    file=sys.stderr, flush=True,
-                )
+            self._failed(name, 1, "reward function", "its sample scores", e)
             return float(self.config.on_error), True
+
+    async def _score_model(self, name: str, samples: Sequence[Sample]
+                           ) -> tuple[list[float], int]:
+        """Reward model ``name``'s scores of ``samples`` (one call) and its failed count: a
+        call that raises costs every sample (``reward.on_error``), a None or non-finite
+        score its own sample."""
+        on_error = float(self.config.on_error)
+        if not samples:
+            return [], 0
+        try:
+            scorer = self._scorers.get(name)
+            if scorer is None:
+                raise RuntimeError(f"reward model {name!r} is not running (no scorer attached: "
+                                   "Rubric.attach_model)")
+            values = list(await scorer([s.row.prompt for s in samples],
+                                       [s.completion for s in samples]))
+            if len(values) != len(samples):
+                raise ValueError(f"reward model {name!r} returned {len(values)} scores for "
+                                 f"{len(samples)} completions")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (the role's failure costs the step's scores)
+            self._failed(name, len(samples), "reward model", "this batch's samples score", e)
+            return [on_error] * len(samples), len(samples)
+        scores, failed = [], 0
+        for value in values:
+            try:
+                if value is None:
+                    raise ValueError("no score: the conversation is longer than the reward "
+                                     "model's seq_len (reward.functions[i].seq_len), or empty")
+                scores.append(as_reward(value))
+            except (TypeError, ValueError) as e:
+                self._failed(name, 1, "reward model", "its sample scores", e)
+                scores.append(on_error)
+                failed += 1
+        return scores, failed
+
+    def _failed(self, name: str, count: int, kind: str, cost: str, error: Exception) -> None:
+        """Count ``count`` failed samples of ``name``; print the first failure's traceback."""
+        self.error_counts[name] += count
+        if name in self._reported:
+            return
+        self._reported.add(name)
+        detail = "".join(traceback.format_exception(error)).rstrip()
+        self.first_failures[name] = detail
+        print(
+            f"{kind} {name!r} failed; {cost} reward.on_error={self.config.on_error}, and "
+            f"later failures are only counted (reward/errors/{name}):\n{detail}",
+            file=sys.stderr, flush=True,
+        )
 
 
 def as_reward(value: Any) -> float:
