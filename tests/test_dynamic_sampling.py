@@ -30,8 +30,10 @@ class InProcessGenerator:
         self.engine = HFEngine(config.generator.hf_path, sampling=config.generator.sampling,
                                stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
 
-    async def sample(self, prompt_ids, n, *, greedy=False, seed=None, session=None):
-        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
+    async def sample(self, prompt_ids, n, *, greedy=False, seed=None, session=None,
+                     sampling=None):
+        return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed,
+                                        sampling=sampling)
 
     async def step_metrics(self):
         return {}
