@@ -304,7 +304,17 @@ class GRPOApp(RLLoop):
             try:
                 await ts.shutdown()
             finally:
-                await store_procs.stop()
+                if isinstance(self.failure, RoleFailure):
+                    # A role's process or host died: the storage volume may have sent it a
+                    # reply (a push in flight), which Monarch returns to the volume after its
+                    # 30 s delivery timeout; were the volume's proc stopped by then, that
+                    # return is undeliverable too and Monarch's client ends this whole process
+                    # ("client received undeliverable message: crashing", status 1, nothing
+                    # printed; seen in the suite 30 s after a test killed a host). The proc
+                    # is left to end with this process.
+                    self._orphaned_store_procs = store_procs
+                else:
+                    await store_procs.stop()
 
         self.track("torchstore", stop_store)
         await initialize_store(mesh=store_procs)
