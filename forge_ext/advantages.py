@@ -161,6 +161,14 @@ class AdvantageEstimator(ABC):
 
     def token_advantages(self, rewards: torch.Tensor, labels: torch.Tensor,
                          values: torch.Tensor, kl: torch.Tensor | None = None) -> TokenAdvantages:
+        """Per-token advantages of a step from the critic: ``rewards`` ``[B]`` (one per
+        episode, placed at its last model token), ``labels`` ``[B, S]`` (``-100`` where no
+        advantage exists: prompt, padding, environment tokens), ``values`` ``[B, S]`` (the
+        critic's, aligned with ``labels``), ``kl`` ``[B, S]`` or None (per-token KL penalty
+        added to the rewards when ``algorithm.kl_in_reward``).
+
+        Raises:
+            NotImplementedError: an episode-level estimator (``grpo``, ``rloo``)."""
         raise NotImplementedError(f"algorithm.advantage={self.name} has no per-token advantages")
 
 

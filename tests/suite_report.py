@@ -16,6 +16,9 @@ import sys
 
 
 def report(text: str, status: int) -> str:
+    """The report of a suite's log ``text`` (pytest's output, faulthandler's included) whose
+    process ended with ``status`` (a shell's: ``128 + N`` for signal ``N``): at most ~100
+    lines."""
     lines = text.splitlines()
     out = [f"== the suite ended with status {status}"
            + (f" (killed by signal {status - 128})" if status > 128 else "")]
