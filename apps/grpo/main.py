@@ -253,14 +253,11 @@ class GRPOApp(RLLoop):
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
-        import torchstore as ts
-        from monarch.actor import this_host
-
         from forge_ext.actors import spawn_trainer
         from forge_ext.actors.critic import spawn_critic
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.actors.reward_model import spawn_reward_model
-        from forge_ext.compat.torchstore_monarch import initialize_store
+        from forge_ext.compat.torchstore_monarch import RunStore
         from forge_ext.placement import Placement
         from forge_ext.rollout.replicas import spawn_replicas
         from forge_ext.supervision import watch_run
@@ -296,28 +293,15 @@ class GRPOApp(RLLoop):
 
         self.track("hosts", stop_hosts)
         await placement.start()  # a Slurm job waits in the queue here: Ctrl-C cancels it
-        # torchstore's storage volume in a proc of the run's own, stopped with it: given no
-        # mesh, torchstore spawns one that nothing stops (it outlived every in-process run).
-        store_procs = this_host().spawn_procs(per_host={"procs": 1}, name="torchstore")
+        # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
+        # role's process or host died (RunStore says why).
+        store = RunStore()
 
         async def stop_store() -> None:
-            try:
-                await ts.shutdown()
-            finally:
-                if isinstance(self.failure, RoleFailure):
-                    # A role's process or host died: the storage volume may have sent it a
-                    # reply (a push in flight), which Monarch returns to the volume after its
-                    # 30 s delivery timeout; were the volume's proc stopped by then, that
-                    # return is undeliverable too and Monarch's client ends this whole process
-                    # ("client received undeliverable message: crashing", status 1, nothing
-                    # printed; seen in the suite 30 s after a test killed a host). The proc
-                    # is left to end with this process.
-                    self._orphaned_store_procs = store_procs
-                else:
-                    await store_procs.stop()
+            await store.stop(peer_died=isinstance(self.failure, RoleFailure))
 
         self.track("torchstore", stop_store)
-        await initialize_store(mesh=store_procs)
+        await store.start()
 
         stops: dict[str, Any] = {}  # each role's stop, once it is spawned
 

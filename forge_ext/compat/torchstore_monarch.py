@@ -144,3 +144,42 @@ async def initialize_store(**kwargs: Any) -> None:
     """``apply()`` then ``torchstore.initialize(**kwargs)`` (same arguments)."""
     apply()
     await torchstore.initialize(**kwargs)
+
+
+class RunStore:
+    """torchstore with its storage volume in a proc of the caller's own, stopped with the run.
+
+    Given no mesh, ``torchstore.initialize()`` spawns a volume proc that nothing stops (it
+    outlived every in-process run). :meth:`start` spawns one proc on this host for it;
+    :meth:`stop` shuts torchstore down and stops that proc, except after a peer's process
+    or host died:
+
+    A dead peer may have been sent a reply by the volume (a push in flight). Monarch 0.7
+    returns such a message to its sender after the 30 s delivery timeout; if the volume's proc
+    is stopped by then, the return is undeliverable too and Monarch's client ends the whole
+    calling process ("client received undeliverable message: crashing", status 1, nothing
+    printed). So with ``peer_died`` the proc is kept (``self.procs``) to end with this
+    process.
+    """
+
+    def __init__(self, name: str = "torchstore"):
+        self.name = name
+        self.procs: Any = None
+
+    async def start(self, **kwargs: Any) -> None:
+        """Spawn the volume's proc and :func:`initialize_store` on it (``kwargs`` go to
+        ``torchstore.initialize``, not ``mesh``)."""
+        from monarch.actor import this_host
+
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name=self.name)
+        await initialize_store(mesh=self.procs, **kwargs)
+
+    async def stop(self, *, peer_died: bool) -> None:
+        """``torchstore.shutdown()``, then stop the volume's proc unless ``peer_died`` (a
+        process or host of the run died: see the class docstring)."""
+        try:
+            await torchstore.shutdown()
+        finally:
+            if self.procs is not None and not peer_died:
+                procs, self.procs = self.procs, None
+                await procs.stop()
