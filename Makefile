@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # The suite's output is also kept in .pytest.log; a run that does not pass ends with a short
 # report of it (tests/suite_report.py: what ran last, what failed, a crash's Python frames).
 test: $(STAMP)
-	@set -o pipefail; PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 $(PY) -m pytest tests 2>&1 | tee .pytest.log \
+	@set -o pipefail; PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 $(PY) -m pytest tests --durations=40 2>&1 | tee .pytest.log \
 	  || { status=$$?; $(PY) tests/suite_report.py .pytest.log $$status; exit $$status; }
 
 demo: $(STAMP)

@@ -2,7 +2,7 @@
 last lines of the log can hold only a native crash's trace, and CI shows only the end.
 
 Printed, a few KB at most: the test files that were running (the last progress lines), the
-short summary's ``FAILED``/``ERROR`` lines, and, after a fatal signal (``PYTHONFAULTHANDLER``'s
+short summary's ``FAILED``/``ERROR`` lines, the 15 slowest (``--durations``), and, after a fatal signal (``PYTHONFAULTHANDLER``'s
 report), each Python thread's frames without the native ones (Monarch's Rust frames fill
 screens).
 
@@ -30,6 +30,12 @@ def report(text: str, status: int) -> str:
     if failed:
         out.append(f"failed ({len(failed)}):")
         out += ["  " + line[:200] for line in failed[:30]]
+    slowest = next((i for i, line in enumerate(lines) if "slowest" in line and "durations"
+                    in line), None)
+    if slowest is not None:  # pytest --durations: where the suite's time went
+        out.append("slowest:")
+        out += ["  " + line[:160] for line in lines[slowest + 1 : slowest + 16]
+                if re.match(r"\d+\.\d+s ", line)]
     start = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), None)
     if start is not None:
         out.append("the fatal error, Python frames only (pytest's own left out):")
