@@ -48,10 +48,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
-    from apps.fast_help import print_saved_help
+if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
+    from apps.fast_help import exit_on_config_error, print_saved_help
 
     print_saved_help("grpo")
+    exit_on_config_error("apps.grpo.config:check_config")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
