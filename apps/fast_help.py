@@ -1,11 +1,18 @@
-"""``python -m apps.<app>.main --help`` in a fraction of a second: the app's saved ``--help``
-output (``apps/<app>/help.txt``, written by ``python -m apps.config_reference --write`` and
-kept current by tests/test_config_doc.py), printed before the app imports torch, torchtitan
-and Monarch (10 s and more on a small machine). Standard library only: nothing of
-``forge_ext`` is imported (its package imports torch)."""
+"""What an app answers before it imports torch, torchtitan and Monarch (10 s and more on a
+small machine), issue 38:
+
+- ``--help``: the app's saved output (``apps/<app>/help.txt``, written by ``python -m
+  apps.config_reference --write`` and kept current by tests/test_config_doc.py), printed in
+  a fraction of a second; standard library only;
+- a config error: the app's light config check (YAML, overrides, every typed section, the
+  cross-field checks and the derived sizes; no torch, see :mod:`forge_ext.engine.schema`),
+  ``config error: ...`` in under 2 s. The app then loads the config again, whole (the checks
+  that need the model's code included), which costs it a few hundredths of a second.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -21,3 +28,27 @@ def print_saved_help(app: str, argv: list[str] | None = None) -> None:
     if path.is_file():
         sys.stdout.write(path.read_text())
         sys.exit(0)
+
+
+def exit_on_config_error(check: str, argv: list[str] | None = None) -> None:
+    """Run the app's light config check and exit with ``config error: <message>`` (status 1)
+    if it raises ValueError or FileNotFoundError; return otherwise.
+
+    Args:
+        check: ``"module:function"``, a function of ``(path, overrides)`` that reads and
+            checks the config without importing torch (e.g. ``apps.grpo.config:check_config``).
+        argv: the command line (default ``sys.argv[1:]``): ``--config PATH [key=value ...]``;
+            anything else is left to the app's own parser.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if "--config" not in args[:-1]:
+        return  # the app's parser says what is missing
+    at = args.index("--config")
+    path, overrides = args[at + 1], [a for i, a in enumerate(args) if i not in (at, at + 1)]
+    if any("=" not in a or a.startswith("-") for a in overrides):
+        return  # not a config error: the app's parser answers
+    module, function = check.split(":")
+    try:
+        getattr(importlib.import_module(module), function)(path, overrides)
+    except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
+        sys.exit(f"config error: {e}")

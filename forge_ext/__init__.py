@@ -10,7 +10,7 @@ from forge_ext.compat import torchtitan_cpu as _torchtitan_cpu
 # checkpoint save). The value torchstore sets, before torchstore is imported; procs inherit it.
 _os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", "910737418240")
 
-_torchtitan_cpu.apply()
+_torchtitan_cpu.install()  # just before torchtitan is imported
 
 # vLLM logs its engine's start (config, thread binding, model loading: ~40 lines per engine)
 # and every weight reload at INFO, and CPU-build notices at WARNING, on the run's console from

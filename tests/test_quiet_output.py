@@ -44,8 +44,10 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     # INFO lines per checkpoint save (via torchstore's root-logger setup and Monarch's INFO
     # root level in procs), torchstore's note on the frame limit, transformers' loading bar
     # and min_length warning, torch's DTensor random-init notice before weights are loaded.
+    # Monarch's "Monarch internal logs are being written to /tmp/<user>/..." (issue 38).
     for notice in (*TITAN_NOTICES_NOT_APPLICABLE, "INFO:root:", "HYPERACTOR_CODEC_MAX_FRAME",
-                   "Loading weights", "min_new_tokens", "DTensor random operators"):
+                   "Loading weights", "min_new_tokens", "DTensor random operators",
+                   "Monarch internal logs", "monarch_log"):
         assert notice not in output, notice
     # No progress bar on a pipe: a redirected log held its every carriage-return update
     # (issue 38); torchtitan's "Warmup (10) + decay ..." of a 2-step run is in the notices.
@@ -60,16 +62,33 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert lines[2].startswith("GRPO variant: none (field defaults) | loss.aggregation="), lines[2]
     assert lines[3] == ("spawning trainer (1 proc), generator (hf, 1 replica, weight_update "
                         "between_requests) on this machine")
+    # What the start-up spent, one line per part, before step 0 (issue 38).
+    step0 = lines.index(next(line for line in lines if line.startswith("step   0/2")))
+    startup = [line for line in lines[:step0] if line.startswith("start-up: ")]
+    assert [line.split()[1] for line in startup] == [
+        "hosts", "torchstore", "trainer", "generator", "all"], startup
     assert f"checkpoint of step 2 saved in " in result.stdout
     assert f"HF checkpoint of step 2 written in " in result.stdout
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
                     f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}, "
                     f"HF checkpoints {out / 'hf'}"), last
     assert (out / "metrics.jsonl").is_file() and (out / "run_config.yaml").is_file()
+    # Monarch's log is the run's, in output_dir (not one file in /tmp shared by every run).
+    monarch_log = out / "logs" / "monarch.log"
+    assert monarch_log.is_file() and not monarch_log.is_symlink(), list((out / "logs").iterdir())
+    assert monarch_log.stat().st_size > 0
     # Sample completions per step (issue 38): both prompts of each of the 2 steps.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     assert all(set(s["rewards"]) == {"addition"} and "completion" in s for s in samples)
+    # The same command again: a finished run says so and spawns nothing (issue 38).
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**env, "PYTHONPATH": str(ROOT)})
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert again.stdout.startswith(f"output_dir {out} holds a finished run: its checkpoint of "
+                                   "step 2 is the last of loop.steps=2; nothing to do"), again.stdout
+    assert "spawning" not in again.stdout and "start-up:" not in again.stdout
+    assert (again.stdout + again.stderr).count("\n") == 1, again.stdout + again.stderr
 
 
 def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback():

@@ -1,6 +1,11 @@
 """``python -m apps.eval --config <run or eval config> checkpoint=<path>`` (:mod:`apps.eval.main`)."""
 
-from apps.eval.main import main
+from apps.fast_help import exit_on_config_error, print_saved_help
+
+print_saved_help("eval")  # before the imports below (seconds)
+exit_on_config_error("apps.eval.main:check_config")
+
+from apps.eval.main import main  # noqa: E402
 from forge_ext.supervision import shutdown_monarch
 
 try:

@@ -186,21 +186,42 @@ def load_eval_config(path: str, overrides: list[str]) -> EvalAppConfig:
     return config
 
 
+def check_config(path: str, overrides: list[str]) -> EvalAppConfig:
+    """The checks that need no torch: :func:`load_eval_config`, that each checkpoint path
+    exists, and the ``generator:`` section; ``python -m apps.eval`` runs them before its
+    imports (:mod:`apps.fast_help`), :class:`EvalApp` the rest (what each checkpoint is, the
+    tokenizer, the sets' rows, lengths).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field.
+    """
+    from forge_ext.config import from_mapping
+    from forge_ext.rollout.config import GeneratorConfig
+
+    config = load_eval_config(path, overrides)
+    paths = [config.checkpoint] if isinstance(config.checkpoint, str) else list(config.checkpoint)
+    for given in paths:
+        if not Path(given).exists():
+            raise FileNotFoundError(f"checkpoint={given} does not exist")
+    section = {k: v for k, v in config.generator.items() if k != "hf_path"}
+    from_mapping(GeneratorConfig, {**section, "hf_path": "."}, path="generator")
+    return config
+
+
 def generator_config(config: EvalAppConfig, checkpoint: Checkpoint) -> Any:
     """The ``generator:`` section on ``checkpoint``'s model (vLLM with LoRA for an adapter).
 
     Raises:
         ValueError: a bad field (:meth:`GeneratorConfig.check_backend`), naming it.
     """
-    from forge_ext.actors.generator import GeneratorConfig
     from forge_ext.config import from_mapping
+    from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
 
     section = {k: v for k, v in config.generator.items() if k != "hf_path"}
     generator = from_mapping(GeneratorConfig, {**section, "hf_path": checkpoint.model or "."},
                              path="generator")
     if checkpoint.kind == "lora" and generator.backend == "vllm":
         from forge_ext.lora import read_peft_folder
-        from forge_ext.rollout.engines.vllm import lora_engine_args
 
         rank = int(read_peft_folder(checkpoint.path)[1]["r"])
         generator.vllm = lora_engine_args(generator.vllm, rank)

@@ -37,22 +37,24 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from forge_ext.actors.critic import critic_engine_config, critic_sections
-from forge_ext.actors.generator import GeneratorConfig
-from forge_ext.actors.reference import data_parallel_size
-from forge_ext.actors.trainer import check_weights_transport, world_size_of
-from forge_ext.advantages import AlgorithmConfig
+# Light modules only (standard library, OmegaConf, dacite): a config error shows in well
+# under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
+# checks that need the model's code (torchtitan) import it in validate_engines.
+from forge_ext.actors.critic_config import critic_sections
+from forge_ext.algorithm import AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
-from forge_ext.engine import engine_config_from_mapping
+from forge_ext.engine.schema import (
+    check_weights_transport, data_parallel_size, engine_view, num_microbatches, world_size_of,
+)
 from forge_ext.evaluation import EvalConfig, check_sets
-from forge_ext.losses.grpo import GRPOLoss
+from forge_ext.losses.config import ADVANTAGE_SCALINGS, GRPOLossConfig
 from forge_ext.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.loop import LoopConfig
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import HostsConfig
+from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
 from forge_ext.tasks import PromptConfig, RewardConfig, task_config
-from forge_ext.weights.publish import WeightsConfig
-
+from forge_ext.weights.config import WeightsConfig
 
 @dataclass(kw_only=True, slots=True)
 class ModelSection:
@@ -87,8 +89,6 @@ class GRPOSection:
                 f"grpo.prompts_per_step={self.prompts_per_step} and grpo.group_size="
                 f"{self.group_size} must be >= 1"
             )
-        from forge_ext.losses.grpo import ADVANTAGE_SCALINGS
-
         if self.advantage_scaling not in ADVANTAGE_SCALINGS:
             raise ValueError(
                 f"grpo.advantage_scaling={self.advantage_scaling!r} must be one of "
@@ -147,6 +147,10 @@ class DebugSection:
     crash stops every proc and that a rerun resumes from the last checkpoint."""
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""``export.dtype``'s names (:data:`forge_ext.engine.export.DTYPES`' keys)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ExportSection:
     enable: bool = True
@@ -161,9 +165,9 @@ class ExportSection:
     ``model.safetensors.index.json``."""
 
     def __post_init__(self) -> None:
-        from forge_ext.engine.export import export_dtype
-
-        export_dtype(self.dtype)
+        if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export.dtype={self.dtype!r} must be one of {sorted(EXPORT_DTYPES)} "
+                             "(or null: the parameters' dtype)")
         if not self.max_shard_mb > 0:
             raise ValueError(f"export.max_shard_mb={self.max_shard_mb} must be > 0")
 
@@ -196,7 +200,7 @@ class GRPOConfig:
     policy's checkpoint with a value head, the trainer's batch settings are not copied (give
     ``training``)."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
-    loss: GRPOLoss.Config = field(default_factory=GRPOLoss.Config)
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """The GRPO loss: its variant (``preset``, aggregation, ratio level), clipping, KL
     coefficient, truncation masking, off-policy correction."""
     reference: dict[str, Any] | None = None
@@ -266,8 +270,6 @@ class GRPOConfig:
         if self.generator.backend != "vllm" or isinstance(rank, bool) or not isinstance(
                 rank, int) or rank < 1:
             return  # no LoRA, or a bad rank that the trainer's own check names
-        from forge_ext.rollout.engines.vllm import lora_engine_args
-
         self.generator.vllm = lora_engine_args(self.generator.vllm, rank)
 
     def response_limit(self) -> tuple[int, str]:
@@ -320,9 +322,12 @@ class GRPOConfig:
         """The trainer's ``loss`` argument (:func:`forge_ext.engine.losses.build_loss`)."""
         return {"name": "grpo", **asdict(self.loss)}
 
-    def validate(self, *, check_model: bool = True) -> None:
-        """Cross-section checks; with ``check_model`` also the engine sections, which read
-        ``model.hf_path``'s config.json (so the checkpoint must exist).
+    def validate(self, *, check_model: bool = True, check_engines: bool = True) -> None:
+        """Cross-section checks; with ``check_model`` also the sizes derived from the engine
+        sections and, with ``check_engines``, the engine sections themselves
+        (:meth:`validate_engines`: torchtitan's config and model checks, which read
+        ``model.hf_path``'s config.json, so the checkpoint must exist). Everything before
+        :meth:`validate_engines` runs without torch (``forge_ext.engine.schema``).
 
         Raises:
             ValueError: naming the fields that disagree and the fix.
@@ -354,11 +359,30 @@ class GRPOConfig:
                 "directory"
             )
         self._derive_sizes()
+        views = self._engine_views()
+        for role, view in views.items():
+            try:
+                num_microbatches(view.training)
+            except ValueError as e:
+                raise ValueError(f"{role}: {e}") from None
+        check_weights_transport(views["trainer"], self.weights)
+        layout = self.hosts.layout(self.processes(views))
+        if check_engines:
+            self.validate_engines(layout)
+
+    def validate_engines(self, layout: dict[str, Any] | None = None) -> None:
+        """The checks that need torch and the model's code (seconds to import): every engine
+        section built as :func:`forge_ext.engine.engine_config_from_mapping` builds it (the
+        model's RoPE length, heads, LoRA targets, pipeline stages), the reward models'
+        checkpoints, and the generator replicas against this machine's devices.
+
+        Raises:
+            ValueError: naming the fields and the fix.
+        """
         engines = self._engines()
         self._validate_reward_models(check_model=True)
         check_weights_transport(engines["trainer"], self.weights)
-        processes = self.processes(engines)
-        layout = self.hosts.layout(processes)
+        layout = layout or self.hosts.layout(self.processes(engines))
         self._check_replica_devices(layout["generator"][1])
 
     def _derive_sizes(self) -> None:
@@ -382,9 +406,8 @@ class GRPOConfig:
         # takes), and the reference with the trainer's seq_len unless it has its own.
         unset = {"local_batch_size": batch, **({"seq_len": given["trainer"]["seq_len"]}
                                                 if "seq_len" in given["trainer"] else {})}
-        engines = {role: engine_config_from_mapping(
-            {**section, "training": {**unset, **given[role]}}, section=role)
-            for role, section in sections.items()}
+        engines = {role: engine_view({**section, "training": {**unset, **given[role]}}, role)
+                   for role, section in sections.items()}
         processes = self.processes(engines)
         problems = []
         for role, section in sections.items():
@@ -421,8 +444,6 @@ class GRPOConfig:
         Raises:
             ValueError: naming ``reward.functions[i]`` and the fix.
         """
-        from forge_ext.actors.reward_model import validate_reward_model
-
         for i, entry in enumerate(self.reward.functions):
             if entry.model is None:
                 continue
@@ -433,6 +454,8 @@ class GRPOConfig:
                     f"hosts.launcher={self.hosts.launcher!r} runs the roles on other hosts; "
                     "use hosts.launcher=local or processes, or a reward function")
             if check_model:
+                from forge_ext.actors.reward_model import validate_reward_model
+
                 validate_reward_model(entry, field)
 
     def _validate_algorithm(self) -> None:
@@ -442,7 +465,7 @@ class GRPOConfig:
             ValueError: naming the fields that disagree and the fix.
         """
         a = self.algorithm
-        a.build(group_size=self.grpo.group_size, scaling=self.grpo.advantage_scaling)
+        a.check_group_size(self.grpo.group_size)
         if a.needs_critic and self.critic is None:
             raise ValueError(
                 "algorithm.advantage=gae needs the critic: section (the value model; "
@@ -504,9 +527,24 @@ class GRPOConfig:
             raise ValueError(f"{where} needs {wanted} devices per host but {what} = {have}; "
                              "lower generator.replicas or the tensor parallelism")
 
+    def _engine_views(self) -> dict[str, Any]:
+        """``{role: engine_view}`` (:func:`forge_ext.engine.schema.engine_view`: keys, plain
+        types and sizes, without torch) of the trainer, the reference and the critic."""
+        views = {"trainer": engine_view(self.trainer, "trainer")}
+        if self.reference is not None:
+            views["reference"] = engine_view(self.reference, "reference")
+        if self.critic is not None:
+            engine, _ = critic_sections(self.critic, policy_hf_path=self.model.hf_path,
+                                        trainer=self.trainer)
+            views["critic"] = engine_view(engine, "critic")
+        return views
+
     def _engines(self) -> dict[str, Any]:
         """``{role: EngineConfig}`` of the trainer, the reference and the critic (those not
-        null)."""
+        null). Imports torchtitan."""
+        from forge_ext.actors.critic import critic_engine_config
+        from forge_ext.engine import engine_config_from_mapping
+
         sections = {"trainer": self.trainer}
         if self.reference is not None:
             sections["reference"] = self.reference
@@ -521,15 +559,14 @@ class GRPOConfig:
         """``{role: process count}`` of the roles this run spawns: the trainer's and
         reference's from their parallelism degrees and ``procs.<role>.num_procs`` or
         ``hosts.<role>`` (hosts x procs_per_host), the generator's ``generator.replicas``. Reads
-        ``model.hf_path``'s config.json (through the engine sections, unless ``engines``
-        gives them already validated).
+        the engine sections lightly (:meth:`_engine_views`) unless ``engines`` gives them.
 
         Raises:
             ValueError: ``procs.<role>.num_procs`` and ``hosts.<role>`` disagree, or either
                 disagrees with the parallelism degrees (naming the fields).
         """
         processes = {}
-        for role, engine in (engines or self._engines()).items():
+        for role, engine in (engines or self._engine_views()).items():
             num_procs = getattr(self.procs, role).num_procs
             spec = self.hosts.role(role)
             from_hosts = spec.hosts * spec.procs_per_host if spec.procs_per_host else None
@@ -555,14 +592,27 @@ class GRPOConfig:
         return processes
 
 
-def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True) -> GRPOConfig:
-    """Read, override, resolve and validate a GRPO YAML config (see the module docstring).
+def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True,
+                check_engines: bool = True) -> GRPOConfig:
+    """Read, override, resolve and validate a GRPO YAML config (see the module docstring);
+    ``check_engines=False`` leaves out :meth:`GRPOConfig.validate_engines` (torchtitan), so
+    that it runs without torch.
 
     Raises:
         ValueError: unknown keys (named), wrong types, or a failed :meth:`GRPOConfig.validate`.
     """
     mapping, _ = apply_preset(load_yaml(path, overrides))  # loss.preset: fills unset fields
     config = from_mapping(GRPOConfig, mapping)
-    config.validate(check_model=check_model)
+    config.validate(check_model=check_model, check_engines=check_engines)
     return config
 
+
+
+def check_config(path: str, overrides: list[str] = ()) -> GRPOConfig:
+    """The checks that need no torch (:func:`load_config` without ``check_engines``):
+    ``python -m apps.grpo.main`` runs them before its imports (:mod:`apps.fast_help`).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field and the fix.
+    """
+    return load_config(path, overrides, check_engines=False)

@@ -48,10 +48,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
-    from apps.fast_help import print_saved_help
+if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
+    from apps.fast_help import exit_on_config_error, print_saved_help
 
     print_saved_help("grpo")
+    exit_on_config_error("apps.grpo.config:check_config")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
@@ -262,8 +263,28 @@ class GRPOApp(RLLoop):
         from forge_ext.rollout.replicas import spawn_replicas
         from forge_ext.supervision import watch_run
 
+        from forge_ext import run_logs
+
         c = self.config
         apply_env(c.procs.env)
+        began = time.perf_counter()
+        # Monarch's log in <output_dir>/logs, before Monarch starts (procs inherit the name).
+        run_logs.start(c.output_dir)
+
+        async def keep_monarch_log() -> None:
+            run_logs.finish(c.output_dir)
+
+        self.track("monarch log", keep_monarch_log)
+        self.startup: dict[str, float] = {}
+        """Seconds each part of the start-up took (``start-up:`` lines before step 0)."""
+
+        def timed(name: str, spawn):
+            async def run() -> None:
+                start = time.perf_counter()
+                await spawn()
+                self.startup[name] = time.perf_counter() - start
+            return run
+
         roles = ["trainer", *(["reference"] if c.reference else []),
                  *(["critic"] if c.critic is not None else []), "generator"]
         placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
@@ -292,7 +313,9 @@ class GRPOApp(RLLoop):
             placement.stop()
 
         self.track("hosts", stop_hosts)
+        start = time.perf_counter()
         await placement.start()  # a Slurm job waits in the queue here: Ctrl-C cancels it
+        self.startup["hosts"] = time.perf_counter() - start
         # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
         # role's process or host died (RunStore says why).
         store = RunStore()
@@ -301,7 +324,9 @@ class GRPOApp(RLLoop):
             await store.stop(peer_died=isinstance(self.failure, RoleFailure))
 
         self.track("torchstore", stop_store)
+        start = time.perf_counter()
         await store.start()
+        self.startup["torchstore"] = time.perf_counter() - start
 
         stops: dict[str, Any] = {}  # each role's stop, once it is spawned
 
@@ -379,13 +404,14 @@ class GRPOApp(RLLoop):
                         rubric.attach_model(name, model.score)
             return spawn
 
-        spawns = {"trainer": trainer, "reference": reference, "critic": critic,
-                  "generator": generator}
+        spawns = {"trainer": timed("trainer", trainer), "reference": timed("reference", reference),
+                  "critic": timed("critic", critic), "generator": timed("generator", generator)}
         # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
         # per batch; spawned beside the roles (those with their own env after them, one at
         # a time), stopped with them.
         entries = [(i, e) for i, e in enumerate(c.reward.functions) if e.model is not None]
-        models = {reward_model_role(e.metric_name): reward_model(i, e)
+        models = {reward_model_role(e.metric_name): timed(reward_model_role(e.metric_name),
+                                                            reward_model(i, e))
                   for i, e in entries if not e.env}
         spawns.update(models)
         if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
@@ -425,6 +451,15 @@ class GRPOApp(RLLoop):
         exposed = await placement.exposed_ports(roles_procs)
         if exposed:
             self.write(exposed)
+        # What the start-up spent, one line per part (issue 38): each role's from the call
+        # that spawns its procs to its actor ready (the procs' imports of torch, torchtitan or
+        # vLLM, the model built and loaded, vLLM's engine started); the roles start at once.
+        spawned = [r for r in (*roles, *(reward_model_role(e.metric_name) for _, e in entries))
+                   if r in self.startup]
+        for part in ("hosts", "torchstore", *spawned):
+            self.write(f"start-up: {part} {self.startup[part]:.1f}s")
+        self.write(f"start-up: all roles ready {time.perf_counter() - began:.1f}s after setup "
+                   "began")
 
     async def start_agent_endpoint(self) -> None:
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
@@ -486,9 +521,8 @@ class GRPOApp(RLLoop):
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
-            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"
-               + (" (a finished run: it only re-evaluates)"
-                  if self.resume_step >= c.loop.steps else "")] if self.resume_step else []),
+            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"]
+              if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
@@ -1183,6 +1217,14 @@ def main(argv: list[str] | None = None) -> None:
         app = GRPOApp(load_config(path, overrides))
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
+    if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
+        out = app.config.output_dir
+        print(f"output_dir {out} holds a finished run: its checkpoint of step "
+              f"{app.resume_step} is the last of loop.steps={app.config.loop.steps}; nothing "
+              f"to do. Raise loop.steps to train on, evaluate it with python -m apps.eval "
+              f"--config {os.path.join(out, RUN_CONFIG_FILE)} checkpoint=<its hf/step-N or "
+              "checkpoints/step-N folder>, or use a new output_dir")
+        return
     try:
         asyncio.run(app.run())
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice

@@ -30,12 +30,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # --help before the imports below (torch, torchtitan: seconds)
-    from apps.fast_help import print_saved_help
+if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
+    from apps.fast_help import exit_on_config_error, print_saved_help
 
     print_saved_help("sft")
+    exit_on_config_error("apps.sft.config:check_config")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
+from apps.sft.config import (  # noqa: F401  (imported from here too)
+    MAY_CHANGE_ON_SKIP, EvalConfig, InitConfig, SFTConfig, check_config, check_single_process,
+)
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.tasks import (
     PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
@@ -50,74 +54,6 @@ from forge_ext.rollout.engines import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.lora import ADAPTER_CONFIG_NAME
 from forge_ext.metrics import MetricLogger, MetricsConfig
-
-
-@dataclass(kw_only=True, slots=True)
-class InitConfig:
-    """Where training starts (YAML ``init:``)."""
-
-    hf_path: str
-    """HF checkpoint directory to start from; if it holds none, a random model is written."""
-    model_type: str = "qwen3"
-    """``transformers`` model type of the random model."""
-    architecture: dict[str, Any] = field(default_factory=dict)
-    """HF ``config.json`` fields of the random model; ``vocab_size`` defaults to the task's
-    character tokenizer's, special token ids to its ``<bos>``/``<eos>``/``<pad>``."""
-
-
-@dataclass(kw_only=True, slots=True)
-class EvalConfig:
-    every: int = 0
-    """Steps between validation evaluations during training (0: only the final held-out one)."""
-    num_validation: int = 200
-    """Training rows whose greedy accuracy is the validation metric (the held-out set is
-    never used to decide anything)."""
-    stop_at_accuracy: float | None = None
-    """Stop once the validation accuracy reaches this (needs ``every``): a warm-start that is
-    partly right whatever the seed or the machine's numerics, rather than after a fixed number
-    of steps (addition is learnt abruptly, at a step that varies with the seed)."""
-    max_new_tokens: int | None = None
-    """Longest greedy answer in tokens; default: the longest reference answer's, plus its
-    end token."""
-
-    def __post_init__(self) -> None:
-        if self.stop_at_accuracy is not None and not self.every:
-            raise ValueError("eval.stop_at_accuracy needs eval.every > 0")
-
-
-# Keys that may differ from the run that wrote an existing warm-start, which is then kept.
-MAY_CHANGE_ON_SKIP = ("skip_if_exists", "metrics", "env")
-
-
-@dataclass(kw_only=True, slots=True)
-class SFTConfig:
-    """The SFT app's config (YAML top level)."""
-
-    output_dir: str
-    """The warm-start HF checkpoint directory written at the end; with ``trainer.lora`` the
-    PEFT adapter folder ``<output_dir>/adapter`` (and, with ``trainer.lora.export_merged``,
-    the merged HF checkpoint in ``output_dir`` itself)."""
-    init: InitConfig
-    trainer: dict[str, Any]
-    """Engine config (:func:`forge_ext.engine.engine_config_from_mapping`);
-    ``trainer.model`` should be ``{flavor: hf, hf_path: ${init.hf_path}}`` (``model.name``
-    follows config.json's ``model_type``)."""
-    skip_if_exists: bool = True
-    """Keep an existing checkpoint in ``output_dir`` and do nothing."""
-    seed: int = 0
-    """Seeds the random init and the order of training rows."""
-    task: dict[str, Any] = field(default_factory=lambda: {"source": "addition"})
-    """``task.source`` and that source's fields (:mod:`forge_ext.tasks`), as in the GRPO app."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """How completions are scored for the accuracy metric (as in the GRPO app)."""
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """Validation during training and the final held-out evaluation."""
-    metrics: MetricsConfig | None = None
-    """Where metrics go (null: none)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
-    :func:`forge_ext.config.apply_env`)."""
 
 
 def functions_only(rubric: Rubric) -> Rubric:
@@ -345,8 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
                                 prog="python -m apps.sft.main")
     try:
-        config = from_mapping(SFTConfig, load_yaml(path, overrides))
-        task_config(config.task)  # source, fields, files, import paths
+        config = check_config(path, overrides)  # without torch (also before the imports)
         kept = kept_checkpoint(config)  # a kept checkpoint must come from the same config
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")

@@ -17,15 +17,7 @@ import torch
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
 from forge_ext.engine import EngineConfig
 from forge_ext.engine.microbatch import balance_rows, row_lengths
-
-
-def data_parallel_size(config: EngineConfig, world_size: int) -> int:
-    """Data-parallel ranks of an engine world: processes / (TP * PP * CP)."""
-    par = config.parallelism
-    model_parallel = (
-        par.tensor_parallel_degree * par.pipeline_parallel_degree * par.context_parallel_degree
-    )
-    return world_size // model_parallel
+from forge_ext.engine.schema import data_parallel_size  # noqa: F401  (imported from here too)
 
 
 def data_parallel_rows(

@@ -27,6 +27,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_config_from_mapping
 from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
+from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
@@ -480,45 +481,6 @@ class TrainerHandle:
         for grads in (await self.actor.get_gradients.call()).values():
             merged.update(grads)
         return merged
-
-
-def world_size_of(config: EngineConfig, num_procs: int | None) -> int:
-    """Processes the trainer needs: the product of parallel degrees, where
-    ``data_parallel_shard_degree=-1`` (torchtitan's default) takes whatever ``num_procs``
-    leaves.
-
-    Raises:
-        ValueError: ``num_procs`` disagrees with explicit degrees.
-    """
-    par = config.parallelism
-    fixed = (
-        par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
-        * par.context_parallel_degree * par.tensor_parallel_degree
-        * par.pipeline_parallel_degree
-    )
-    if config.engine == "hf" and num_procs not in (None, 1):
-        raise ValueError(f"num_procs={num_procs}: engine=hf runs on one process for now; "
-                         "use num_procs=1, or engine=titan for data parallelism")
-    if num_procs is None:
-        return fixed
-    if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):
-        raise ValueError(
-            f"num_procs={num_procs} does not match the parallelism degrees (product {fixed}); "
-            "change trainer.parallelism or num_procs"
-        )
-    return num_procs
-
-
-def check_weights_transport(config: EngineConfig, weights: WeightsConfig) -> None:
-    """Raise ValueError if the trainer cannot publish its weights through
-    ``weights.transport``: ``direct`` needs the same tensors on every rank, which pipeline
-    stages do not hold."""
-    if config.pp_degree > 1 and weights.transport != "dcp":
-        raise ValueError(
-            f"weights.transport={weights.transport!r} needs the same tensors on every trainer "
-            "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
-            "parallelism.pipeline_parallel_degree > 1"
-        )
 
 
 async def spawn_trainer(

@@ -3,37 +3,10 @@
 No Monarch imports here (actors wrap the engine, not the other way round).
 """
 
-from forge_ext.engine.base import (
-    MODEL_TYPE,
-    BaseEngine,
-    EngineRegistry,
-    ForwardBackwardOutputs,
-    InferOutputs,
-    split_batch,
-)
-from forge_ext.engine.config import (
-    EngineConfig,
-    LoRAConfig,
-    OffloadConfig,
-    engine_config_from_mapping,
-)
-from forge_ext.engine.losses import IGNORE_INDEX, cross_entropy_loss, valid_tokens
-from forge_ext.engine.titan import TitanEngine  # registers the "titan" backend
-from forge_ext.engine.hf import HFEngine  # registers the "hf" backend  # noqa: E402
-
-
-def build_engine(config: EngineConfig | dict) -> BaseEngine:
-    """The engine ``config.engine`` names (``trainer.engine``), built from ``config``
-    (:meth:`EngineRegistry.new` for a causal LM, ``MODEL_TYPE``).
-
-    Raises:
-        ValueError: a config error naming the field (an unknown ``trainer.engine`` too).
-    """
-    if not isinstance(config, EngineConfig):
-        config = engine_config_from_mapping(config)
-    return EngineRegistry.new(MODEL_TYPE, config.engine, config)
-
-
+# Everything below imports torch and torchtitan (seconds): on the first use of any name,
+# all at once (so both backends are registered), and not when a light submodule
+# (forge_ext.engine.schema, what a config is checked with before anything starts) is
+# imported (issue 38).
 __all__ = [
     "BaseEngine",
     "EngineConfig",
@@ -52,3 +25,11 @@ __all__ = [
     "split_batch",
     "valid_tokens",
 ]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from forge_ext.engine import _all
+
+    return getattr(_all, name)

@@ -302,33 +302,9 @@ class EngineConfig:
             ValueError: naming ``training.local_batch_size`` and the microbatch field when
                 they do not divide, or when both microbatch fields are set.
         """
-        t = self.training
-        chosen = [
-            f"training.{name}={getattr(t, name)}"
-            for name in ("microbatch_size", "gradient_accumulation_steps",
-                         "max_tokens_per_microbatch")
-            if getattr(t, name) is not None
-        ]
-        if len(chosen) > 1:
-            raise ValueError(f"set only one of {' and '.join(chosen)}")
-        if t.max_tokens_per_microbatch is not None:
-            return 1  # per step, from the rows' lengths (forge_ext.engine.microbatch)
-        if t.microbatch_size is not None:
-            if t.microbatch_size <= 0 or t.local_batch_size % t.microbatch_size:
-                raise ValueError(
-                    f"training.local_batch_size={t.local_batch_size} is not a multiple of "
-                    f"training.microbatch_size={t.microbatch_size}"
-                )
-            return t.local_batch_size // t.microbatch_size
-        if t.gradient_accumulation_steps is not None:
-            ga = t.gradient_accumulation_steps
-            if ga <= 0 or t.local_batch_size % ga:
-                raise ValueError(
-                    f"training.local_batch_size={t.local_batch_size} is not divisible by "
-                    f"training.gradient_accumulation_steps={ga}"
-                )
-            return ga
-        return 1
+        from forge_ext.engine.schema import num_microbatches
+
+        return num_microbatches(self.training)
 
     def num_pp_microbatches(self) -> int:
         """PP microbatches per ``schedule.step`` (1 without PP): each gradient-accumulation

@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from forge_ext.rollout.engines import stop_token_ids
 
@@ -69,6 +68,8 @@ def save_tokenizer(directory: str | Path, characters: str = CHARACTERS) -> Path:
     Returns:
         The path of ``tokenizer.json``.
     """
+    from transformers import PreTrainedTokenizerFast  # seconds: only when one is written
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     PreTrainedTokenizerFast(

@@ -50,11 +50,11 @@ from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
 from forge_ext.compat import torchstore_monarch
 from forge_ext.weights import same_host
+from forge_ext.weights.config import DEFAULT_KEY_PREFIX  # noqa: F401  (imported from here too)
 
 torchstore_monarch.apply()
 
 FORMAT = "forge_ext.weights/1"
-DEFAULT_KEY_PREFIX = "policy_weights"
 # Commit-record key of the publisher's ``metadata`` (not "metadata": a dcp record holds DCP's
 # own Metadata under that name).
 METADATA_KEY = "version_metadata"

@@ -112,8 +112,9 @@ torchstore_monarch.apply()
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("direct", "dcp")
-SAME_HOST = ("auto", "off")
+from forge_ext.weights.config import (  # noqa: E402, F401  (imported from here too)
+    SAME_HOST, TRANSPORTS, WeightsConfig,
+)
 # File in each <dcp_path>/<version> folder a publisher creates, naming its run (run_id).
 DCP_MARKER = ".forge_ext_weights.json"
 # Chunk puts in flight per rank: enough to overlap one chunk's copy with others' sends while
@@ -125,91 +126,6 @@ ProgressHook = Callable[[int, int], None]
 # CheckpointException, which derives from BaseException, not Exception: an ``except
 # Exception`` around the write would let it escape the exchange and the cleanup.
 TRANSPORT_ERRORS = (Exception, CheckpointException)
-
-
-@dataclass(kw_only=True, slots=True)
-class WeightsConfig:
-    """How a trainer publishes weights for generators.
-
-    Attributes:
-        transport: ``"direct"`` (torchstore puts) or ``"dcp"`` (DCP files + a torchstore
-            handle).
-        dcp_path: folder that receives ``<dcp_path>/<policy_version>``; required for dcp. Must
-            be on a filesystem the readers can see.
-        keep_versions: committed versions kept; older ones this publisher created are deleted.
-        dtype: generator dtype, e.g. ``"bfloat16"``; floating-point tensors are cast to it
-            before publishing (except names passed as ``exclude_from_cast``). None keeps dtypes.
-        key_prefix: torchstore key prefix; readers pass the same to ``fetch_weights``.
-        chunk_mb: size of the chunks ``direct`` puts (MiB).
-        run_id: identifies the run across restarts (the GRPO app uses its absolute
-            ``output_dir``). With dcp, a folder ``<dcp_path>/<version>`` that an earlier
-            process of the same run left (it crashed; the resumed trainer publishes the
-            checkpoint's version again) is replaced; None never replaces an existing folder.
-        same_host: ``"auto"``: with ``transport=direct``, publish into reused shared-memory
-            slots when every rank of the group is on one host (readers must be on that host
-            too); ``"off"``: always put chunks into torchstore (Monarch RPC, or RDMA when
-            torchstore reports it), for readers on other hosts. YAML reads an unquoted
-            ``off`` as ``false``, which means ``"off"`` here. No effect with ``dcp``.
-    """
-
-    transport: str = "direct"
-    dcp_path: str | None = None
-    keep_versions: int = 2
-    dtype: str | None = None
-    key_prefix: str = DEFAULT_KEY_PREFIX
-    chunk_mb: int = 16
-    run_id: str | None = None
-    same_host: str | bool = "auto"
-
-    def __post_init__(self) -> None:
-        if self.same_host is False:  # YAML 1.1: `same_host: off` is a boolean
-            self.same_host = "off"
-        if isinstance(self.dtype, torch.dtype):  # from Python: torch.bfloat16 -> "bfloat16"
-            self.dtype = str(self.dtype).removeprefix("torch.")
-        if isinstance(self.dcp_path, os.PathLike):
-            self.dcp_path = os.fspath(self.dcp_path)
-        self.validate()
-
-    def validate(self) -> None:
-        """Raises ValueError naming the offending ``weights.<field>``."""
-        if self.transport not in TRANSPORTS:
-            allowed = ", ".join(repr(t) for t in TRANSPORTS)
-            raise ValueError(f"weights.transport={self.transport!r} must be one of {allowed}")
-        if self.dcp_path is not None and not isinstance(self.dcp_path, str):
-            raise ValueError(f"weights.dcp_path={self.dcp_path!r} must be None or a path")
-        if self.transport == "dcp" and not self.dcp_path:
-            raise ValueError("weights.dcp_path must be set when weights.transport='dcp'")
-        if isinstance(self.keep_versions, bool) or not isinstance(self.keep_versions, int) or (
-            self.keep_versions < 1
-        ):
-            raise ValueError(f"weights.keep_versions={self.keep_versions!r} must be an int >= 1")
-        if self.dtype is not None:
-            dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(
-                    f"weights.dtype={self.dtype!r} must be None or a torch floating-point "
-                    "dtype name such as 'bfloat16'"
-                )
-        if not isinstance(self.key_prefix, str) or not self.key_prefix or (
-            self.key_prefix.startswith(".") or self.key_prefix.endswith(".")
-        ):
-            raise ValueError(
-                f"weights.key_prefix={self.key_prefix!r} must be non-empty and must not start "
-                "or end with '.'"
-            )
-        if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, int) or (
-            self.chunk_mb < 1
-        ):
-            raise ValueError(f"weights.chunk_mb={self.chunk_mb!r} must be an int >= 1")
-        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
-            raise ValueError(f"weights.run_id={self.run_id!r} must be None or a non-empty string")
-        if self.same_host not in SAME_HOST:
-            allowed = ", ".join(repr(v) for v in SAME_HOST)
-            raise ValueError(f"weights.same_host={self.same_host!r} must be one of {allowed}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return None if self.dtype is None else getattr(torch, self.dtype)
 
 
 class WeightsPublishError(RuntimeError):

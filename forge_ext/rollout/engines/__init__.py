@@ -21,7 +21,17 @@ from forge_ext.rollout.engines.base import (
     request_seeds,
     stop_token_ids,
 )
-from forge_ext.rollout.engines.hf import HFEngine, HFSampler
+
+
+def __getattr__(name: str):
+    # The transformers engine imports torch and transformers (seconds): only when used, so
+    # that configs (SamplingConfig) load without them (issue 38).
+    if name in ("HFEngine", "HFSampler"):
+        from forge_ext.rollout.engines import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "WEIGHT_UPDATE_MODES",

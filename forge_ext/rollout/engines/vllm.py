@@ -243,46 +243,9 @@ def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str,
     return {**defaults, **engine_args}
 
 
-#: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: vLLM's ``max_lora_rank`` when unset (``LoRAConfig.max_lora_rank``).
-VLLM_DEFAULT_MAX_LORA_RANK = 16
-
-
-def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
-                     field: str = "generator.vllm") -> dict[str, Any]:
-    """``engine_args`` (``generator.vllm``) for a trainer that publishes LoRA adapters of
-    rank ``rank`` (``trainer.lora.rank``): ``enable_lora=True`` and, unless set,
-    ``max_lora_rank`` = the smallest value vLLM accepts that holds ``rank``.
-
-    Raises:
-        ValueError: ``enable_lora`` set false, ``max_lora_rank`` below ``rank`` or not one of
-            :data:`VLLM_LORA_RANKS`, naming the field and the fix.
-    """
-    args = dict(engine_args)
-    if args.get("enable_lora", True) is not True:
-        raise ValueError(
-            f"{field}.enable_lora={args['enable_lora']!r} but trainer.lora is set: the trainer "
-            f"publishes LoRA adapters, which vLLM serves only with LoRA on; remove "
-            f"{field}.enable_lora (it is set for you) or trainer.lora"
-        )
-    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fitting:
-        raise ValueError(f"trainer.lora.rank={rank} is above the largest LoRA rank vLLM serves "
-                         f"({VLLM_LORA_RANKS[-1]}); lower it")
-    user_rank = args.get("max_lora_rank")
-    if user_rank is not None:
-        if user_rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"{field}.max_lora_rank={user_rank!r} must be one of "
-                             f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks); leave it unset "
-                             "to take the smallest that fits trainer.lora.rank")
-        if user_rank < rank:
-            raise ValueError(
-                f"{field}.max_lora_rank={user_rank} < trainer.lora.rank={rank}: vLLM would "
-                f"refuse every adapter the trainer publishes; set it to at least {fitting[0]} "
-                "or leave it unset (it follows trainer.lora.rank)"
-            )
-    return {**args, "enable_lora": True, "max_lora_rank": user_rank or fitting[0]}
+from forge_ext.rollout.config import (  # noqa: E402, F401  (imported from here too)
+    VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS, lora_engine_args,
+)
 
 
 def lora_folder_root() -> str:

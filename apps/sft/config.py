@@ -1,0 +1,112 @@
+"""The SFT app's typed config (YAML top level, :class:`SFTConfig`) and its light check: standard
+library, OmegaConf and dacite only, so that ``python -m apps.sft.main`` reports a config error
+before it imports torch (issue 38, :mod:`apps.fast_help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge_ext.config import from_mapping, load_yaml
+from forge_ext.engine.schema import engine_view, num_microbatches, world_size_of
+from forge_ext.metrics import MetricsConfig
+from forge_ext.tasks import PromptConfig, RewardConfig, task_config
+
+
+@dataclass(kw_only=True, slots=True)
+class InitConfig:
+    """Where training starts (YAML ``init:``)."""
+
+    hf_path: str
+    """HF checkpoint directory to start from; if it holds none, a random model is written."""
+    model_type: str = "qwen3"
+    """``transformers`` model type of the random model."""
+    architecture: dict[str, Any] = field(default_factory=dict)
+    """HF ``config.json`` fields of the random model; ``vocab_size`` defaults to the task's
+    character tokenizer's, special token ids to its ``<bos>``/``<eos>``/``<pad>``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0
+    """Steps between validation evaluations during training (0: only the final held-out one)."""
+    num_validation: int = 200
+    """Training rows whose greedy accuracy is the validation metric (the held-out set is
+    never used to decide anything)."""
+    stop_at_accuracy: float | None = None
+    """Stop once the validation accuracy reaches this (needs ``every``): a warm-start that is
+    partly right whatever the seed or the machine's numerics, rather than after a fixed number
+    of steps (addition is learnt abruptly, at a step that varies with the seed)."""
+    max_new_tokens: int | None = None
+    """Longest greedy answer in tokens; default: the longest reference answer's, plus its
+    end token."""
+
+    def __post_init__(self) -> None:
+        if self.stop_at_accuracy is not None and not self.every:
+            raise ValueError("eval.stop_at_accuracy needs eval.every > 0")
+
+
+# Keys that may differ from the run that wrote an existing warm-start, which is then kept.
+MAY_CHANGE_ON_SKIP = ("skip_if_exists", "metrics", "env")
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTConfig:
+    """The SFT app's config (YAML top level)."""
+
+    output_dir: str
+    """The warm-start HF checkpoint directory written at the end; with ``trainer.lora`` the
+    PEFT adapter folder ``<output_dir>/adapter`` (and, with ``trainer.lora.export_merged``,
+    the merged HF checkpoint in ``output_dir`` itself)."""
+    init: InitConfig
+    trainer: dict[str, Any]
+    """Engine config (:func:`forge_ext.engine.engine_config_from_mapping`);
+    ``trainer.model`` should be ``{flavor: hf, hf_path: ${init.hf_path}}`` (``model.name``
+    follows config.json's ``model_type``)."""
+    skip_if_exists: bool = True
+    """Keep an existing checkpoint in ``output_dir`` and do nothing."""
+    seed: int = 0
+    """Seeds the random init and the order of training rows."""
+    task: dict[str, Any] = field(default_factory=lambda: {"source": "addition"})
+    """``task.source`` and that source's fields (:mod:`forge_ext.tasks`), as in the GRPO app."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How completions are scored for the accuracy metric (as in the GRPO app)."""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation during training and the final held-out evaluation."""
+    metrics: MetricsConfig | None = None
+    """Where metrics go (null: none)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment set before training, e.g. ``OMP_NUM_THREADS: "1"`` (see
+    :func:`forge_ext.config.apply_env`)."""
+
+
+def check_config(path: str, overrides: list[str] = ()) -> SFTConfig:
+    """Read and check an SFT config without torch: every typed section, the task's source,
+    fields and files, the ``trainer:`` section's keys, plain types, process count (one) and
+    microbatch split. :func:`apps.sft.main.main` then checks the rest (the model, every
+    training row's length).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field and the fix.
+    """
+    config = from_mapping(SFTConfig, load_yaml(path, overrides))
+    task_config(config.task)  # source, fields, files, import paths
+    check_single_process(config.trainer)
+    return config
+
+
+def check_single_process(trainer: dict[str, Any]) -> None:
+    """Raise ValueError unless the ``trainer:`` section trains in one process with a batch
+    its microbatch fields split (:func:`forge_ext.engine.schema.engine_view`)."""
+    view = engine_view(trainer, "trainer")
+    processes = world_size_of(view, None)
+    if processes != 1:
+        raise ValueError(
+            f"trainer.parallelism degrees multiply to {processes} processes, but the "
+            "SFT app trains in this one process; set them to 1 (or leave them out)"
+        )
+    try:
+        num_microbatches(view.training)
+    except ValueError as e:
+        raise ValueError(f"trainer: {e}") from None

@@ -1,0 +1,261 @@
+"""An engine section (YAML ``trainer:``, ``reference:``, ``critic:``) checked without torch or
+torchtitan: its keys, the types of its plain fields, and the sizes the apps derive from it
+(processes, data-parallel ranks, microbatches). Issue 38: a config error in under 2 s, where
+importing torchtitan alone takes seconds.
+
+The field tree of :class:`forge_ext.engine.config.EngineConfig` (forge_ext's sections and
+torchtitan's own ``TrainingConfig``, ``ParallelismConfig``, ...) is saved in
+``engine_fields.json`` beside this module, written by ``python -m forge_ext.engine.schema
+--write`` and kept current by tests/test_fast_config.py, as ``apps/<app>/help.txt`` is for
+``--help``. :func:`forge_ext.engine.engine_config_from_mapping` still builds and validates
+the real config (the model's own checks: RoPE length, heads, LoRA targets, pipeline stages)
+before anything is spawned.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+FIELDS_FILE = Path(__file__).with_name("engine_fields.json")
+
+# The fields the sizes read, with the defaults _defaults / torchtitan give them (checked
+# against the saved tree by the tests).
+_SIZE_FIELDS = {
+    "training": ("local_batch_size", "seq_len", "microbatch_size", "gradient_accumulation_steps",
+                 "max_tokens_per_microbatch", "pad_to_multiple_of", "packing"),
+    "parallelism": ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                    "context_parallel_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree", "pipeline_parallel_microbatch_size"),
+    "checkpoint": ("enable", "folder", "keep_latest_k"),
+}
+
+
+@cache
+def engine_fields() -> dict[str, Any]:
+    """The saved field tree: ``{section: {field: {"types": [...], "default": ...,
+    "section": <nested section or None>}}}``, ``""`` the top level."""
+    return json.loads(FIELDS_FILE.read_text())
+
+
+def describe_engine_fields() -> dict[str, Any]:
+    """The field tree of :class:`~forge_ext.engine.config.EngineConfig` as it is now (imports
+    torchtitan): what ``engine_fields.json`` saves."""
+    import dataclasses
+    import typing
+
+    from forge_ext.engine.config import EngineConfig
+
+    tree: dict[str, Any] = {}
+
+    def kinds(hint: Any) -> list[Any]:
+        origin = typing.get_origin(hint)
+        if origin is typing.Literal:
+            return [{"literal": list(typing.get_args(hint))}]
+        if origin is typing.Union or type(hint).__name__ == "UnionType":
+            return [k for arg in typing.get_args(hint) for k in kinds(arg)]
+        if hint is type(None):
+            return ["null"]
+        if hint in (int, float, bool, str):
+            return [hint.__name__]
+        if dataclasses.is_dataclass(hint):
+            return ["section"]
+        return ["any"]  # lists, tuples, mappings, callables: the full check reads them
+
+    def walk(cls: type, name: str) -> None:
+        hints = typing.get_type_hints(cls)
+        section: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            entry: dict[str, Any] = {"types": kinds(hint)}
+            nested = next((a for a in (hint, *typing.get_args(hint))
+                           if dataclasses.is_dataclass(a)), None)
+            if nested is not None:
+                entry["section"] = f"{name}.{f.name}".lstrip(".")
+                walk(nested, entry["section"])
+            elif f.default is not dataclasses.MISSING:
+                entry["default"] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                entry["default"] = f.default_factory()
+            if "default" in entry:
+                try:
+                    json.dumps(entry["default"])
+                except TypeError:
+                    entry.pop("default")
+            section[f.name] = entry
+        tree[name] = section
+
+    walk(EngineConfig, "")
+    return tree
+
+
+def check_engine_section(mapping: Any, section: str = "trainer") -> None:
+    """Raise ValueError naming the first unknown key (``unknown key 'trainer.training.foo';
+    accepted keys of trainer.training: [...]``) or plain value of the wrong type
+    (``trainer.training.seq_len: 'abc' is not a valid int``) of an engine section."""
+    tree = engine_fields()
+
+    def check(node: Any, name: str, path: str) -> None:
+        fields = tree[name]
+        if not isinstance(node, Mapping):
+            raise ValueError(f"{path} must be a mapping, got {type(node).__name__}")
+        unknown = sorted(set(node) - set(fields))
+        if unknown:
+            keys = ", ".join(repr(f"{path}.{k}") for k in unknown)
+            raise ValueError(f"unknown key {keys}; accepted keys of {path}: {list(fields)}")
+        for key, value in node.items():
+            entry, where = fields[key], f"{path}.{key}"
+            if entry.get("section") and isinstance(value, Mapping):
+                check(value, entry["section"], where)
+            elif not _admits(entry["types"], value):
+                raise ValueError(f"{where}: {_describe(entry['types'], value)}")
+
+    check(mapping if mapping is not None else {}, "", section)
+
+
+def _admits(kinds: list[Any], value: Any) -> bool:
+    for kind in kinds:
+        if kind in ("any", "section") and not (kind == "section" and value is None):
+            return True
+        if isinstance(kind, dict) and value in kind["literal"]:
+            return True
+        if (kind == "null" and value is None or kind == "str" and isinstance(value, str)
+                or kind == "bool" and isinstance(value, bool)
+                or kind == "int" and isinstance(value, int) and not isinstance(value, bool)
+                or kind == "float" and isinstance(value, (int, float))
+                and not isinstance(value, bool)):
+            return True
+    return False
+
+
+def _describe(kinds: list[Any], value: Any) -> str:
+    literals = [v for k in kinds if isinstance(k, dict) for v in k["literal"]]
+    if literals:
+        return f"{value!r} is not one of {', '.join(repr(v) for v in literals)}"
+    if value is None:
+        return f"empty (null), but it needs a {' | '.join(kinds)} value"
+    return f"{value!r} is not a valid {' | '.join(k for k in kinds if k != 'null')}"
+
+
+def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> SimpleNamespace:
+    """The sizes of an engine section, defaults filled, after :func:`check_engine_section`:
+    ``.engine``, ``.training`` and ``.parallelism`` (the fields of ``_SIZE_FIELDS``),
+    ``.checkpoint`` (``enable``, ``folder``, ``keep_latest_k``), ``.dump_folder``,
+    ``.pp_degree``; what :func:`world_size_of`, :func:`data_parallel_size`,
+    :func:`num_microbatches` and :func:`check_weights_transport` read, as they read an
+    :class:`~forge_ext.engine.config.EngineConfig`."""
+    check_engine_section(mapping, section)
+    raw, tree = dict(mapping or {}), engine_fields()
+    view = SimpleNamespace(engine=raw.get("engine", tree[""]["engine"]["default"]),
+                           dump_folder=raw.get("dump_folder", tree[""]["dump_folder"]["default"]))
+    defaults = {"checkpoint": {"last_save_model_only": False}}  # as engine.config._defaults
+    for name, keys in _SIZE_FIELDS.items():
+        given = raw.get(name) or {}
+        setattr(view, name, SimpleNamespace(**{
+            key: given.get(key, defaults.get(name, {}).get(key, tree[name][key].get("default")))
+            for key in keys}))
+    view.pp_degree = view.parallelism.pipeline_parallel_degree
+    return view
+
+
+def world_size_of(config: Any, num_procs: int | None) -> int:
+    """Processes the trainer needs: the product of parallel degrees, where
+    ``data_parallel_shard_degree=-1`` (torchtitan's default) takes whatever ``num_procs``
+    leaves. ``config``: an :class:`~forge_ext.engine.config.EngineConfig` or an
+    :func:`engine_view`.
+
+    Raises:
+        ValueError: ``num_procs`` disagrees with explicit degrees.
+    """
+    par = config.parallelism
+    fixed = (
+        par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
+        * par.context_parallel_degree * par.tensor_parallel_degree
+        * par.pipeline_parallel_degree
+    )
+    if config.engine == "hf" and num_procs not in (None, 1):
+        raise ValueError(f"num_procs={num_procs}: engine=hf runs on one process for now; "
+                         "use num_procs=1, or engine=titan for data parallelism")
+    if num_procs is None:
+        return fixed
+    if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):
+        raise ValueError(
+            f"num_procs={num_procs} does not match the parallelism degrees (product {fixed}); "
+            "change trainer.parallelism or num_procs"
+        )
+    return num_procs
+
+
+def data_parallel_size(config: Any, world_size: int) -> int:
+    """Data-parallel ranks of an engine world: processes / (TP * PP * CP)."""
+    par = config.parallelism
+    model_parallel = (
+        par.tensor_parallel_degree * par.pipeline_parallel_degree * par.context_parallel_degree
+    )
+    return world_size // model_parallel
+
+
+def num_microbatches(training: Any) -> int:
+    """Microbatches per step on each data-parallel rank (``training``: an engine's
+    ``training`` section, :meth:`forge_ext.engine.config.EngineConfig.num_microbatches`).
+
+    Raises:
+        ValueError: naming ``training.local_batch_size`` and the microbatch field when
+            they do not divide, or when both microbatch fields are set.
+    """
+    t = training
+    chosen = [
+        f"training.{name}={getattr(t, name)}"
+        for name in ("microbatch_size", "gradient_accumulation_steps",
+                     "max_tokens_per_microbatch")
+        if getattr(t, name) is not None
+    ]
+    if len(chosen) > 1:
+        raise ValueError(f"set only one of {' and '.join(chosen)}")
+    if t.max_tokens_per_microbatch is not None:
+        return 1  # per step, from the rows' lengths (forge_ext.engine.microbatch)
+    if t.microbatch_size is not None:
+        if t.microbatch_size <= 0 or t.local_batch_size % t.microbatch_size:
+            raise ValueError(
+                f"training.local_batch_size={t.local_batch_size} is not a multiple of "
+                f"training.microbatch_size={t.microbatch_size}"
+            )
+        return t.local_batch_size // t.microbatch_size
+    if t.gradient_accumulation_steps is not None:
+        ga = t.gradient_accumulation_steps
+        if ga <= 0 or t.local_batch_size % ga:
+            raise ValueError(
+                f"training.local_batch_size={t.local_batch_size} is not divisible by "
+                f"training.gradient_accumulation_steps={ga}"
+            )
+        return ga
+    return 1
+
+
+def check_weights_transport(config: Any, weights: Any) -> None:
+    """Raise ValueError if the trainer cannot publish its weights through
+    ``weights.transport``: ``direct`` needs the same tensors on every rank, which pipeline
+    stages do not hold."""
+    if config.pp_degree > 1 and weights.transport != "dcp":
+        raise ValueError(
+            f"weights.transport={weights.transport!r} needs the same tensors on every trainer "
+            "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
+            "parallelism.pipeline_parallel_degree > 1"
+        )
+
+
+if __name__ == "__main__":  # python -m forge_ext.engine.schema --write
+    import forge_ext  # noqa: F401  (the CPU device before torchtitan is imported)
+
+    text = json.dumps(describe_engine_fields(), indent=1, sort_keys=True) + "\n"
+    if "--write" in sys.argv:
+        FIELDS_FILE.write_text(text)
+    else:
+        sys.stdout.write(text)
