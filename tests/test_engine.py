@@ -1,5 +1,10 @@
 """Engine behaviour in one process (world of one, gloo): gradient accumulation is exact,
-eval never depends on the split, checkpoints round-trip, bad input is rejected clearly."""
+eval never depends on the split, checkpoints round-trip, bad input is rejected clearly.
+
+The equivalence tests take ``backend`` and run on both engine backends (``titan``,
+torchtitan's model; ``hf``, transformers' module) loading the same HF checkpoint (the tiny
+flavor with the reference weights, written by ``export_hf``); ``test_dp2_...`` runs both on
+two gloo processes (FSDP2) against one process."""
 
 import copy
 import re
@@ -42,6 +47,41 @@ def build(reference_weights, **training) -> TitanEngine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def hf_path(reference_weights, tmp_path_factory):
+    """The tiny flavor with the reference weights as an HF checkpoint folder (the titan
+    engine's ``export_hf``): what both backends load in the parametrised tests."""
+    folder = tmp_path_factory.mktemp("tiny_hf") / "ckpt"
+    return build(reference_weights).export_hf(folder)["folder"]
+
+
+@pytest.fixture(scope="module", params=["titan", "hf"])
+def backend(request):
+    """The engine backend (``trainer.engine``) a parametrised test runs on."""
+    return request.param
+
+
+def backend_config(backend, hf_path, **training):
+    """:func:`config` for ``backend``, the model read from the HF checkpoint ``hf_path``."""
+    c = config(**training)
+    c.update(engine=backend, model={"flavor": "hf", "hf_path": str(hf_path)})
+    return c
+
+
+@pytest.fixture
+def make(backend, hf_path):
+    """``make(training=None, **sections)``: an engine of the test's backend on ``hf_path``,
+    with ``training`` fields and whole config sections (``checkpoint=...``) set."""
+    from forge_ext.engine import build_engine
+
+    def make_engine(training=None, **sections):
+        c = backend_config(backend, hf_path, **(training or {}))
+        c.update(sections)
+        return build_engine(c)
+
+    return make_engine
+
+
 def grads(engine):
     return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
 
@@ -50,10 +90,10 @@ def weights(engine):
     return {k: full(v).clone() for k, v in engine.model_state_dict().items()}
 
 
-def test_gradient_accumulation_equals_full_batch(reference_weights):
+def test_gradient_accumulation_equals_full_batch(make):
     batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
-    ga1 = build(reference_weights)
-    ga4 = build(reference_weights, gradient_accumulation_steps=4)
+    ga1 = make()
+    ga4 = make({"gradient_accumulation_steps": 4})
     results = {}
     for name, engine in (("ga1", ga1), ("ga4", ga4)):
         engine.optimizer_zero_grad()
@@ -65,8 +105,8 @@ def test_gradient_accumulation_equals_full_batch(reference_weights):
 
     # Reference: plain autograd of one cross entropy over all valid tokens of the batch,
     # through the model alone (no microbatches, no loss weights, no engine loop).
-    reference = build(reference_weights)
-    logits = reference.model_parts[0](batch["input_ids"])
+    reference = make()
+    logits = reference._model_forward(reference.model_parts[0], batch)
     torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
     ).backward()
@@ -219,10 +259,10 @@ def test_infer_batch_gives_eval_batchs_loss_and_forward_batchs_outputs(reference
     assert all(p.grad is None for p in engine.parameters())
 
 
-def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_weights):
+def test_mode_contexts_switch_every_model_part_and_restore_on_exit(make):
     """verl's ``train_mode`` / ``eval_mode``: every model part switches, the innermost
     context wins, and leaving one restores what was there (also after an error)."""
-    engine = build(reference_weights)
+    engine = make()
     training = lambda: [m.training for m in engine.model_modules()]  # noqa: E731
     assert training() == [True] and engine.mode is None
     with engine.eval_mode():
@@ -242,7 +282,7 @@ def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_wei
 
 
 def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time(
-    reference_weights, monkeypatch
+    make, monkeypatch
 ):
     """verl's ``get_per_tensor_param``: exactly ``hf_state_dict()``'s names, order and
     values, each gathered only when reached. Under FSDP over several ranks every gather
@@ -253,7 +293,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
 
     from forge_ext.engine import titan
 
-    engine = build(reference_weights)
+    engine = make()
     expected = {k: full(v).clone() for k, v in engine.hf_state_dict().items()}
     live, peak = [0], [0]
 
@@ -283,9 +323,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
     assert list(held) == names and all(torch.equal(full(held[k]), expected[k]) for k in held)
 
 
-def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
-    reference_weights, monkeypatch
-):
+def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(make, monkeypatch):
     """verl's ``to``: on this CPU-only machine the engine's device is the CPU, so ``to`` is
     the identity (nothing copied) even with both offloads on; then the offload path itself
     (every tensor copied to host memory and back, FSDP re-binding its shards) is forced and
@@ -293,10 +331,7 @@ def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
     that of an engine that never moved."""
     from forge_ext.engine import offload
 
-    cfg = config()
-    cfg["offload"] = {"params": True, "optimizer": True}
-    engine, twin = TitanEngine(cfg), build(reference_weights)
-    engine.load_model_state_dict(reference_weights)
+    engine, twin = make(offload={"params": True, "optimizer": True}), make()
     assert engine.is_param_offload_enabled and engine.is_optimizer_offload_enabled
     assert not twin.is_param_offload_enabled and not twin.is_optimizer_offload_enabled
     batch = make_lm_batch(8, 32, 256, seed=2, ignore_prefix=PREFIX)
@@ -377,30 +412,28 @@ def test_engine_registry_builds_the_configured_backend(reference_weights, monkey
         EngineRegistry.register(MODEL_TYPE, "x")(object)
 
 
-def test_checkpoint_round_trip(reference_weights, tmp_path):
+def test_checkpoint_round_trip(make, tmp_path):
     """A fresh engine loaded from step 2 takes step 3 exactly as the uninterrupted run did:
     same loss and grad norm (weights), same LR (scheduler state) and the same updated weights
     (Adam's moments, which only show in the update)."""
     ckpt = {"enable": True, "folder": "ckpt"}
     batches = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in range(4)]
     # Few training steps: the linear LR decay moves the LR by 1/6 per step.
-    cfg = config(microbatch_size=4, steps=6)
-    cfg.update(checkpoint=ckpt, dump_folder=str(tmp_path))
-    first = TitanEngine(cfg)
-    first.load_model_state_dict(reference_weights)
+    training = {"microbatch_size": 4, "steps": 6}
+    first = make(training, checkpoint=ckpt, dump_folder=str(tmp_path))
     for b in batches[:2]:
         first.train_batch(b, cross_entropy_loss, valid_tokens)
     first.save_checkpoint(first.step)
     expected = [first.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
     expected_weights = weights(first)
 
-    fresh = TitanEngine(cfg)
+    fresh = make(training, checkpoint=ckpt, dump_folder=str(tmp_path))
     assert fresh.load_checkpoint() == 2
     got = [fresh.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
     for g, e in zip(got, expected):
         for key in ("loss", "grad_norm", "lr"):
             assert g[key] == e[key], key
-    assert len({cfg["optimizer"]["lr"], expected[0]["lr"], expected[1]["lr"]}) == 3  # LR moves
+    assert len({BASE["optimizer"]["lr"], expected[0]["lr"], expected[1]["lr"]}) == 3  # LR moves
     got_weights = weights(fresh)
     for k in expected_weights:
         assert torch.equal(got_weights[k], expected_weights[k]), k
