@@ -439,6 +439,88 @@ def test_checkpoint_round_trip(make, tmp_path):
         assert torch.equal(got_weights[k], expected_weights[k]), k
 
 
+DP_BATCHES = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in (10, 11, 12)]
+
+
+@pytest.fixture(scope="module")
+def dp2_results(hf_path, tmp_path_factory):
+    """Both backends on two gloo processes (FSDP2 over both, GA 2, 4 rows a rank), one
+    process pair for both (:mod:`engine_dp_worker`); the folder of their results."""
+    import torch.multiprocessing as mp
+
+    import engine_dp_worker
+    from forge_ext.engine.distributed import free_port
+
+    out = tmp_path_factory.mktemp("dp2")
+    configs = {}
+    for name in ("titan", "hf"):
+        c = backend_config(name, hf_path, local_batch_size=4, gradient_accumulation_steps=2,
+                           steps=6)
+        c.update(checkpoint={"enable": True, "folder": "ckpt"}, dump_folder=str(out / name))
+        configs[name] = c
+    mp.start_processes(engine_dp_worker.run, args=(2, free_port(), configs, DP_BATCHES,
+                                                    str(out)),
+                       nprocs=2, join=True, start_method="spawn")
+    return out
+
+
+def test_dp2_fsdp_equals_one_process_and_resumes_splits_and_exports_exactly(
+    backend, make, dp2_results
+):
+    """Two ranks (FSDP2, gloo), GA 2 over 4 rows each, against one process over all 8 rows:
+    the same loss, global weight, gradients, grad norm and updated weights, and the next step
+    too. On the two ranks: a resume from the step-1 checkpoint takes step 2 bit for bit as
+    the uninterrupted run; a token budget gives the fixed rows' loss and gradients; every
+    rank's modules switch with the mode contexts; ``get_per_tensor_param`` yields exactly
+    ``hf_state_dict``'s gathered tensors (DTensor shards with ``sharded=True``); full
+    tensors load into the shards."""
+    from conftest import assert_grad_close
+
+    got = torch.load(dp2_results / f"{backend}.pt")
+    for rank in (0, 1):
+        modes = torch.load(dp2_results / f"{backend}-modes-{rank}.pt")
+        assert modes == {"outside": [True], "train": [True], "eval": [False],
+                         "after": [True]}, rank
+    assert got["dp_size"] == 2
+
+    one = make({"steps": 6})  # the linear decay over 6 steps: the LR moves per step
+    one.optimizer_zero_grad()
+    fb = one.forward_backward_batch(one.microbatches(DP_BATCHES[0]), cross_entropy_loss,
+                                    valid_tokens)
+    want_grads = grads(one)
+    want_norm = one.optimizer_step()
+    one.lr_scheduler_step()
+    step1 = got["step1"]
+    assert step1["global_weight"] == fb.global_weight == float(valid_tokens(DP_BATCHES[0]))
+    assert step1["loss"] == pytest.approx(fb.loss, rel=1e-5)
+    assert step1["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
+    assert set(step1["grads"]) == set(want_grads)
+    for name, g in want_grads.items():
+        assert_grad_close(step1["grads"][name], g, name)
+    want_weights = {k: full(v) for k, v in one.hf_state_dict().items()}
+    for name, w in want_weights.items():
+        assert_grad_close(step1["weights"][name], w, name)
+    want2 = one.train_batch(DP_BATCHES[1], cross_entropy_loss, valid_tokens)
+    for key in ("loss", "grad_norm", "lr"):
+        assert got["step2"][key] == pytest.approx(want2[key], rel=1e-5), key
+
+    assert got["resumed_step"] == 1
+    for key in ("loss", "grad_norm", "lr"):
+        assert got["resumed"][key] == got["step2"][key], key
+    for name, w in got["step2_weights"].items():
+        assert torch.equal(got["resumed_weights"][name], w), name
+
+    rows, budget = got["splits"]["rows"], got["splits"]["budget"]
+    assert (rows["count"], budget["count"]) == (2, 4)
+    assert budget["loss"] == pytest.approx(rows["loss"], rel=1e-5)
+    for name, g in rows["grads"].items():
+        assert_grad_close(budget["grads"][name], g, name)
+
+    assert got["per_tensor"] == {"names": True, "equal": True, "adapter_config": None,
+                                 "sharded_types": ["DTensor"]}
+    assert got["load_full"]
+
+
 def keep_two_config(tmp_path):
     """The test config saving checkpoints under ``<tmp_path>/ckpt``, keeping the newest 2."""
     cfg = config()
