@@ -248,7 +248,11 @@ class HFEngine(TitanEngine):
         """Logits ``[b, L, V]`` of transformers' model: causal, no padding mask (right
         padding never changes an earlier position). A packed microbatch (``position_ids``)
         passes its positions and its block-causal mask as a 4-D float ``attention_mask``
-        (one for all layers), which transformers hands to SDPA as it is."""
+        (one for all layers, the titan backend's :class:`DocumentMask`), which transformers
+        hands to SDPA as it is. (transformers 5.19 also infers documents from
+        ``position_ids`` when no mask is given and no cache is used, splitting wherever a
+        position is not its predecessor + 1; the explicit mask keeps forge_ext's rule, a
+        document starts at position 0, whatever the transformers version.)"""
         if "position_ids" not in mb:
             return model(input_ids=mb["input_ids"], use_cache=False).logits
         positions = mb["position_ids"]
