@@ -910,12 +910,11 @@ def test_hf_engine_exports_a_folder_transformers_loads_with_its_logits(tmp_path)
     torch.testing.assert_close(logits, engine.forward_batch(batch), rtol=1e-5, atol=1e-5)
 
 
-def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(
-    tmp_path, monkeypatch
-):
+def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(tmp_path):
     """A Qwen2 checkpoint (q/k/v biases: the titan engine refuses it) trains with the hf
-    engine: the loss falls. Parallelism, LoRA and checkpoints are refused when the config is
-    read, naming the field."""
+    engine: the loss falls. Tensor, pipeline and context parallelism, replication, a value
+    head and a data-parallel degree other than the world size are refused, naming the
+    field: the config ones when it is read, before anything is spawned."""
     from forge_ext.engine import build_engine
 
     init_single_process_env()
@@ -935,19 +934,24 @@ def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_d
          "engine=hf does not support parallelism.pipeline_parallel_degree=2"),
         ({"parallelism": {"tensor_parallel_degree": 2}},
          "engine=hf does not support parallelism.tensor_parallel_degree=2"),
-        ({"lora": {"rank": 4}}, "engine=hf does not support lora"),
-        ({"checkpoint": {"enable": True}}, "engine=hf does not support checkpoint.enable"),
+        ({"parallelism": {"context_parallel_degree": 2}},
+         "engine=hf does not support parallelism.context_parallel_degree=2"),
+        ({"parallelism": {"data_parallel_replicate_degree": 2}},
+         "engine=hf does not support parallelism.data_parallel_replicate_degree=2"),
+        ({"model": {"hf_path": path, "value_head": True}},
+         "engine=hf does not support model.value_head"),
+        ({"lora": {"rank": 0}}, "lora.rank=0 must be an integer >= 1"),
+        ({"training": {"local_batch_size": 8, "packing": True}},
+         "training.packing=true needs training.max_tokens_per_microbatch"),
         ({"model": {}}, "engine=hf needs model.hf_path"),
     ):
         with pytest.raises(ValueError, match=f"trainer: {re.escape(message)}"):
             engine_config_from_mapping({**cfg, **change})
-    # Several processes would each train their own copy: refused before spawning, and by
-    # the engine itself.
+    # Data parallelism is FSDP over every process: num_procs sets the degree.
     from forge_ext.actors.trainer import world_size_of
 
     assert world_size_of(engine_config_from_mapping(cfg), None) == 1
-    with pytest.raises(ValueError, match="num_procs=2: engine=hf runs on one process"):
-        world_size_of(engine_config_from_mapping(cfg), 2)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="engine=hf runs on one process for now, not WORLD_S"):
-        build_engine(cfg)
+    assert world_size_of(engine_config_from_mapping(cfg), 2) == 2
+    with pytest.raises(ValueError, match="data_parallel_shard_degree=2 does not fit world "
+                                         "size 1: engine=hf shards over all ranks"):
+        build_engine({**cfg, "parallelism": {"data_parallel_shard_degree": 2}})
