@@ -6,7 +6,8 @@ a step at GA 2 on this rank's half of the batch (loss, gradients, grad norm, wei
 a checkpoint, the next step, a fresh engine resuming from the checkpoint and taking that
 step again, fixed rows against a token budget on the same weights, what
 ``get_per_tensor_param`` yields against ``hf_state_dict``, a full-tensor
-``load_model_state_dict``, and each mode context's ``module.training``. Rank 0 writes the
+``load_model_state_dict``, and each mode context's ``module.training``. With LoRA
+(``lora`` in the config) the adapters are set to ``adapters`` first. Rank 0 writes the
 results to ``<out>/<backend>.pt``; every rank writes its mode flags to
 ``<out>/<backend>-modes-<rank>.pt``.
 """
@@ -27,7 +28,8 @@ def _weights(engine):
     return {k: _full(v).clone() for k, v in engine.hf_state_dict().items()}
 
 
-def run(rank: int, world: int, port: int, configs: dict, batches: list, out: str) -> None:
+def run(rank: int, world: int, port: int, configs: dict, batches: list, out: str,
+        adapters: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -41,6 +43,8 @@ def run(rank: int, world: int, port: int, configs: dict, batches: list, out: str
     local = [{k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()} for b in batches]
     for backend, config in configs.items():
         engine = build_engine(config)
+        if engine.lora_enabled:  # the same adapters as the one-process engine, B non-zero
+            engine.load_adapter_state_dict(adapters)
         modes = {"outside": [m.training for m in engine.model_modules()]}
         for mode in ("train", "eval"):
             with getattr(engine, f"{mode}_mode")():
@@ -77,7 +81,7 @@ def run(rank: int, world: int, port: int, configs: dict, batches: list, out: str
         training.max_tokens_per_microbatch = None
         result["splits"] = splits
 
-        expected = _weights(resumed)
+        expected = resumed.adapter_state_dict() if resumed.lora_enabled else _weights(resumed)
         tensors, adapter_config = resumed.get_per_tensor_param()
         yielded = [(name, tensor.clone()) for name, tensor in tensors]
         result["per_tensor"] = {
@@ -87,7 +91,7 @@ def run(rank: int, world: int, port: int, configs: dict, batches: list, out: str
             "sharded_types": sorted({type(t).__name__ for _, t in
                                      resumed.get_per_tensor_param(sharded=True)[0]}),
         }
-        changed = {k: v + 0.5 for k, v in expected.items()}
+        changed = {k: v + 0.5 for k, v in _weights(resumed).items()}
         resumed.load_hf_state_dict(changed)
         result["load_full"] = all(torch.equal(v, changed[k])
                                   for k, v in _weights(resumed).items())

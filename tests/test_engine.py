@@ -83,7 +83,8 @@ def make(backend, hf_path):
 
 
 def grads(engine):
-    return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
+    return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()
+            if p.grad is not None}
 
 
 def weights(engine):
@@ -454,18 +455,40 @@ def dp2_results(hf_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp2")
     configs = {}
     for name in ("titan", "hf"):
-        c = backend_config(name, hf_path, local_batch_size=4, gradient_accumulation_steps=2,
-                           steps=6)
-        c.update(checkpoint={"enable": True, "folder": "ckpt"}, dump_folder=str(out / name))
-        configs[name] = c
+        for lora in (False, True):
+            c = backend_config(name, hf_path, local_batch_size=4,
+                               gradient_accumulation_steps=2, steps=6)
+            key = f"{name}-lora" if lora else name
+            c.update(checkpoint={"enable": True, "folder": "ckpt"}, dump_folder=str(out / key))
+            if lora:
+                c["lora"] = {"rank": LORA_RANK}
+            configs[key] = c
     mp.start_processes(engine_dp_worker.run, args=(2, free_port(), configs, DP_BATCHES,
-                                                    str(out)),
+                                                    str(out), dp_adapters(hf_path)),
                        nprocs=2, join=True, start_method="spawn")
     return out
 
 
+LORA_RANK = 4
+
+
+def dp_adapters(hf_path):
+    """Random rank-4 adapters (B non-zero) in PEFT names on all seven projections of the
+    checkpoint at ``hf_path``: the same on one process and on two."""
+    from safetensors.torch import load_file
+
+    from conftest import random_adapter
+    from forge_ext.lora import HF_TARGETS
+
+    return random_adapter(load_file(f"{hf_path}/model.safetensors"), LORA_RANK,
+                          targets=HF_TARGETS, seed=4)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+
+
 def test_dp2_fsdp_equals_one_process_and_resumes_splits_and_exports_exactly(
-    backend, make, dp2_results
+    backend, make, dp2_results, hf_path, lora
 ):
     """Two ranks (FSDP2, gloo), GA 2 over 4 rows each, against one process over all 8 rows:
     the same loss, global weight, gradients, grad norm and updated weights, and the next step
@@ -473,17 +496,22 @@ def test_dp2_fsdp_equals_one_process_and_resumes_splits_and_exports_exactly(
     the uninterrupted run; a token budget gives the fixed rows' loss and gradients; every
     rank's modules switch with the mode contexts; ``get_per_tensor_param`` yields exactly
     ``hf_state_dict``'s gathered tensors (DTensor shards with ``sharded=True``); full
-    tensors load into the shards."""
+    tensors load into the shards. With LoRA (the same adapters set on both) the same
+    for the adapters, which are what ``get_per_tensor_param`` yields, gathered."""
     from conftest import assert_grad_close
 
-    got = torch.load(dp2_results / f"{backend}.pt")
+    key = f"{backend}-lora" if lora else backend
+    got = torch.load(dp2_results / f"{key}.pt")
     for rank in (0, 1):
-        modes = torch.load(dp2_results / f"{backend}-modes-{rank}.pt")
+        modes = torch.load(dp2_results / f"{key}-modes-{rank}.pt")
         assert modes == {"outside": [True], "train": [True], "eval": [False],
                          "after": [True]}, rank
     assert got["dp_size"] == 2
 
-    one = make({"steps": 6})  # the linear decay over 6 steps: the LR moves per step
+    # The linear decay over 6 steps: the LR moves per step.
+    one = make({"steps": 6}, **({"lora": {"rank": LORA_RANK}} if lora else {}))
+    if lora:
+        one.load_adapter_state_dict(dp_adapters(hf_path))
     one.optimizer_zero_grad()
     fb = one.forward_backward_batch(one.microbatches(DP_BATCHES[0]), cross_entropy_loss,
                                     valid_tokens)
@@ -516,8 +544,10 @@ def test_dp2_fsdp_equals_one_process_and_resumes_splits_and_exports_exactly(
     for name, g in rows["grads"].items():
         assert_grad_close(budget["grads"][name], g, name)
 
-    assert got["per_tensor"] == {"names": True, "equal": True, "adapter_config": None,
-                                 "sharded_types": ["DTensor"]}
+    assert got["per_tensor"] == {
+        # Under LoRA the adapters travel whole (small), sharded=True or not.
+        "names": True, "equal": True, "sharded_types": ["Tensor" if lora else "DTensor"],
+        "adapter_config": one.adapter_config() if lora else None}
     assert got["load_full"]
 
 
