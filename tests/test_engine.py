@@ -1,5 +1,10 @@
 """Engine behaviour in one process (world of one, gloo): gradient accumulation is exact,
-eval never depends on the split, checkpoints round-trip, bad input is rejected clearly."""
+eval never depends on the split, checkpoints round-trip, bad input is rejected clearly.
+
+The equivalence tests take ``backend`` and run on both engine backends (``titan``,
+torchtitan's model; ``hf``, transformers' module) loading the same HF checkpoint (the tiny
+flavor with the reference weights, written by ``export_hf``); ``test_dp2_...`` runs both on
+two gloo processes (FSDP2) against one process."""
 
 import copy
 import re
@@ -42,18 +47,54 @@ def build(reference_weights, **training) -> TitanEngine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def hf_path(reference_weights, tmp_path_factory):
+    """The tiny flavor with the reference weights as an HF checkpoint folder (the titan
+    engine's ``export_hf``): what both backends load in the parametrised tests."""
+    folder = tmp_path_factory.mktemp("tiny_hf") / "ckpt"
+    return build(reference_weights).export_hf(folder)["folder"]
+
+
+@pytest.fixture(scope="module", params=["titan", "hf"])
+def backend(request):
+    """The engine backend (``trainer.engine``) a parametrised test runs on."""
+    return request.param
+
+
+def backend_config(backend, hf_path, **training):
+    """:func:`config` for ``backend``, the model read from the HF checkpoint ``hf_path``."""
+    c = config(**training)
+    c.update(engine=backend, model={"flavor": "hf", "hf_path": str(hf_path)})
+    return c
+
+
+@pytest.fixture
+def make(backend, hf_path):
+    """``make(training=None, **sections)``: an engine of the test's backend on ``hf_path``,
+    with ``training`` fields and whole config sections (``checkpoint=...``) set."""
+    from forge_ext.engine import build_engine
+
+    def make_engine(training=None, **sections):
+        c = backend_config(backend, hf_path, **(training or {}))
+        c.update(sections)
+        return build_engine(c)
+
+    return make_engine
+
+
 def grads(engine):
-    return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()}
+    return {n: full(p.grad).clone() for n, p in engine.model_parts[0].named_parameters()
+            if p.grad is not None}
 
 
 def weights(engine):
     return {k: full(v).clone() for k, v in engine.model_state_dict().items()}
 
 
-def test_gradient_accumulation_equals_full_batch(reference_weights):
+def test_gradient_accumulation_equals_full_batch(make):
     batch = make_lm_batch(8, 32, 256, seed=0, ignore_prefix=PREFIX)
-    ga1 = build(reference_weights)
-    ga4 = build(reference_weights, gradient_accumulation_steps=4)
+    ga1 = make()
+    ga4 = make({"gradient_accumulation_steps": 4})
     results = {}
     for name, engine in (("ga1", ga1), ("ga4", ga4)):
         engine.optimizer_zero_grad()
@@ -65,8 +106,8 @@ def test_gradient_accumulation_equals_full_batch(reference_weights):
 
     # Reference: plain autograd of one cross entropy over all valid tokens of the batch,
     # through the model alone (no microbatches, no loss weights, no engine loop).
-    reference = build(reference_weights)
-    logits = reference.model_parts[0](batch["input_ids"])
+    reference = make()
+    logits = reference._model_forward(reference.model_parts[0], batch)
     torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
     ).backward()
@@ -219,10 +260,10 @@ def test_infer_batch_gives_eval_batchs_loss_and_forward_batchs_outputs(reference
     assert all(p.grad is None for p in engine.parameters())
 
 
-def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_weights):
+def test_mode_contexts_switch_every_model_part_and_restore_on_exit(make):
     """verl's ``train_mode`` / ``eval_mode``: every model part switches, the innermost
     context wins, and leaving one restores what was there (also after an error)."""
-    engine = build(reference_weights)
+    engine = make()
     training = lambda: [m.training for m in engine.model_modules()]  # noqa: E731
     assert training() == [True] and engine.mode is None
     with engine.eval_mode():
@@ -242,7 +283,7 @@ def test_mode_contexts_switch_every_model_part_and_restore_on_exit(reference_wei
 
 
 def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time(
-    reference_weights, monkeypatch
+    make, monkeypatch
 ):
     """verl's ``get_per_tensor_param``: exactly ``hf_state_dict()``'s names, order and
     values, each gathered only when reached. Under FSDP over several ranks every gather
@@ -253,7 +294,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
 
     from forge_ext.engine import titan
 
-    engine = build(reference_weights)
+    engine = make()
     expected = {k: full(v).clone() for k, v in engine.hf_state_dict().items()}
     live, peak = [0], [0]
 
@@ -283,9 +324,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
     assert list(held) == names and all(torch.equal(full(held[k]), expected[k]) for k in held)
 
 
-def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
-    reference_weights, monkeypatch
-):
+def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(make, monkeypatch):
     """verl's ``to``: on this CPU-only machine the engine's device is the CPU, so ``to`` is
     the identity (nothing copied) even with both offloads on; then the offload path itself
     (every tensor copied to host memory and back, FSDP re-binding its shards) is forced and
@@ -293,10 +332,7 @@ def test_to_round_trips_parameters_gradients_and_optimizer_state_exactly(
     that of an engine that never moved."""
     from forge_ext.engine import offload
 
-    cfg = config()
-    cfg["offload"] = {"params": True, "optimizer": True}
-    engine, twin = TitanEngine(cfg), build(reference_weights)
-    engine.load_model_state_dict(reference_weights)
+    engine, twin = make(offload={"params": True, "optimizer": True}), make()
     assert engine.is_param_offload_enabled and engine.is_optimizer_offload_enabled
     assert not twin.is_param_offload_enabled and not twin.is_optimizer_offload_enabled
     batch = make_lm_batch(8, 32, 256, seed=2, ignore_prefix=PREFIX)
@@ -377,33 +413,142 @@ def test_engine_registry_builds_the_configured_backend(reference_weights, monkey
         EngineRegistry.register(MODEL_TYPE, "x")(object)
 
 
-def test_checkpoint_round_trip(reference_weights, tmp_path):
+def test_checkpoint_round_trip(make, tmp_path):
     """A fresh engine loaded from step 2 takes step 3 exactly as the uninterrupted run did:
     same loss and grad norm (weights), same LR (scheduler state) and the same updated weights
     (Adam's moments, which only show in the update)."""
     ckpt = {"enable": True, "folder": "ckpt"}
     batches = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in range(4)]
     # Few training steps: the linear LR decay moves the LR by 1/6 per step.
-    cfg = config(microbatch_size=4, steps=6)
-    cfg.update(checkpoint=ckpt, dump_folder=str(tmp_path))
-    first = TitanEngine(cfg)
-    first.load_model_state_dict(reference_weights)
+    training = {"microbatch_size": 4, "steps": 6}
+    first = make(training, checkpoint=ckpt, dump_folder=str(tmp_path))
     for b in batches[:2]:
         first.train_batch(b, cross_entropy_loss, valid_tokens)
     first.save_checkpoint(first.step)
     expected = [first.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
     expected_weights = weights(first)
 
-    fresh = TitanEngine(cfg)
+    fresh = make(training, checkpoint=ckpt, dump_folder=str(tmp_path))
     assert fresh.load_checkpoint() == 2
     got = [fresh.train_batch(b, cross_entropy_loss, valid_tokens) for b in batches[2:]]
     for g, e in zip(got, expected):
         for key in ("loss", "grad_norm", "lr"):
             assert g[key] == e[key], key
-    assert len({cfg["optimizer"]["lr"], expected[0]["lr"], expected[1]["lr"]}) == 3  # LR moves
+    assert len({BASE["optimizer"]["lr"], expected[0]["lr"], expected[1]["lr"]}) == 3  # LR moves
     got_weights = weights(fresh)
     for k in expected_weights:
         assert torch.equal(got_weights[k], expected_weights[k]), k
+
+
+DP_BATCHES = [make_lm_batch(8, 32, 256, seed=s, ignore_prefix=PREFIX) for s in (10, 11, 12)]
+
+
+@pytest.fixture(scope="module")
+def dp2_results(hf_path, tmp_path_factory):
+    """Both backends on two gloo processes (FSDP2 over both, GA 2, 4 rows a rank), one
+    process pair for both (:mod:`engine_dp_worker`); the folder of their results."""
+    import torch.multiprocessing as mp
+
+    import engine_dp_worker
+    from forge_ext.engine.distributed import free_port
+
+    out = tmp_path_factory.mktemp("dp2")
+    configs = {}
+    for name in ("titan", "hf"):
+        for lora in (False, True):
+            c = backend_config(name, hf_path, local_batch_size=4,
+                               gradient_accumulation_steps=2, steps=6)
+            key = f"{name}-lora" if lora else name
+            c.update(checkpoint={"enable": True, "folder": "ckpt"}, dump_folder=str(out / key))
+            if lora:
+                c["lora"] = {"rank": LORA_RANK}
+            configs[key] = c
+    mp.start_processes(engine_dp_worker.run, args=(2, free_port(), configs, DP_BATCHES,
+                                                    str(out), dp_adapters(hf_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    return out
+
+
+LORA_RANK = 4
+
+
+def dp_adapters(hf_path):
+    """Random rank-4 adapters (B non-zero) in PEFT names on all seven projections of the
+    checkpoint at ``hf_path``: the same on one process and on two."""
+    from safetensors.torch import load_file
+
+    from conftest import random_adapter
+    from forge_ext.lora import HF_TARGETS
+
+    return random_adapter(load_file(f"{hf_path}/model.safetensors"), LORA_RANK,
+                          targets=HF_TARGETS, seed=4)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+
+
+def test_dp2_fsdp_equals_one_process_and_resumes_splits_and_exports_exactly(
+    backend, make, dp2_results, hf_path, lora
+):
+    """Two ranks (FSDP2, gloo), GA 2 over 4 rows each, against one process over all 8 rows:
+    the same loss, global weight, gradients, grad norm and updated weights, and the next step
+    too. On the two ranks: a resume from the step-1 checkpoint takes step 2 bit for bit as
+    the uninterrupted run; a token budget gives the fixed rows' loss and gradients; every
+    rank's modules switch with the mode contexts; ``get_per_tensor_param`` yields exactly
+    ``hf_state_dict``'s gathered tensors (DTensor shards with ``sharded=True``); full
+    tensors load into the shards. With LoRA (the same adapters set on both) the same
+    for the adapters, which are what ``get_per_tensor_param`` yields, gathered."""
+    from conftest import assert_grad_close
+
+    key = f"{backend}-lora" if lora else backend
+    got = torch.load(dp2_results / f"{key}.pt")
+    for rank in (0, 1):
+        modes = torch.load(dp2_results / f"{key}-modes-{rank}.pt")
+        assert modes == {"outside": [True], "train": [True], "eval": [False],
+                         "after": [True]}, rank
+    assert got["dp_size"] == 2
+
+    # The linear decay over 6 steps: the LR moves per step.
+    one = make({"steps": 6}, **({"lora": {"rank": LORA_RANK}} if lora else {}))
+    if lora:
+        one.load_adapter_state_dict(dp_adapters(hf_path))
+    one.optimizer_zero_grad()
+    fb = one.forward_backward_batch(one.microbatches(DP_BATCHES[0]), cross_entropy_loss,
+                                    valid_tokens)
+    want_grads = grads(one)
+    want_norm = one.optimizer_step()
+    one.lr_scheduler_step()
+    step1 = got["step1"]
+    assert step1["global_weight"] == fb.global_weight == float(valid_tokens(DP_BATCHES[0]))
+    assert step1["loss"] == pytest.approx(fb.loss, rel=1e-5)
+    assert step1["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
+    assert set(step1["grads"]) == set(want_grads)
+    for name, g in want_grads.items():
+        assert_grad_close(step1["grads"][name], g, name)
+    want_weights = {k: full(v) for k, v in one.hf_state_dict().items()}
+    for name, w in want_weights.items():
+        assert_grad_close(step1["weights"][name], w, name)
+    want2 = one.train_batch(DP_BATCHES[1], cross_entropy_loss, valid_tokens)
+    for key in ("loss", "grad_norm", "lr"):
+        assert got["step2"][key] == pytest.approx(want2[key], rel=1e-5), key
+
+    assert got["resumed_step"] == 1
+    for key in ("loss", "grad_norm", "lr"):
+        assert got["resumed"][key] == got["step2"][key], key
+    for name, w in got["step2_weights"].items():
+        assert torch.equal(got["resumed_weights"][name], w), name
+
+    rows, budget = got["splits"]["rows"], got["splits"]["budget"]
+    assert (rows["count"], budget["count"]) == (2, 4)
+    assert budget["loss"] == pytest.approx(rows["loss"], rel=1e-5)
+    for name, g in rows["grads"].items():
+        assert_grad_close(budget["grads"][name], g, name)
+
+    assert got["per_tensor"] == {
+        # Under LoRA the adapters travel whole (small), sharded=True or not.
+        "names": True, "equal": True, "sharded_types": ["Tensor" if lora else "DTensor"],
+        "adapter_config": one.adapter_config() if lora else None}
+    assert got["load_full"]
 
 
 def keep_two_config(tmp_path):
@@ -795,12 +940,11 @@ def test_hf_engine_exports_a_folder_transformers_loads_with_its_logits(tmp_path)
     torch.testing.assert_close(logits, engine.forward_batch(batch), rtol=1e-5, atol=1e-5)
 
 
-def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(
-    tmp_path, monkeypatch
-):
+def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_do(tmp_path):
     """A Qwen2 checkpoint (q/k/v biases: the titan engine refuses it) trains with the hf
-    engine: the loss falls. Parallelism, LoRA and checkpoints are refused when the config is
-    read, naming the field."""
+    engine: the loss falls. Tensor, pipeline and context parallelism, replication, a value
+    head and a data-parallel degree other than the world size are refused, naming the
+    field: the config ones when it is read, before anything is spawned."""
     from forge_ext.engine import build_engine
 
     init_single_process_env()
@@ -820,19 +964,24 @@ def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_d
          "engine=hf does not support parallelism.pipeline_parallel_degree=2"),
         ({"parallelism": {"tensor_parallel_degree": 2}},
          "engine=hf does not support parallelism.tensor_parallel_degree=2"),
-        ({"lora": {"rank": 4}}, "engine=hf does not support lora"),
-        ({"checkpoint": {"enable": True}}, "engine=hf does not support checkpoint.enable"),
+        ({"parallelism": {"context_parallel_degree": 2}},
+         "engine=hf does not support parallelism.context_parallel_degree=2"),
+        ({"parallelism": {"data_parallel_replicate_degree": 2}},
+         "engine=hf does not support parallelism.data_parallel_replicate_degree=2"),
+        ({"model": {"hf_path": path, "value_head": True}},
+         "engine=hf does not support model.value_head"),
+        ({"lora": {"rank": 0}}, "lora.rank=0 must be an integer >= 1"),
+        ({"training": {"local_batch_size": 8, "packing": True}},
+         "training.packing=true needs training.max_tokens_per_microbatch"),
         ({"model": {}}, "engine=hf needs model.hf_path"),
     ):
         with pytest.raises(ValueError, match=f"trainer: {re.escape(message)}"):
             engine_config_from_mapping({**cfg, **change})
-    # Several processes would each train their own copy: refused before spawning, and by
-    # the engine itself.
+    # Data parallelism is FSDP over every process: num_procs sets the degree.
     from forge_ext.actors.trainer import world_size_of
 
     assert world_size_of(engine_config_from_mapping(cfg), None) == 1
-    with pytest.raises(ValueError, match="num_procs=2: engine=hf runs on one process"):
-        world_size_of(engine_config_from_mapping(cfg), 2)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="engine=hf runs on one process for now, not WORLD_S"):
-        build_engine(cfg)
+    assert world_size_of(engine_config_from_mapping(cfg), 2) == 2
+    with pytest.raises(ValueError, match="data_parallel_shard_degree=2 does not fit world "
+                                         "size 1: engine=hf shards over all ranks"):
+        build_engine({**cfg, "parallelism": {"data_parallel_shard_degree": 2}})

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import assert_grad_close, full, random_state_dict
 
-from forge_ext.engine import TitanEngine, cross_entropy_loss, engine_config_from_mapping
+from forge_ext.engine import TitanEngine, build_engine, cross_entropy_loss
+from forge_ext.engine import engine_config_from_mapping
 from forge_ext.engine import microbatch as tb
 from forge_ext.engine import valid_tokens
 from forge_ext.engine.distributed import init_single_process_env
@@ -37,12 +38,18 @@ def lm_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["titan", "hf"])
+def engine(request, tmp_path_factory):
+    """The tiny flavor with random weights on each engine backend: ``titan``, and ``hf``
+    (transformers' module) loading the same weights from the titan engine's export."""
     init_single_process_env()
     e = TitanEngine(copy.deepcopy(BASE))
     e.load_model_state_dict(random_state_dict(e.model_state_dict(), seed=3))
-    return e
+    if request.param == "titan":
+        return e
+    folder = e.export_hf(tmp_path_factory.mktemp("budget_hf") / "ckpt")["folder"]
+    return build_engine({**copy.deepcopy(BASE), "engine": "hf",
+                         "model": {"flavor": "hf", "hf_path": folder}})
 
 
 @pytest.fixture
@@ -197,7 +204,8 @@ def test_packed_sequences_have_the_logits_of_each_sequence_run_alone(engine, spl
         logits = engine._model_forward(engine.model_parts[0], packed)
         offset = 0
         for row, n in zip(packed.rows, packed.lengths):
-            alone = engine.model_parts[0](batch["input_ids"][row : row + 1, :n])
+            alone = engine._model_forward(engine.model_parts[0],
+                                          {"input_ids": batch["input_ids"][row : row + 1, :n]})
             torch.testing.assert_close(logits[0, offset : offset + n], alone[0], rtol=1e-5,
                                        atol=1e-5)
             offset += n

@@ -261,7 +261,8 @@ class EngineConfig:
     """The engine backend, a name registered with ``forge_ext.engine.EngineRegistry``:
     ``titan`` (torchtitan's models, ``forge_ext.engine.TitanEngine``, every parallelism) or
     ``hf`` (any ``AutoModelForCausalLM`` checkpoint in ``model.hf_path``,
-    ``forge_ext.engine.hf.HFEngine``; one process, no LoRA or checkpoints yet)."""
+    ``forge_ext.engine.hf.HFEngine``; FSDP2 over all ranks, LoRA, checkpoints, packing; no
+    tensor, pipeline or context parallelism)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which model: family, flavor, checkpoint, attention backend."""
     training: TrainingConfig = field(default_factory=TrainingConfig)

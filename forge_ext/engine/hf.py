@@ -1,41 +1,59 @@
 """The ``hf`` engine backend: any Hugging Face ``AutoModelForCausalLM`` checkpoint, driven by
-the same microbatch core as :class:`forge_ext.engine.titan.TitanEngine` (issue 40, part 2).
+the same microbatch core as :class:`forge_ext.engine.titan.TitanEngine` (issue 40).
 
-A first step: one process, no parallelism, full fine-tuning. The model is transformers'
-own module (``AutoModelForCausalLM.from_pretrained(model.hf_path)``, SDPA attention), so a
-family torchtitan lacks (Qwen2 with q/k/v biases, Mistral, Gemma, ...) trains as it is
-served. Everything else is shared with the titan backend by inheritance: the microbatch core
-(``forward_backward_batch``: one loss normalisation, gradient accumulation, token budget),
-torchtitan's optimizer and LR-scheduler containers (which take any module) and the verl
-interface (modes, offload, ``to``). What it does not do yet (data, tensor, pipeline or context
-parallelism, LoRA, packing, activation checkpointing, compile, checkpoints) is refused by
-:func:`validate_hf_engine` when the config is read, before anything is spawned.
+The model is transformers' own module (``AutoModelForCausalLM.from_pretrained(
+model.hf_path)``, SDPA attention), so a family torchtitan lacks (Qwen2 with q/k/v biases,
+Mistral, Gemma, ...) trains as it is served. Everything else is the titan backend's, by
+inheritance: the microbatch core (``forward_backward_batch``: one loss normalisation over all
+microbatches and data-parallel ranks, gradient accumulation, token budget, packing), the
+optimizer and LR-scheduler containers (torchtitan's, which take any module), the DCP
+checkpoint manager (:mod:`forge_ext.engine.checkpoint`), the LoRA state verbs and the verl
+interface (modes, offload, ``to``).
+
+Data parallelism is FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ranks of the
+world, as verl's and AReaL's FSDP engines shard transformers models: each decoder layer
+(the classes the model lists in ``_no_split_modules``) is its own FSDP unit, then the root
+(embeddings, final norm, LM head, tied or not). FSDP's own gradient division is switched off:
+the loss is already normalised by the global weight, so gradients are summed.
+
+LoRA is forge_ext's own adapter (:class:`LoRALinear`, torchtitan's ``LoRALinear`` formula on
+transformers' ``nn.Linear``): the base weights keep their HF names and the adapters export in
+PEFT's names, the titan backend's contract (``docs/lora.md``).
+
+What it does not do (tensor, pipeline, context or expert parallelism, replication, activation
+checkpointing, compile) is refused by :func:`validate_hf_engine` when the config is read,
+before anything is spawned.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
-from typing import Any
+import math
 
 import torch
-from torchtitan.config import TORCH_DTYPE_MAP
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torchtitan.config import CommConfig, TORCH_DTYPE_MAP
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 
+from forge_ext.engine import microbatch as token_budget
+from forge_ext.engine.attention import DocumentMask
 from forge_ext.engine.base import MODEL_TYPE, Batch, EngineRegistry
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.distributed import init_single_process_env, rendezvous_on_master_addr
 from forge_ext.engine.models import read_hf_config
-from forge_ext.engine.titan import TitanEngine
+from forge_ext.engine.titan import TitanEngine, _is_adapter_key
 
 
 def validate_hf_engine(config: EngineConfig) -> None:
-    """Refuse what the ``hf`` backend does not do yet, naming the field and the fix.
+    """Refuse what the ``hf`` backend does not do, naming the field and the fix.
 
     Raises:
-        ValueError: a parallel degree above 1, LoRA, packing, activation checkpointing,
-            compile or checkpoints; no ``model.hf_path``; ``training.seq_len`` beyond the
-            checkpoint's ``max_position_embeddings``.
+        ValueError: tensor, pipeline, context or expert parallelism, replication, activation
+            checkpointing or compile; a bad batch split or token budget; a bad ``lora``
+            section; no ``model.hf_path``; ``training.seq_len`` beyond the checkpoint's
+            ``max_position_embeddings``; ``model.value_head``.
         FileNotFoundError: ``model.hf_path`` without a config.json.
     """
     par = config.parallelism
@@ -45,21 +63,14 @@ def validate_hf_engine(config: EngineConfig) -> None:
         degree = getattr(par, name, 1)
         if degree > 1:
             raise ValueError(
-                f"engine=hf does not support parallelism.{name}={degree} (one process for "
-                "now); use engine=titan for Qwen3 / Llama 3, or parallelism."
-                f"{name}=1"
+                f"engine=hf does not support parallelism.{name}={degree} (its data "
+                "parallelism is FSDP over all ranks, parallelism.data_parallel_shard_degree);"
+                f" use engine=titan for Qwen3 / Llama 3, or parallelism.{name}=1"
             )
-    if par.data_parallel_shard_degree > 1:
-        raise ValueError(
-            f"engine=hf does not support parallelism.data_parallel_shard_degree="
-            f"{par.data_parallel_shard_degree} yet (one process); set it to 1 or -1"
-        )
     unsupported = {
-        "lora": config.lora is not None,
-        "training.packing": config.training.packing,
         "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
         "compile.enable": config.compile.enable,
-        "checkpoint.enable": config.checkpoint.enable,
+        "model.value_head": config.model.value_head,
     }
     for name, used in unsupported.items():
         if used:
@@ -68,6 +79,13 @@ def validate_hf_engine(config: EngineConfig) -> None:
     if config.model.attn_backend != "sdpa":
         raise ValueError(f"engine=hf runs transformers' SDPA attention; set "
                          f"model.attn_backend=sdpa, not {config.model.attn_backend!r}")
+    if config.training.local_batch_size <= 0:
+        raise ValueError(
+            f"training.local_batch_size={config.training.local_batch_size} must be > 0")
+    config.num_microbatches()
+    config._validate_token_budget()
+    if config.lora is not None:
+        config.lora.check()
     if not config.model.hf_path:
         raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
     hf = read_hf_config(config.model.hf_path)
@@ -77,43 +95,144 @@ def validate_hf_engine(config: EngineConfig) -> None:
                          f"max_position_embeddings={longest}")
 
 
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a LoRA adapter: ``x W^T + b + (alpha / rank) x A^T B^T``, ``A =
+    lora_a.weight [rank, in]`` (kaiming-uniform, ``a = sqrt(5)``), ``B = lora_b.weight
+    [out, rank]`` (zeros: training starts at the base model). torchtitan's ``LoRALinear``
+    (``torchtitan/components/lora.py``) on transformers' layers, which keep their own
+    parameter names (``...q_proj.weight``), so the base's HF names are unchanged and the
+    adapters' are ``...q_proj.lora_a.weight`` / ``lora_b.weight`` (what the titan backend's
+    checkpoint and export code looks for)."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_scaling: float
+
+    @classmethod
+    def adapt(cls, linear: nn.Linear, rank: int, alpha: float) -> "LoRALinear":
+        """Turn ``linear`` into a :class:`LoRALinear` in place (its class and new adapter
+        submodules; its weight and bias untouched and frozen)."""
+        weight = linear.weight
+        linear.__class__ = cls
+        linear.lora_a = nn.Linear(linear.in_features, rank, bias=False,
+                                  device=weight.device, dtype=weight.dtype)
+        linear.lora_b = nn.Linear(rank, linear.out_features, bias=False,
+                                  device=weight.device, dtype=weight.dtype)
+        nn.init.kaiming_uniform_(linear.lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(linear.lora_b.weight)
+        linear.lora_scaling = alpha / rank
+        return linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) + self.lora_scaling * self.lora_b(self.lora_a(input))
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> int:
+    """Freeze every parameter of ``model`` and put a :class:`LoRALinear` adapter on each
+    ``nn.Linear`` whose name ends in one of ``targets`` (HF names: ``q_proj``, ...) inside
+    the decoder layers (never the LM head). Returns the number of adapted layers.
+
+    Raises:
+        ValueError: no linear layer of the model matches ``targets``, naming
+            ``lora.target_modules``.
+    """
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = _decoder_layers(model)
+    adapted = 0
+    for layer in layers:
+        for name, module in list(layer.named_modules()):
+            if type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets:
+                LoRALinear.adapt(module, rank, alpha)
+                adapted += 1
+    if not adapted:
+        raise ValueError(f"lora.target_modules={list(targets)} matches no nn.Linear in the "
+                         f"decoder layers of {type(model).__name__}; name its linear layers")
+    return adapted
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules of the classes transformers lists in
+    ``_no_split_modules`` (the unit verl's and AReaL's FSDP wrap policies shard)."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if not layers:
+        raise ValueError(f"engine=hf: {type(model).__name__} lists no decoder layer class "
+                         f"(_no_split_modules={sorted(classes)}); it cannot be sharded")
+    return layers
+
+
+def _shard(model: nn.Module, mesh) -> None:
+    """FSDP2 over ``mesh``: each decoder layer, then the root (embeddings, final norm and
+    LM head, which hold a tied weight together). Gradients are summed, not averaged (the
+    loss is normalised by the global weight already); on CPU with plain SUM collectives
+    (gloo has no ``PREMUL_SUM``, which FSDP issues otherwise)."""
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if mesh.device_type == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
+
+
 @EngineRegistry.register(MODEL_TYPE, "hf")
 class HFEngine(TitanEngine):
-    """An ``AutoModelForCausalLM`` with optimizer and LR scheduler, driven in microbatches by
-    :class:`TitanEngine`'s core (``trainer.engine: hf``); one process.
+    """An ``AutoModelForCausalLM`` with optimizer, LR scheduler and checkpointer, driven in
+    microbatches by :class:`TitanEngine`'s core (``trainer.engine: hf``); FSDP2 over all
+    ranks when ``WORLD_SIZE > 1``.
 
     Args:
         config: an :class:`EngineConfig` (``engine: hf``) or its mapping.
 
     Raises:
-        ValueError: a config error (:func:`validate_hf_engine`).
+        ValueError: a config error (:func:`validate_hf_engine`), or
+            ``parallelism.data_parallel_shard_degree`` other than -1 or the world size.
     """
 
     def __init__(self, config: EngineConfig | dict):
-        # Not TitanEngine.__init__ (no torchtitan model, device mesh or checkpointer): the
-        # attributes its microbatch core and verbs read are set here instead.
+        # Not TitanEngine.__init__ (no torchtitan model or parallel dims): the attributes
+        # its microbatch core and verbs read are set here instead.
         from transformers import AutoModelForCausalLM
 
         if not isinstance(config, EngineConfig):
             config = engine_config_from_mapping(config)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size > 1:  # each process would train its own copy, silently
-            raise ValueError(f"engine=hf runs on one process for now, not WORLD_SIZE="
-                             f"{world_size}; use engine=titan for data parallelism")
         self.config = config
         self.device = titan_utils.get_local_device()
+        titan_utils.device_module.set_device(self.device)
+        # A world of one without torchrun's environment (DCP checkpoints want a process
+        # group); as TitanEngine, the rendezvous listens on MASTER_ADDR only.
+        init_single_process_env()
+        with rendezvous_on_master_addr():
+            world_size = dist_utils.init_distributed(CommConfig(),
+                                                     base_folder=config.dump_folder)
+        shard = config.parallelism.data_parallel_shard_degree
+        if shard not in (-1, world_size):
+            raise ValueError(f"parallelism.data_parallel_shard_degree={shard} does not fit "
+                             f"world size {world_size}: engine=hf shards over all ranks "
+                             "(set it to -1 or the number of processes)")
         self.num_microbatches = config.num_microbatches()
         self.num_pp_microbatches = 1
         self.pp_schedule = None
         self.pp_has_first_stage = self.pp_has_last_stage = True
-        self.train_context = contextlib.nullcontext  # no SPMD context without a mesh
-        self.dp_mesh = None
-        self.sd_adapter = None
-        torch.manual_seed(config.seed)
+        self.train_context = contextlib.nullcontext  # no SPMD context without torchtitan
+        self.sd_adapter = None  # the module's names are HF names
+        torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
         model = AutoModelForCausalLM.from_pretrained(
             config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
             attn_implementation="sdpa",
         ).to(self.device)
+        if config.lora is not None:
+            lora = config.lora
+            apply_lora(model, lora.rank, float(lora.alpha), lora.targets)
+        self.dp_mesh = None
+        if world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.dp_mesh = init_device_mesh(self.device.type, (world_size,),
+                                            mesh_dim_names=("dp_shard",))
+            _shard(model, self.dp_mesh)
         model.train()
         self.model_parts = [model]
         self.optimizers = config.optimizer.to_titan().build(model_parts=self.model_parts)
@@ -121,60 +240,60 @@ class HFEngine(TitanEngine):
             optimizers=self.optimizers, training_steps=config.training.steps
         )
         self.step = 0
-        self.checkpointer = None
+        self._build_checkpointer()
         self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
         self.offload()
 
-    def _model_forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-        """Logits ``[b, L, V]`` of transformers' model (causal, no padding mask: right
-        padding never changes an earlier position)."""
-        return model(input_ids=mb["input_ids"], use_cache=False).logits
+    def _model_forward(self, model: nn.Module, mb: Batch) -> torch.Tensor:
+        """Logits ``[b, L, V]`` of transformers' model: causal, no padding mask (right
+        padding never changes an earlier position). A packed microbatch (``position_ids``)
+        passes its positions and its block-causal mask as a 4-D float ``attention_mask``
+        (one for all layers, the titan backend's :class:`DocumentMask`), which transformers
+        hands to SDPA as it is. (transformers 5.19 also infers documents from
+        ``position_ids`` when no mask is given and no cache is used, splitting wherever a
+        position is not its predecessor + 1; the explicit mask keeps forge_ext's rule, a
+        document starts at position 0, whatever the transformers version.)"""
+        if "position_ids" not in mb:
+            return model(input_ids=mb["input_ids"], use_cache=False).logits
+        positions = mb["position_ids"]
+        dtype = TORCH_DTYPE_MAP[self.config.training.dtype]
+        mask = DocumentMask(token_budget.block_causal_mask(positions)).additive(dtype)
+        return model(input_ids=mb["input_ids"], position_ids=positions, attention_mask=mask,
+                     use_cache=False).logits
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(
+        """Clip the trainable gradients to ``training.max_norm``; return the pre-clip norm
+        over all ranks (under FSDP the norm of the sharded gradients is a DTensor, reduced
+        over the mesh: torchtitan's ``clip_grad_norm_``)."""
+        return dist_utils.clip_grad_norm_(
             self.trainable_parameters(), self.config.training.max_norm, foreach=True
         )
 
     # ---- weights: HF names already -------------------------------------------------------
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict, in HF names (transformers' module)."""
-        with self.resident(optimizer=False):
-            return self.model_parts[0].state_dict()
+    def _check_hf_names(self) -> None:
+        pass
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Same as :meth:`model_state_dict`: the module is transformers' own."""
-        return self.model_state_dict()
+    def _to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state_dict`` without the LoRA adapters' entries: the module's names are HF
+        names (the adapters travel in PEFT names, :meth:`adapter_state_dict`)."""
+        return {k: v for k, v in state_dict.items() if not _is_adapter_key(k)}
+
+    def _hf_module_name(self, titan_module: str, weight: torch.Tensor) -> str:
+        return titan_module
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full tensors in HF names (strict: every key of the model, no other).
+        """Load full (or sharded) tensors in HF names; under FSDP each full tensor is sharded
+        the way the parameter it replaces is. Every key of the model is needed (but the LoRA
+        adapters', which keep their values when absent), no other.
 
         Raises:
-            RuntimeError: missing or unexpected keys (``load_state_dict(strict=True)``).
+            KeyError: missing or unexpected keys.
         """
         with self.resident(optimizer=False):
-            self.model_parts[0].load_state_dict(state_dict, strict=True)
+            extra = sorted(set(state_dict) - set(self.model_state_dict()))
+            if extra:
+                raise KeyError(f"state dict has keys the model lacks: {extra[:5]}")
+            self._load_model_state_dict(state_dict)
 
     load_hf_state_dict = load_model_state_dict
 
-    def get_per_tensor_param(self, sharded: bool = False
-                             ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
-        """``(tensors, None)``: ``(HF name, tensor)`` of :meth:`hf_state_dict`, one at a
-        time; nothing to gather in one process, so ``sharded`` changes nothing."""
-        return self._hf_tensors(), None
-
-    def _hf_tensors(self, sharded: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        with self.resident(optimizer=False):
-            yield from ((k, v.detach()) for k, v in self.model_parts[0].state_dict().items())
-
-    # ---- refused until implemented (validate_hf_engine refuses the configs first) -------
-    def save_checkpoint(self, step: int) -> None:
-        raise ValueError("engine=hf does not save checkpoints yet; use engine=titan")
-
-    def load_checkpoint(self, step: int | None = None) -> int:
-        raise ValueError("engine=hf does not load checkpoints yet; use engine=titan")
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}

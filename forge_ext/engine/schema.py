@@ -180,9 +180,6 @@ def world_size_of(config: Any, num_procs: int | None) -> int:
         * par.context_parallel_degree * par.tensor_parallel_degree
         * par.pipeline_parallel_degree
     )
-    if config.engine == "hf" and num_procs not in (None, 1):
-        raise ValueError(f"num_procs={num_procs}: engine=hf runs on one process for now; "
-                         "use num_procs=1, or engine=titan for data parallelism")
     if num_procs is None:
         return fixed
     if num_procs % fixed or (par.data_parallel_shard_degree != -1 and num_procs != fixed):

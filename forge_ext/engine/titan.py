@@ -131,6 +131,21 @@ class TitanEngine(BaseEngine):
             optimizers=self.optimizers, training_steps=config.training.steps
         )
         self.step = 0
+        self._build_checkpointer()
+        if config.model.hf_path:
+            self.load_hf_weights(config.model.hf_path)
+
+        self.dp_mesh = self.parallel_dims.get_optional_mesh("batch")
+        # (id(param), key) -> device of each optimizer state tensor moved to the host.
+        self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
+        self.offload()  # with trainer.offload on, the engine rests in host memory
+
+    # ---- construction ------------------------------------------------------------------
+    def _build_checkpointer(self) -> None:
+        """``self.checkpointer``: forge_ext's DCP manager
+        (:class:`forge_ext.engine.checkpoint.CheckpointManager`) over the model parts,
+        optimizers, LR schedulers and the step (``train_state``); both backends use it."""
+        config = self.config
         # Size of the last complete checkpoint save, for the free-space check before the next.
         self._last_checkpoint_bytes: int | None = None
         self.checkpointer = config.checkpoint.build(
@@ -153,15 +168,7 @@ class TitanEngine(BaseEngine):
         # must pass torchtitan's interval check; its regular save path then also applies
         # checkpoint.keep_latest_k and checkpoint.async_mode.
         self.checkpointer.interval = 1
-        if config.model.hf_path:
-            self.load_hf_weights(config.model.hf_path)
 
-        self.dp_mesh = self.parallel_dims.get_optional_mesh("batch")
-        # (id(param), key) -> device of each optimizer state tensor moved to the host.
-        self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
-        self.offload()  # with trainer.offload on, the engine rests in host memory
-
-    # ---- construction ------------------------------------------------------------------
     def _parallelize(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Apply SPMD parallelisms (and PP stage splitting), materialise, init weights."""
         config = self.config
@@ -312,8 +319,7 @@ class TitanEngine(BaseEngine):
         Raises:
             ValueError: the model has no HF state-dict adapter.
         """
-        if self.sd_adapter is None:
-            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+        self._check_hf_names()
         if self.lora_enabled:
             return iter(self.adapter_state_dict().items()), self.adapter_config()
         return self._hf_tensors(sharded), None
@@ -321,8 +327,19 @@ class TitanEngine(BaseEngine):
     def _hf_tensors(self, sharded: bool) -> Iterator[tuple[str, torch.Tensor]]:
         with self.resident(optimizer=False), torch.no_grad():
             for key, value in self.model_state_dict().items():
-                for name, hf_value in self.sd_adapter.to_hf({key: value}).items():
+                for name, hf_value in self._to_hf({key: value}).items():
                     yield name, (hf_value if sharded else _full(hf_value)).detach()
+
+    def _check_hf_names(self) -> None:
+        """Raise ValueError unless the model's weights have HF names (a state-dict adapter)."""
+        if self.sd_adapter is None:
+            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
+
+    def _to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state_dict`` (model keys) in HF names and layout (the state-dict adapter's
+        ``to_hf``); the ``hf`` backend's keys are HF names already."""
+        self._check_hf_names()
+        return self.sd_adapter.to_hf(state_dict)
 
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -341,9 +358,7 @@ class TitanEngine(BaseEngine):
         """The model's state dict in HF layout (torchtitan's state-dict adapter ``to_hf``).
         Under LoRA these are the frozen base weights, without the adapters (see
         :meth:`adapter_state_dict`, :meth:`merged_hf_state_dict`)."""
-        if self.sd_adapter is None:
-            raise ValueError(f"model.name={self.config.model.name!r} has no HF adapter")
-        return self.sd_adapter.to_hf(self.model_state_dict())
+        return self._to_hf(self.model_state_dict())
 
     def merged_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered, every rank) HF weights with the adapters merged: each adapted
