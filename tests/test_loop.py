@@ -189,29 +189,13 @@ async def test_logging_a_step_again_updates_it_and_the_file_keeps_one_line_per_s
     ]
 
 
-def tensorboard_events(log_dir):
-    """``(scalars {tag: [(step, value)]}, texts {tag: [(step, text)]})`` read back from a
-    run's TensorBoard event files with TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
-
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-               for tag in events.Tags()["scalars"]}
-    texts = {}
-    for tag in events.Tags()["tensors"]:  # add_text writes a string tensor ("<tag>/text_summary")
-        texts[tag.split("/text_summary")[0]] = [
-            (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
-            for e in events.Tensors(tag)]
-    return scalars, texts
-
-
 async def test_tensorboard_holds_every_scalar_and_the_sample_completions_as_text(tmp_path):
     """What issue 38 asks to see in TensorBoard: every logged scalar (loss, KL, each reward
     function, response length, clip fraction, dropped groups) and each step's sample
     completions as text (prompt, completion, reward and each function's score), the same
     records as samples.jsonl; a resumed run drops the samples of steps it redoes."""
+    from conftest import tensorboard_events
+
     from forge_ext.metrics import MetricLogger
 
     logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), plot=None))
