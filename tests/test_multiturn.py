@@ -599,3 +599,31 @@ def test_environment_text_the_tokenizer_cannot_read_is_warned_once_and_counted(
     assert err.count("warning: the environment") == 1, err
     assert "step() gave text the tokenizer of model.hf_path maps to <unk> (13 of its 13 " \
            "tokens" in err and "'no, try again'" in err and "episode/env_unk_replies" in err
+
+
+def test_the_step_line_names_the_limit_that_cut_episodes():
+    """The console's step line (GRPOApp.log_line) shows truncation by cause, with the
+    field to raise, and the replies holding <unk>; a single-turn run only when any was cut."""
+    from types import SimpleNamespace
+
+    from apps.grpo.main import GRPOApp
+
+    app = SimpleNamespace(bar=None, loop=SimpleNamespace(steps=10), reference=None,
+                          eval_sets=[], config=SimpleNamespace(
+                              grpo=SimpleNamespace(group_size=4),
+                              generator=SimpleNamespace(replicas=1)))
+    step = {"reward/mean": 0.5, "rollout/accuracy": 0.5, "rollout/groups_without_spread": 0.0,
+            "loss": 0.1, "policy_version": 1, "generator_version": 0,
+            "rollout/policy_age_mean": 0.0, "rollout/policy_age_max": 0,
+            "rollout/dropped_samples": 0, "time/generator_idle": 0.0,
+            "time/trainer_idle": 0.0, "throughput/samples_per_s": 1.0,
+            "rollout/truncated/max_new_tokens": 0.0}
+    assert "truncated" not in GRPOApp.log_line(app, 1, step)
+    line = GRPOApp.log_line(app, 1, {**step, "rollout/truncated/max_new_tokens": 0.25})
+    assert " | truncated max_new_tokens 25% | " in line, line
+    multi = {**step, "episode/turns_mean": 2.5, "episode/turns_max": 3, "episode/truncated": 0.75,
+             "episode/env_errors": 0, "episode/env_timeouts": 0, "episode/env_unk_replies": 5,
+             "rollout/truncated/max_turns": 0.5, "rollout/truncated/max_episode_tokens": 0.25}
+    line = GRPOApp.log_line(app, 1, multi)
+    assert ("turns 2.50 (max 3, truncated 75%: max_episode_tokens 25% max_turns 50%, env "
+            "replies with <unk> 5)") in line, line
