@@ -192,7 +192,8 @@ def user_dataset(root: Path, prompt: str, held_out_unit: bool) -> list[str]:
     for name, rows, unit in (("train", 8, True), ("eval", 2, held_out_unit)):
         with open(root / f"{name}.jsonl", "w") as f:
             for i in range(rows):
-                row = {"q": prompt.format(i=i), "answer": str(2 * i), **({"unit": "="} if unit else {})}
+                row = {"q": prompt.format(i=i), "answer": str(2 * i),
+                       **({"unit": "="} if unit else {})}
                 f.write(json.dumps(row) + "\n")
     return ["task.source=dataset", f"task.train_path={root / 'train.jsonl'}",
             f"task.eval_path={root / 'eval.jsonl'}", "task.prompt_field=q",
