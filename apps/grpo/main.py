@@ -64,6 +64,7 @@ from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
     resolved_task,
 )
+from forge_ext.tasks.prompts import render_splits
 from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
@@ -167,20 +168,12 @@ class GRPOApp(RLLoop):
         if not self.eval_rows:
             raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
                              "(or task.eval_path) to at least 1")
-        longest, unknown = 0, 0
-        unk = self.tok.tokenizer.unk_token_id
-        for split, rows in (("training", train_rows), ("held-out", self.eval_rows)):
-            for i, row in enumerate(rows):
-                try:
-                    ids = render(row)
-                except ValueError as e:
-                    raise ValueError(f"{split} row {i}: {e}") from None
-                longest = max(longest, len(ids))
-                unknown += unk is not None and unk in ids
-        if unknown:  # e.g. the demo's character tokenizer on English prompts
-            print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
-                  f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
-                  "(characters or words outside its vocabulary)", file=sys.stderr)
+        # Every prompt renders (or the error names its row); <unk> in any is warned about.
+        prompts, warning = render_splits(render, {"training": train_rows,
+                                                  "held-out": self.eval_rows})
+        if warning:  # e.g. the demo's character tokenizer on English prompts
+            print(warning, file=sys.stderr)
+        longest = max(len(ids) for split in prompts.values() for ids in split)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # The evaluation sets: their rows, prompts and rubrics, checked now.
         self.eval_sets = build_sets(
