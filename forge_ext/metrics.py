@@ -2,10 +2,13 @@
 
 One :class:`MetricLogger` per run, in the controller. ``log(step, {"reward/mean": ...})``
 writes every scalar to TensorBoard (``<log_dir>/tensorboard``) and appends one line to
-``<log_dir>/metrics.jsonl``. On resume, :meth:`MetricLogger.open` keeps the history up to
-the resumed step and drops later lines (those steps are about to be redone). Lines of the same
-step merge, later values winning (a resumed run logs the held-out evaluation of its first step
-again), so the history and the final plot show each step once.
+``<log_dir>/metrics.jsonl``; ``log_samples(step, records)`` appends sample completions to
+``<log_dir>/samples.jsonl`` and shows them as a TensorBoard text (tag ``samples``: prompt,
+completion, reward and each reward function's score). On resume, :meth:`MetricLogger.open`
+keeps the history and the samples up to the resumed step and drops later lines (those steps
+are about to be redone). Lines of the same step merge, later values winning (a resumed run
+logs the held-out evaluation of its first step again), so the history and the final plot
+show each step once.
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from forge_ext import disk
+
+
+SAMPLES_FILE = "samples.jsonl"
+"""In ``log_dir``: sample completions per step (:meth:`MetricLogger.log_samples`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,9 +39,9 @@ class MetricsConfig:
     plot: str | None = "progress.png"
     """File name (in ``log_dir``) of the PNG plot written on close; null disables it."""
     samples_per_step: int = 4
-    """GRPO: completions per training step appended to ``samples.jsonl`` in ``log_dir`` (the
-    first episode of each of the step's first prompts: prompt, answer, completion, reward and
-    each reward function's score); 0: none."""
+    """GRPO: completions per training step appended to ``samples.jsonl`` in ``log_dir`` and
+    shown in TensorBoard's Text tab (the first episode of each of the step's first prompts:
+    prompt, answer, completion, reward and each reward function's score); 0: none."""
 
     def __post_init__(self) -> None:
         if self.samples_per_step < 0:
@@ -62,6 +70,10 @@ class MetricLogger:
     def jsonl_path(self) -> Path:
         return self.log_dir / "metrics.jsonl"
 
+    @property
+    def samples_path(self) -> Path:
+        return self.log_dir / SAMPLES_FILE
+
     def open(self, resume_step: int = 0) -> None:
         """Create the folder, reload the history up to ``resume_step``, open the writers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +88,12 @@ class MetricLogger:
             self.history = [row for step, row in sorted(by_step.items()) if step <= resume_step]
         with open(self.jsonl_path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in self.history)
+        if self.samples_path.exists():  # the samples of steps about to be redone go too
+            with open(self.samples_path) as f:
+                kept = [line for line in f
+                        if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            with open(self.samples_path, "w") as f:
+                f.writelines(kept)
         self._jsonl = open(self.jsonl_path, "a")
         if self.config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -99,6 +117,23 @@ class MetricLogger:
         if self._writer is not None:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, float(value), step)
+            self._writer.flush()
+
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` (sample completions of ``step``: ``prompt``, ``completion``,
+        ``reward``, ``rewards`` per function, any other fields) to ``samples.jsonl``, one
+        JSON object a line with its ``step``, and to TensorBoard as text (tag ``samples``,
+        one markdown section per record)."""
+        if not records:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps({"step": step, **r}) + "\n" for r in records)
+        except OSError as e:  # e.g. a full disk: one line naming the file and the space
+            raise disk.write_failed("the samples file", str(self.samples_path), e) from None
+        if self._writer is not None:
+            self._writer.add_text("samples", samples_markdown(records), step)
             self._writer.flush()
 
     def _merge(self, row: dict[str, float]) -> None:
@@ -164,6 +199,28 @@ class PlotPanel:
     """Legend text per key (default: the key)."""
     ylim: tuple[float, float] | None = None
     """Fixed y range (None: from the data)."""
+
+
+def samples_markdown(records: Sequence[Mapping[str, Any]]) -> str:
+    """Sample records as TensorBoard markdown: per record its reward and each function's
+    score, then prompt, answer and completion as code blocks (kept verbatim: completions
+    often hold markdown or template tokens)."""
+
+    def block(text: Any) -> str:
+        text = text if isinstance(text, str) else json.dumps(text)
+        return "    " + str(text).replace("\n", "\n    ")  # an indented (code) block
+
+    sections = []
+    for i, r in enumerate(records):
+        scores = ", ".join(f"{name} {value:.4g}" for name, value in r.get("rewards", {}).items())
+        sections.append("\n\n".join([
+            f"**sample {i}**: reward {r.get('reward', float('nan')):.4g}"
+            + (f" ({scores})" if scores else ""),
+            "prompt:", block(r.get("prompt", "")),
+            *(["answer:", block(r["answer"])] if r.get("answer") is not None else []),
+            "completion:", block(r.get("completion", "")),
+        ]))
+    return "\n\n---\n\n".join(sections)
 
 
 def _nan_to_null(row: Mapping[str, float]) -> dict[str, float | None]:

@@ -303,6 +303,24 @@ def history(output_dir):
     return [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
 
 
+def tensorboard_events(log_dir):
+    """``(scalars {tag: [(step, value)]}, texts {tag: [(step, text)]})`` read back from a
+    run's TensorBoard event files with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+               for tag in events.Tags()["scalars"]}
+    texts = {}
+    for tag in events.Tags()["tensors"]:  # add_text writes a string tensor ("<tag>/text_summary")
+        texts[tag.split("/text_summary")[0]] = [
+            (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
+            for e in events.Tensors(tag)]
+    return scalars, texts
+
+
 def small(output_dir, checkpoint, *extra):
     """Overrides of a GRPO config for a 2-step run of 2 prompts x 4 samples, checkpoints off."""
     return [

@@ -117,3 +117,17 @@ class GoldTask:
 
     def default_rewards(self):
         return []
+
+
+FAIL_FLAG = "FORGE_TEST_REWARD_FAIL_FLAG"
+"""The environment variable naming :func:`fails_when_flagged`'s flag file (reward worker
+processes inherit the controller's environment)."""
+
+
+def fails_when_flagged(completion):
+    """0.0, and a ``RuntimeError`` on every call while the file named by ``$FORGE_TEST_REWARD_
+    FAIL_FLAG`` exists: a reward that starts failing mid-run (a judge service gone down)."""
+    flag = os.environ.get(FAIL_FLAG)
+    if flag and os.path.exists(flag):
+        raise RuntimeError("the judge service is down")
+    return 0.0

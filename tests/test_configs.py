@@ -170,6 +170,66 @@ def test_sft_refuses_what_it_cannot_train_and_keeps_no_random_init_of_it(
     assert not init.exists()
 
 
+def sft_main_exits(argv, capsys):
+    """``apps.sft.main.main(argv)``'s exit message and what it printed to stderr before."""
+    from apps.sft.main import main
+
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+    finally:  # main applies the config's env (OMP_NUM_THREADS=1) to this process
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    return str(exit_.value), capsys.readouterr().err
+
+
+def user_dataset(root: Path, prompt: str, held_out_unit: bool) -> list[str]:
+    """Overrides of a dataset task whose prompt template names a ``unit`` column, which the
+    held-out rows may lack."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, rows, unit in (("train", 8, True), ("eval", 2, held_out_unit)):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for i in range(rows):
+                row = {"q": prompt.format(i=i), "answer": str(2 * i),
+                       **({"unit": "="} if unit else {})}
+                f.write(json.dumps(row) + "\n")
+    return ["task.source=dataset", f"task.train_path={root / 'train.jsonl'}",
+            f"task.eval_path={root / 'eval.jsonl'}", "task.prompt_field=q",
+            "prompt.template='{prompt}{unit}'", "reward.functions=[{fn: exact_match}]"]
+
+
+def test_sft_refuses_a_held_out_row_that_does_not_render_before_training(
+    tmp_path, demo_checkpoint, capsys
+):
+    """Issue 38: the SFT app checks what the GRPO app checks before anything runs: every
+    prompt renders, held-out rows too. Before, a held-out row the template could not format
+    was a traceback (a random init: before training; an existing checkpoint: after it)."""
+    task = user_dataset(tmp_path / "data", "{i}+{i}", held_out_unit=False)
+    base = ["--config", str(CONFIGS / "sft_cpu_demo.yaml"), f"output_dir={tmp_path / 'out'}"]
+    message, _ = sft_main_exits([*base, f"init.hf_path={tmp_path / 'init'}", *task], capsys)
+    assert message.startswith("config error: prompt.template='{prompt}{unit}' does not "
+                              "format with the row"), message
+    assert not (tmp_path / "init").exists()
+    message, _ = sft_main_exits([*base, f"init.hf_path={demo_checkpoint}", *task], capsys)
+    assert message.startswith("config error: held-out row 0: prompt.template="), message
+
+
+def test_sft_warns_of_prompts_its_tokenizer_cannot_read_before_training(
+    tmp_path, demo_checkpoint, capsys
+):
+    """English prompts under the demo's character tokenizer (an existing init.hf_path): the
+    GRPO app's <unk> warning, before training (stopped here by a short seq_len)."""
+    task = user_dataset(tmp_path / "data", "What is {i}+{i}", held_out_unit=True)
+    message, err = sft_main_exits(
+        ["--config", str(CONFIGS / "sft_cpu_demo.yaml"), f"output_dir={tmp_path / 'out'}",
+         f"init.hf_path={demo_checkpoint}", *task, "trainer.training.seq_len=6"], capsys)
+    assert "warning: 10 of 10 prompts hold text the tokenizer of init.hf_path maps to <unk>" \
+        in err, err
+    assert message.startswith("config error: trainer.training.seq_len=6 <"), message
+
+
 def write_llama_config(directory: Path) -> str:
     """config.json of a tiny Llama as transformers writes it (validation reads no weights)."""
     from forge_ext.hf_checkpoint import hf_config_dict

@@ -189,6 +189,45 @@ async def test_logging_a_step_again_updates_it_and_the_file_keeps_one_line_per_s
     ]
 
 
+async def test_tensorboard_holds_every_scalar_and_the_sample_completions_as_text(tmp_path):
+    """What issue 38 asks to see in TensorBoard: every logged scalar (loss, KL, each reward
+    function, response length, clip fraction, dropped groups) and each step's sample
+    completions as text (prompt, completion, reward and each function's score), the same
+    records as samples.jsonl; a resumed run drops the samples of steps it redoes."""
+    from conftest import tensorboard_events
+
+    from forge_ext.metrics import MetricLogger
+
+    logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), plot=None))
+    logger.open()
+    names = ["loss", "loss/kl", "reward/exact", "reward/short", "rollout/response_tokens",
+             "loss/clip_fraction", "rollout/dropped_groups", "rollout/truncated/max_turns"]
+    records = {step: [{"prompt": f"What is {step} plus 1?", "answer": str(step + 1),
+                       "completion": f"<think>\n</think>\n{step + 1}", "reward": 1.1,
+                       "rewards": {"exact": 1.0, "short": 0.1}}] for step in (1, 2, 3)}
+    for step in (1, 2, 3):
+        logger.log(step, {name: step + i / 10 for i, name in enumerate(names)})
+        logger.log_samples(step, records[step])
+    logger.close()
+    scalars, texts = tensorboard_events(tmp_path / "tensorboard")
+    for i, name in enumerate(names):
+        assert scalars[name] == [(s, pytest.approx(s + i / 10)) for s in (1, 2, 3)], name
+    assert [step for step, _ in texts["samples"]] == [1, 2, 3]
+    for step, text in texts["samples"]:
+        record = records[step][0]
+        assert "reward 1.1 (exact 1, short 0.1)" in text
+        for field in ("prompt", "answer"):
+            assert record[field] in text
+        assert "    <think>\n    </think>\n    " + record["answer"] in text  # verbatim block
+    lines = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert lines == [{"step": s, **records[s][0]} for s in (1, 2, 3)]
+    # Resumed at step 2's checkpoint: step 3's samples are about to be redone.
+    logger = MetricLogger(logger.config)
+    logger.open(resume_step=2)
+    logger.close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")] == [1, 2]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path, mode):
     job = FakeJob(tmp_path, steps=10, save_every=1, mode=mode, max_policy_age=1)

@@ -503,3 +503,127 @@ def test_the_samples_of_a_batch_are_what_the_rubric_scored(setup):
         assert record["reward"] == batch.rewards[i] == pytest.approx(
             record["rewards"]["exact_match"] + t.env_reward)
         assert record["response_tokens"] == len(t.response_ids) and record["turns"] == t.turns
+
+
+# ------------------------------------ truncation by cause, unknown tokens in replies (issue 38)
+# A scripted generator over the demo's character tokenizer (no model): what each turn returns
+# is fixed, so each limit is reached exactly where the test says.
+class ScriptedReplies:
+    """Replies with the row's ``reply`` column, never done."""
+
+    async def reset(self, row):
+        self.reply = row["reply"]
+        return row.prompt
+
+    async def step(self, completion):
+        return self.reply, 0.0, False
+
+
+@pytest.fixture(scope="module")
+def char_tok(tmp_path_factory):
+    from forge_ext.tasks.tokenizer import save_tokenizer
+
+    path = tmp_path_factory.mktemp("chars")
+    save_tokenizer(path)
+    return CheckpointTokenizer(path)
+
+
+def scripted_runner(char_tok, **limits):
+    """A runner of :class:`ScriptedReplies` whose every turn is ``12<eos>`` (3 tokens,
+    finished), except in groups listed in the returned ``unfinished`` set: ``12`` without an
+    end token (cut at max_new_tokens)."""
+    from forge_ext.rollout.engines import Completion
+
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
+                                 isolation="thread", max_error_rate=None), _NoTask())
+    config = EpisodeConfig(environment=f"{__name__}:ScriptedReplies", **limits)
+    unfinished = set()
+
+    async def sample(prompt_ids, n, *, greedy=False, seed=None, session=None):
+        cut = session[1] in unfinished
+        ids = [5, 6] if cut else [5, 6, char_tok.eos_id]
+        return [Completion(prompt_ids=list(prompt_ids), response_ids=ids,
+                           logprobs=[-0.5] * len(ids), finished=not cut, policy_version=0)
+                for _ in range(n)]
+
+    return EpisodeRunner(char_tok, PromptRenderer(char_tok, PromptConfig()), rubric,
+                         config), sample, unfinished
+
+
+def test_a_truncated_episode_records_which_limit_cut_it(char_tok):
+    """Four rows, one per way an episode ends early (max_turns=2, max_episode_tokens=12,
+    turns of 3 tokens): a turn without an end token (max_new_tokens); a 1-token reply, two
+    turns (max_turns); a 10-token reply, no room for a second turn (max_episode_tokens); a
+    7-token reply, the second turn cut to fit (max_episode_tokens). The fault: one
+    ``truncated`` flag for all three, and the no-room case counted as out of turns."""
+    runner, sample, unfinished = scripted_runner(char_tok, max_turns=2, max_episode_tokens=12)
+    unfinished.add(0)
+    rows = [Row(prompt="1+2=", answer="3", metadata={"reply": reply})
+            for reply in ("=", "=", "=" * 10, "=" * 7)]
+    batch = asyncio.run(runner.run(rows, 2, sample))
+    causes = [t.truncation for t in batch.trajectories]
+    assert causes == ["max_new_tokens"] * 2 + ["max_turns"] * 2 + ["max_episode_tokens"] * 4
+    assert all(t.truncated for t in batch.trajectories)
+    assert [t.turns for t in batch.trajectories[::2]] == [1, 2, 1, 2]
+    assert len(batch.trajectories[6].response_ids) == 12  # 3 + 7 + 2 of the second turn
+    metrics = batch.metrics()
+    assert metrics["rollout/truncated/max_new_tokens"] == 0.25
+    assert metrics["rollout/truncated/max_turns"] == 0.25
+    assert metrics["rollout/truncated/max_episode_tokens"] == 0.5
+    assert metrics["episode/truncated"] == 1.0
+    # Episodes the environment ends are not truncated, whatever they cost.
+    runner, sample, _ = scripted_runner(char_tok, max_turns=3, max_episode_tokens=400)
+    runner.config = EpisodeConfig(environment=f"{__name__}:PaysOne", max_turns=3)
+    batch = asyncio.run(runner.run(rows[:1], 2, sample))
+    assert [t.truncation for t in batch.trajectories] == [None, None]
+    assert batch.metrics()["rollout/truncated/max_new_tokens"] == 0.0
+
+
+def test_environment_text_the_tokenizer_cannot_read_is_warned_once_and_counted(
+        char_tok, capsys):
+    """Replies in English under the demo's character tokenizer are all ``<unk>``: one
+    warning per environment with the text and the token count, every such reply counted;
+    replies in its alphabet are not. The fault: no check, the episode's token budget spent
+    on ``<unk>`` without a word."""
+    runner, sample, _ = scripted_runner(char_tok, max_turns=3, max_episode_tokens=400)
+    english = Row(prompt="1+2=", answer="3", metadata={"reply": "no, try again"})
+    digits = Row(prompt="1+2=", answer="3", metadata={"reply": "=="})
+    batch = asyncio.run(runner.run([english, digits], 2, sample))
+    assert [t.unknown_replies for t in batch.trajectories] == [2, 2, 0, 0]  # 2 replies each
+    assert batch.metrics()["episode/env_unk_replies"] == 4
+    unk = char_tok.tokenizer.unk_token_id
+    assert batch.trajectories[0].response_ids[3:16] == [unk] * 13  # the reply's 13 characters
+    batch = asyncio.run(runner.run([english], 2, sample))
+    assert batch.metrics()["episode/env_unk_replies"] == 4
+    err = capsys.readouterr().err
+    assert err.count("warning: the environment") == 1, err
+    assert "step() gave text the tokenizer of model.hf_path maps to <unk> (13 of its 13 " \
+           "tokens" in err and "'no, try again'" in err and "episode/env_unk_replies" in err
+
+
+def test_the_step_line_names_the_limit_that_cut_episodes():
+    """The console's step line (GRPOApp.log_line) shows truncation by cause, with the
+    field to raise, and the replies holding <unk>; a single-turn run only when any was cut."""
+    from types import SimpleNamespace
+
+    from apps.grpo.main import GRPOApp
+
+    app = SimpleNamespace(bar=None, loop=SimpleNamespace(steps=10), reference=None,
+                          eval_sets=[], config=SimpleNamespace(
+                              grpo=SimpleNamespace(group_size=4),
+                              generator=SimpleNamespace(replicas=1)))
+    step = {"reward/mean": 0.5, "rollout/accuracy": 0.5, "rollout/groups_without_spread": 0.0,
+            "loss": 0.1, "policy_version": 1, "generator_version": 0,
+            "rollout/policy_age_mean": 0.0, "rollout/policy_age_max": 0,
+            "rollout/dropped_samples": 0, "time/generator_idle": 0.0,
+            "time/trainer_idle": 0.0, "throughput/samples_per_s": 1.0,
+            "rollout/truncated/max_new_tokens": 0.0}
+    assert "truncated" not in GRPOApp.log_line(app, 1, step)
+    line = GRPOApp.log_line(app, 1, {**step, "rollout/truncated/max_new_tokens": 0.25})
+    assert " | truncated max_new_tokens 25% | " in line, line
+    multi = {**step, "episode/turns_mean": 2.5, "episode/turns_max": 3, "episode/truncated": 0.75,
+             "episode/env_errors": 0, "episode/env_timeouts": 0, "episode/env_unk_replies": 5,
+             "rollout/truncated/max_turns": 0.5, "rollout/truncated/max_episode_tokens": 0.25}
+    line = GRPOApp.log_line(app, 1, multi)
+    assert ("turns 2.50 (max 3, truncated 75%: max_episode_tokens 25% max_turns 50%, env "
+            "replies with <unk> 5)") in line, line

@@ -14,6 +14,7 @@ the stream exactly once.
 """
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -138,6 +139,39 @@ async def test_failing_reward_functions_are_counted_and_the_run_finishes(user_ru
     assert app.rubric.error_counts["raises"] == 2 * 8 + 2 * 4  # two steps, two evaluations of 4
 
 
+async def test_samples_and_tensorboard_hold_what_the_rubric_scored(user_run):
+    """samples.jsonl and TensorBoard's ``samples`` text hold, per step, the first episode of
+    each prompt as the rubric scored it: its completion decoded, each function's score
+    (``record`` recomputed here) and the reward trained on; TensorBoard also holds the
+    step's scalars issue 38 names, equal to metrics.jsonl's."""
+    from conftest import tensorboard_events
+    from user_rewards import record
+
+    app, output_dir = user_run
+    group = app.config.grpo.group_size
+    samples = [json.loads(line) for line in open(Path(output_dir) / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]  # 2 prompts a step
+    for k, sample in enumerate(samples):
+        rollouts = app.trained[sample["step"] - 1]
+        ep, row = rollouts.episodes[(k % 2) * group], rollouts.rows[k % 2]
+        text, finished = app.tok.completion_text(ep.response_ids)
+        assert sample["prompt"] == row.text and sample["completion"] == text
+        assert sample["rewards"]["record"] == record(text, row.prompt, row.answer, row, finished)
+        assert sample["rewards"]["constant"] == 0.25
+        assert sample["reward"] == ep.reward
+    scalars, texts = tensorboard_events(Path(output_dir) / "tensorboard")
+    rows = {r["step"]: r for r in history(output_dir)}
+    for name in ("loss", "reward/record", "reward/constant", "rollout/response_tokens",
+                 "loss/clip_fraction", "rollout/groups_without_spread",
+                 "rollout/truncated/max_new_tokens"):
+        assert scalars[name] == [(s, pytest.approx(rows[s][name])) for s in (1, 2)], name
+    assert [step for step, _ in texts["samples"]] == [1, 2]
+    for step, text in texts["samples"]:
+        for sample in samples:
+            if sample["step"] == step:
+                assert "    " + sample["completion"].replace("\n", "\n    ") in text
+
+
 async def test_prompt_ids_are_the_chat_template_and_the_ratio_is_one(user_run):
     from transformers import AutoTokenizer
 
@@ -189,7 +223,28 @@ def rg_runs():
     return Runs()
 
 
+class JudgeDownAtStep3(Recording):
+    """The app, with the flag of ``reward_fns:fails_when_flagged`` raised before step 3's
+    rollouts: from there on that reward function fails on every call."""
+
+    def __init__(self, config, flag):
+        super().__init__(config)
+        self.flag = flag
+
+    async def build_rollouts(self, step):
+        if step == 2:
+            self.flag.touch()
+        return await super().build_rollouts(step)
+
+
 async def rg_run(rg_runs, rg_warmstart, tmp_path_factory, which):
+    """The reasoning-gym GRPO run of 3 steps whose second reward function (0.0 while it
+    works) fails on every call from step 3 on ("crashed": the run stops there, with steps 1
+    and 2 checkpointed), and its rerun in the same output_dir ("resumed")."""
+    from reward_fns import FAIL_FLAG
+
+    from forge_ext.tasks.rubric import RewardFailure
+
     if which not in rg_runs.done:
         if which == "crashed":
             output_dir = str(tmp_path_factory.mktemp("rg_grpo"))
@@ -197,12 +252,20 @@ async def rg_run(rg_runs, rg_warmstart, tmp_path_factory, which):
         output_dir = rg_runs.output_dir
         argv = small(output_dir, rg_warmstart, *RG_TASK, "loop.save_every=1",
                      "trainer.checkpoint.enable=true", "loop.steps=3", "reference=null",
-                     "loss.kl_coef=0")
+                     "loss.kl_coef=0", "reward.functions=[{fn: reasoning_gym}, "
+                     "{fn: 'reward_fns:fails_when_flagged'}]")
         if which == "crashed":
-            app = Recording(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"),
-                                        [*argv, "debug.fail_at_step=3"]))
-            with pytest.raises(Exception, match="gradient norm is nan"):
-                await app.run()
+            flag = Path(output_dir) / "judge_down"
+            app = JudgeDownAtStep3(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"), argv),
+                                   flag)
+            os.environ[FAIL_FLAG] = str(flag)  # the reward workers start with the run
+            try:
+                with pytest.raises(RewardFailure) as failure:
+                    await app.run()
+            finally:
+                del os.environ[FAIL_FLAG]
+                flag.unlink(missing_ok=True)
+            rg_runs.failure = failure.value
         else:
             await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "crashed")
             app = Recording(load_config(str(CONFIGS / "grpo_cpu_chain_sum.yaml"), argv))
@@ -225,6 +288,27 @@ async def test_reasoning_gym_rewards_are_its_own_score_answer(rg_runs, rg_warmst
             assert ep.reward == scorer(text.strip(), row.metadata), (text, row.answer)
             scored += 1
     assert scored >= 16
+
+
+async def test_a_reward_function_failing_on_every_call_stops_the_run_before_training_on_it(
+    rg_runs, rg_warmstart, tmp_path_factory
+):
+    """Issue 38: a run whose reward function fails on every call of a step's batch stops at
+    that step, naming the function, the count and the first traceback and saying the fix;
+    it does not train on ``reward.on_error`` values (steps 1 and 2 trained and logged, step
+    3 neither), and a rerun resumes from step 2 (the next test)."""
+    app = await rg_run(rg_runs, rg_warmstart, tmp_path_factory, "crashed")
+    assert sorted(app.trained) == [0, 1] and sorted(app.rollouts) == [0, 1]
+    message = str(rg_runs.failure)
+    assert message.startswith(
+        "reward function 'fails_when_flagged' failed on 8 of 8 calls of this batch (every "
+        "call; reward.max_error_rate=1.0): the run stops rather than train on "
+        "reward.on_error values; fix it, or set reward.max_error_rate higher or null."), message
+    assert "Its first failure:\nTraceback" in message
+    assert message.rstrip().endswith("RuntimeError: the judge service is down"), message
+    rows = {r["step"]: r for r in history(rg_runs.output_dir)}
+    assert sorted(s for s, r in rows.items() if "loss" in r) == [1, 2]
+    assert rows[2]["reward/errors/fails_when_flagged"] == 0
 
 
 async def test_a_killed_reasoning_gym_run_resumes_its_prompt_stream_exactly(

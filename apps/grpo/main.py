@@ -64,6 +64,7 @@ from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
     resolved_task,
 )
+from forge_ext.tasks.prompts import render_splits
 from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
@@ -93,10 +94,6 @@ from forge_ext.supervision import RoleFailure, shutdown_monarch
 PROMPT_STREAM_FILE = "prompt_stream.json"
 """In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
 prompt stream position where each checkpointed step's prompts begin."""
-
-SAMPLES_FILE = "samples.jsonl"
-"""In ``metrics.log_dir``: ``metrics.samples_per_step`` completions per training step, one
-JSON object a line (:meth:`forge_ext.rollout.EpisodeBatch.samples`, with its ``step``)."""
 
 MAY_CHANGE_ON_RESUME = (
     "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
@@ -171,20 +168,12 @@ class GRPOApp(RLLoop):
         if not self.eval_rows:
             raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
                              "(or task.eval_path) to at least 1")
-        longest, unknown = 0, 0
-        unk = self.tok.tokenizer.unk_token_id
-        for split, rows in (("training", train_rows), ("held-out", self.eval_rows)):
-            for i, row in enumerate(rows):
-                try:
-                    ids = render(row)
-                except ValueError as e:
-                    raise ValueError(f"{split} row {i}: {e}") from None
-                longest = max(longest, len(ids))
-                unknown += unk is not None and unk in ids
-        if unknown:  # e.g. the demo's character tokenizer on English prompts
-            print(f"warning: {unknown} of {len(train_rows) + len(self.eval_rows)} prompts hold "
-                  f"text the tokenizer of model.hf_path maps to {self.tok.tokenizer.unk_token} "
-                  "(characters or words outside its vocabulary)", file=sys.stderr)
+        # Every prompt renders (or the error names its row); <unk> in any is warned about.
+        prompts, warning = render_splits(render, {"training": train_rows,
+                                                  "held-out": self.eval_rows})
+        if warning:  # e.g. the demo's character tokenizer on English prompts
+            print(warning, file=sys.stderr)
+        longest = max(len(ids) for split in prompts.values() for ids in split)
         self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
         # The evaluation sets: their rows, prompts and rubrics, checked now.
         self.eval_sets = build_sets(
@@ -836,19 +825,16 @@ class GRPOApp(RLLoop):
         return metrics
 
     def _write_samples(self, step: int, rollouts: Rollouts) -> None:
-        """Append ``metrics.samples_per_step`` of the step's episodes (the first of each
-        group) to ``samples.jsonl`` in the metrics folder, as the rubric scored them."""
+        """``metrics.samples_per_step`` of the step's episodes (the first of each group), as
+        the rubric scored them, to ``samples.jsonl`` and TensorBoard's text
+        (:meth:`forge_ext.metrics.MetricLogger.log_samples`)."""
         count = self.metrics.config.samples_per_step
         if not count:
             return
         group = self.config.grpo.group_size
         batch = rollouts.batch
         indices = list(range(0, len(batch.trajectories), group))[:count]
-        path = Path(self.metrics.config.log_dir) / SAMPLES_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            for record in batch.samples(self.tok, indices):
-                f.write(json.dumps({"step": step, **record}) + "\n")
+        self.metrics.log_samples(step, batch.samples(self.tok, indices))
 
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
@@ -947,14 +933,24 @@ class GRPOApp(RLLoop):
                       if k.startswith("reward/errors/") and v}
             if failed:  # a user's reward function raised, hung or returned garbage
                 parts.append("reward errors " + ", ".join(f"{k} {v}" for k, v in failed.items()))
+            from forge_ext.rollout.episodes import TRUNCATION_CAUSES
+
+            # Truncated episodes by the limit that cut them (the field to raise), if any.
+            cut = {c: m[f"rollout/truncated/{c}"] for c in TRUNCATION_CAUSES
+                   if m.get(f"rollout/truncated/{c}")}
+            causes = " ".join(f"{c} {v:.0%}" for c, v in cut.items())
             if "episode/turns_mean" in m:  # multi-turn episodes
                 env_failed = int(m["episode/env_errors"] + m["episode/env_timeouts"])
+                unknown = int(m.get("episode/env_unk_replies", 0))
                 parts.append(
                     f"turns {m['episode/turns_mean']:.2f} (max {int(m['episode/turns_max'])}, "
-                    f"truncated {m['episode/truncated']:.0%}"
+                    f"truncated {m['episode/truncated']:.0%}" + (f": {causes}" if cut else "")
                     + (f", env errors {int(m['episode/env_errors'])} timeouts "
-                       f"{int(m['episode/env_timeouts'])}" if env_failed else "") + ")"
+                       f"{int(m['episode/env_timeouts'])}" if env_failed else "")
+                    + (f", env replies with <unk> {unknown}" if unknown else "") + ")"
                 )
+            elif cut:  # one turn: a response cut at generator.sampling.max_new_tokens
+                parts.append(f"truncated {causes}")
             if "agent/calls_mean" in m:  # task.agent
                 failed = int(m["agent/errors"] + m["agent/timeouts"])
                 parts.append(
@@ -1019,6 +1015,7 @@ class GRPOApp(RLLoop):
 
     def plot_spec(self) -> dict[str, Any]:
         from forge_ext.metrics import PlotPanel
+        from forge_ext.rollout.episodes import TRUNCATION_CAUSES
 
         from forge_ext.rollout.replicas import replica_name
 
@@ -1041,6 +1038,19 @@ class GRPOApp(RLLoop):
                           labels={f"reward/{name}": name for name in self.rubric.names}),
                 PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
                           labels={"rollout/response_tokens": "response length (mean)"}),
+                # Why episodes were cut (rollout/truncated/<cause>: the limit to raise), how
+                # often the clip bound, and how many groups carried no signal.
+                PlotPanel(keys=[f"rollout/truncated/{c}" for c in TRUNCATION_CAUSES],
+                          ylabel="truncated (fraction)", ylim=(-0.02, 1.02),
+                          labels={f"rollout/truncated/{c}": f"cut by {c}"
+                                  for c in TRUNCATION_CAUSES}),
+                PlotPanel(keys=["loss/clip_fraction", "rollout/groups_without_spread"],
+                          ylabel="fraction", ylim=(-0.02, 1.02),
+                          labels={"loss/clip_fraction": "clip fraction (tokens)",
+                                  "rollout/groups_without_spread":
+                                      "groups without reward spread (no signal)"}),
+                PlotPanel(keys=["rollout/dropped_groups"], ylabel="groups",
+                          labels={"rollout/dropped_groups": "groups dropped (dynamic sampling)"}),
                 PlotPanel(
                     keys=["time/step", "time/generator_idle", "time/trainer_idle"],
                     ylabel="seconds per step",
@@ -1048,11 +1058,10 @@ class GRPOApp(RLLoop):
                             "time/trainer_idle": "trainer idle"},
                 ),
                 *([PlotPanel(
-                    keys=["episode/turns_mean", "episode/turns_max", "episode/truncated"],
-                    ylabel="turns / fraction",
+                    keys=["episode/turns_mean", "episode/turns_max"],
+                    ylabel="turns",
                     labels={"episode/turns_mean": "turns per episode (mean)",
-                            "episode/turns_max": "turns per episode (max)",
-                            "episode/truncated": "truncated episodes (fraction)"},
+                            "episode/turns_max": "turns per episode (max)"},
                 )] if self.runner.multi_turn else []),
                 *([PlotPanel(
                     keys=[f"eval/{s.name}/{name}" for s in self.eval_sets for name in s.metrics],

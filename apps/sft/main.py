@@ -45,7 +45,7 @@ from forge_ext.tasks import (
     PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
     resolved_task, task_config,
 )
-from forge_ext.tasks.prompts import prompt_characters
+from forge_ext.tasks.prompts import prompt_characters, render_splits
 from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             functions_only(Rubric(config.reward, task))
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"config error: {e}")
-        wrote = ensure_init_checkpoint(config, task)  # the trainer: section reads its config.json
+        wrote = False
         try:
+            wrote = ensure_init_checkpoint(config, task)  # the trainer: reads its config.json
             engine = engine_config_from_mapping(config.trainer)
             processes = world_size_of(engine, None)
             if processes != 1:
@@ -305,12 +306,19 @@ def main(argv: list[str] | None = None) -> None:
                     f"trainer.parallelism degrees multiply to {processes} processes, but the "
                     "SFT app trains in this one process; set them to 1 (or leave them out)"
                 )
-            # Every training row must fit, as the GRPO app checks before spawning (the
-            # engine's refusal mid-run was a 20-line traceback).
+            # Every prompt must render and every training row fit, as the GRPO app checks
+            # before spawning (a held-out row that did not render was a traceback after
+            # training; a row too long, the engine's 20-line traceback mid-run).
             tok = CheckpointTokenizer(config.init.hf_path)
             render = PromptRenderer(tok, config.prompt)
-            longest = max(len(render(row)) + len(tok.encode_answer(row.answer))
-                          for row in task.train_rows())
+            train_rows = list(task.train_rows())
+            prompts, warning = render_splits(
+                render, {"training": train_rows, "held-out": list(task.eval_rows())},
+                tokenizer_field="init.hf_path")
+            if warning:
+                print(warning, file=sys.stderr)
+            longest = max(len(ids) + len(tok.encode_answer(row.answer))
+                          for ids, row in zip(prompts["training"], train_rows))
             if longest > engine.training.seq_len:
                 raise ValueError(
                     f"trainer.training.seq_len={engine.training.seq_len} < {longest} tokens "

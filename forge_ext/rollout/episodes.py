@@ -23,6 +23,14 @@ own environment instance, and turns alternate until the environment says done,
    (:meth:`~forge_ext.tasks.PromptRenderer.continuation`) are appended with mask 0 and no
    log-probs.
 
+A truncated episode records why (:data:`TRUNCATION_CAUSES`, ``rollout/truncated/<cause>``):
+its last turn was cut at ``max_new_tokens``, the episode ran out of ``max_episode_tokens``, or
+out of ``max_turns``. An environment text (the first prompt, a reply) that the tokenizer maps
+to its unknown token (``<unk>``: characters or words outside its vocabulary, e.g. English
+under the demo's character tokenizer) is warned about once per environment, with the text,
+and counted (``episode/env_unk_replies``): such a reply costs a token per unknown character
+of ``max_episode_tokens`` and says nothing to the model.
+
 An environment call that raises or runs past ``task.env_timeout_s`` ends its episode, which
 then scores ``reward.on_error`` (counted in ``episode/env_errors`` / ``episode/env_timeouts``);
 the others go on. An episode's reward is the rubric's score of its last model turn plus the sum
@@ -54,6 +62,13 @@ from forge_ext.tasks.rubric import check_failures
 from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
+TRUNCATION_CAUSES = ("max_new_tokens", "max_episode_tokens", "max_turns")
+"""Why a truncated episode ended, each logged as ``rollout/truncated/<cause>`` (the fraction
+of episodes): its last model turn was cut at ``generator.sampling.max_new_tokens`` (no end
+token; an agent's last call at its token limit); it reached ``task.max_episode_tokens`` (a
+turn cut to fit, or no room for another turn after a reply); it used ``task.max_turns``
+turns and the environment was not done."""
+
 SampleFn = Callable[..., Awaitable[list[Completion]]]
 """``sample(prompt_ids: list[int], n: int, *, greedy: bool, seed: int | None, session)``: one
 request's ``n`` completions (:meth:`forge_ext.rollout.replicas.GeneratorReplicas.sample`);
@@ -82,6 +97,10 @@ class Trajectory:
     turns: int = 0
     truncated: bool = False
     """Ended by ``max_turns``, ``max_episode_tokens`` or a turn without an end token."""
+    truncation: str | None = None
+    """Why it was truncated: one of :data:`TRUNCATION_CAUSES` (None: not truncated)."""
+    unknown_replies: int = 0
+    """Environment texts (first prompt, replies) holding the tokenizer's unknown token."""
     env_error: str | None = None
     """``"error"`` or ``"timeout"`` if an environment call ended the episode."""
     done: bool = False
@@ -109,6 +128,11 @@ class Trajectory:
         self.response_ids += ids
         self.response_mask += [int(model)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def truncate(self, cause: str) -> None:
+        """End the episode as truncated by ``cause`` (:data:`TRUNCATION_CAUSES`)."""
+        self.truncated = self.done = True
+        self.truncation = cause
 
 
 @dataclass(slots=True)
@@ -167,11 +191,19 @@ class EpisodeBatch:
 
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
-        ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction),
-        ``episode/env_errors``, ``episode/env_timeouts`` (counts); for every batch
+        ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction, any cause),
+        ``episode/env_errors``, ``episode/env_timeouts``, ``episode/env_unk_replies``
+        (counts); for every batch ``rollout/truncated/<cause>`` (the fraction of episodes
+        truncated by each cause of :data:`TRUNCATION_CAUSES` that applies: only
+        ``max_new_tokens`` for single-turn and agent episodes) and
         ``rollout/versions_per_response_mean`` and ``_max`` (policy versions that sampled an
         episode's tokens)."""
         out = self.scores.metrics()
+        causes = TRUNCATION_CAUSES if self.multi_turn and not self.agent else TRUNCATION_CAUSES[:1]
+        n = len(self.trajectories)
+        for cause in causes:
+            out[f"rollout/truncated/{cause}"] = sum(
+                x.truncation == cause for x in self.trajectories) / n
         spans = [len(set(x.versions)) for x in self.trajectories if x.versions]
         if spans:  # > 1 where an in-flight weight update landed inside a response
             out["rollout/versions_per_response_mean"] = sum(spans) / len(spans)
@@ -193,6 +225,7 @@ class EpisodeBatch:
                 "episode/truncated": sum(x.truncated for x in t) / len(t),
                 "episode/env_errors": float(sum(x.env_error == "error" for x in t)),
                 "episode/env_timeouts": float(sum(x.env_error == "timeout" for x in t)),
+                "episode/env_unk_replies": float(sum(x.unknown_replies for x in t)),
             })
         return out
 
@@ -211,6 +244,7 @@ class EpisodeRunner:
         if config.environment is not None:
             render.check_continuation()
         self._reported: set[str] = set()
+        self._unk_warned: set[str] = set()  # environments warned about unknown tokens
         self._first_failure: str | None = None  # the environment's or agent's first traceback
         self._pool = DaemonPool(8)  # environments' sync reset/step
         self._runs = itertools.count()  # tells sessions of different calls apart
@@ -253,7 +287,8 @@ class EpisodeRunner:
                 for c in completions:
                     t = Trajectory(row=row, prompt_ids=c.prompt_ids, turns=1,
                                    versions=c.versions or [c.policy_version],
-                                   last_turn=c.response_ids, truncated=not c.finished, done=True)
+                                   last_turn=c.response_ids, truncated=not c.finished, done=True,
+                                   truncation=None if c.finished else "max_new_tokens")
                     t.add(c.response_ids, True, c.logprobs)
                     trajectories.append(t)
             return await self._score(trajectories)
@@ -290,6 +325,7 @@ class EpisodeRunner:
         except ValueError as e:
             self._fail(t, "error", e, "reset")
             return
+        self._check_known(t, t.prompt_ids, first, "reset")
         for turn in range(c.max_turns):
             (x,) = await sample(t.prompt_ids + t.response_ids, 1, greedy=greedy,
                                 seed=None if seed is None else seed(turn), session=session)
@@ -300,8 +336,11 @@ class EpisodeRunner:
             t.versions += (x.versions or [x.policy_version] * len(x.response_ids))[:room] or [
                 x.policy_version]
             t.last_turn = ids
-            if len(ids) < len(x.response_ids) or not x.finished:
-                t.truncated = t.done = True  # cut by the token budget or max_new_tokens
+            if len(ids) < len(x.response_ids):
+                t.truncate("max_episode_tokens")  # cut to fit the episode's token budget
+                return
+            if not x.finished:
+                t.truncate("max_new_tokens")  # no end token: the generator's limit
                 return
             result = await self._env_call(t, t.env.step, self.tok.completion_text(ids)[0])
             if t.done:  # the call failed
@@ -326,10 +365,12 @@ class EpisodeRunner:
                     f"step()'s reply must be text or {{role, content}} messages, got "
                     f"{reply!r:.80} ({e})"), "step")
                 return
+            self._check_known(t, reply_ids, reply, "step")
             if len(t.response_ids) + len(reply_ids) >= c.max_episode_tokens:
-                break  # no room for another model token
+                t.truncate("max_episode_tokens")  # no room for another model token
+                return
             t.add(reply_ids, False)
-        t.truncated = t.done = True  # the last model turn was answered: max_turns reached
+        t.truncate("max_turns")  # the last model turn was answered, and not done
 
     async def _agent_episode(self, t: Trajectory, sample: SampleFn, *, greedy: bool, session,
                              seed: Callable[[int], int] | None) -> None:
@@ -379,7 +420,8 @@ class EpisodeRunner:
         t.response_mask, t.logprobs = first.response_mask, first.logprobs
         t.versions = [v for r in t.rows for v in r.versions]
         t.last_turn = calls[-1].completion_ids
-        t.truncated = not calls[-1].finished
+        if not calls[-1].finished:
+            t.truncated, t.truncation = True, "max_new_tokens"
 
     async def _env_call(self, t: Trajectory, method, argument):
         """``method(argument)`` (an environment's ``reset`` or ``step``, async or not: a sync
@@ -404,6 +446,26 @@ class EpisodeRunner:
         finally:
             t.env_seconds += time.perf_counter() - start
         return None
+
+    def _check_known(self, t: Trajectory, ids: list[int], text, what: str) -> None:
+        """Count an environment text (``reset``'s first prompt, a ``step`` reply) whose ids
+        hold the tokenizer's unknown token, and warn once per environment with the text
+        (the app checks the task's prompts the same way before spawning)."""
+        unknown = self.tok.unknown_count(ids)
+        if not unknown:
+            return
+        t.unknown_replies += 1
+        env = self.config.environment
+        if env in self._unk_warned:
+            return
+        self._unk_warned.add(env)
+        print(f"warning: the environment ({env})'s {what}() gave text the tokenizer of "
+              f"model.hf_path maps to {self.tok.tokenizer.unk_token} ({unknown} of its "
+              f"{len(ids)} tokens: characters or words outside its vocabulary); the model "
+              "reads nothing there, and each such token counts toward "
+              f"task.max_episode_tokens={self.config.max_episode_tokens}; later ones are only "
+              f"counted (episode/env_unk_replies): {_text_of(text)!r:.300}",
+              file=sys.stderr, flush=True)
 
     def _fail(self, t: Trajectory, kind: str, error: BaseException, what: str) -> None:
         t.env_error, t.done = kind, True
@@ -453,3 +515,14 @@ class EpisodeRunner:
                             env_seconds=sum(t.env_seconds for t in trajectories),
                             multi_turn=self.multi_turn, agent=self.config.agent is not None,
                             reward_seconds=time.perf_counter() - start)
+
+
+def _text_of(prompt) -> str:
+    """An environment's text, a message or messages, as one string (for a warning)."""
+    if isinstance(prompt, str):
+        return prompt
+    messages = [prompt] if isinstance(prompt, dict) else prompt
+    try:
+        return "".join(str(m["content"]) for m in messages)
+    except (TypeError, KeyError):
+        return str(prompt)

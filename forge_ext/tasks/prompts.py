@@ -197,3 +197,34 @@ class PromptRenderer:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         return self.tok.encode_messages(prompt, self.config.chat_template_kwargs)
+
+
+def render_splits(render: PromptRenderer, splits: dict[str, list[Row]],
+                  tokenizer_field: str = "model.hf_path"
+                  ) -> tuple[dict[str, list[list[int]]], str | None]:
+    """Every row's prompt ids, per split (``{"training": rows, "held-out": rows}``), and a
+    warning if any holds the tokenizer's unknown token (None if none does): what an app
+    checks before it trains, so that a row that does not render is a config error then,
+    not a traceback after training. ``tokenizer_field``: the field that names the
+    checkpoint whose tokenizer it is (for the warning).
+
+    Raises:
+        ValueError: naming the split and row (``held-out row 3: prompt.template=...``).
+    """
+    ids: dict[str, list[list[int]]] = {}
+    for split, rows in splits.items():
+        ids[split] = []
+        for i, row in enumerate(rows):
+            try:
+                ids[split].append(render(row))
+            except ValueError as e:
+                raise ValueError(f"{split} row {i}: {e}") from None
+    tok = render.tok
+    unknown = sum(tok.unknown_count(x) > 0 for prompts in ids.values() for x in prompts)
+    total = sum(len(prompts) for prompts in ids.values())
+    warning = None
+    if unknown:  # e.g. the demo's character tokenizer on English prompts
+        warning = (f"warning: {unknown} of {total} prompts hold text the tokenizer of "
+                   f"{tokenizer_field} maps to {tok.tokenizer.unk_token} (characters or words "
+                   "outside its vocabulary)")
+    return ids, warning

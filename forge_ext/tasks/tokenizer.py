@@ -119,6 +119,12 @@ class CheckpointTokenizer:
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = self.eos_id if pad is None else pad
 
+    def unknown_count(self, ids: list[int]) -> int:
+        """How many of ``ids`` are the tokenizer's unknown token (``<unk>``: text outside its
+        vocabulary); 0 for a tokenizer without one (byte-level BPE encodes any text)."""
+        unk = self.tokenizer.unk_token_id
+        return 0 if unk is None else sum(i == unk for i in ids)
+
     @property
     def has_chat_template(self) -> bool:
         """Whether the checkpoint's tokenizer defines a chat template (``chat_template`` in
