@@ -93,6 +93,7 @@ class HFEngine(TitanEngine):
         # Not TitanEngine.__init__ (no torchtitan model, device mesh or checkpointer): the
         # attributes its microbatch core and verbs read are set here instead.
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         if not isinstance(config, EngineConfig):
             config = engine_config_from_mapping(config)
@@ -110,10 +111,18 @@ class HFEngine(TitanEngine):
         self.dp_mesh = None
         self.sd_adapter = None
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
-            attn_implementation="sdpa",
-        ).to(self.device)
+        # No "Loading weights" bar in the middle of a run's console (restored after), as
+        # the transformers generator (forge_ext/rollout/engines/hf.py).
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
+                attn_implementation="sdpa",
+            ).to(self.device)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         model.train()
         self.model_parts = [model]
         self.optimizers = config.optimizer.to_titan().build(model_parts=self.model_parts)
