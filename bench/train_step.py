@@ -4,6 +4,7 @@ Run from the repository root (so that the Monarch proc can import this module)::
 
     .venv/bin/python -m bench.train_step                  # qwen3 small, 8 x 128 tokens
     .venv/bin/python -m bench.train_step --flavor tiny --steps 10 --no-actor --ga 1,4
+    .venv/bin/python -m bench.train_step --no-actor --no-memory   # hf vs titan engine only
 
 Three sections, each printed as a table:
 
@@ -39,6 +40,15 @@ Three sections, each printed as a table:
      high-water mark (``/proc/self/clear_refs`` 5), runs one step and reports ``VmHWM`` minus
      the RSS before the step (on CUDA: peak allocated growth). This includes the optimizer
      state created on that first step and allocator slack; slow (a process per row) and noisy.
+
+4. **Engine backends, hf versus titan**, on the same model: the flavor's weights written once
+   as an HF checkpoint (``transformers``' own init, seeded), then a :class:`TitanEngine`
+   (``model.flavor: hf``, torchtitan's decoder) and an ``HFEngine`` (``trainer.engine: hf``,
+   transformers' ``AutoModelForCausalLM``) built from it with the same ``trainer:`` section
+   (SDPA attention both), steps of ``train_batch`` alternating as in section 1. The first
+   step's losses are printed (equal weights, equal batch: they agree to ~1e-6). "vs titan" is
+   the median per-round ratio hf tokens/s / titan tokens/s. Needs a forge_ext small flavor
+   (``tiny``, ``small``: flavors with HF config fields).
 
 Absolute timings on a shared 2-core machine are noisy; ratios measured side by side much less.
 Every process runs one torch thread by default (``--threads``): with two OpenMP threads on two
@@ -235,6 +245,51 @@ def bench_in_process(args, batch) -> list[list[str]]:
     ]
     engine.close()
     return rows
+
+
+# ---- section 4: engine backends, hf versus titan ------------------------------------------
+ENGINE_HEADERS = ["engine", "model", "step ms (median)", "tokens/s (median)",
+                  "vs titan (median per-round ratio)", "95% CI", "step-time overhead"]
+
+
+def bench_engines(args, batch) -> tuple[list[list[str]], float, float]:
+    """hf and titan engines on one HF checkpoint of the flavor; rows and first-step losses."""
+    import tempfile
+
+    from forge_ext.engine import build_engine
+    from forge_ext.engine.models import HF_MODEL_TYPES, SMALL_FLAVORS
+    from forge_ext.hf_checkpoint import init_hf_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
+
+    fields = SMALL_FLAVORS.get(args.model, {}).get(args.flavor)
+    if fields is None:
+        raise ValueError(f"--flavor={args.flavor}: the engine section needs a forge_ext small "
+                         f"flavor of {args.model} ({sorted(SMALL_FLAVORS.get(args.model, {}))}) "
+                         "or --no-engines")
+    with tempfile.TemporaryDirectory(prefix="bench_engines_") as tmp:
+        path = str(init_hf_checkpoint(tmp, HF_MODEL_TYPES[args.model], fields, seed=args.seed))
+        mapping = trainer_mapping(args, args.timing_ga)
+        model = {"hf_path": path, "attn_backend": "sdpa"}
+        engines = {
+            "titan": TitanEngine({**mapping, "model": {**model, "name": args.model,
+                                                       "flavor": "hf"}}),
+            "hf": build_engine({**mapping, "engine": "hf", "model": model}),
+        }
+    first = {name: engine_train_step(e, batch)["loss"] for name, e in engines.items()}
+    secs = interleaved(
+        {name: timed(lambda e=e: engine_train_step(e, batch), e.device)
+         for name, e in engines.items()},
+        args.steps, args.warmup,
+    )
+    tokens = batch["input_ids"].numel()
+    what = f"{args.model} {args.flavor} (HF checkpoint), GA={args.timing_ga}"
+    rows = [row("titan: TitanEngine.train_batch", what, secs["titan"], None, tokens),
+            row("hf: HFEngine.train_batch", what, secs["hf"], secs["titan"], tokens)]
+    for engine in engines.values():
+        engine.close()
+    return rows, first["titan"], first["hf"]
 
 
 # ---- section 2: the RLTrainer actor -----------------------------------------------------
@@ -494,6 +549,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "jobs hold the cores make per-step times erratic")
     p.add_argument("--no-memory", dest="memory", action="store_false",
                    help="skip the memory section")
+    p.add_argument("--no-engines", dest="engines", action="store_false",
+                   help="skip the hf-versus-titan engine section")
+    p.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="skip the in-process engine-versus-bare-loop section")
     args = p.parse_args(argv)
     for ga in [args.timing_ga, *args.ga]:
         if ga <= 0 or args.batch % ga:
@@ -526,11 +585,12 @@ def main(argv=None) -> None:
     print(" ".join(["# command: python -m bench.train_step",
                     *(argv if argv is not None else sys.argv[1:])]))
 
-    t0 = time.perf_counter()
-    in_proc = bench_in_process(args, batch)
-    print(f"\n## Throughput, one process (bare loop and engine alternate on the same model; "
-          f"{time.perf_counter() - t0:.0f} s)")
-    print(tabulate(in_proc, headers=HEADERS, disable_numparse=True))
+    if args.in_process:
+        t0 = time.perf_counter()
+        in_proc = bench_in_process(args, batch)
+        print(f"\n## Throughput, one process (bare loop and engine alternate on the same "
+              f"model; {time.perf_counter() - t0:.0f} s)")
+        print(tabulate(in_proc, headers=HEADERS, disable_numparse=True))
 
     if args.actor:
         t0 = time.perf_counter()
@@ -547,6 +607,14 @@ def main(argv=None) -> None:
         print(f"\n## Peak memory versus gradient accumulation (same {args.batch} x {args.seq} "
               f"batch, one train step; {time.perf_counter() - t0:.0f} s)")
         print(tabulate(mem_rows, headers=headers, disable_numparse=True))
+    if args.engines:
+        t0 = time.perf_counter()
+        engine_rows, titan_loss, hf_loss = bench_engines(args, batch)
+        quiet_logs()
+        print(f"\n## Engine backends, hf vs titan (same HF checkpoint and batch, steps "
+              f"alternating in one process; first-step loss titan {titan_loss:.6f}, hf "
+              f"{hf_loss:.6f}; {time.perf_counter() - t0:.0f} s)")
+        print(tabulate(engine_rows, headers=ENGINE_HEADERS, disable_numparse=True))
     print(f"\n# total {time.perf_counter() - start:.0f} s")
 
 

@@ -131,3 +131,10 @@ def fails_when_flagged(completion):
     if flag and os.path.exists(flag):
         raise RuntimeError("the judge service is down")
     return 0.0
+
+
+def distinct_ids(completion_ids):
+    """A dense reward for a random model that seldom finishes an answer: the number of
+    distinct token ids in the response, so the samples of a group almost always differ
+    (GRPO advantages not all zero) (tests/test_hf_families.py)."""
+    return float(len(set(completion_ids)))

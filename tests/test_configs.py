@@ -47,7 +47,7 @@ def test_configs_exist_for_demo_gpu_and_pp_ga():
 
 
 @pytest.mark.parametrize("name", ["grpo_cpu_demo.yaml", "grpo_cpu_pp_ga.yaml", "grpo_cpu_async.yaml",
-                                  "grpo_cpu_lora.yaml",
+                                  "grpo_cpu_lora.yaml", "grpo_cpu_demo_hf.yaml",
                                   "grpo_cpu_chain_sum.yaml", "ppo_cpu_demo.yaml"])
 def test_cpu_grpo_configs_validate(name, demo_checkpoint):
     config = load_config(str(CONFIGS / name), [f"model.hf_path={demo_checkpoint}"])

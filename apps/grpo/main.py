@@ -454,13 +454,12 @@ class GRPOApp(RLLoop):
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
         (:mod:`forge_ext.rollout.agents`), on 127.0.0.1; its address and the run's key go to
         ``<output_dir>/agent_endpoint.json`` (readable by this user only) for external agents."""
-        from forge_ext.engine.models import model_name_of
         from forge_ext.rollout.agents import AgentEndpoint
 
         c, episodes = self.config, self.runner.config
         parser = episodes.agent_tool_parser
         if parser == "auto":
-            family = model_name_of(c.model.hf_path)
+            family = self.model_name()
             parser = {"qwen3": "hermes", "qwen2": "hermes", "llama3": "llama3_json"}.get(family)
         endpoint = AgentEndpoint(
             self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
@@ -480,14 +479,24 @@ class GRPOApp(RLLoop):
         self.write(f"agent endpoint {endpoint.base_url} ({episodes.agent}; address and key in "
                    f"{path})")
 
+    def model_name(self) -> str:
+        """The policy's ``model.name``: as given, else the one the engine reads from
+        config.json (``trainer.engine: hf``: its ``model_type``, any family; ``titan``:
+        :func:`forge_ext.engine.models.model_name_of`)."""
+        from forge_ext.engine.models import model_name_of, read_hf_config
+
+        model = self.config.trainer.get("model", {})
+        if model.get("name"):
+            return model["name"]
+        if self.config.trainer.get("engine") == "hf" and model.get("hf_path"):
+            return read_hf_config(model["hf_path"]).get("model_type") or "?"
+        return model_name_of(model.get("hf_path"))
+
     def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
         """The run's first console lines: model, steps and batch, task, roles and where
         they run, output_dir."""
-        from forge_ext.engine.models import model_name_of
-
         c = self.config
-        model = c.trainer.get("model", {})
-        name = model.get("name") or model_name_of(model.get("hf_path"))
+        name = self.model_name()
         replicas = c.generator.replicas
         procs = ", ".join(
             f"{r} ({c.generator.backend}, {replicas} replica{'s' * (replicas > 1)}, "

@@ -195,6 +195,7 @@ class HFEngine(TitanEngine):
         # Not TitanEngine.__init__ (no torchtitan model or parallel dims): the attributes
         # its microbatch core and verbs read are set here instead.
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         if not isinstance(config, EngineConfig):
             config = engine_config_from_mapping(config)
@@ -219,10 +220,18 @@ class HFEngine(TitanEngine):
         self.train_context = contextlib.nullcontext  # no SPMD context without torchtitan
         self.sd_adapter = None  # the module's names are HF names
         torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
-            attn_implementation="sdpa",
-        ).to(self.device)
+        # No "Loading weights" bar in the middle of a run's console (restored after), as
+        # the transformers generator (forge_ext/rollout/engines/hf.py).
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
+                attn_implementation="sdpa",
+            ).to(self.device)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         if config.lora is not None:
             lora = config.lora
             apply_lora(model, lora.rank, float(lora.alpha), lora.targets)
