@@ -200,11 +200,11 @@ class HFEngine(TitanEngine):
         if not isinstance(config, EngineConfig):
             config = engine_config_from_mapping(config)
         self.config = config
-        self.device = titan_utils.get_local_device()
-        titan_utils.device_module.set_device(self.device)
         # A world of one without torchrun's environment (DCP checkpoints want a process
         # group); as TitanEngine, the rendezvous listens on MASTER_ADDR only.
         init_single_process_env()
+        self.device = titan_utils.get_local_device()
+        titan_utils.device_module.set_device(self.device)
         with rendezvous_on_master_addr():
             world_size = dist_utils.init_distributed(CommConfig(),
                                                      base_folder=config.dump_folder)
@@ -232,6 +232,12 @@ class HFEngine(TitanEngine):
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+        # A tied weight's second name (``lm_head.weight`` of a tied head) and its first: one
+        # tensor, published and exported once, as transformers' save_pretrained writes it.
+        first: dict[int, str] = {}
+        self._tied = {name: first.setdefault(id(p), name)
+                      for name, p in model.named_parameters(remove_duplicate=False)
+                      if first.setdefault(id(p), name) != name}
         if config.lora is not None:
             lora = config.lora
             apply_lora(model, lora.rank, float(lora.alpha), lora.targets)
@@ -283,9 +289,12 @@ class HFEngine(TitanEngine):
         pass
 
     def _to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state_dict`` without the LoRA adapters' entries: the module's names are HF
-        names (the adapters travel in PEFT names, :meth:`adapter_state_dict`)."""
-        return {k: v for k, v in state_dict.items() if not _is_adapter_key(k)}
+        """``state_dict`` without the LoRA adapters' entries (they travel in PEFT names,
+        :meth:`adapter_state_dict`) and without a tied weight's second name (a tied
+        ``lm_head.weight``: the embedding, which vLLM and transformers re-tie): the module's
+        names are HF names."""
+        return {k: v for k, v in state_dict.items()
+                if not _is_adapter_key(k) and k not in self._tied}
 
     def _hf_module_name(self, titan_module: str, weight: torch.Tensor) -> str:
         return titan_module
@@ -302,6 +311,9 @@ class HFEngine(TitanEngine):
             extra = sorted(set(state_dict) - set(self.model_state_dict()))
             if extra:
                 raise KeyError(f"state dict has keys the model lacks: {extra[:5]}")
+            # A tied weight's second name may be absent (hf_state_dict leaves it out).
+            state_dict = {**{t: state_dict[s] for t, s in self._tied.items()
+                             if t not in state_dict and s in state_dict}, **state_dict}
             self._load_model_state_dict(state_dict)
 
     load_hf_state_dict = load_model_state_dict
