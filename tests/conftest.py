@@ -71,8 +71,13 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     from forge_ext.episode import pack_episodes
 
     packed = pack_episodes(episodes, pad_id=pad_id)
+    # One batch per data-parallel rank (a trainer of plain DP: every proc a DP rank); the
+    # outputs come back concatenated in rank order.
+    ranks = trainer.num_procs
+    ids, labels = packed["input_ids"].chunk(ranks), packed["labels"].chunk(ranks)
+    assert len(ids) == ranks, f"{len(packed['input_ids'])} rows over {ranks} DP ranks"
     logprobs = await trainer.forward(
-        [{"input_ids": packed["input_ids"]}], [{"labels": packed["labels"]}], output="logprobs"
+        [{"input_ids": i} for i in ids], [{"labels": t} for t in labels], output="logprobs"
     )
     valid = packed["labels"] != -100
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
