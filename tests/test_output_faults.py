@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,13 +73,16 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
     assert type(received) is disk.CheckpointWriteError and received.errno == errno.ENOSPC
 
     class App:
+        resume_step = 0  # a run to train (main() exits early on a finished one)
+
         def __init__(self, config):
             self.config = config
 
         async def run(self):
             raise ActorError(received)
 
-    monkeypatch.setattr(app_main, "load_config", lambda path, overrides: None)
+    config = SimpleNamespace(loop=SimpleNamespace(steps=4), output_dir=str(tmp_path))
+    monkeypatch.setattr(app_main, "load_config", lambda path, overrides: config)
     monkeypatch.setattr(app_main, "GRPOApp", App)
     with pytest.raises(SystemExit) as exited:
         app_main.main(["--config", str(tmp_path / "c.yaml")])
