@@ -52,7 +52,7 @@ def load_yaml(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]
     """
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must be key=value, e.g. loop.steps=5")
+            raise ValueError(f"override {item!r} must be key=value, e.g. output_dir=outputs/mine")
     try:
         config = _merge(_load_with_base(Path(path)), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(config, resolve=True)
@@ -116,7 +116,7 @@ def parse_cli(
     parser.add_argument("-h", "--help", nargs=0, action=_Help,
                         help="show this message and every config field, then exit")
     parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. loop.steps=5")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the fields below, e.g. output_dir=outputs/mine")
     args = parser.parse_args(argv)
     return args.config, args.overrides
 

@@ -60,7 +60,7 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     ), first
     assert lines[1].startswith("task addition: 8 training rows, 2 held-out"), lines[1]
     assert lines[2].startswith("GRPO variant: none (field defaults) | loss.aggregation="), lines[2]
-    assert lines[3] == ("spawning trainer (1 proc), generator (hf, 1 replica, weight_update "
+    assert lines[3] == ("spawning trainer (1 proc, titan engine), generator (hf, 1 replica, weight_update "
                         "between_requests) on this machine")
     # What the start-up spent, one line per part, before step 0 (issue 38).
     step0 = lines.index(next(line for line in lines if line.startswith("step   0/2")))

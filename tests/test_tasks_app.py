@@ -301,9 +301,10 @@ async def test_a_reward_function_failing_on_every_call_stops_the_run_before_trai
     assert sorted(app.trained) == [0, 1] and sorted(app.rollouts) == [0, 1]
     message = str(rg_runs.failure)
     assert message.startswith(
-        "reward function 'fails_when_flagged' failed on 8 of 8 calls of this batch (every "
-        "call; reward.max_error_rate=1.0): the run stops rather than train on "
-        "reward.on_error values; fix it, or set reward.max_error_rate higher or null."), message
+        "the rollouts of step 3: reward function 'fails_when_flagged' failed on 8 of 8 calls "
+        "of this batch (every call; reward.max_error_rate=1.0): the run stops rather than "
+        "train on reward.on_error values; fix it, or set reward.max_error_rate null (never "
+        "stop)."), message
     assert "Its first failure:\nTraceback" in message
     assert message.rstrip().endswith("RuntimeError: the judge service is down"), message
     rows = {r["step"]: r for r in history(rg_runs.output_dir)}

@@ -353,7 +353,7 @@ class GRPOConfig:
         hf_path = self.model.hf_path
         if hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
             raise FileNotFoundError(
-                f"model.hf_path={hf_path!r} has no config.json. For the demo, write the "
+                f"model.hf_path={hf_path!r} ({os.path.abspath(hf_path)}) has no config.json. For the demo, write the "
                 "warm-start first: python -m apps.sft.main --config configs/sft_cpu_demo.yaml "
                 "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
                 "directory"

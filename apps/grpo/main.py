@@ -65,7 +65,7 @@ from forge_ext.tasks import (
     resolved_task,
 )
 from forge_ext.tasks.prompts import render_splits
-from forge_ext.tasks.rubric import RewardFailure
+from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -501,7 +501,8 @@ class GRPOApp(RLLoop):
         procs = ", ".join(
             f"{r} ({c.generator.backend}, {replicas} replica{'s' * (replicas > 1)}, "
             f"weight_update {c.generator.weight_update})" if r == "generator"
-            else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)})"
+            else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)}, "
+                 f"{(getattr(c, r) or {}).get('engine', 'titan')} engine)"
             for r in roles
         ) + "".join(
             f", reward model {rm} ({entry.procs or 1} proc{'s' * ((entry.procs or 1) > 1)})"
@@ -587,15 +588,17 @@ class GRPOApp(RLLoop):
         c, tok = self.config, self.tok
         group = c.grpo.group_size
         start = time.perf_counter()
-        if c.grpo.dynamic_sampling:
-            batches, chosen, fillers, stats = await self._dynamic_rollouts(step)
-        else:
-            rows = self.prompts.slice(step * c.grpo.prompts_per_step, c.grpo.prompts_per_step)
-            batches = [await self.runner.run(rows, group, self.sample,
-                                             seed=c.seed * 1_000_003 + step,
-                                             version=self.trainer_version)]
-            chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
-            fillers, stats = [], {}
+        with failures_of(f"the rollouts of step {step + 1}"):
+            if c.grpo.dynamic_sampling:
+                batches, chosen, fillers, stats = await self._dynamic_rollouts(step)
+            else:
+                rows = self.prompts.slice(step * c.grpo.prompts_per_step,
+                                          c.grpo.prompts_per_step)
+                batches = [await self.runner.run(rows, group, self.sample,
+                                                 seed=c.seed * 1_000_003 + step,
+                                                 version=self.trainer_version)]
+                chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
+                fillers, stats = [], {}
         batch = EpisodeBatch.concat(batches) if len(batches) > 1 else batches[0]
         # Episodes run side by side: "generate" is the wall time until the last one ended
         # (their environments' time included), "env" the mean seconds an episode waited for
@@ -859,11 +862,12 @@ class GRPOApp(RLLoop):
         batches = []
         size = c.eval.batch_size
         for lo in range(0, len(self.eval_rows), size):
-            batches.append(await self.runner.run(
-                self.eval_rows[lo : lo + size], 1, self.sample, greedy=c.eval.greedy,
-                seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
-                version=self.trainer_version,
-            ))
+            with failures_of(f"the held-out evaluation at step {step}"):
+                batches.append(await self.runner.run(
+                    self.eval_rows[lo : lo + size], 1, self.sample, greedy=c.eval.greedy,
+                    seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
+                    version=self.trainer_version,
+                ))
         batch = EpisodeBatch.concat(batches)
         n = len(batch.rewards)
         # The evaluation sets, each seeded from the run's seed, the step and its name.

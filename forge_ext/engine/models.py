@@ -229,7 +229,7 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"model.hf_path={hf_path!r} has no config.json; point it at a Hugging Face "
+            f"model.hf_path={hf_path!r} ({os.path.abspath(hf_path)}) has no config.json; point it at a Hugging Face "
             "checkpoint directory (config.json + *.safetensors)"
         )
     with open(path) as f:

@@ -56,6 +56,7 @@ each, all counted in ``reward/errors/<name>``), never the run: ``reward.max_erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import numbers
@@ -64,7 +65,7 @@ import pickle
 import sys
 import traceback
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,6 +291,16 @@ class RewardFailure(RuntimeError):
     of a rollout batch's calls; the message has the count and the first traceback."""
 
 
+@contextlib.contextmanager
+def failures_of(batch: str) -> Iterator[None]:
+    """Name the batch (``"the rollouts of step 3"``, ``"the held-out evaluation at step
+    0"``) in front of a :class:`RewardFailure` raised within."""
+    try:
+        yield
+    except RewardFailure as failure:
+        raise RewardFailure(f"{batch}: {failure}") from None
+
+
 def check_failures(what: str, failed: int, calls: int, first: str | None,
                    max_error_rate: float | None) -> None:
     """Raise :class:`RewardFailure` if ``failed`` of ``calls`` reaches ``max_error_rate``.
@@ -302,7 +313,8 @@ def check_failures(what: str, failed: int, calls: int, first: str | None,
     raise RewardFailure(
         f"{what} failed on {failed} of {calls} calls of this batch ({rate}; "
         f"reward.max_error_rate={max_error_rate}): the run stops rather than train on "
-        "reward.on_error values; fix it, or set reward.max_error_rate higher or null."
+        "reward.on_error values; fix it, or set reward.max_error_rate "
+        + ("higher or null." if max_error_rate < 1 else "null (never stop).")
         + (f" Its first failure:\n{first}" if first else "")
     )
 

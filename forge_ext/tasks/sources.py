@@ -120,7 +120,8 @@ class DatasetTask(Task):
             if getattr(c, name) not in columns:
                 raise ValueError(
                     f"task.{name}={getattr(c, name)!r} is not a column of task.{field_name}="
-                    f"{path!r} (its columns: {columns})"
+                    f"{path!r} (its columns: {columns}); set task.{name}=<one of them> (the "
+                    f"{'prompt' if name == 'prompt_field' else 'reference answer'} of each row)"
                 )
         rows = []
         for i, record in enumerate(records):
