@@ -4,13 +4,13 @@ Monarch 0.7 writes its internal log to ``/tmp/<user>/monarch_log<_suffix>.log``,
 shared by every run of the user; the folder is fixed (``hyperactor_telemetry``'s
 ``log_file_path``: ``/tmp/{username}``), only the name follows ``MONARCH_LOG_SUFFIX`` (read by
 the controller and inherited by every proc). :func:`start` gives the run a file of its own
-there, links it as ``<output_dir>/logs/monarch.log`` and starts Monarch's context with its one
-console line ("Monarch internal logs are being written to ...") sent to
-``<output_dir>/logs/monarch_console.log``; :func:`finish` replaces the link with the file itself
-once the run's procs are stopped (an earlier attempt's copy is kept as
-``monarch.previous.log``). The file in ``/tmp`` is left: this process's Monarch still writes to
-it (a test session runs the app several times in one process, each run's copy holding the
-lines so far).
+there, links it as ``<output_dir>/logs/monarch.log``; :func:`start_monarch` starts Monarch's
+context with its one console line ("Monarch internal logs are being written to ...", which
+names the default file whatever the suffix) sent to ``<output_dir>/logs/monarch_console.log``;
+:func:`finish` replaces the link with the file itself once the run's procs are stopped (an
+earlier attempt's copy is kept as ``monarch.previous.log``). The file in ``/tmp`` is left:
+this process's Monarch still writes to it (a test session runs the app several times in one
+process, each run's copy holding the lines so far).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def monarch_log_file(suffix: str) -> Path:
 
 def start(output_dir: str | os.PathLike) -> Path:
     """Before Monarch starts (no ``this_host()`` yet): a log file of the run's own (unless
-    ``MONARCH_LOG_SUFFIX`` is set already), linked from ``<output_dir>/logs/monarch.log``;
-    then Monarch's context, its console line going to ``logs/monarch_console.log``.
+    ``MONARCH_LOG_SUFFIX`` is set already), linked from ``<output_dir>/logs/monarch.log``.
+    Then :func:`start_monarch`, once Monarch's transport is set.
 
     Returns:
         ``<output_dir>/logs``.
@@ -48,6 +48,18 @@ def start(output_dir: str | os.PathLike) -> Path:
     elif link.exists():  # an earlier attempt's (a resumed run): kept beside
         link.replace(logs / "monarch.previous.log")
     link.symlink_to(monarch_log_file(suffix))
+    return logs
+
+
+def start_monarch(output_dir: str | os.PathLike) -> None:
+    """Start Monarch's context in this process (``this_host()``) with its one console line
+    ("Monarch internal logs are being written to ...") sent to
+    ``<output_dir>/logs/monarch_console.log``. Call it after the hosts are started: the
+    ``slurm`` and ``attach`` launchers set Monarch's transport (TCP, which workers dial) before
+    any channel opens, and the context opens channels. A no-op if the context runs already.
+    """
+    logs = Path(output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "monarch_console.log", "a") as sink:
         saved = os.dup(2)
         os.dup2(sink.fileno(), 2)
@@ -58,7 +70,6 @@ def start(output_dir: str | os.PathLike) -> Path:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-    return logs
 
 
 def finish(output_dir: str | os.PathLike) -> None:
