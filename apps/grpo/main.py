@@ -135,6 +135,30 @@ class Rollouts:
 
 
 ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
+
+
+class FlatGroupsWatch:
+    """Warns once per streak of ``steps`` consecutive steps whose every group scored alike
+    (``rollout/groups_without_spread`` = 1): GRPO's advantages are then all 0 and the run
+    trains nothing while looking healthy (a reward that never varies, a task the model
+    cannot start, prompts the tokenizer maps to ``<unk>``)."""
+
+    def __init__(self, group_size: int, steps: int = 3):
+        self.group_size, self.steps, self.streak = group_size, steps, 0
+
+    def update(self, metrics: dict[str, float]) -> str | None:
+        """The warning line, on the step that completes a streak; else None."""
+        flat = metrics.get("rollout/groups_without_spread")
+        if self.group_size < 2 or flat is None:  # a group of one (PPO) is always flat
+            return None
+        self.streak = self.streak + 1 if flat >= 1.0 else 0
+        if self.streak != self.steps:
+            return None
+        return (f"warning: every group of the last {self.steps} steps scored alike (flat "
+                "groups 100%): their advantages are 0 and nothing trains. Check that the "
+                "rewards vary between a prompt's samples (samples.jsonl holds each function's "
+                "score), that the model can start the task (an <unk> warning above?), and "
+                "that generator.sampling.temperature > 0")
 """How the run calls itself on the console, by ``algorithm.advantage``."""
 
 
@@ -232,6 +256,7 @@ class GRPOApp(RLLoop):
         self.reward_models: dict[str, Any] = {}
         """``{name: RewardModel}`` of ``reward.functions``' reward models, once spawned."""
         self.bar = None
+        self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
                      seed: int | None = None, session=None, sampling=None) -> list[Completion]:
@@ -1031,7 +1056,8 @@ class GRPOApp(RLLoop):
                      if f"eval/{s.name}/{name}" in m]
             if shown:
                 parts.append(f"{s.name} " + " ".join(shown))
-        return " | ".join(parts)
+        warning = self.flat_groups.update(m) if "loss" in m else None
+        return " | ".join(parts) + (f"\n{warning}" if warning else "")
 
     def plot_spec(self) -> dict[str, Any]:
         from forge_ext.metrics import PlotPanel
