@@ -1157,7 +1157,9 @@ class GRPOApp(RLLoop):
         if not completed or not evals:
             return
         (first_step, before), (last_step, after) = evals[0], evals[-1]
-        start = "warm-start" if first_step == 0 else f"step {first_step}"
+        # "warm-start": a checkpoint an SFT run wrote (it records its config beside it).
+        warm = (Path(self.config.model.hf_path) / RUN_CONFIG_FILE).is_file()
+        start = f"step {first_step}" if first_step or not warm else "warm-start"
         how = "greedy" if self.config.eval.greedy else "sampled"
         print(
             f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
