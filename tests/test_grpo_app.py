@@ -387,17 +387,3 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
-
-def test_a_streak_of_steps_with_only_flat_groups_is_warned_once():
-    """Three steps in a row whose every group scored alike: one warning, on the third;
-    a step with spread restarts the count; groups of one (PPO) never warn."""
-    from apps.grpo.main import FlatGroupsWatch
-
-    watch = FlatGroupsWatch(group_size=4)
-    flat, spread = {"rollout/groups_without_spread": 1.0}, {"rollout/groups_without_spread": 0.5}
-    said = [watch.update(m) for m in (flat, flat, spread, flat, flat, flat, flat, flat)]
-    assert [i for i, line in enumerate(said) if line] == [5]
-    assert said[5].startswith("warning: every group of the last 3 steps scored alike")
-    assert "nothing trains" in said[5] and "samples.jsonl" in said[5]
-    ppo = FlatGroupsWatch(group_size=1)
-    assert [ppo.update(flat) for _ in range(4)] == [None] * 4

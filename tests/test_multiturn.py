@@ -616,10 +616,10 @@ def test_the_step_line_names_the_limit_that_cut_episodes():
     field to raise, and the replies holding <unk>; a single-turn run only when any was cut."""
     from types import SimpleNamespace
 
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import FlatGroupsWatch, GRPOApp
 
     app = SimpleNamespace(bar=None, loop=SimpleNamespace(steps=10), reference=None,
-                          eval_sets=[], config=SimpleNamespace(
+                          eval_sets=[], flat_groups=FlatGroupsWatch(4), config=SimpleNamespace(
                               grpo=SimpleNamespace(group_size=4),
                               generator=SimpleNamespace(replicas=1)))
     step = {"reward/mean": 0.5, "rollout/accuracy": 0.5, "rollout/groups_without_spread": 0.0,
@@ -637,3 +637,18 @@ def test_the_step_line_names_the_limit_that_cut_episodes():
     line = GRPOApp.log_line(app, 1, multi)
     assert ("turns 2.50 (max 3, truncated 75%: max_episode_tokens 25% max_turns 50%, env "
             "replies with <unk> 5)") in line, line
+
+
+def test_a_streak_of_steps_with_only_flat_groups_is_warned_once():
+    """Three steps in a row whose every group scored alike: one warning, on the third;
+    a step with spread restarts the count; groups of one (PPO) never warn."""
+    from apps.grpo.main import FlatGroupsWatch
+
+    watch = FlatGroupsWatch(group_size=4)
+    flat, spread = {"rollout/groups_without_spread": 1.0}, {"rollout/groups_without_spread": 0.5}
+    said = [watch.update(m) for m in (flat, flat, spread, flat, flat, flat, flat, flat)]
+    assert [i for i, line in enumerate(said) if line] == [5]
+    assert said[5].startswith("warning: every group of the last 3 steps scored alike")
+    assert "nothing trains" in said[5] and "samples.jsonl" in said[5]
+    ppo = FlatGroupsWatch(group_size=1)
+    assert [ppo.update(flat) for _ in range(4)] == [None] * 4
