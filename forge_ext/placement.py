@@ -416,6 +416,7 @@ class Placement:
         """
         launcher = self.launcher
         if launcher == "local" or self.meshes:
+            self._start_monarch()
             return
         if launcher == "attach":
             from monarch.actor import attach_to_workers
@@ -434,6 +435,7 @@ class Placement:
                 )
                 for group in self.groups
             }
+            self._start_monarch()
             return
         # Monarch's job modules log each step at INFO on the console ("Applying current
         # job", "ProcessJob: spawned worker ..."); the run prints its own summary line. (They
@@ -455,6 +457,16 @@ class Placement:
         except BaseException:
             self.stop()
             raise
+        self._start_monarch()
+
+    def _start_monarch(self) -> None:
+        """This process's Monarch context, once the transport is set (``slurm`` and
+        ``attach`` set it above, before any channel opens; the context opens channels), its
+        console line in ``<output_dir>/logs`` (:func:`forge_ext.run_logs.start_monarch`)."""
+        if self.output_dir is not None:
+            from forge_ext import run_logs
+
+            run_logs.start_monarch(self.output_dir)
 
     def _transport(self, default: str):
         """Monarch's ``default_transport`` from ``hosts.transport`` (or ``default``).

@@ -328,14 +328,9 @@ class GRPOApp(RLLoop):
 
         self.track("hosts", stop_hosts)
         start = time.perf_counter()
-        # Monarch's context (its console line to logs/) once its transport is set: the
-        # slurm and attach launchers set it in placement.start(), before any channel opens.
-        local = c.hosts.launcher == "local"
-        if local:
-            run_logs.start_monarch(c.output_dir)
-        await placement.start()  # a Slurm job waits in the queue here: Ctrl-C cancels it
-        if not local:
-            run_logs.start_monarch(c.output_dir)
+        # A Slurm job waits in the queue here (Ctrl-C cancels it); Monarch's context starts
+        # once its transport is set, its console line in <output_dir>/logs.
+        await placement.start()
         self.startup["hosts"] = time.perf_counter() - start
         # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
         # role's process or host died (RunStore says why).
