@@ -7,7 +7,9 @@ small machine), issue 38:
 - a config error: the app's light config check (YAML, overrides, every typed section, the
   cross-field checks and the derived sizes; no torch, see :mod:`forge_ext.engine.schema`),
   ``config error: ...`` in under 2 s. The app then loads the config again, whole (the checks
-  that need the model's code included), which costs it a few hundredths of a second.
+  that need the model's code included), which costs it a few hundredths of a second. A check
+  may also read the run's data (the GRPO app's :func:`apps.grpo.prepare.check_run`: rows,
+  reward functions, the tokenizer, every prompt) and return it for the app to use.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def print_saved_help(app: str, argv: list[str] | None = None) -> None:
@@ -30,9 +33,10 @@ def print_saved_help(app: str, argv: list[str] | None = None) -> None:
         sys.exit(0)
 
 
-def exit_on_config_error(check: str, argv: list[str] | None = None) -> None:
+def exit_on_config_error(check: str, argv: list[str] | None = None) -> Any:
     """Run the app's light config check and exit with ``config error: <message>`` (status 1)
-    if it raises ValueError or FileNotFoundError; return otherwise.
+    if it raises ValueError or FileNotFoundError; return what the check returned otherwise
+    (None if the command line names no config).
 
     Args:
         check: ``"module:function"``, a function of ``(path, overrides)`` that reads and
@@ -42,13 +46,13 @@ def exit_on_config_error(check: str, argv: list[str] | None = None) -> None:
     """
     args = sys.argv[1:] if argv is None else argv
     if "--config" not in args[:-1]:
-        return  # the app's parser says what is missing
+        return None  # the app's parser says what is missing
     at = args.index("--config")
     path, overrides = args[at + 1], [a for i, a in enumerate(args) if i not in (at, at + 1)]
     if any("=" not in a or a.startswith("-") for a in overrides):
-        return  # not a config error: the app's parser answers
+        return None  # not a config error: the app's parser answers
     module, function = check.split(":")
     try:
-        getattr(importlib.import_module(module), function)(path, overrides)
+        return getattr(importlib.import_module(module), function)(path, overrides)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")

@@ -52,28 +52,25 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
     from apps.fast_help import exit_on_config_error, print_saved_help
 
     print_saved_help("grpo")
-    exit_on_config_error("apps.grpo.config:check_config")
+    # The config, the data, the rewards and every prompt, checked before torchtitan and
+    # Monarch are imported; the app takes them as they are (main's inputs).
+    _checked_inputs = exit_on_config_error("apps.grpo.prepare:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
+from apps.grpo.prepare import RunInputs, prepare
 from forge_ext.episode import Episode, pack_episodes
-from forge_ext.rollout import EpisodeBatch, EpisodeRunner
-from forge_ext.tasks import (
-    EPISODE_FIELDS, PromptRenderer, PromptStream, Row, Rubric, build_task, episode_config,
-    resolved_task,
-)
-from forge_ext.tasks.prompts import render_splits
+from forge_ext.rollout import EpisodeBatch
+from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
-from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
     scoped_env,
 )
 from forge_ext.disk import find_output_write_error
-from forge_ext.evaluation import as_logged, build_sets, close_sets, evaluate_sets
-from forge_ext.evaluation.sets import check_context, check_reward_models
+from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
 from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.losses.grpo import groups_with_spread
 from forge_ext.loop import RLLoop
@@ -165,7 +162,13 @@ class FlatGroupsWatch:
 class GRPOApp(RLLoop):
     """The GRPO job on actors (module docstring)."""
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, inputs: RunInputs | None = None) -> None:
+        """Check ``config`` and what the run reads (``inputs``: :func:`apps.grpo.prepare
+        .prepare` of it, done here unless given); nothing is spawned yet.
+
+        Raises:
+            ValueError / FileNotFoundError: naming the field and the fix.
+        """
         metrics = config.metrics or MetricsConfig(log_dir=config.output_dir)
         super().__init__(config.loop, metrics)
         # Before anything is spawned: what this environment lacks (vllm), and whether a
@@ -181,54 +184,12 @@ class GRPOApp(RLLoop):
         if resume_step > 0:
             _refuse_mode_change(config, resume_step)
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
-        # a bad data file, field, reward or template is a config error now.
-        task = build_task(config.task)
-        episodes = episode_config(config.task)
-        # An environment's rewards may stand alone (no reward function).
-        rubric = Rubric(config.reward, task, environment=episodes.environment is not None)
-        self.tok = CheckpointTokenizer(config.model.hf_path)
-        self.render = render = PromptRenderer(self.tok, config.prompt)
-        train_rows, self.eval_rows = list(task.train_rows()), list(task.eval_rows())
-        if not self.eval_rows:
-            raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
-                             "(or task.eval_path) to at least 1")
-        # Every prompt renders (or the error names its row); <unk> in any is warned about.
-        prompts, warning = render_splits(render, {"training": train_rows,
-                                                  "held-out": self.eval_rows})
-        if warning:  # e.g. the demo's character tokenizer on English prompts
-            print(warning, file=sys.stderr)
-        longest = max(len(ids) for split in prompts.values() for ids in split)
-        self.runner = EpisodeRunner(self.tok, render, rubric, episodes)
-        # The evaluation sets: their rows, prompts and rubrics, checked now.
-        self.eval_sets = build_sets(
-            config.eval.sets, self.tok, prompt=config.prompt, reward=config.reward,
-            max_new_tokens=config.generator.sampling.max_new_tokens)
-        # An episode after its first prompt: one turn, or up to task.max_episode_tokens.
-        after = (episodes.max_episode_tokens if self.runner.multi_turn
-                 else config.generator.sampling.max_new_tokens)
-        longest += after
-        what = ("task.max_episode_tokens" if self.runner.multi_turn
-                else "generator.sampling.max_new_tokens")
-        # Where an episode must fit: the trainer's rows and vLLM's context. (An agent's calls
-        # are checked one by one, by the endpoint.)
-        limits = {"trainer.training.seq_len": config.trainer.get("training", {}).get("seq_len")}
-        if config.generator.backend == "vllm":
-            limits["generator.vllm.max_model_len"] = config.generator.vllm.get("max_model_len")
-        self.context = min((v for v in limits.values() if v is not None), default=None)
-        short = [f"{field_name}={limit}" for field_name, limit in limits.items()
-                 if limit is not None and longest > limit and episodes.agent is None]
-        if short:  # every limit at once (the reference's seq_len follows the trainer's)
-            close_sets(self.eval_sets)
-            raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
-                             f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
-        try:
-            check_context(self.eval_sets, config.generator)
-            # The sets' reward models are the run's: spawned once, attached to every rubric.
-            check_reward_models(self.eval_sets,
-                                {n: entry for n, (entry, _) in rubric.models.items()})
-        except ValueError:
-            close_sets(self.eval_sets)
-            raise
+        # a bad data file, field, reward or template is a config error now (python -m
+        # apps.grpo.main has checked them before its heavy imports and passes them in).
+        inputs = prepare(config) if inputs is None else inputs
+        self.tok, self.render, self.runner = inputs.tok, inputs.render, inputs.runner
+        self.eval_rows, self.eval_sets, self.context = (inputs.eval_rows, inputs.eval_sets,
+                                                        inputs.context)
         # The record also names the checkpoint files behind model.hf_path (the reference and
         # the generator load them): rewritten weights at the same path are another run.
         record = {**asdict(config), "task": resolved_task(config.task),
@@ -241,8 +202,8 @@ class GRPOApp(RLLoop):
         self.config = config
         self.resume_step = resume_step
         """The checkpoint step the run resumes from (0: it starts over)."""
-        self.task, self.rubric = task, rubric
-        self.prompts = PromptStream(train_rows, config.seed)
+        self.task, self.rubric = inputs.task, inputs.rubric
+        self.prompts = PromptStream(inputs.train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
         self._stream_starts: dict[int, int] = {0: 0}
         self._stream_ranges: dict[int, tuple[int, int]] = {}
@@ -1260,13 +1221,15 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, inputs: RunInputs | None = None) -> None:
+    """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
+    ``inputs``: :func:`apps.grpo.prepare.prepare` of that config, if already done."""
     from apps.config_reference import grpo_help
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
                                 prog="python -m apps.grpo.main")
     try:
-        app = GRPOApp(load_config(path, overrides))
+        app = GRPOApp(load_config(path, overrides), inputs)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
@@ -1319,6 +1282,6 @@ def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | No
 
 if __name__ == "__main__":
     try:
-        main()
+        main(inputs=_checked_inputs)
     finally:  # the program's end: not in Monarch's 1-second atexit hook (see shutdown_monarch)
         shutdown_monarch()

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge_ext.config import from_mapping, load_yaml
-from forge_ext.engine.schema import engine_view, num_microbatches, world_size_of
+from forge_ext.engine.schema import (
+    check_checkpoint_limits, engine_view, num_microbatches, world_size_of,
+)
 from forge_ext.metrics import MetricsConfig
 from forge_ext.tasks import PromptConfig, RewardConfig, task_config
 
@@ -108,5 +110,6 @@ def check_single_process(trainer: dict[str, Any]) -> None:
         )
     try:
         num_microbatches(view.training)
+        check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
     except ValueError as e:
         raise ValueError(f"trainer: {e}") from None

@@ -345,6 +345,7 @@ class EngineConfig:
         """
         from forge_ext.engine import MODEL_TYPE, EngineRegistry  # registers the backends
         from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
+        from forge_ext.engine.schema import check_model_limits, checkpoint_label
 
         EngineRegistry.get_engine_cls(MODEL_TYPE, self.engine)
         if self.engine == "hf":  # transformers' module: none of torchtitan's model checks
@@ -366,25 +367,13 @@ class EngineConfig:
             _validate_value_head(self)
         if self.model.hf_path:
             check_checkpoint_tensors(spec, self.model.hf_path)
-        max_seq_len = spec.model.layers[0].attention.rope.max_seq_len
-        if self.training.seq_len > max_seq_len:
-            raise ValueError(
-                f"training.seq_len={self.training.seq_len} exceeds the model's maximum "
-                f"sequence length {max_seq_len} ({self.model.name} {self.model.flavor})"
-            )
-        tp = self.parallelism.tensor_parallel_degree
         attention = spec.model.layers[0].attention
-        heads = {
-            "n_heads": attention.n_heads, "n_kv_heads": attention.n_kv_heads or attention.n_heads
-        }
-        for field, count in heads.items():
-            if tp > 1 and count % tp:
-                raise ValueError(
-                    f"parallelism.tensor_parallel_degree={tp} must divide the model's "
-                    f"{field}={count} ({self.model.name} {self.model.flavor}: n_heads="
-                    f"{heads['n_heads']}, n_kv_heads={heads['n_kv_heads']}); tensor parallelism "
-                    "splits attention by heads"
-                )
+        check_model_limits(self.training, self.parallelism,
+                           max_seq_len=attention.rope.max_seq_len, n_heads=attention.n_heads,
+                           n_kv_heads=attention.n_kv_heads or attention.n_heads,
+                           model=(checkpoint_label(self.model.hf_path)
+                                  if self.model.flavor == "hf" else
+                                  f"{self.model.name} {self.model.flavor}"))
         if self.lora is not None:
             _validate_lora(self, spec)
         if self.pp_degree > 1:

@@ -43,6 +43,7 @@ from forge_ext.engine.base import MODEL_TYPE, Batch, EngineRegistry
 from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
 from forge_ext.engine.distributed import init_single_process_env, rendezvous_on_master_addr
 from forge_ext.engine.models import read_hf_config
+from forge_ext.engine.schema import check_model_limits, checkpoint_label
 from forge_ext.engine.titan import TitanEngine, _is_adapter_key
 
 
@@ -89,10 +90,11 @@ def validate_hf_engine(config: EngineConfig) -> None:
     if not config.model.hf_path:
         raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
     hf = read_hf_config(config.model.hf_path)
-    longest = hf.get("max_position_embeddings")
-    if longest is not None and config.training.seq_len > longest:
-        raise ValueError(f"training.seq_len={config.training.seq_len} exceeds the checkpoint's "
-                         f"max_position_embeddings={longest}")
+    heads = hf.get("num_attention_heads") or 1
+    check_model_limits(config.training, config.parallelism,
+                       max_seq_len=hf.get("max_position_embeddings"), n_heads=heads,
+                       n_kv_heads=hf.get("num_key_value_heads") or heads,
+                       model=checkpoint_label(config.model.hf_path))
 
 
 class LoRALinear(nn.Linear):

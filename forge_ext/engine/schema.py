@@ -147,8 +147,8 @@ def _describe(kinds: list[Any], value: Any) -> str:
 def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> SimpleNamespace:
     """The sizes of an engine section, defaults filled, after :func:`check_engine_section`:
     ``.engine``, ``.training`` and ``.parallelism`` (the fields of ``_SIZE_FIELDS``),
-    ``.checkpoint`` (``enable``, ``folder``, ``keep_latest_k``), ``.dump_folder``,
-    ``.pp_degree``; what :func:`world_size_of`, :func:`data_parallel_size`,
+    ``.checkpoint`` (``enable``, ``folder``, ``keep_latest_k``), ``.model`` (``flavor``,
+    ``hf_path``), ``.dump_folder``, ``.pp_degree``; what :func:`world_size_of`, :func:`data_parallel_size`,
     :func:`num_microbatches` and :func:`check_weights_transport` read, as they read an
     :class:`~forge_ext.engine.config.EngineConfig`."""
     check_engine_section(mapping, section)
@@ -162,6 +162,9 @@ def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> 
             key: given.get(key, defaults.get(name, {}).get(key, tree[name][key].get("default")))
             for key in keys}))
     view.pp_degree = view.parallelism.pipeline_parallel_degree
+    model = raw.get("model") or {}
+    view.model = SimpleNamespace(**{key: model.get(key, tree["model"][key].get("default"))
+                                    for key in ("flavor", "hf_path")})
     return view
 
 
@@ -234,6 +237,65 @@ def num_microbatches(training: Any) -> int:
             )
         return ga
     return 1
+
+
+def check_model_limits(training: Any, parallelism: Any, *, max_seq_len: int | None,
+                       n_heads: int, n_kv_heads: int, model: str) -> None:
+    """Raise ValueError if ``training.seq_len`` exceeds the model's longest sequence or
+    ``parallelism.tensor_parallel_degree`` does not divide its attention and KV heads
+    (tensor parallelism splits attention by heads). One home for the two checks: the full
+    check (:meth:`forge_ext.engine.config.EngineConfig.validate`, from the built model) and
+    the light one (:func:`check_checkpoint_limits`, from config.json) raise the same words.
+
+    Args:
+        training, parallelism: an engine's sections (or an :func:`engine_view`'s).
+        max_seq_len: the model's longest sequence (RoPE table, ``max_position_embeddings``),
+            None if it has none.
+        n_heads, n_kv_heads: attention and key/value heads.
+        model: how the message names the model (``"qwen3 tiny"``, a checkpoint's
+            config.json, :func:`checkpoint_label`).
+    """
+    if max_seq_len is not None and training.seq_len > max_seq_len:
+        raise ValueError(
+            f"training.seq_len={training.seq_len} exceeds the model's maximum sequence length "
+            f"{max_seq_len} ({model}); lower training.seq_len"
+        )
+    tp = parallelism.tensor_parallel_degree
+    for field, count in {"n_heads": n_heads, "n_kv_heads": n_kv_heads}.items():
+        if tp > 1 and count % tp:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree={tp} must divide the model's "
+                f"{field}={count} ({model}: n_heads={n_heads}, n_kv_heads={n_kv_heads}); tensor "
+                "parallelism splits attention by heads"
+            )
+
+
+def check_checkpoint_limits(view: SimpleNamespace) -> None:
+    """:func:`check_model_limits` from ``model.hf_path``'s config.json (``max_position_
+    embeddings``, ``num_attention_heads``, ``num_key_value_heads``), without torch, for an
+    engine that builds its model from the checkpoint (``engine: hf``, or titan's
+    ``model.flavor: hf``); other flavors and a missing config.json are left to the full check.
+
+    Raises:
+        ValueError: as :func:`check_model_limits`.
+    """
+    model = view.model
+    if not model.hf_path or (view.engine != "hf" and model.flavor != "hf"):
+        return
+    try:
+        hf = json.loads((Path(model.hf_path) / "config.json").read_text())
+        n_heads = int(hf["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError):  # the full check says what is wrong
+        return
+    check_model_limits(view.training, view.parallelism,
+                       max_seq_len=hf.get("max_position_embeddings"), n_heads=n_heads,
+                       n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                       model=checkpoint_label(model.hf_path))
+
+
+def checkpoint_label(hf_path: str) -> str:
+    """How a message names a model built from a checkpoint's config.json."""
+    return str(Path(hf_path) / "config.json")
 
 
 def check_weights_transport(config: Any, weights: Any) -> None:
