@@ -602,10 +602,9 @@ class Placement:
         """The role's proc mesh: ``procs_per_host`` procs on each of its hosts, named after
         the role (Monarch's failure reports then name it). ``env`` is applied in each proc
         before any actor runs, on every launcher but ``local`` (whose procs inherit the
-        controller's environment at spawn)."""
-        bootstrap = None
-        if env and self.launcher != "local":
-            bootstrap = functools.partial(_set_env, {k: str(v) for k, v in env.items()})
+        controller's environment at spawn), with the run's log folder
+        (:data:`forge_ext.run_logs.LOG_DIR_ENV`)."""
+        bootstrap = self._bootstrap(env)
         return self.host_mesh(role).spawn_procs(
             per_host={"procs": self.procs_per_host(role)}, bootstrap=bootstrap, name=role
         )
@@ -615,13 +614,22 @@ class Placement:
         """One proc on host ``host`` of the role's mesh, named ``name`` (a generator replica:
         each its own proc mesh, so one dying leaves the others' meshes whole). ``env`` as in
         :meth:`spawn_procs`."""
-        bootstrap = None
-        if env and self.launcher != "local":
-            bootstrap = functools.partial(_set_env, {k: str(v) for k, v in env.items()})
+        bootstrap = self._bootstrap(env)
         mesh = self.host_mesh(role)
         if self.launcher != "local":
             mesh = mesh.slice(hosts=host)
         return mesh.spawn_procs(per_host={"procs": 1}, bootstrap=bootstrap, name=name)
+
+    def _bootstrap(self, env: Mapping[str, str] | None):
+        """What a proc on another host runs first: ``env`` and the run's log folder set in
+        its environment (None on ``local``: its procs inherit the controller's)."""
+        if self.launcher == "local":
+            return None
+        from forge_ext.run_logs import LOG_DIR_ENV
+
+        env = {**(env or {}), **({LOG_DIR_ENV: os.environ[LOG_DIR_ENV]}
+                                 if LOG_DIR_ENV in os.environ else {})}
+        return functools.partial(_set_env, {k: str(v) for k, v in env.items()}) if env else None
 
     def same_host(self, writer: str, readers: list[str]) -> bool:
         """Whether ``writer`` and every reader run on the same hosts (same host mesh), so

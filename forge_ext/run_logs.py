@@ -1,4 +1,10 @@
-"""Monarch's log of a run, with the run (issue 38).
+"""Monarch's log and the roles' own logs of a run, with the run (issue 38).
+
+Each role's process (trainer, reference, critic and reward-model ranks, generator replicas)
+writes its Python logging at INFO (torchtitan's lines, forge_ext's, vLLM's) to
+``<output_dir>/logs/<role>-<rank>.log`` (:func:`log_role`); the console gets WARNING and above,
+as before. :func:`start` names the folder for the procs (``FORGE_EXT_LOG_DIR``, inherited,
+or passed with a launcher's environment to procs on other hosts).
 
 Monarch 0.7 writes its internal log to ``/tmp/<user>/monarch_log<_suffix>.log``, one file
 shared by every run of the user; the folder is fixed (``hyperactor_telemetry``'s
@@ -16,12 +22,16 @@ process, each run's copy holding the lines so far).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pwd
 import shutil
+import sys
 from pathlib import Path
 
 SUFFIX_ENV = "MONARCH_LOG_SUFFIX"
+LOG_DIR_ENV = "FORGE_EXT_LOG_DIR"
+"""The folder of the roles' log files (``<output_dir>/logs``), set by :func:`start`."""
 
 
 def monarch_log_file(suffix: str) -> Path:
@@ -33,13 +43,15 @@ def monarch_log_file(suffix: str) -> Path:
 def start(output_dir: str | os.PathLike) -> Path:
     """Before Monarch starts (no ``this_host()`` yet): a log file of the run's own (unless
     ``MONARCH_LOG_SUFFIX`` is set already), linked from ``<output_dir>/logs/monarch.log``.
-    Then :func:`start_monarch`, once Monarch's transport is set.
+    Then :func:`start_monarch`, once Monarch's transport is set. Also sets
+    ``FORGE_EXT_LOG_DIR`` for the procs spawned after it (:func:`log_role`).
 
     Returns:
         ``<output_dir>/logs``.
     """
     logs = Path(output_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    os.environ[LOG_DIR_ENV] = str(logs.resolve())  # the roles' files (log_role)
     run = hashlib.sha1(os.path.abspath(output_dir).encode()).hexdigest()[:12]
     suffix = os.environ.setdefault(SUFFIX_ENV, f"run-{run}")
     link = logs / "monarch.log"
@@ -74,7 +86,9 @@ def start_monarch(output_dir: str | os.PathLike) -> None:
 
 def finish(output_dir: str | os.PathLike) -> None:
     """After the run's procs are stopped: ``logs/monarch.log`` becomes a copy of the file
-    it linked."""
+    it linked; ``FORGE_EXT_LOG_DIR`` is unset."""
+    if os.environ.get(LOG_DIR_ENV) == str((Path(output_dir) / "logs").resolve()):
+        del os.environ[LOG_DIR_ENV]  # roles spawned after the run log elsewhere, or not
     link = Path(output_dir) / "logs" / "monarch.log"
     if not link.is_symlink():
         return
@@ -82,3 +96,47 @@ def finish(output_dir: str | os.PathLike) -> None:
     link.unlink()
     if target.is_file():
         shutil.copyfile(target, link)
+
+
+def log_role(name: str, rank: int) -> Path | None:
+    """In a role's process, at its setup: Python logging at INFO and above to
+    ``<FORGE_EXT_LOG_DIR>/<name>-<rank>.log`` (appended: a resumed run adds to it), WARNING
+    and above to the console (stderr). Without ``FORGE_EXT_LOG_DIR`` (a role spawned outside
+    an app) only the console part: WARNING and above.
+
+    Monarch starts procs with the root logger at INFO, and the first module-level
+    ``logging.info()`` gives it ``basicConfig``'s stderr handler: torchtitan's INFO lines
+    (three per checkpoint save) then reached the console from every rank.
+
+    Returns:
+        The log file, or None.
+    """
+    root = logging.getLogger()
+    streams = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+               and not isinstance(h, logging.FileHandler)]
+    if not streams:  # what basicConfig would add, at WARNING
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        root.addHandler(console)
+        streams = [console]
+    for handler in streams:
+        handler.setLevel(max(handler.level, logging.WARNING))
+    folder = os.environ.get(LOG_DIR_ENV)
+    if not folder:
+        root.setLevel(logging.WARNING)
+        return None
+    path = Path(folder) / f"{name}-{rank}.log"
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path
+               for h in root.handlers):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(path)
+        except OSError as e:  # a log file is not worth the run
+            logging.getLogger(__name__).warning("no log file for %s: %s", name, e)
+            root.setLevel(logging.WARNING)
+            return None
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path

@@ -49,6 +49,7 @@ from forge_ext.rollout.engines import (
     WeightUpdateMode,
     as_stop_ids,
 )
+from forge_ext.run_logs import log_role
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
@@ -195,14 +196,16 @@ class Generator(Actor):
         self._running: set[asyncio.Future] = set()
 
     @endpoint
-    async def setup(self) -> dict[str, Any]:
-        """Start the engine on ``hf_path`` (vLLM: and warm it up).
+    async def setup(self, role: str = "generator") -> dict[str, Any]:
+        """Start the engine on ``hf_path`` (vLLM: and warm it up); ``role`` (the replica's
+        name) names its log file (:func:`forge_ext.run_logs.log_role`).
 
         Returns:
             ``{"policy_version": 0, "pid", "pids"}``: this process's pid and ``(pid, create
             time)`` of the helper processes the engine started (vLLM's), for the controller
             to check that none outlives it.
         """
+        log_role(role, 0)
         c = self.config
         if c.backend == "vllm":
             import torch
@@ -571,7 +574,7 @@ async def spawn_generator(
             name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix,
             replica, replicas_on_host,
         )
-        info = await actor.setup.call_one()
+        info = await actor.setup.call_one(name)
         stream = await RequestStream.open(actor)
     except BaseException:
         await procs.stop()

@@ -28,6 +28,7 @@ from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_conf
 from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
 from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
+from forge_ext.run_logs import log_role
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
@@ -61,17 +62,18 @@ class RLTrainer(Actor):
         self.publisher: WeightsPublisher | None = None
 
     @endpoint
-    async def setup(self) -> dict[str, int]:
+    async def setup(self, role: str = "trainer") -> dict[str, int]:
         """Initialise ``torch.distributed`` from the proc mesh environment and build the engine.
+
+        Args:
+            role: the role's name, which names its log file (``<output_dir>/logs/<role>-
+                <rank>.log``, :func:`forge_ext.run_logs.log_role`: torchtitan's INFO lines go
+                there, warnings and errors also to the console).
 
         Returns:
             ``{"rank", "dp_rank", "dp_size", "policy_version"}`` of this process.
         """
-        # Monarch starts procs with the root logger at INFO, and the first module-level
-        # logging.info() gives it basicConfig's stderr handler: torchtitan's INFO lines
-        # (three per checkpoint save, "Destroying the purge thread") then reached the console
-        # from every rank. Warnings and errors still do; the app prints its own save line.
-        logging.getLogger().setLevel(logging.WARNING)
+        log_role(role, current_rank().rank)
         self.loss_fn, self.loss_weight_fn = build_loss(**self.loss_config)
         # trainer.engine names the backend (forge_ext.engine.EngineRegistry).
         self.engine = build_engine(engine_config_from_mapping(self.trainer_config))
@@ -540,7 +542,7 @@ async def spawn_trainer(
         else:
             await setup_torch_elastic_env_async(procs, master_addr, free_port(master_addr))
         actor = procs.spawn(name, RLTrainer, trainer, loss, weights)
-        await actor.setup.call()
+        await actor.setup.call(name)
     except BaseException:
         await procs.stop()
         raise
