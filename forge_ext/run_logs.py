@@ -140,3 +140,14 @@ def log_role(name: str, rank: int) -> Path | None:
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     return path
+
+
+
+def startup_phases(infos: list[dict]) -> dict[str, float]:
+    """``{"setup": s}`` of a role: the slowest rank's setup (model and engine built,
+    checkpoint or weights loaded), from the setup replies' ``"setup_seconds"``; empty if none
+    has it. The rest of a role's start-up, as the controller times it, is its processes'
+    start and imports (torch, torchtitan, vLLM)."""
+    times = [info["setup_seconds"] for info in infos
+             if isinstance(info, dict) and "setup_seconds" in info]
+    return {"setup": max(times)} if times else {}

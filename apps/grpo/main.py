@@ -431,10 +431,24 @@ class GRPOApp(RLLoop):
         # What the start-up spent, one line per part (issue 38): each role's from the call
         # that spawns its procs to its actor ready (the procs' imports of torch, torchtitan or
         # vLLM, the model built and loaded, vLLM's engine started); the roles start at once.
+        # Each role's processes time their setup (model and engine built, checkpoint or
+        # weights loaded); the rest is their start and imports.
+        phases = {"trainer": self.trainer.startup,
+                  "generator": {"setup": max(h.startup.get("setup", 0.0)
+                                             for h in self.generator.handles)}}
+        if c.reference and not c.reference_is_trainer_base:
+            phases["reference"] = self.reference.trainer.startup
+        if self.critic is not None:
+            phases["critic"] = self.critic.trainer.startup
+        for name, model in self.reward_models.items():
+            phases[reward_model_role(name)] = model.trainer.startup
         spawned = [r for r in (*roles, *(reward_model_role(e.metric_name) for _, e in entries))
                    if r in self.startup]
         for part in ("hosts", "torchstore", *spawned):
-            self.write(f"start-up: {part} {self.startup[part]:.1f}s")
+            setup, total = phases.get(part, {}).get("setup"), self.startup[part]
+            self.write(f"start-up: {part} {total:.1f}s" + (
+                f" (processes and imports {max(total - setup, 0.0):.1f}s, setup {setup:.1f}s)"
+                if setup else ""))
         self.write(f"start-up: all roles ready {time.perf_counter() - began:.1f}s after setup "
                    "began")
 

@@ -49,7 +49,7 @@ from forge_ext.rollout.engines import (
     WeightUpdateMode,
     as_stop_ids,
 )
-from forge_ext.run_logs import log_role
+from forge_ext.run_logs import log_role, startup_phases
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
@@ -201,10 +201,11 @@ class Generator(Actor):
         name) names its log file (:func:`forge_ext.run_logs.log_role`).
 
         Returns:
-            ``{"policy_version": 0, "pid", "pids"}``: this process's pid and ``(pid, create
-            time)`` of the helper processes the engine started (vLLM's), for the controller
-            to check that none outlives it.
+            ``{"policy_version": 0, "pid", "pids", "setup_seconds"}``: this process's pid,
+            ``(pid, create time)`` of the helper processes the engine started (vLLM's), for
+            the controller to check that none outlives it, and this call's seconds.
         """
+        began = time.perf_counter()
         log_role(role, 0)
         c = self.config
         if c.backend == "vllm":
@@ -233,7 +234,8 @@ class Generator(Actor):
                 pad_token_id=self.pad_token_id, dtype=c.dtype, device=c.device,
             )
         return {"policy_version": self.engine.policy_version, "pid": os.getpid(),
-                "pids": _child_pids()}
+                "pids": _child_pids(),
+                "setup_seconds": time.perf_counter() - began}
 
     @concurrent_endpoint
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
@@ -498,6 +500,8 @@ class GeneratorHandle:
     name: str = "generator"
     """The replica's name (its proc mesh's and actor's; Monarch's failure reports use it)."""
     stream: RequestStream | None = None
+    startup: dict[str, float] = field(default_factory=dict)
+    """``{"setup": s}`` (:func:`forge_ext.run_logs.startup_phases`)."""
 
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
                      seed: int | None = None, sampling: SamplingConfig | None = None
@@ -581,5 +585,5 @@ async def spawn_generator(
         raise
     return GeneratorHandle(
         actor=actor, procs=procs, config=config, owner_pid=info["pid"], pids=info["pids"],
-        name=name, stream=stream,
+        name=name, stream=stream, startup=startup_phases([info]),
     )

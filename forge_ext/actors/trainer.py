@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_conf
 from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
 from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
-from forge_ext.run_logs import log_role
+from forge_ext.run_logs import log_role, startup_phases
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class RLTrainer(Actor):
                 there, warnings and errors also to the console).
 
         Returns:
-            ``{"rank", "dp_rank", "dp_size", "policy_version"}`` of this process.
+            ``{"rank", "dp_rank", "dp_size", "policy_version", "setup_seconds"}`` of this
+            process (``setup_seconds``: this call's, model and engine built, checkpoint
+            loaded).
         """
+        began = time.perf_counter()
         log_role(role, current_rank().rank)
         self.loss_fn, self.loss_weight_fn = build_loss(**self.loss_config)
         # trainer.engine names the backend (forge_ext.engine.EngineRegistry).
@@ -82,6 +86,7 @@ class RLTrainer(Actor):
             "dp_rank": self.engine.dp_rank,
             "dp_size": self.engine.dp_size,
             "policy_version": self.engine.step,
+            "setup_seconds": time.perf_counter() - began,
         }
 
     @endpoint
@@ -386,6 +391,8 @@ class TrainerHandle:
     procs: ProcMesh
     config: EngineConfig
     num_procs: int
+    startup: dict[str, float] = field(default_factory=dict)
+    """``{"setup": s}``: the slowest rank's setup (:func:`forge_ext.run_logs.startup_phases`)."""
 
     async def stop(self) -> None:
         """Run ``cleanup`` on every rank, then stop the proc mesh. A rank that does not
@@ -542,11 +549,12 @@ async def spawn_trainer(
         else:
             await setup_torch_elastic_env_async(procs, master_addr, free_port(master_addr))
         actor = procs.spawn(name, RLTrainer, trainer, loss, weights)
-        await actor.setup.call(name)
+        infos = await actor.setup.call(name)
     except BaseException:
         await procs.stop()
         raise
-    return TrainerHandle(actor=actor, procs=procs, config=config, num_procs=n)
+    return TrainerHandle(actor=actor, procs=procs, config=config, num_procs=n,
+                         startup=startup_phases(list(infos.values())))
 
 
 def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
