@@ -484,9 +484,9 @@ def test_a_batch_whose_reward_function_always_fails_stops_the_run(setup, capsys)
     runner.rubric.close()
 
 
-def test_a_batch_whose_environment_always_fails_stops_the_run(setup):
+def test_a_batch_whose_environment_always_fails_stops_the_run(setup, capsys):
     """Every episode's environment raised: the batch stops the run with the count and the
-    first traceback."""
+    first traceback, which is not printed before it too (issue 38)."""
     from forge_ext.tasks.rubric import RewardFailure
 
     runner, generate, _ = runner_for(setup, RaisesAtStep, max_turns=3, max_episode_tokens=400)
@@ -494,6 +494,7 @@ def test_a_batch_whose_environment_always_fails_stops_the_run(setup):
     with pytest.raises(RewardFailure, match=r"(?s)the environment \(.*RaisesAtStep\) failed "
                                             r"on 4 of 4 calls.*an environment bug"):
         asyncio.run(runner.run(ROWS, 2, generate, seed=1))
+    assert "failed (error)" not in capsys.readouterr().err
 
 
 def test_the_samples_of_a_batch_are_what_the_rubric_scored(setup):

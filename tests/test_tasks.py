@@ -23,6 +23,7 @@ from forge_ext.tasks import (
     PromptConfig, PromptRenderer, PromptStream, RewardConfig, RewardFunctionConfig, Row, Rubric,
     Sample, build_task, task_config,
 )
+from forge_ext.tasks.rubric import RewardFailure
 from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -270,7 +271,8 @@ def rubric_of(*fns, **config):
 def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys, isolation):
     rubric = rubric_of(fns.sync_reward, fns.async_reward, fns.raises, fns.hangs,
                        fns.hangs_async, fns.nan, fns.string, fns.array, timeout_s=0.5,
-                       on_error=-1.0, isolation=isolation, num_workers=4)
+                       on_error=-1.0, isolation=isolation, num_workers=4,
+                       max_error_rate=None)  # never stop: each failure is printed once
     rows = [Row(prompt="p", answer="42"), Row(prompt="q", answer="7")]
     samples = [Sample(row=rows[0], completion="42"), Sample(row=rows[1], completion="no")]
     start = time.perf_counter()
@@ -296,6 +298,23 @@ def test_failing_reward_functions_cost_their_samples_and_are_counted(capsys, iso
     rubric.score_sync(samples)
     assert "failed; its sample" not in capsys.readouterr().err
     assert rubric.error_counts["raises"] == 4
+
+
+def test_a_function_failing_on_every_call_has_its_traceback_once_in_the_stop(capsys):
+    """Issue 38: a batch that stops the run printed the function's first traceback as it
+    failed, then again in the run's last line (the stop's error): now only in the error; a
+    function below the rate still has it printed after its batch."""
+    rubric = rubric_of(fns.sync_reward, fns.raises, max_error_rate=0.5)
+    row = Row(prompt="p", answer="42")
+    scores = rubric.score_sync([Sample(row=row, completion="42")] * 2)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RewardFailure) as failure:
+        rubric.check(scores)
+    assert str(failure.value).count("RuntimeError: boom") == 1
+    assert "Its first failure:\nTraceback" in str(failure.value)
+    lenient = rubric_of(fns.sync_reward, fns.raises, max_error_rate=None)
+    lenient.check(lenient.score_sync([Sample(row=row, completion="42")]))
+    assert capsys.readouterr().err.count("RuntimeError: boom") == 1
 
 
 def test_a_rubric_scores_alike_in_every_event_loop():
@@ -564,7 +583,7 @@ def test_math_verify_reads_the_gold_as_written(gold, right, wrong):
 
 
 @pytest.mark.parametrize("gold", ["", "#### ", r"\frac{1}{", r"\boxed{}"])
-def test_a_gold_math_verify_cannot_read_is_an_error_naming_it_and_counted(gold, capsys):
+def test_a_gold_math_verify_cannot_read_is_an_error_naming_it_and_counted(gold):
     from forge_ext.tasks.rewards import math_verify
 
     with pytest.raises(ValueError, match="the reference answer .* does not parse as math"):
@@ -572,7 +591,9 @@ def test_a_gold_math_verify_cannot_read_is_an_error_naming_it_and_counted(gold, 
     rubric = rubric_of(math_verify, on_error=-1.0, num_workers=1)
     scores = rubric.score_sync([Sample(row=Row(prompt="p", answer=gold), completion="1")])
     assert scores.rewards == [-1.0] and scores.errors == {"math_verify": 1}
-    assert f"the reference answer {gold!r}" in capsys.readouterr().err
+    with pytest.raises(RewardFailure) as failure:  # its only call failed: the stop says why
+        rubric.check(scores)
+    assert f"the reference answer {gold!r}" in str(failure.value)
     rubric.close()
 
 

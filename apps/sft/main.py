@@ -46,6 +46,7 @@ from forge_ext.tasks import (
     resolved_task, task_config,
 )
 from forge_ext.tasks.prompts import prompt_characters, render_splits
+from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
@@ -141,7 +142,11 @@ def greedy_accuracy(
     sampler: HFSampler, rubric: Rubric, rows: list[Row], render: PromptRenderer,
     tok: CheckpointTokenizer, max_new_tokens: int,
 ) -> float:
-    """Greedy accuracy on ``rows`` (the rubric's, module docstring), in [0, 1]."""
+    """Greedy accuracy on ``rows`` (the rubric's, module docstring), in [0, 1].
+
+    Raises:
+        RewardFailure: a reward function failed on ``reward.max_error_rate`` of the rows.
+    """
     completions = sampler.generate(
         [render(row) for row in rows], 1, SamplingConfig(max_new_tokens=max_new_tokens),
         greedy=True,
@@ -151,8 +156,10 @@ def greedy_accuracy(
         text, finished = tok.completion_text(c.response_ids)
         samples.append(Sample(row=row, completion=text, finished=finished,
                               completion_ids=c.response_ids))
-    correct = rubric.score_sync(samples).correct
-    return sum(correct) / len(correct)
+    scores = rubric.score_sync(samples)
+    with failures_of(f"the accuracy on {len(rows)} rows"):
+        rubric.check(scores)  # a function failing on every call: not an accuracy of 0
+    return sum(scores.correct) / len(scores.correct)
 
 
 def run(config: SFTConfig, task: Task | None = None) -> float | None:
@@ -329,7 +336,10 @@ def main(argv: list[str] | None = None) -> None:
             if wrote:  # a random model the engine refuses: not left for the next run to reuse
                 shutil.rmtree(config.init.hf_path, ignore_errors=True)
             sys.exit(f"config error: {e}")
-    run(config, task)
+    try:
+        run(config, task)
+    except RewardFailure as failure:  # every call of a batch failed: count and traceback
+        sys.exit(f"error: {failure}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 from forge_ext.rollout.engines import Completion, SamplingConfig, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
-from forge_ext.tasks.rubric import check_failures
+from forge_ext.tasks.rubric import check_failures, stops_the_run
 from forge_ext.tasks.workers import DaemonPool
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
@@ -246,6 +246,7 @@ class EpisodeRunner:
         self._reported: set[str] = set()
         self._unk_warned: set[str] = set()  # environments warned about unknown tokens
         self._first_failure: str | None = None  # the environment's or agent's first traceback
+        self._unprinted: list[str] = []  # first failures to print after their batch
         self._pool = DaemonPool(8)  # environments' sync reset/step
         self._runs = itertools.count()  # tells sessions of different calls apart
         self.endpoint = None
@@ -478,9 +479,10 @@ class EpisodeRunner:
             who, metric = ((f"the agent ({self.config.agent})", f"agent/{kind}s")
                            if what == "agent" else
                            (f"the environment's {what}()", f"episode/env_{kind}s"))
-            print(f"{who} failed ({kind}); its episode ends and scores "
-                  f"reward.on_error={self.rubric.config.on_error}; later ones are only counted "
-                  f"({metric}):\n{detail}", file=sys.stderr, flush=True)
+            self._unprinted.append(
+                f"{who} failed ({kind}); its episode ends and scores "
+                f"reward.on_error={self.rubric.config.on_error}; later ones are only counted "
+                f"({metric}):\n{detail}")
 
     async def _score(self, trajectories: list[Trajectory]) -> EpisodeBatch:
         start = time.perf_counter()
@@ -492,8 +494,14 @@ class EpisodeRunner:
             samples.append(Sample(row=t.row, completion=text, finished=finished,
                                   completion_ids=t.last_turn))
         scores = await self.rubric.score(samples)
-        self.rubric.check(scores)
         failed = sum(t.env_error is not None for t in trajectories)
+        # The first failures, once: printed now unless this batch stops the run, whose error
+        # then holds the first traceback (it was printed twice).
+        if not stops_the_run(failed, len(trajectories), self.rubric.config.max_error_rate):
+            for line in self._unprinted:
+                print(line, file=sys.stderr, flush=True)
+        self._unprinted.clear()
+        self.rubric.check(scores)
         check_failures(f"the agent ({self.config.agent})" if self.config.agent is not None
                        else f"the environment ({self.config.environment})", failed,
                        len(trajectories), self._first_failure, self.rubric.config.max_error_rate)

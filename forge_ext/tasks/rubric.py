@@ -301,13 +301,18 @@ def failures_of(batch: str) -> Iterator[None]:
         raise RewardFailure(f"{batch}: {failure}") from None
 
 
+def stops_the_run(failed: int, calls: int, max_error_rate: float | None) -> bool:
+    """Whether ``failed`` of a batch's ``calls`` reach ``reward.max_error_rate``."""
+    return max_error_rate is not None and calls > 0 and failed >= max_error_rate * calls
+
+
 def check_failures(what: str, failed: int, calls: int, first: str | None,
                    max_error_rate: float | None) -> None:
     """Raise :class:`RewardFailure` if ``failed`` of ``calls`` reaches ``max_error_rate``.
 
     ``what``: names the failing function ("reward function 'gold'"); ``first``: its first
     traceback (None if not kept)."""
-    if max_error_rate is None or not calls or failed < max_error_rate * calls:
+    if not stops_the_run(failed, calls, max_error_rate):
         return
     rate = "every call" if failed == calls else f"{failed / calls:.0%} of the calls"
     raise RewardFailure(
@@ -406,6 +411,7 @@ class Rubric:
         self.first_failures: dict[str, str] = {}
         """Each failed function's (or reward model's) first traceback."""
         self._reported: set[str] = set()
+        self._unprinted: dict[str, str] = {}  # name: the first failure's line, to print
         self._scorers: dict[str, ModelScorer] = {}
         # Futures are made per call in the running loop, so score_sync (a new loop each
         # time) and an app's loop can share the rubric.
@@ -487,7 +493,19 @@ class Rubric:
         ]
         correct = ([v >= 1.0 for v in by_function[self.accuracy_name]]
                    if self.accuracy_name else [False] * len(samples))
+        self._print_first_failures(errors, len(samples))
         return Scores(rewards=rewards, by_function=by_function, errors=errors, correct=correct)
+
+    def _print_first_failures(self, errors: dict[str, int], calls: int) -> None:
+        """Print each function's or model's first failure once, after its batch, except a
+        function's whose batch stops the run: :meth:`check`'s error then holds it (it was
+        printed twice: here, and in the run's last line)."""
+        for name, detail in self._unprinted.items():
+            if name in self.functions and stops_the_run(errors.get(name, 0), calls,
+                                                         self.config.max_error_rate):
+                continue
+            print(detail, file=sys.stderr, flush=True)
+        self._unprinted.clear()
 
     def check(self, scores: Scores) -> None:
         """Raise :class:`RewardFailure` for the first function whose failed calls in
@@ -570,18 +588,17 @@ class Rubric:
         return scores, failed
 
     def _failed(self, name: str, count: int, kind: str, cost: str, error: Exception) -> None:
-        """Count ``count`` failed samples of ``name``; print the first failure's traceback."""
+        """Count ``count`` failed samples of ``name``; keep the first failure's traceback
+        (printed after the batch, :meth:`_print_first_failures`)."""
         self.error_counts[name] += count
         if name in self._reported:
             return
         self._reported.add(name)
         detail = "".join(traceback.format_exception(error)).rstrip()
         self.first_failures[name] = detail
-        print(
+        self._unprinted[name] = (
             f"{kind} {name!r} failed; {cost} reward.on_error={self.config.on_error}, and "
-            f"later failures are only counted (reward/errors/{name}):\n{detail}",
-            file=sys.stderr, flush=True,
-        )
+            f"later failures are only counted (reward/errors/{name}):\n{detail}")
 
 
 def as_reward(value: Any) -> float:
