@@ -262,7 +262,7 @@ WORKING_DIR_KEY = "working_dir"
 
 def record_run_config(
     output_dir: str | Path, config: Any, *, may_change: Sequence[str] = (), check: bool = True,
-    rerun: str = "resumes that run",
+    rerun: str = "resumes that run", write: bool = True,
 ) -> Path:
     """Keep the resolved config of the run in ``<output_dir>/run_config.yaml``.
 
@@ -279,6 +279,7 @@ def record_run_config(
         may_change: dotted key prefixes that may differ on resume.
         check: False overwrites an existing record without comparing (a run that starts over).
         rerun: what a rerun in ``output_dir`` does, for the error message.
+        write: False only compares (a check before anything is spawned).
 
     Returns:
         The path of the record.
@@ -303,6 +304,8 @@ def record_run_config(
                 f"a new output_dir (e.g. output_dir={folder}_2) or delete {folder} to start "
                 "over."
             )
+    if not write:
+        return path
     folder.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(path.name + ".tmp")
     staged.write_text(OmegaConf.to_yaml(OmegaConf.create(mapping)))

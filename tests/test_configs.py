@@ -540,7 +540,7 @@ def test_an_unreadable_run_record_is_a_clear_error(tmp_path, text):
 
 
 def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_path):
-    from apps.grpo.main import latest_checkpoint_step
+    from apps.grpo.prepare import resume_step_of as latest_checkpoint_step
 
     out = tmp_path / "run"
     config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),

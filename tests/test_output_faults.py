@@ -75,7 +75,7 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
     class App:
         resume_step = 0  # a run to train (main() exits early on a finished one)
 
-        def __init__(self, config):
+        def __init__(self, config, inputs=None):
             self.config = config
 
         async def run(self):

@@ -31,7 +31,7 @@ Output: a progress bar, one console line per step, TensorBoard events and ``metr
 in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
 held-out accuracy before and after GRPO. ``<output_dir>/run_config.yaml`` records the
 resolved config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must
-match it except for :data:`MAY_CHANGE_ON_RESUME`.
+match it except for :data:`apps.grpo.prepare.MAY_CHANGE_ON_RESUME`.
 """
 
 from __future__ import annotations
@@ -55,12 +55,20 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
     # The config, the data, the rewards and every prompt, checked before torchtitan and
     # Monarch are imported; the app takes them as they are (main's inputs).
     _checked_inputs = exit_on_config_error("apps.grpo.prepare:check_run")
+    from apps.grpo.prepare import FinishedRun as _Finished
+
+    if isinstance(_checked_inputs, _Finished):  # nothing to train: no torch, no Monarch
+        print(_checked_inputs.message())
+        raise SystemExit(0)
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
-from apps.grpo.prepare import RunInputs, prepare
+from apps.grpo.prepare import (
+    MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
+    run_record,
+)
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
@@ -81,31 +89,9 @@ from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.supervision import RoleFailure, shutdown_monarch
 
 
-# Config keys (dotted prefixes) that may differ when a run is resumed in its output_dir: how
-# long it runs and how often it evaluates and saves, evaluation batching, logging, process
-# environment, fault injection. Everything else (seed, task, model, optimizer, ...) defines
-# the run, and a rerun with another value is refused (forge_ext.config.record_run_config).
-# A new loop.steps also re-derives the LR schedule (warm-up and decay are laid out over
-# trainer.training.steps), so an extended run is not the run it would have been had it been
-# started with the new length.
 PROMPT_STREAM_FILE = "prompt_stream.json"
 """In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
 prompt stream position where each checkpointed step's prompts begin."""
-
-MAY_CHANGE_ON_RESUME = (
-    "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
-    "loop.export_every", "eval.batch_size", "eval.sets", "export", "metrics", "procs",
-    "hosts", "debug",
-    "weights.same_host",  # how weights travel, not what they are: follows the placement
-    # Left out, the name comes from config.json's model_type, and the checkpoint files are
-    # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
-    "trainer.model.name", "reference.model.name",
-    "critic.model.name",
-    # How a batch is split into microbatches: any split gives the same gradient.
-    *(f"{role}.training.{name}" for role in ("trainer", "reference", "critic") for name in (
-        "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
-        "pad_to_multiple_of", "packing")),
-)
 
 
 def reward_model_role(name: str) -> str:
@@ -174,15 +160,7 @@ class GRPOApp(RLLoop):
         # Before anything is spawned: what this environment lacks (vllm), and whether a
         # rerun in output_dir matches the run recorded there (it resumes that run).
         config.generator.check_backend()
-        resume_step = latest_checkpoint_step(config)
-        if resume_step > config.loop.steps:
-            raise ValueError(
-                f"output_dir={config.output_dir!r} holds a checkpoint of step {resume_step} > "
-                f"loop.steps={config.loop.steps}; set loop.steps >= {resume_step} or use a new "
-                "output_dir"
-            )
-        if resume_step > 0:
-            _refuse_mode_change(config, resume_step)
+        resume_step = resume_point(config)
         # The task, its rubric and every prompt's ids, before anything is written or spawned:
         # a bad data file, field, reward or template is a config error now (python -m
         # apps.grpo.main has checked them before its heavy imports and passes them in).
@@ -190,14 +168,9 @@ class GRPOApp(RLLoop):
         self.tok, self.render, self.runner = inputs.tok, inputs.render, inputs.runner
         self.eval_rows, self.eval_sets, self.context = (inputs.eval_rows, inputs.eval_sets,
                                                         inputs.context)
-        # The record also names the checkpoint files behind model.hf_path (the reference and
-        # the generator load them): rewritten weights at the same path are another run.
-        record = {**asdict(config), "task": resolved_task(config.task),
-                  "model_files": _file_fingerprints(config.model.hf_path)}
-        record_run_config(
-            config.output_dir, record, may_change=MAY_CHANGE_ON_RESUME,
-            check=resume_step > 0,  # with nothing to resume, start over
-        )
+        record_run_config(config.output_dir, run_record(config),
+                          may_change=MAY_CHANGE_ON_RESUME,
+                          check=resume_step > 0)  # with nothing to resume, start over
         _warn_if_task_differs_from_warm_start(config)
         self.config = config
         self.resume_step = resume_step
@@ -548,7 +521,7 @@ class GRPOApp(RLLoop):
         # The step both the policy and the critic have (a crash between their saves leaves
         # the policy one ahead); the folder's step is the loop's, whatever the policy's own
         # count of updates (it does not move during critic.warmup_steps).
-        step = latest_checkpoint_step(self.config)
+        step = resume_step_of(self.config)
         if step == 0:
             return 0
         await self.trainer.load_checkpoint(step)
@@ -1160,56 +1133,6 @@ class GRPOApp(RLLoop):
         return f"written to {out}: " + ", ".join(parts)
 
 
-def latest_checkpoint_step(config: GRPOConfig) -> int:
-    """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
-    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), and with a critic the
-    newest the critic's folder holds too; 0 if none or checkpoints are off."""
-    from forge_ext.engine import engine_config_from_mapping
-    from forge_ext.engine.checkpoint import complete_checkpoint_steps
-
-    engine = engine_config_from_mapping(config.trainer)
-    if not engine.checkpoint.enable:
-        return 0
-    steps = set(complete_checkpoint_steps(Path(engine.dump_folder) / engine.checkpoint.folder))
-    if config.critic is not None:  # PPO: the newest step the critic has too
-        from forge_ext.actors.critic import critic_engine_config
-
-        critic = critic_engine_config(config.critic, policy_hf_path=config.model.hf_path,
-                                      trainer=config.trainer)
-        steps &= set(complete_checkpoint_steps(
-            Path(critic.dump_folder) / critic.checkpoint.folder))
-    return max(steps, default=0)
-
-
-def _file_fingerprints(hf_path: str) -> dict[str, str]:
-    """``{file: "<size> bytes, mtime_ns <ns>"}`` of a checkpoint's config and weights."""
-    folder = Path(hf_path)
-    stats = {f.name: f.stat() for f in [folder / "config.json", *folder.glob("*.safetensors")]
-             if f.is_file()}
-    return {
-        name: f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}" for name, st in sorted(stats.items())
-    }
-
-
-def _refuse_mode_change(config: GRPOConfig, resume_step: int) -> None:
-    """A resumed run keeps its ``loop.mode``: its samples so far came from that schedule
-    (a record written before ``loop.mode`` existed is a sync run).
-
-    Raises:
-        ValueError: naming ``loop.mode``, the recorded mode and the fix.
-    """
-    record = Path(config.output_dir) / RUN_CONFIG_FILE
-    if not record.is_file():
-        return
-    recorded = (load_run_record(record).get("loop") or {}).get("mode", "sync")
-    if recorded != config.loop.mode:
-        raise ValueError(
-            f"loop.mode={config.loop.mode} but output_dir={config.output_dir!r} holds a "
-            f"loop.mode={recorded} run with a checkpoint of step {resume_step}; the mode cannot "
-            f"change on resume. Rerun with loop.mode={recorded}, or use a new output_dir"
-        )
-
-
 def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
     """A warm-start written by apps.sft records its config; GRPO on another task (more
     digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
@@ -1235,24 +1158,22 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         )
 
 
-def main(argv: list[str] | None = None, inputs: RunInputs | None = None) -> None:
+def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
-    ``inputs``: :func:`apps.grpo.prepare.prepare` of that config, if already done."""
+    ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done."""
     from apps.config_reference import grpo_help
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
                                 prog="python -m apps.grpo.main")
+    if isinstance(inputs, FinishedRun):  # found before the imports: nothing to train
+        print(inputs.message())
+        return
     try:
         app = GRPOApp(load_config(path, overrides), inputs)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
-        out = app.config.output_dir
-        print(f"output_dir {out} holds a finished run: its checkpoint of step "
-              f"{app.resume_step} is the last of loop.steps={app.config.loop.steps}; nothing "
-              f"to do. Raise loop.steps to train on, evaluate it with python -m apps.eval "
-              f"--config {os.path.join(out, RUN_CONFIG_FILE)} checkpoint=<its hf/step-N or "
-              "checkpoints/step-N folder>, or use a new output_dir")
+        print(FinishedRun(app.config, app.resume_step).message())
         return
     try:
         asyncio.run(app.run())
@@ -1279,7 +1200,7 @@ def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | No
     """What the console shows when a role's process or host died: what died and its likely
     cause, that everything else was stopped, the last checkpoint and the command that
     resumes from it."""
-    step = latest_checkpoint_step(config)
+    step = resume_step_of(config)
     if step:
         from forge_ext.engine import engine_config_from_mapping
 

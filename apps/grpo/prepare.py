@@ -1,29 +1,63 @@
-"""What a GRPO run reads and checks before anything is spawned: the task's rows, the rubric,
-the checkpoint's tokenizer, every prompt's ids, the evaluation sets and where an episode must
-fit (issue 38). ``python -m apps.grpo.main`` runs :func:`check_run` before it imports
-torchtitan and Monarch, so a bad data file, column, reward module or a prompt longer than
-``trainer.training.seq_len`` is a ``config error`` in seconds; the app then takes the
-:class:`RunInputs` as they are (:class:`apps.grpo.main.GRPOApp`).
+"""What a GRPO run reads and checks before anything is spawned: whether it resumes a run in
+``output_dir`` (and may), the task's rows, the rubric, the checkpoint's tokenizer, every
+prompt's ids, the evaluation sets and where an episode must fit (issue 38).
 
-Light imports only: the task sources, the rubric and the tokenizer wrapper. The data checks
-come first (a missing column or reward module in about 1.5 s: ``datasets`` is imported only
-for a dataset task); the tokenizer's come after (``transformers.AutoTokenizer`` imports torch,
-about 4 s on a 2-core machine).
+``python -m apps.grpo.main`` runs :func:`check_run` before it imports torchtitan and Monarch:
+a rerun of a finished run says so and exits, a rerun with another config is refused, a bad
+data file, column, reward module or a prompt longer than ``trainer.training.seq_len`` is a
+``config error`` in seconds; the app then takes the :class:`RunInputs` as they are
+(:class:`apps.grpo.main.GRPOApp`).
+
+Light imports only: the task sources, the rubric, the tokenizer wrapper, the checkpoint
+folders' scan. The resume and data checks come first (a missing column or reward module in
+about 1.4 s: ``datasets`` is imported only for a dataset task); the tokenizer's after
+(``transformers.AutoTokenizer`` imports torch: about 5.7 s in all on a 2-core machine).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from apps.grpo.config import GRPOConfig, check_config
+from forge_ext.actors.critic_config import critic_sections
+from forge_ext.config import RUN_CONFIG_FILE, load_run_record, record_run_config
+from forge_ext.engine.checkpoint_files import complete_checkpoint_steps
+from forge_ext.engine.schema import engine_view
 from forge_ext.evaluation import build_sets, close_sets
 from forge_ext.evaluation.sets import EvalSet, check_context, check_reward_models
 from forge_ext.rollout import EpisodeRunner
-from forge_ext.tasks import PromptRenderer, Row, Rubric, Task, build_task, episode_config
+from forge_ext.tasks import (
+    PromptRenderer, Row, Rubric, Task, build_task, episode_config, resolved_task,
+)
 from forge_ext.tasks.prompts import render_splits
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
+
+
+# Config keys (dotted prefixes) that may differ when a run is resumed in its output_dir: how
+# long it runs and how often it evaluates and saves, evaluation batching, logging, process
+# environment, fault injection. Everything else (seed, task, model, optimizer, ...) defines
+# the run, and a rerun with another value is refused (forge_ext.config.record_run_config).
+# A new loop.steps also re-derives the LR schedule (warm-up and decay are laid out over
+# trainer.training.steps), so an extended run is not the run it would have been had it been
+# started with the new length.
+MAY_CHANGE_ON_RESUME = (
+    "loop.steps", "trainer.training.steps", "loop.eval_every", "loop.save_every",
+    "loop.export_every", "eval.batch_size", "eval.sets", "export", "metrics", "procs",
+    "hosts", "debug",
+    "weights.same_host",  # how weights travel, not what they are: follows the placement
+    # Left out, the name comes from config.json's model_type, and the checkpoint files are
+    # fingerprinted (model_files): a run recorded with the name spelled out still resumes.
+    "trainer.model.name", "reference.model.name",
+    "critic.model.name",
+    # How a batch is split into microbatches: any split gives the same gradient.
+    *(f"{role}.training.{name}" for role in ("trainer", "reference", "critic") for name in (
+        "microbatch_size", "gradient_accumulation_steps", "max_tokens_per_microbatch",
+        "pad_to_multiple_of", "packing")),
+)
 
 
 @dataclass
@@ -119,11 +153,107 @@ def _check_lengths(config: GRPOConfig, runner: EpisodeRunner, episodes: Any,
     return min((v for v in limits.values() if v is not None), default=None)
 
 
-def check_run(path: str, overrides: list[str]) -> RunInputs:
-    """:func:`apps.grpo.config.check_config` and :func:`prepare`: what ``python -m
-    apps.grpo.main`` runs before its heavy imports (:func:`apps.fast_help.exit_on_config_error`).
+@dataclass
+class FinishedRun:
+    """``output_dir`` holds a checkpoint of the last step: nothing to train or spawn."""
+
+    config: GRPOConfig
+    step: int
+
+    def message(self) -> str:
+        out = self.config.output_dir
+        return (f"output_dir {out} holds a finished run: its checkpoint of step {self.step} is "
+                f"the last of loop.steps={self.config.loop.steps}; nothing to do. Raise "
+                f"loop.steps to train on, evaluate it with python -m apps.eval --config "
+                f"{os.path.join(out, RUN_CONFIG_FILE)} checkpoint=<its hf/step-N or "
+                "checkpoints/step-N folder>, or use a new output_dir")
+
+
+def resume_step_of(config: GRPOConfig) -> int:
+    """The step the trainer would resume from: its newest complete ``step-N`` checkpoint
+    folder (with ``.metadata``, see :mod:`forge_ext.engine.checkpoint`), and with a critic the
+    newest the critic's folder holds too; 0 if none or checkpoints are off."""
+    engine = engine_view(config.trainer, "trainer")
+    if not engine.checkpoint.enable:
+        return 0
+    steps = set(complete_checkpoint_steps(Path(engine.dump_folder) / engine.checkpoint.folder))
+    if config.critic is not None:  # PPO: the newest step the critic has too
+        section, _ = critic_sections(config.critic, policy_hf_path=config.model.hf_path,
+                                     trainer=config.trainer)
+        critic = engine_view(section, "critic")
+        steps &= set(complete_checkpoint_steps(
+            Path(critic.dump_folder) / critic.checkpoint.folder))
+    return max(steps, default=0)
+
+
+def run_record(config: GRPOConfig) -> dict[str, Any]:
+    """What ``<output_dir>/run_config.yaml`` records of a run: its config, the task resolved,
+    and the checkpoint files behind ``model.hf_path`` (the reference and the generator load
+    them: rewritten weights at the same path are another run)."""
+    return {**asdict(config), "task": resolved_task(config.task),
+            "model_files": _file_fingerprints(config.model.hf_path)}
+
+
+def resume_point(config: GRPOConfig) -> int:
+    """The step the run resumes from (:func:`resume_step_of`; 0: it starts over), once a
+    rerun in ``output_dir`` is known to be the recorded run.
+
+    Raises:
+        ValueError: the checkpoint is beyond ``loop.steps``, ``loop.mode`` changed, or a
+            key outside :data:`MAY_CHANGE_ON_RESUME` differs from the record (naming each).
+    """
+    step = resume_step_of(config)
+    if step > config.loop.steps:
+        raise ValueError(
+            f"output_dir={config.output_dir!r} holds a checkpoint of step {step} > "
+            f"loop.steps={config.loop.steps}; set loop.steps >= {step} or use a new output_dir"
+        )
+    if step > 0:
+        _refuse_mode_change(config, step)
+        record_run_config(config.output_dir, run_record(config),
+                          may_change=MAY_CHANGE_ON_RESUME, write=False)
+    return step
+
+
+def _file_fingerprints(hf_path: str) -> dict[str, str]:
+    """``{file: "<size> bytes, mtime_ns <ns>"}`` of a checkpoint's config and weights."""
+    folder = Path(hf_path)
+    stats = {f.name: f.stat() for f in [folder / "config.json", *folder.glob("*.safetensors")]
+             if f.is_file()}
+    return {
+        name: f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}" for name, st in sorted(stats.items())
+    }
+
+
+def _refuse_mode_change(config: GRPOConfig, resume_step: int) -> None:
+    """A resumed run keeps its ``loop.mode``: its samples so far came from that schedule
+    (a record written before ``loop.mode`` existed is a sync run).
+
+    Raises:
+        ValueError: naming ``loop.mode``, the recorded mode and the fix.
+    """
+    record = Path(config.output_dir) / RUN_CONFIG_FILE
+    if not record.is_file():
+        return
+    recorded = (load_run_record(record).get("loop") or {}).get("mode", "sync")
+    if recorded != config.loop.mode:
+        raise ValueError(
+            f"loop.mode={config.loop.mode} but output_dir={config.output_dir!r} holds a "
+            f"loop.mode={recorded} run with a checkpoint of step {resume_step}; the mode cannot "
+            f"change on resume. Rerun with loop.mode={recorded}, or use a new output_dir"
+        )
+
+
+def check_run(path: str, overrides: list[str]) -> RunInputs | FinishedRun:
+    """What ``python -m apps.grpo.main`` runs before its heavy imports
+    (:func:`apps.fast_help.exit_on_config_error`): :func:`apps.grpo.config.check_config`,
+    :func:`resume_point`, then :func:`prepare`, unless the run in ``output_dir`` is finished.
 
     Raises:
         ValueError / FileNotFoundError: naming the field and the fix.
     """
-    return prepare(check_config(path, overrides))
+    config = check_config(path, overrides)
+    step = resume_point(config)
+    if step >= config.loop.steps > 0:
+        return FinishedRun(config, step)
+    return prepare(config)

@@ -38,39 +38,13 @@ import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager as TitanCheckpointManager
 from torchtitan.tools import filesystem
 
+# Which step folders are complete: no torch (the apps read them before their imports).
+from forge_ext.engine.checkpoint_files import (  # noqa: F401  (imported from here too)
+    COMPLETE_MARKERS, INCOMPLETE_SUFFIX, STEP_FOLDER, checkpoint_folders,
+    complete_checkpoint_steps, is_complete_checkpoint,
+)
+
 logger = logging.getLogger(__name__)
-
-STEP_FOLDER = re.compile(r"step-(\d+)")
-"""The name of a checkpoint folder (matched whole): ``step-<N>``."""
-COMPLETE_MARKERS = (".metadata", "model.safetensors.index.json")
-"""Files that only a finished save leaves in a step folder (DCP; torchtitan's HF save)."""
-INCOMPLETE_SUFFIX = ".incomplete"
-"""Appended to the name of an incomplete step folder set aside (``step-9.incomplete``)."""
-
-
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether the step folder ``path`` holds a finished save (:data:`COMPLETE_MARKERS`)."""
-    return any(filesystem.isfile(filesystem.join(str(path), m)) for m in COMPLETE_MARKERS)
-
-
-def checkpoint_folders(folder: str | os.PathLike) -> dict[int, str]:
-    """``{step: path}`` of every ``step-<N>`` folder in ``folder``, complete or not (none when
-    ``folder`` does not exist)."""
-    folder = str(folder)
-    if not filesystem.isdir(folder):
-        return {}
-    found = {}
-    for name in filesystem.listdir(folder):
-        match = STEP_FOLDER.fullmatch(name)
-        if match:
-            found[int(match.group(1))] = filesystem.join(folder, name)
-    return found
-
-
-def complete_checkpoint_steps(folder: str | os.PathLike) -> list[int]:
-    """Steps of the complete checkpoints in ``folder``, ascending."""
-    return sorted(s for s, p in checkpoint_folders(folder).items() if is_complete_checkpoint(p))
-
 
 def _set_aside(path: str) -> str | None:
     """Rename the incomplete step folder ``path`` to ``<path>.incomplete`` (the first free
