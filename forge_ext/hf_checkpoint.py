@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from forge_ext import disk
+from forge_ext.engine.checkpoint_files import is_hf_checkpoint  # noqa: F401  (imported here too)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,12 +44,6 @@ TOKENIZER_FILES = (
 # Copied with the tokenizer: the end ids a checkpoint declares there (Qwen3 and Llama-3
 # instruct models list two; config.json names one) and its sampling defaults.
 GENERATION_CONFIG = "generation_config.json"
-
-
-def is_hf_checkpoint(directory: str | Path) -> bool:
-    """True if ``directory`` holds a ``config.json`` and at least one ``*.safetensors``."""
-    directory = Path(directory)
-    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
 def hf_config_dict(model_type: str, fields: Mapping[str, Any]) -> dict[str, Any]:

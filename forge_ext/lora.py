@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
+from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME  # noqa: F401  (imported here too)
+
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 

@@ -66,6 +66,7 @@ def model_dir(tmp_path_factory):
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 64}))
+    (folder / "model.safetensors").write_bytes(b"")  # an HF folder to the eval app's check
     return str(folder)
 
 
@@ -132,6 +133,16 @@ CASES = {
                           "trainer.model.flavor=hf", "trainer.model.hf_path={model}",
                           "trainer.training.seq_len=65"],
         "config error: trainer: training.seq_len=65 exceeds"),
+    "sft missing column": (
+        "apps.sft.main", ["--config", "configs/sft_cpu_demo.yaml", "output_dir={user}/sft",
+                          "task.source=dataset", "task.train_path={user}/rows.jsonl",
+                          "task.prompt_field=q", "task.num_eval=1"],
+        "config error: task.prompt_field='q' is not a column of task.train_path="),
+    "eval missing column": (
+        "apps.eval", ["--config", "configs/eval_cpu_demo.yaml", "checkpoint={model}",
+                      "task.source=dataset", "task.train_path={user}/rows.jsonl",
+                      "task.prompt_field=q", "task.num_eval=1"],
+        "config error: task.prompt_field='q' is not a column of task.train_path="),
     "grpo missing column": (
         "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
                            "task.source=dataset", "task.train_path={user}/rows.jsonl",

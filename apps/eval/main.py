@@ -97,9 +97,9 @@ STEP = re.compile(r"step-(\d+)")
 
 def kind_of(path: Path) -> str | None:
     """``hf``, ``dcp``, ``lora`` or None (module docstring)."""
-    from forge_ext.engine.checkpoint import is_complete_checkpoint
-    from forge_ext.hf_checkpoint import is_hf_checkpoint
-    from forge_ext.lora import ADAPTER_CONFIG_NAME
+    from forge_ext.engine.checkpoint_files import (
+        ADAPTER_CONFIG_NAME, is_complete_checkpoint, is_hf_checkpoint,
+    )
 
     if is_hf_checkpoint(path):
         return "hf"
@@ -118,9 +118,9 @@ def resolve_checkpoints(config: EvalAppConfig) -> list[Checkpoint]:
         ValueError / FileNotFoundError: a path that does not exist or is none of the kinds,
             a LoRA adapter or DCP step whose base model is unknown, naming ``checkpoint``.
     """
-    from forge_ext.engine.export import run_model_of
-    from forge_ext.hf_checkpoint import is_hf_checkpoint
-    from forge_ext.lora import ADAPTER_CONFIG_NAME
+    from forge_ext.engine.checkpoint_files import (
+        ADAPTER_CONFIG_NAME, is_hf_checkpoint, run_model_of,
+    )
 
     paths = [config.checkpoint] if isinstance(config.checkpoint, str) else list(config.checkpoint)
     if not paths:
@@ -247,9 +247,14 @@ class EvalApp:
         if not tok_path:
             raise ValueError(f"checkpoint={first.path}: its run has no model.hf_path to read "
                              "a tokenizer from; set base=<HF folder>")
-        self.tok = CheckpointTokenizer(tok_path)
         configs = config.eval.sets or [default_set(config.task, config.eval.greedy)]
-        self.sets = build_sets(configs, self.tok, prompt=config.prompt, reward=config.reward,
+
+        def load_tokenizer() -> CheckpointTokenizer:  # after the sets' data are checked
+            self.tok = CheckpointTokenizer(tok_path)
+            return self.tok
+
+        self.sets = build_sets(configs, load_tokenizer, prompt=config.prompt,
+                               reward=config.reward,
                                max_new_tokens=generator.sampling.max_new_tokens)
         try:
             check_context(self.sets, generator)

@@ -84,10 +84,10 @@ class RunInputs:
 
 def prepare(config: GRPOConfig) -> RunInputs:
     """Load and check what the run reads, in the order of the cost of the check: the task's
-    rows and the rubric (its functions imported, the columns they name present), then the
-    tokenizer, every prompt rendered (``<unk>`` in any is warned about on stderr), the
-    longest prompt plus a response against the trainer's and vLLM's lengths, and the
-    evaluation sets.
+    rows and the rubric (its functions imported, the columns they name present) and the
+    evaluation sets' rows and rubrics, then the tokenizer, every prompt rendered (``<unk>``
+    in any is warned about on stderr), and the longest prompt plus a response against the
+    trainer's and vLLM's lengths.
 
     Raises:
         ValueError / FileNotFoundError: naming the field, the row or the file, and the fix.
@@ -102,7 +102,16 @@ def prepare(config: GRPOConfig) -> RunInputs:
         if not eval_rows:
             raise ValueError(f"the task ({task.name}) has no held-out rows; set task.num_eval "
                              "(or task.eval_path) to at least 1")
-        tok = CheckpointTokenizer(config.model.hf_path)
+        loaded: list[CheckpointTokenizer] = []
+
+        def load_tokenizer() -> CheckpointTokenizer:  # once the sets' rows are checked too
+            loaded.append(CheckpointTokenizer(config.model.hf_path))
+            return loaded[0]
+
+        eval_sets = build_sets(
+            config.eval.sets, load_tokenizer, prompt=config.prompt, reward=config.reward,
+            max_new_tokens=config.generator.sampling.max_new_tokens)
+        tok = loaded[0] if loaded else load_tokenizer()
         render = PromptRenderer(tok, config.prompt)
         # Every prompt renders (or the error names its row); <unk> in any is warned about.
         prompts, warning = render_splits(render, {"training": train_rows,
@@ -110,9 +119,6 @@ def prepare(config: GRPOConfig) -> RunInputs:
         if warning:  # e.g. the demo's character tokenizer on English prompts
             print(warning, file=sys.stderr)
         runner = EpisodeRunner(tok, render, rubric, episodes)
-        eval_sets = build_sets(
-            config.eval.sets, tok, prompt=config.prompt, reward=config.reward,
-            max_new_tokens=config.generator.sampling.max_new_tokens)
         context = _check_lengths(config, runner, episodes,
                                  max(len(ids) for split in prompts.values() for ids in split))
         check_context(eval_sets, config.generator)

@@ -12,7 +12,7 @@ from forge_ext.engine.schema import (
     check_checkpoint_limits, engine_view, num_microbatches, world_size_of,
 )
 from forge_ext.metrics import MetricsConfig
-from forge_ext.tasks import PromptConfig, RewardConfig, task_config
+from forge_ext.tasks import PromptConfig, RewardConfig, Rubric, Task, build_task, task_config
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,3 +113,50 @@ def check_single_process(trainer: dict[str, Any]) -> None:
         check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
     except ValueError as e:
         raise ValueError(f"trainer: {e}") from None
+
+
+def functions_only(rubric: Rubric) -> Rubric:
+    """``rubric``, if it has no reward model: the SFT app scores its held-out answers in the
+    controller, with reward functions only (a reward model is a role of the GRPO app).
+
+    Raises:
+        ValueError: naming the reward model's entry.
+    """
+    if rubric.models:
+        name = next(iter(rubric.models))
+        raise ValueError(
+            f"reward.functions: {name!r} is a reward model (model: ...), which the SFT app "
+            "does not run; its held-out accuracy needs a reward function (fn: ...)")
+    return rubric
+
+
+def check_data(config: SFTConfig) -> Task:
+    """The task built and its rows read (columns present), the rubric's functions imported
+    (the columns they name present): without torch, so ``python -m apps.sft.main`` says a
+    data or reward error before its imports (issue 38).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field, the file or the column.
+    """
+    task = build_task(config.task)
+    list(task.train_rows()), list(task.eval_rows())
+    with functions_only(Rubric(config.reward, task)):
+        pass
+    return task
+
+
+def check_run(path: str, overrides: list[str]) -> tuple[SFTConfig, Task | None]:
+    """:func:`check_config`, then :func:`check_data` unless ``output_dir`` may hold a kept
+    checkpoint (``skip_if_exists`` and anything there: the app decides, after its imports,
+    whether it keeps it). What ``python -m apps.sft.main`` runs first.
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field and the fix.
+    """
+    import os
+
+    config = check_config(path, overrides)
+    out = config.output_dir
+    if config.skip_if_exists and os.path.isdir(out) and os.listdir(out):
+        return config, None
+    return config, check_data(config)

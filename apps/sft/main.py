@@ -34,11 +34,13 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
     from apps.fast_help import exit_on_config_error, print_saved_help
 
     print_saved_help("sft")
-    exit_on_config_error("apps.sft.config:check_config")
+    # The config, the task's rows and the reward functions, before torch is imported.
+    _checked = exit_on_config_error("apps.sft.config:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 from apps.sft.config import (  # noqa: F401  (imported from here too)
     MAY_CHANGE_ON_SKIP, EvalConfig, InitConfig, SFTConfig, check_config, check_single_process,
+    check_data, functions_only,
 )
 from forge_ext.episode import Episode, pack_episodes
 from forge_ext.tasks import (
@@ -55,21 +57,6 @@ from forge_ext.rollout.engines import HFSampler, SamplingConfig
 from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
 from forge_ext.lora import ADAPTER_CONFIG_NAME
 from forge_ext.metrics import MetricLogger, MetricsConfig
-
-
-def functions_only(rubric: Rubric) -> Rubric:
-    """``rubric``, if it has no reward model: the SFT app scores its held-out answers in the
-    controller, with reward functions only (a reward model is a role of the GRPO app).
-
-    Raises:
-        ValueError: naming the reward model's entry.
-    """
-    if rubric.models:
-        name = next(iter(rubric.models))
-        raise ValueError(
-            f"reward.functions: {name!r} is a reward model (model: ...), which the SFT app "
-            "does not run; its held-out accuracy needs a reward function (fn: ...)")
-    return rubric
 
 
 def kept_checkpoint(config: SFTConfig) -> bool:
@@ -282,7 +269,9 @@ def _full(state_dict: dict) -> dict:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, task: Task | None = None) -> None:
+    """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
+    ``task``: the task :func:`apps.sft.config.check_run` built from it, if already done."""
     from apps.config_reference import sft_help
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
@@ -292,15 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         kept = kept_checkpoint(config)  # a kept checkpoint must come from the same config
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
-    task = None
-    if not kept:
+    if kept:
+        task = None
+    else:
         from forge_ext.actors.trainer import world_size_of
         from forge_ext.engine import engine_config_from_mapping
 
         apply_env(config.env)
         try:
-            task = build_task(config.task)
-            functions_only(Rubric(config.reward, task))
+            task = check_data(config) if task is None else task
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"config error: {e}")
         wrote = False
@@ -343,4 +332,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(task=_checked[1] if _checked else None)

@@ -1,6 +1,7 @@
-"""Which ``step-N`` checkpoint folders a folder holds and which are complete, without torch
-(:mod:`forge_ext.engine.checkpoint` explains the rule; the apps read it before their heavy
-imports, issue 38). Local paths through ``os``, remote URIs (``gs://``, ...) through
+"""What a checkpoint folder on disk is, without torch (the apps read it before their heavy
+imports, issue 38): which ``step-N`` DCP folders a folder holds and which are complete
+(:mod:`forge_ext.engine.checkpoint` explains the rule), an HF checkpoint folder, a LoRA
+adapter folder, the model of the run that wrote a DCP step. Local paths through ``os``, remote URIs (``gs://``, ...) through
 fsspec, as torchtitan's ``torchtitan/tools/filesystem.py`` does (importing torchtitan here
 would import torch).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from pathlib import Path
+from typing import Any
 
 
 def _fs(path: str):
@@ -43,6 +46,8 @@ def _join(path: str, *names: str) -> str:
     return os.path.join(path, *names) if _fs(path) is None else posixpath.join(path, *names)
 
 
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+"""The file that makes a folder a PEFT LoRA adapter (:mod:`forge_ext.lora`)."""
 STEP_FOLDER = re.compile(r"step-(\d+)")
 """The name of a checkpoint folder (matched whole): ``step-<N>``."""
 COMPLETE_MARKERS = (".metadata", "model.safetensors.index.json")
@@ -73,3 +78,37 @@ def checkpoint_folders(folder: str | os.PathLike) -> dict[int, str]:
 def complete_checkpoint_steps(folder: str | os.PathLike) -> list[int]:
     """Steps of the complete checkpoints in ``folder``, ascending."""
     return sorted(s for s, p in checkpoint_folders(folder).items() if is_complete_checkpoint(p))
+
+
+def is_hf_checkpoint(directory: str | Path) -> bool:
+    """True if ``directory`` holds a ``config.json`` and at least one ``*.safetensors``."""
+    directory = Path(directory)
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def run_model_of(step_folder: str | os.PathLike) -> dict[str, Any]:
+    """The ``trainer.model`` section of the run that wrote the DCP checkpoint ``step_folder``
+    (``<output_dir>/<checkpoint folder>/step-N``), read from its ``run_config.yaml`` two or
+    one folders up; relative paths count from the run's working directory.
+
+    Raises:
+        FileNotFoundError: no run record there, naming where it was looked for and the
+            ``--model`` flag that replaces it.
+    """
+    from forge_ext.config import RUN_CONFIG_FILE, WORKING_DIR_KEY, load_run_record
+
+    step = Path(step_folder).resolve()
+    candidates = [step.parent.parent / RUN_CONFIG_FILE, step.parent / RUN_CONFIG_FILE]
+    for path in candidates:
+        if path.is_file():
+            record = load_run_record(path)
+            model = dict((record.get("trainer") or {}).get("model") or {})
+            hf_path = model.get("hf_path")
+            if hf_path and not os.path.isabs(hf_path):
+                model["hf_path"] = os.path.join(record.get(WORKING_DIR_KEY, os.getcwd()), hf_path)
+            return model
+    raise FileNotFoundError(
+        f"no {RUN_CONFIG_FILE} in {candidates[0].parent} or {candidates[1].parent}: the model "
+        f"of {step_folder} is unknown; pass --model <HF checkpoint folder of the run's "
+        "model.hf_path>"
+    )

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from forge_ext import disk
+from forge_ext.engine.checkpoint_files import run_model_of  # noqa: F401  (imported here too)
 from forge_ext.hf_checkpoint import (
     DEFAULT_MAX_SHARD_BYTES, ShardWriter, finish_hf_folder, hf_config_dict, staging_folder,
     tensor_bytes, write_hf_folder,
@@ -186,34 +187,6 @@ def _raise_if_any(error: disk.OutputWriteError | None, distributed: bool, stagin
 
 
 # ---- from a DCP checkpoint on disk ------------------------------------------------------------
-
-def run_model_of(step_folder: str | os.PathLike) -> dict[str, Any]:
-    """The ``trainer.model`` section of the run that wrote the DCP checkpoint ``step_folder``
-    (``<output_dir>/<checkpoint folder>/step-N``), read from its ``run_config.yaml`` two or
-    one folders up; relative paths count from the run's working directory.
-
-    Raises:
-        FileNotFoundError: no run record there, naming where it was looked for and the
-            ``--model`` flag that replaces it.
-    """
-    from forge_ext.config import RUN_CONFIG_FILE, WORKING_DIR_KEY, load_run_record
-
-    step = Path(step_folder).resolve()
-    candidates = [step.parent.parent / RUN_CONFIG_FILE, step.parent / RUN_CONFIG_FILE]
-    for path in candidates:
-        if path.is_file():
-            record = load_run_record(path)
-            model = dict((record.get("trainer") or {}).get("model") or {})
-            hf_path = model.get("hf_path")
-            if hf_path and not os.path.isabs(hf_path):
-                model["hf_path"] = os.path.join(record.get(WORKING_DIR_KEY, os.getcwd()), hf_path)
-            return model
-    raise FileNotFoundError(
-        f"no {RUN_CONFIG_FILE} in {candidates[0].parent} or {candidates[1].parent}: the model "
-        f"of {step_folder} is unknown; pass --model <HF checkpoint folder of the run's "
-        "model.hf_path>"
-    )
-
 
 def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
               model: dict[str, Any] | None = None, dtype: torch.dtype | None = None,

@@ -326,6 +326,11 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
     and ``max_new_tokens`` are the defaults of sets that do not set their own. Call
     :func:`close_sets` when done (the rubrics' worker processes).
 
+    Args:
+        tok: the tokenizer, or a function of no argument that loads it, called once every
+            set's rows and rubric are built (a data error then comes before the seconds a
+            tokenizer costs to import; issue 38).
+
     Raises:
         ValueError: a set with no held-out rows, or a row that does not render (naming the
             set and the row).
@@ -333,7 +338,7 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
     from forge_ext.rollout import EpisodeRunner
     from forge_ext.tasks import PromptRenderer, Rubric, build_task, episode_config, resolved_task
 
-    built = []
+    loaded, built = [], []
     try:
         for i, c in enumerate(configs):
             task = build_task(c.task, f"eval.sets[{i}].task")
@@ -341,21 +346,26 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
             if not rows:
                 raise ValueError(f"eval.sets[{i}] ({c.name}): its task ({task.name}) has no "
                                  "held-out rows; set task.num_eval or task.eval_path")
+            episodes = episode_config(c.task)
+            # An environment's rewards may stand alone (no reward functions), as in training.
+            loaded.append((c, task, rows, episodes,
+                           Rubric(c.reward or reward, task,
+                                  environment=episodes.environment is not None)))
+        if loaded and callable(tok) and not hasattr(tok, "encode_prompt"):
+            tok = tok()
+        for i, (c, task, rows, episodes, rubric) in enumerate(loaded):
             render = PromptRenderer(tok, c.prompt or prompt)
             for j, row in enumerate(rows):
                 try:
                     render(row)
                 except ValueError as e:
                     raise ValueError(f"eval.sets[{i}] ({c.name}) row {j}: {e}") from None
-            episodes = episode_config(c.task)
-            # An environment's rewards may stand alone (no reward functions), as in training.
-            rubric = Rubric(c.reward or reward, task,
-                            environment=episodes.environment is not None)
             runner = EpisodeRunner(tok, render, rubric, episodes)
             built.append(EvalSet(c, task, runner, rows, c.sampling(max_new_tokens),
                                  resolved_task(c.task)))
     except BaseException:
-        close_sets(built)
+        for *_, rubric in loaded:
+            rubric.close()
         raise
     return built
 
