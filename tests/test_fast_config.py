@@ -192,11 +192,12 @@ def test_a_prompt_longer_than_seq_len_is_refused_before_torchtitan_and_monarch(
     result = _run("apps.grpo.main", [
         "--config", "configs/grpo_cpu_demo.yaml", f"model.hf_path={demo_checkpoint}",
         "task.source=dataset", f"task.train_path={user_files}/rows.jsonl",
-        "task.prompt_field=question", "task.num_eval=1", "reward.functions=[{fn: 'my_rewards:exact'}]",
+        "task.prompt_field=question", "task.num_eval=1",
+        "reward.functions=[{fn: 'my_rewards:exact'}]",
         "generator.sampling.max_new_tokens=40"], pythonpath=user_files)
     assert ("config error: trainer.training.seq_len=32 < 45 tokens (longest prompt + "
-            "generator.sampling.max_new_tokens); raise trainer.training.seq_len") in result.stderr, (
-        result.stderr[-3000:])
+            "generator.sampling.max_new_tokens); raise trainer.training.seq_len"
+            ) in result.stderr, result.stderr[-3000:]
     assert "'torchtitan'" not in result.stderr and "'monarch'" not in result.stderr, (
         result.stderr[-3000:])
 

@@ -94,8 +94,7 @@ def overrides(checkpoint, output_dir, *extra):
     return [
         f"model.hf_path={checkpoint}", f"output_dir={output_dir}",
         "task.num_train=40", "task.num_eval=6", "task.partial_credit=0.5",
-        "grpo.prompts_per_step=2", "grpo.group_size=4",
-        "trainer.training.local_batch_size=8", "reference.training.local_batch_size=8",
+        "grpo.prompts_per_step=2", "grpo.group_size=4",  # the batch sizes follow (8)
         "trainer.optimizer.lr=1e-3",
         "loop.steps=4", "loop.eval_every=2", "loop.save_every=3",
         "procs.env={}",  # leave the test process's thread settings alone

@@ -25,8 +25,9 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
         sys.executable, "-m", "apps.grpo.main", "--config", "configs/grpo_cpu_demo.yaml",
         f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=2",
         "loop.eval_every=2", "loop.save_every=2",
+        # Resized by grpo.prompts_per_step and group_size alone: the trainer's batch follows.
         "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
-        "trainer.training.local_batch_size=4", "eval.batch_size=2",
+        "eval.batch_size=2",
         # No reference (one proc fewer to start, mostly torchtitan's import), no plot.
         "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
     ]

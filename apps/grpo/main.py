@@ -1158,7 +1158,8 @@ def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         )
 
 
-def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None = None) -> None:
+def main(argv: list[str] | None = None,
+         inputs: RunInputs | FinishedRun | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
     ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done."""
     from apps.config_reference import grpo_help

@@ -76,11 +76,6 @@ class RunInputs:
     """Tokens an episode may hold: the least of ``trainer.training.seq_len`` and vLLM's
     ``max_model_len`` (None: neither is set)."""
 
-    def close(self) -> None:
-        """Stop the rubrics' worker processes (the run's and the evaluation sets')."""
-        close_sets(self.eval_sets)
-        self.rubric.close()
-
 
 def prepare(config: GRPOConfig) -> RunInputs:
     """Load and check what the run reads, in the order of the cost of the check: the task's

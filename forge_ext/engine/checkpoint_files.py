@@ -1,9 +1,9 @@
 """What a checkpoint folder on disk is, without torch (the apps read it before their heavy
 imports, issue 38): which ``step-N`` DCP folders a folder holds and which are complete
 (:mod:`forge_ext.engine.checkpoint` explains the rule), an HF checkpoint folder, a LoRA
-adapter folder, the model of the run that wrote a DCP step. Local paths through ``os``, remote URIs (``gs://``, ...) through
-fsspec, as torchtitan's ``torchtitan/tools/filesystem.py`` does (importing torchtitan here
-would import torch).
+adapter folder, the model of the run that wrote a DCP step. Local paths through ``os``,
+remote URIs (``gs://``, ...) through fsspec, as ``torchtitan/tools/filesystem.py`` does
+(importing torchtitan here would import torch).
 """
 
 from __future__ import annotations

@@ -148,8 +148,9 @@ def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> 
     """The sizes of an engine section, defaults filled, after :func:`check_engine_section`:
     ``.engine``, ``.training`` and ``.parallelism`` (the fields of ``_SIZE_FIELDS``),
     ``.checkpoint`` (``enable``, ``folder``, ``keep_latest_k``), ``.model`` (``flavor``,
-    ``hf_path``), ``.dump_folder``, ``.pp_degree``; what :func:`world_size_of`, :func:`data_parallel_size`,
-    :func:`num_microbatches` and :func:`check_weights_transport` read, as they read an
+    ``hf_path``), ``.dump_folder``, ``.pp_degree``; what :func:`world_size_of`,
+    :func:`data_parallel_size`, :func:`num_microbatches`, :func:`check_weights_transport` and
+    :func:`check_checkpoint_limits` read, as they read an
     :class:`~forge_ext.engine.config.EngineConfig`."""
     check_engine_section(mapping, section)
     raw, tree = dict(mapping or {}), engine_fields()
