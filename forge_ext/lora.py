@@ -38,38 +38,9 @@ from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME  # noqa: F401 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-# The linear layers of a Llama/Qwen decoder block, HF name -> torchtitan's attribute name
-# (torchtitan/models/common/decoder.py: attention.wq/wk/wv/wo, feed_forward.w1/w2/w3).
-TITAN_NAMES: dict[str, str] = {
-    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-    "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
-}
-HF_TARGETS: tuple[str, ...] = tuple(TITAN_NAMES)
-
-
-def check_targets(target_modules: Sequence[str] | None, field: str = "trainer.lora.target_modules"
-                  ) -> tuple[str, ...]:
-    """``target_modules`` as HF names; None or ``"all-linear"`` means every one of
-    :data:`HF_TARGETS` (PEFT's ``all-linear`` leaves the output head alone, as here).
-
-    Raises:
-        ValueError: an empty list, or a name that is not a linear layer of the decoder blocks,
-            naming ``field`` and the accepted names.
-    """
-    if target_modules is None or target_modules == "all-linear" or list(target_modules) == [
-            "all-linear"]:
-        return HF_TARGETS
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
-    names = tuple(target_modules)
-    if not names:
-        raise ValueError(f"{field}=[] adapts no layer: list some of {list(HF_TARGETS)} "
-                         "or leave it unset for all of them")
-    unknown = [n for n in names if n not in TITAN_NAMES]
-    if unknown:
-        raise ValueError(f"{field} names {unknown}, which the model has no linear layer "
-                         f"called; choose among {list(HF_TARGETS)} (HF names) or 'all-linear'")
-    return tuple(dict.fromkeys(names))
+# The adapted layers' names and their check, without torch (config errors before the apps'
+# imports, issue 38): forge_ext.engine.schema.
+from forge_ext.engine.schema import HF_TARGETS, TITAN_NAMES, check_targets  # noqa: E402, F401
 
 
 def peft_adapter_config(rank: int, alpha: float, target_modules: Sequence[str],

@@ -128,6 +128,11 @@ CASES = {
                            "procs.trainer.num_procs=3"],
         "config error: trainer: parallelism.tensor_parallel_degree=3 must divide the model's "
         "n_heads=4"),
+    "grpo lora target": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_lora.yaml", "model.hf_path={model}",
+                           "trainer.lora.target_modules=[qproj]"],
+        "config error: trainer: lora.target_modules names ['qproj'], which the model has no "
+        "linear layer called"),
     "sft seq_len beyond the model": (
         "apps.sft.main", ["--config", "configs/sft_cpu_demo.yaml",
                           "trainer.model.flavor=hf", "trainer.model.hf_path={model}",

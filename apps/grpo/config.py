@@ -44,8 +44,8 @@ from forge_ext.actors.critic_config import critic_sections
 from forge_ext.algorithm import AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
-    check_checkpoint_limits, check_weights_transport, data_parallel_size, engine_view,
-    num_microbatches, world_size_of,
+    check_checkpoint_limits, check_lora, check_weights_transport, data_parallel_size,
+    engine_view, num_microbatches, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.losses.config import ADVANTAGE_SCALINGS, GRPOLossConfig
@@ -365,6 +365,7 @@ class GRPOConfig:
             try:
                 num_microbatches(view.training)
                 check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
+                check_lora(view.lora, view.parallelism)
             except ValueError as e:
                 raise ValueError(f"{role}: {e}") from None
         check_weights_transport(views["trainer"], self.weights)

@@ -9,7 +9,7 @@ from typing import Any
 
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
-    check_checkpoint_limits, engine_view, num_microbatches, world_size_of,
+    check_checkpoint_limits, check_lora, engine_view, num_microbatches, world_size_of,
 )
 from forge_ext.metrics import MetricsConfig
 from forge_ext.tasks import PromptConfig, RewardConfig, Rubric, Task, build_task, task_config
@@ -111,6 +111,7 @@ def check_single_process(trainer: dict[str, Any]) -> None:
     try:
         num_microbatches(view.training)
         check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
+        check_lora(view.lora, view.parallelism)
     except ValueError as e:
         raise ValueError(f"trainer: {e}") from None
 

@@ -210,13 +210,13 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         """The adapted layers' HF names (``target_modules`` resolved,
-        :func:`forge_ext.lora.check_targets`).
+        :func:`forge_ext.engine.schema.check_targets`).
 
         Raises:
             ValueError: an empty list or a name that is not one of the seven, naming
                 ``lora.target_modules``.
         """
-        from forge_ext.lora import check_targets
+        from forge_ext.engine.schema import check_targets
 
         return check_targets(self.target_modules, "lora.target_modules")
 
@@ -227,15 +227,11 @@ class LoRAConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the field for a rank below 1, a non-positive alpha or a
-        target that is not a decoder linear layer (:meth:`EngineConfig.validate` calls it)."""
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(
-                f"lora.rank={self.rank!r} must be an integer >= 1 (e.g. lora.rank=8); remove "
-                "the lora section to train every weight"
-            )
-        if not self.alpha > 0:
-            raise ValueError(f"lora.alpha={self.alpha} must be > 0 (default 2 * lora.rank)")
-        self.targets
+        target that is not a decoder linear layer (:meth:`EngineConfig.validate` calls it;
+        :func:`forge_ext.engine.schema.check_lora` holds the rules)."""
+        from forge_ext.engine.schema import check_lora
+
+        check_lora(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -442,21 +438,9 @@ def _validate_lora(config: "EngineConfig", spec) -> None:
 
     from forge_ext.engine.models import apply_lora
 
-    config.lora.check()
-    pp = config.pp_degree
-    if pp > 1:
-        raise ValueError(
-            f"lora with parallelism.pipeline_parallel_degree={pp} is not supported yet (the "
-            "adapter export and checkpoints are per stage); use data parallelism "
-            "(parallelism.data_parallel_shard_degree / _replicate_degree), or no lora section"
-        )
-    tp = config.parallelism.tensor_parallel_degree
-    if tp > 1:
-        raise ValueError(
-            f"lora with parallelism.tensor_parallel_degree={tp} is not supported (the split "
-            "q/k/v projections LoRA needs have no tensor-parallel plan here); use "
-            "parallelism.tensor_parallel_degree=1 with data parallelism, or no lora section"
-        )
+    from forge_ext.engine.schema import check_lora
+
+    check_lora(config.lora, config.parallelism)  # rank, alpha, targets, PP, TP
     rope = spec.model.layers[0].attention.rope
     if isinstance(rope, ComplexRoPE.Config):
         # Its HF adapter permutes q/k rows (interleaved RoPE); the adapter export does not.

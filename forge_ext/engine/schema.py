@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -148,7 +148,7 @@ def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> 
     """The sizes of an engine section, defaults filled, after :func:`check_engine_section`:
     ``.engine``, ``.training`` and ``.parallelism`` (the fields of ``_SIZE_FIELDS``),
     ``.checkpoint`` (``enable``, ``folder``, ``keep_latest_k``), ``.model`` (``flavor``,
-    ``hf_path``), ``.dump_folder``, ``.pp_degree``; what :func:`world_size_of`,
+    ``hf_path``), ``.lora`` (the section as given, or None), ``.dump_folder``, ``.pp_degree``; what :func:`world_size_of`,
     :func:`data_parallel_size`, :func:`num_microbatches`, :func:`check_weights_transport` and
     :func:`check_checkpoint_limits` read, as they read an
     :class:`~forge_ext.engine.config.EngineConfig`."""
@@ -166,6 +166,7 @@ def engine_view(mapping: Mapping[str, Any] | None, section: str = "trainer") -> 
     model = raw.get("model") or {}
     view.model = SimpleNamespace(**{key: model.get(key, tree["model"][key].get("default"))
                                     for key in ("flavor", "hf_path")})
+    view.lora = raw.get("lora")
     return view
 
 
@@ -297,6 +298,80 @@ def check_checkpoint_limits(view: SimpleNamespace) -> None:
 def checkpoint_label(hf_path: str) -> str:
     """How a message names a model built from a checkpoint's config.json."""
     return str(Path(hf_path) / "config.json")
+
+
+# The linear layers of a Llama/Qwen decoder block, HF name -> torchtitan's attribute name
+# (torchtitan/models/common/decoder.py: attention.wq/wk/wv/wo, feed_forward.w1/w2/w3).
+TITAN_NAMES: dict[str, str] = {
+    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+    "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
+}
+HF_TARGETS: tuple[str, ...] = tuple(TITAN_NAMES)
+
+
+def check_targets(target_modules: Sequence[str] | str | None,
+                  field: str = "trainer.lora.target_modules") -> tuple[str, ...]:
+    """``target_modules`` as HF names; None or ``"all-linear"`` means every one of
+    :data:`HF_TARGETS` (PEFT's ``all-linear`` leaves the output head alone, as here).
+
+    Raises:
+        ValueError: an empty list, or a name that is not a linear layer of the decoder blocks,
+            naming ``field`` and the accepted names.
+    """
+    if target_modules is None or target_modules == "all-linear" or list(target_modules) == [
+            "all-linear"]:
+        return HF_TARGETS
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    names = tuple(target_modules)
+    if not names:
+        raise ValueError(f"{field}=[] adapts no layer: list some of {list(HF_TARGETS)} "
+                         "or leave it unset for all of them")
+    unknown = [n for n in names if n not in TITAN_NAMES]
+    if unknown:
+        raise ValueError(f"{field} names {unknown}, which the model has no linear layer "
+                         f"called; choose among {list(HF_TARGETS)} (HF names) or 'all-linear'")
+    return tuple(dict.fromkeys(names))
+
+
+def check_lora(lora: Mapping[str, Any] | Any | None, parallelism: Any = None) -> None:
+    """Raise ValueError, naming the field, for a ``lora`` section (a mapping, or
+    :class:`~forge_ext.engine.config.LoRAConfig`) the engine cannot take: a rank below 1, a
+    non-positive alpha, a target that is not a decoder linear layer (:func:`check_targets`),
+    pipeline or tensor parallelism (``parallelism``: an engine's section, None not to check
+    it). ``lora`` None: no LoRA, nothing to check. The rules' one home:
+    :meth:`~forge_ext.engine.config.LoRAConfig.check` and the light config checks call it."""
+    if lora is None:
+        return
+    get = lora.get if isinstance(lora, Mapping) else lambda key, default=None: getattr(
+        lora, key, default)
+    rank = get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(
+            f"lora.rank={rank!r} must be an integer >= 1 (e.g. lora.rank=8); remove the lora "
+            "section to train every weight"
+        )
+    alpha = get("alpha")
+    alpha = 2.0 * rank if alpha is None else alpha  # LoRAConfig's default
+    if not (isinstance(alpha, (int, float)) and alpha > 0):
+        raise ValueError(f"lora.alpha={alpha} must be > 0 (default 2 * lora.rank)")
+    check_targets(get("target_modules"), "lora.target_modules")
+    if parallelism is None:
+        return
+    pp = parallelism.pipeline_parallel_degree
+    if pp > 1:
+        raise ValueError(
+            f"lora with parallelism.pipeline_parallel_degree={pp} is not supported yet (the "
+            "adapter export and checkpoints are per stage); use data parallelism "
+            "(parallelism.data_parallel_shard_degree / _replicate_degree), or no lora section"
+        )
+    tp = parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ValueError(
+            f"lora with parallelism.tensor_parallel_degree={tp} is not supported (the split "
+            "q/k/v projections LoRA needs have no tensor-parallel plan here); use "
+            "parallelism.tensor_parallel_degree=1 with data parallelism, or no lora section"
+        )
 
 
 def check_weights_transport(config: Any, weights: Any) -> None:
