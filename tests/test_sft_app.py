@@ -138,3 +138,33 @@ def test_lora_sft_exports_a_peft_adapter_and_on_request_the_merged_checkpoint(tm
         want, got = merged(ids).logits, peft_model(ids).logits
     assert (want - base_logits).abs().max() > 1e-3  # the adapter trained away from the base
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reward_function_failing_on_every_row_stops_the_accuracy_with_its_traceback(
+        demo_checkpoint):
+    """Issue 38: the SFT app's held-out accuracy scored a function that raised on every row
+    as 0% and went on; it now stops with the count and the first traceback (the GRPO app's
+    rule, ``reward.max_error_rate``)."""
+    import reward_fns as fns
+
+    from apps.sft.main import greedy_accuracy
+    from forge_ext.rollout.engines import HFSampler
+    from forge_ext.tasks import (
+        PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig, Row, Rubric,
+    )
+    from forge_ext.tasks.rubric import RewardFailure
+    from forge_ext.tasks.tokenizer import CheckpointTokenizer
+
+    tok = CheckpointTokenizer(demo_checkpoint)
+    sampler = HFSampler(demo_checkpoint, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    render = PromptRenderer(tok, PromptConfig())
+    rows = [Row(prompt="12+3=", answer="51"), Row(prompt="4+4=", answer="8")]
+    rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reward_fns:raises")]),
+                    fns.NoTask())
+    with pytest.raises(RewardFailure) as failure:
+        greedy_accuracy(sampler, rubric, rows, render, tok, max_new_tokens=3)
+    message = str(failure.value)
+    assert message.startswith("the accuracy on 2 rows: reward function 'raises' failed on 2 "
+                              "of 2 calls"), message
+    assert message.count("RuntimeError: boom") == 1
+    rubric.close()
