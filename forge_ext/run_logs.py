@@ -1,9 +1,9 @@
 """Monarch's log and the roles' own logs of a run, with the run (issue 38).
 
 Each role's process (trainer, reference, critic and reward-model ranks, generator replicas)
-writes its Python logging at INFO (torchtitan's lines, forge_ext's, vLLM's) to
-``<output_dir>/logs/<role>-<rank>.log`` (:func:`log_role`); the console gets WARNING and above,
-as before. :func:`start` names the folder for the procs (``FORGE_EXT_LOG_DIR``, inherited,
+writes its Python logging at INFO (torchtitan's lines, forge_ext's; vLLM's logger keeps its
+own console handler) to ``<output_dir>/logs/<role>-<rank>.log`` (:func:`log_role`); the
+console gets WARNING and above, as before. :func:`start` names the folder for the procs (``FORGE_EXT_LOG_DIR``, inherited,
 or passed with a launcher's environment to procs on other hosts).
 
 Monarch 0.7 writes its internal log to ``/tmp/<user>/monarch_log<_suffix>.log``, one file
@@ -140,7 +140,6 @@ def log_role(name: str, rank: int) -> Path | None:
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     return path
-
 
 
 def startup_phases(infos: list[dict]) -> dict[str, float]:

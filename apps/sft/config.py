@@ -140,9 +140,10 @@ def check_data(config: SFTConfig) -> Task:
         ValueError / FileNotFoundError: naming the field, the file or the column.
     """
     task = build_task(config.task)
-    list(task.train_rows()), list(task.eval_rows())
+    for rows in (task.train_rows(), task.eval_rows()):
+        list(rows)  # every row converts (a row without an answer is named)
     with functions_only(Rubric(config.reward, task)):
-        pass
+        pass  # built: its functions import and take what the rows have
     return task
 
 
