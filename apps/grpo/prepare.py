@@ -162,6 +162,7 @@ class FinishedRun:
     step: int
 
     def message(self) -> str:
+        """The one line the app prints: the run is finished, and what to do instead."""
         out = self.config.output_dir
         return (f"output_dir {out} holds a finished run: its checkpoint of step {self.step} is "
                 f"the last of loop.steps={self.config.loop.steps}; nothing to do. Raise "
