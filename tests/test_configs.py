@@ -464,6 +464,7 @@ def test_lora_settings_vllm_cannot_serve_are_refused_before_spawning(
                     [f"model.hf_path={demo_checkpoint}", *overrides])
 
 
+
 @pytest.mark.parametrize(
     ("vllm", "message"),
     [

@@ -65,7 +65,7 @@ def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("model")
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64}))
+        "max_position_embeddings": 64, "hidden_size": 128}))
     (folder / "model.safetensors").write_bytes(b"")  # an HF folder to the eval app's check
     return str(folder)
 
@@ -133,6 +133,24 @@ CASES = {
                            "trainer.lora.target_modules=[qproj]"],
         "config error: trainer: lora.target_modules names ['qproj'], which the model has no "
         "linear layer called"),
+    "grpo lora rank beyond the model": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_lora.yaml", "model.hf_path={model}",
+                           "trainer.lora.rank=100000"],
+        "config error: trainer: lora.rank=100000 exceeds the model's hidden_size=128"),
+    "grpo lora not a section": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_lora.yaml", "model.hf_path={model}",
+                           "trainer.lora=true"],
+        "config error: trainer: lora=True must be a section, e.g. lora={rank: 16}"),
+    "eval set column": (
+        "apps.eval", ["--config", "configs/eval_cpu_demo.yaml", "checkpoint={model}",
+                      "eval.sets=[{{name: mine, task: {{source: dataset, train_path: "
+                      "{user}/rows.jsonl, prompt_field: q, num_eval: 1}}}}]"],
+        "config error: eval.sets[0].task.prompt_field='q' is not a column of "
+        "eval.sets[0].task.train_path="),
+    "grpo reward module off the path": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
+                           "reward.functions=[{{fn: 'not_on_path:exact'}}]"],
+        "is the folder holding 'not_on_path' on PYTHONPATH"),
     "sft seq_len beyond the model": (
         "apps.sft.main", ["--config", "configs/sft_cpu_demo.yaml",
                           "trainer.model.flavor=hf", "trainer.model.hf_path={model}",
@@ -159,7 +177,7 @@ CASES = {
                            "task.prompt_field=question", "task.num_eval=1",
                            "reward.functions=[{{fn: 'my_rewards:exakt'}}]"],
         "config error: reward.functions[0].fn='my_rewards:exakt': 'my_rewards' has no "
-        "attribute 'exakt'"),
+        "attribute 'exakt'; did you mean 'exact'?"),
 }
 
 

@@ -255,7 +255,8 @@ class EvalApp:
 
         self.sets = build_sets(configs, load_tokenizer, prompt=config.prompt,
                                reward=config.reward,
-                               max_new_tokens=generator.sampling.max_new_tokens)
+                               max_new_tokens=generator.sampling.max_new_tokens,
+                               run_task=config.task)
         try:
             check_context(self.sets, generator)
             check_reward_models(self.sets, {})  # this app spawns no reward model

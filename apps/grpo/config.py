@@ -364,8 +364,8 @@ class GRPOConfig:
         for role, view in views.items():
             try:
                 num_microbatches(view.training)
-                check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
                 check_lora(view.lora, view.parallelism)
+                check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
             except ValueError as e:
                 raise ValueError(f"{role}: {e}") from None
         check_weights_transport(views["trainer"], self.weights)

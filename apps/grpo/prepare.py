@@ -16,6 +16,7 @@ about 1.4 s: ``datasets`` is imported only for a dataset task); the tokenizer's 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -105,7 +106,7 @@ def prepare(config: GRPOConfig) -> RunInputs:
 
         eval_sets = build_sets(
             config.eval.sets, load_tokenizer, prompt=config.prompt, reward=config.reward,
-            max_new_tokens=config.generator.sampling.max_new_tokens)
+            max_new_tokens=config.generator.sampling.max_new_tokens, run_task=config.task)
         tok = loaded[0] if loaded else load_tokenizer()
         render = PromptRenderer(tok, config.prompt)
         # Every prompt renders (or the error names its row); <unk> in any is warned about.
@@ -149,9 +150,26 @@ def _check_lengths(config: GRPOConfig, runner: EpisodeRunner, episodes: Any,
     short = [f"{field_name}={limit}" for field_name, limit in limits.items()
              if limit is not None and longest > limit and episodes.agent is None]
     if short:  # every limit at once (the reference's seq_len follows the trainer's)
+        fix = f"raise {' and '.join(s.split('=')[0] for s in short)}"
+        most = _max_positions(config.model.hf_path)
+        if most is not None and longest > most:  # raising seq_len cannot help: say what can
+            fix = (f"{config.model.hf_path}/config.json allows at most {most} "
+                   f"(max_position_embeddings), so lower {what} to at most "
+                   f"{most - longest_prompt} (the longest prompt is {longest_prompt} tokens) "
+                   "or shorten the prompts")
         raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
-                         f"{what}); raise {' and '.join(s.split('=')[0] for s in short)}")
+                         f"{what}); {fix}")
     return min((v for v in limits.values() if v is not None), default=None)
+
+
+def _max_positions(hf_path: str) -> int | None:
+    """The checkpoint's ``max_position_embeddings`` (None if it has none or no config.json)."""
+    try:
+        value = json.loads((Path(hf_path) / "config.json").read_text()).get(
+            "max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 @dataclass

@@ -110,8 +110,8 @@ def check_single_process(trainer: dict[str, Any]) -> None:
         )
     try:
         num_microbatches(view.training)
-        check_checkpoint_limits(view)  # seq_len, TP vs heads, from config.json
         check_lora(view.lora, view.parallelism)
+        check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
     except ValueError as e:
         raise ValueError(f"trainer: {e}") from None
 

@@ -274,12 +274,13 @@ def check_model_limits(training: Any, parallelism: Any, *, max_seq_len: int | No
 
 def check_checkpoint_limits(view: SimpleNamespace) -> None:
     """:func:`check_model_limits` from ``model.hf_path``'s config.json (``max_position_
-    embeddings``, ``num_attention_heads``, ``num_key_value_heads``), without torch, for an
-    engine that builds its model from the checkpoint (``engine: hf``, or titan's
-    ``model.flavor: hf``); other flavors and a missing config.json are left to the full check.
+    embeddings``, ``num_attention_heads``, ``num_key_value_heads``), and a LoRA rank no larger
+    than its ``hidden_size``, without torch, for an engine that builds its model from the
+    checkpoint (``engine: hf``, or titan's ``model.flavor: hf``); other flavors and a missing
+    config.json are left to the full check.
 
     Raises:
-        ValueError: as :func:`check_model_limits`.
+        ValueError: as :func:`check_model_limits`; a LoRA rank above ``hidden_size``.
     """
     model = view.model
     if not model.hf_path or (view.engine != "hf" and model.flavor != "hf"):
@@ -293,6 +294,17 @@ def check_checkpoint_limits(view: SimpleNamespace) -> None:
                        max_seq_len=hf.get("max_position_embeddings"), n_heads=n_heads,
                        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
                        model=checkpoint_label(model.hf_path))
+    lora = getattr(view, "lora", None)
+    rank = lora.get("rank") if isinstance(lora, Mapping) else None
+    hidden = hf.get("hidden_size")
+    if isinstance(rank, int) and isinstance(hidden, int) and rank > hidden:
+        # Not low-rank: the adapter outgrows the layer (a run wrote 7.3 GB of checkpoints
+        # for the demo's 128-wide model at rank 100000).
+        raise ValueError(
+            f"lora.rank={rank} exceeds the model's hidden_size={hidden} "
+            f"({checkpoint_label(model.hf_path)}): an adapter's rank is at most the smaller "
+            "side of the layers it adapts (8 to 64 is usual); lower lora.rank"
+        )
 
 
 def checkpoint_label(hf_path: str) -> str:
@@ -343,6 +355,9 @@ def check_lora(lora: Mapping[str, Any] | Any | None, parallelism: Any = None) ->
     :meth:`~forge_ext.engine.config.LoRAConfig.check` and the light config checks call it."""
     if lora is None:
         return
+    if not isinstance(lora, Mapping) and not hasattr(lora, "rank"):
+        raise ValueError(f"lora={lora!r} must be a section, e.g. lora={{rank: 16}} (fields rank, "
+                         "alpha, target_modules, export_merged); remove it to train every weight")
     get = lora.get if isinstance(lora, Mapping) else lambda key, default=None: getattr(
         lora, key, default)
     rank = get("rank")

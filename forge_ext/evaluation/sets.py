@@ -321,7 +321,8 @@ class EvalSet:
 
 
 def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
-               reward: RewardConfig, max_new_tokens: int) -> list[EvalSet]:
+               reward: RewardConfig, max_new_tokens: int,
+               run_task: dict[str, Any] | None = None) -> list[EvalSet]:
     """The sets' tasks (rows loaded), renderers, rubrics and runners; ``prompt``, ``reward``
     and ``max_new_tokens`` are the defaults of sets that do not set their own. Call
     :func:`close_sets` when done (the rubrics' worker processes).
@@ -330,6 +331,9 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
         tok: the tokenizer, or a function of no argument that loads it, called once every
             set's rows and rubric are built (a data error then comes before the seconds a
             tokenizer costs to import; issue 38).
+        run_task: the config's own ``task:`` section: a set whose task is that one
+            (``task: ${task}``, :func:`default_set`) has its errors named ``task.<field>``,
+            the others ``eval.sets[i].task.<field>``.
 
     Raises:
         ValueError: a set with no held-out rows, or a row that does not render (naming the
@@ -341,7 +345,9 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
     loaded, built = [], []
     try:
         for i, c in enumerate(configs):
-            task = build_task(c.task, f"eval.sets[{i}].task")
+            field = "task" if run_task is not None and c.task == run_task else (
+                f"eval.sets[{i}].task")
+            task = build_task(c.task, field)
             rows = list(task.eval_rows())[: c.max_rows]
             if not rows:
                 raise ValueError(f"eval.sets[{i}] ({c.name}): its task ({task.name}) has no "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -101,8 +102,17 @@ def resolved_task(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def build_task(mapping: Mapping[str, Any] | None, section: str = "task") -> Task:
     """The task of a ``task:`` section, rows loaded (see :func:`task_config` for errors;
-    also ValueError for a user factory that returns no task)."""
-    return task_config(mapping, section).build()
+    also ValueError for a user factory that returns no task). ``section``: where the section
+    is (``eval.sets[0].task``); the sources' messages name their fields ``task.<field>``,
+    said here as ``<section>.<field>``."""
+    try:
+        return task_config(mapping, section).build()
+    except (ValueError, FileNotFoundError) as e:
+        if section == "task":
+            raise
+        # The fields of this section, not of the top-level task: (a user edited task.* for
+        # nothing when an evaluation set's column was wrong).
+        raise type(e)(re.sub(r"(?<![\w.])task\.(?=[a-z_]+)", f"{section}.", str(e))) from None
 
 
 class PluginTask:

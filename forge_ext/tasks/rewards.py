@@ -27,6 +27,7 @@ checkpoint before anything is spawned.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import os
@@ -171,10 +172,20 @@ def load_object(path: str, field: str) -> Any:
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or the module's own error at import
-        raise ValueError(f"{field}={path!r}: module {module_name!r} does not import: {e!r}") from None
+        missing = isinstance(e, ModuleNotFoundError) and module_name.split(".")[0] == (
+            e.name or "").split(".")[0]
+        hint = (f"; is the folder holding {module_name.split('.')[0]!r} on PYTHONPATH (run "
+                "from it with PYTHONPATH=.)?" if missing else "")
+        raise ValueError(f"{field}={path!r}: module {module_name!r} does not import: "
+                         f"{e!r}{hint}") from None
     for part in name.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{field}={path!r}: {module_name!r} has no attribute {name!r}")
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, public, n=1)
+            raise ValueError(
+                f"{field}={path!r}: {module_name!r} has no attribute {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else
+                   f" (it has {public[:12]})" if public else ""))
         obj = getattr(obj, part)
     return obj
 
