@@ -3,6 +3,7 @@ applied: a real store, a state-dict round trip, a reader on another proc, and sh
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import cloudpickle
@@ -42,8 +43,8 @@ class StoreReader(Actor):
         return await ts.get_state_dict(key)
 
     @endpoint
-    async def get(self, key: str) -> object:
-        return await ts.get(key)
+    async def get(self, key: str, store_name: str = "TorchStore") -> object:
+        return await ts.get(key, store_name=store_name)
 
 
 class RecordingController(Controller):
@@ -65,6 +66,16 @@ class RecordingController(Controller):
              "is_object": request.is_object}
             for key, request in self.received
         ]
+
+
+class SlowController(Controller):
+    """torchstore's Controller whose ``locate_volumes`` answers after a second: time for the
+    caller to be stopped before its reply is sent."""
+
+    @endpoint
+    async def locate_volumes(self, key: str) -> dict:
+        await asyncio.sleep(1.0)
+        return await Controller.locate_volumes._method(self, key)
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -204,3 +215,34 @@ async def test_the_rdma_switch_makes_torchstore_take_its_rdma_branch_over_tcp(mo
             assert isinstance(Pipe(None).create_transport_buffer(), RDMATransportBuffer)
     finally:
         torchstore_rdma.use_tcp_fallback(None)
+
+
+async def test_a_reply_to_a_stopped_reader_leaves_the_controller_serving(store):
+    """A reader stopped while the controller answers it (a generator replica stopped or lost
+    during a weight fetch): the reply is undeliverable and comes back to the controller.
+    Monarch's default fails the actor on it, and with it every later ``ts`` call of the
+    process (``get_or_spawn_controller`` then raises ``Failure on TorchStore``: in the CI run of
+    2026-12-03, every later test that used torchstore). Patched, the controller drops it."""
+    name = "compat_slow"
+    await get_or_spawn_controller(name, SlowController)
+    await torchstore_monarch.initialize_store(store_name=name)
+    try:
+        await ts.put("compat/slow", torch.arange(4.0), store_name=name)
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            reader = procs.spawn("stopped_reader", StoreReader)
+            # Its client made (controller found, strategy read): the next get waits only on
+            # locate_volumes.
+            assert torch.equal(await reader.get.call_one("compat/slow", name), torch.arange(4.0))
+            pending = asyncio.ensure_future(reader.get.call_one("compat/slow", name))
+            await asyncio.sleep(0.5)  # the controller holds the reader's locate_volumes
+            await reader.stop()
+            await asyncio.sleep(1.5)  # its reply is sent to the stopped actor and returned
+            pending.cancel()
+        finally:
+            await procs.stop()
+        assert torch.equal(await ts.get("compat/slow", store_name=name), torch.arange(4.0))
+        controller = await get_or_spawn_controller(name, SlowController)
+        assert await controller.keys.call_one() == ["compat/slow"]
+    finally:
+        await ts.shutdown(name)

@@ -30,6 +30,19 @@ constructor walks the actor class's endpoints, and a new native region). ``apply
 the slice per strategy and volume id for as long as the strategy's mesh is the same object;
 measured here, a small ``ts.put`` 3.5-4.3 -> 2.4-2.6 ms and a ``ts.delete`` 4.7-5.5 ->
 3.3-3.6 ms, which is most of what a same-host weight publish waits for besides its copy.
+
+A fourth, for runs that lose or stop a reader mid-call (a generator replica stopped or killed
+during a weight fetch): the reply to it is undeliverable and Monarch returns it to the actor
+that sent it, whose default is to fail. The actors that answer torchstore's callers are
+singletons of the process: torchstore's ``Controller`` (``get_or_spawn_controller``), Monarch's
+``_ControllerController`` that hands it out, and the ``StorageVolume``. Once one has failed,
+every later ``ts`` call of the process fails (``Failure on TorchStore: MeshFailure ...
+undeliverable message for TorchStore.locate_volumes()``; in a CI session of 2026-12-03,
+every test after one run's stop that used torchstore). A returned reply never reaches the actor's
+``_handle_undeliverable_message`` (measured: not called); Monarch's reply port has
+``return_undeliverable`` for it, and ``apply()`` sets it False on the reply ports of those
+three actors' endpoints (in ``monarch._src.actor.actor_mesh._Actor._prepare``, private, 0.7.0):
+a reply to a caller that has gone is dropped, nothing else waits on it.
 """
 
 from __future__ import annotations
@@ -38,12 +51,15 @@ import functools
 import weakref
 from typing import Any, Callable
 
+from monarch._src.actor.actor_mesh import _Actor as _MonarchActor
+from monarch._src.actor.proc_mesh import _ControllerController
 from monarch.actor import endpoint
 
 import torchstore
 from torchstore.client import LocalClient
 from torchstore.controller import Controller
 from torchstore.logging import LatencyTracker
+from torchstore.storage_volume import StorageVolume
 from torchstore.strategy import TorchStoreStrategy
 from torchstore.transport import Pipe, Request
 
@@ -59,6 +75,10 @@ SYNC_ENDPOINTS: tuple[str, ...] = (
 )
 
 _PATCHED_MARKER = "_forge_ext_async_endpoints"
+
+# The actors that answer torchstore's callers (the module docstring's fourth fix).
+REPLYING_ACTORS: tuple[type, ...] = (Controller, StorageVolume, _ControllerController)
+_monarch_prepare = _MonarchActor._prepare
 
 
 def _as_async(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,6 +110,16 @@ async def _put(self: LocalClient, key: str, value: Any) -> None:
     latency_tracker.track_e2e()
 
 
+def _prepare_dropping_returns(self: Any, *args: Any) -> Any:
+    # Monarch's _Actor._prepare (the steps before an endpoint's body; it returns the body's
+    # arguments and its reply port), with the reply port of REPLYING_ACTORS set not to return
+    # an undeliverable reply (the module docstring's fourth fix).
+    prepared = _monarch_prepare(self, *args)
+    if prepared is not None and isinstance(self.instance, REPLYING_ACTORS):
+        prepared[2].return_undeliverable = False
+    return prepared
+
+
 _uncached_get_storage_volume = TorchStoreStrategy.get_storage_volume
 # strategy -> (its storage_volumes mesh when the slices were made, {volume_id: slice})
 _volume_slices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -114,7 +144,8 @@ def _startup_callable() -> Callable[[], None]:
 
 def apply() -> None:
     """Turn the Controller's sync endpoints into async ones, stop object puts from
-    echoing their payload to the controller, reuse storage-volume slices, and install the
+    echoing their payload to the controller, reuse storage-volume slices, let the actors that
+    answer the store's callers drop a reply to one that has gone, and install the
     RDMA switch of :mod:`forge_ext.compat.torchstore_rdma`, in this process and in every
     Monarch proc spawned afterwards. Idempotent. Must run before ``torchstore.initialize()``
     and before a process unpickles a torchstore Controller handle."""
@@ -124,6 +155,8 @@ def apply() -> None:
             setattr(Controller, name, endpoint(_as_async(prop._method)))
         setattr(Controller, _PATCHED_MARKER, True)
     LocalClient.put = _put
+    if _MonarchActor._prepare is _monarch_prepare:
+        _MonarchActor._prepare = _prepare_dropping_returns
     if TorchStoreStrategy.get_storage_volume is _uncached_get_storage_volume:
         TorchStoreStrategy.get_storage_volume = _get_storage_volume
     torchstore_rdma.apply()
