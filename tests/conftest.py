@@ -389,24 +389,38 @@ def pytest_sessionfinish(session, exitstatus):
     session.config._forge_exit_status = int(exitstatus)
 
 
+class _ShutDownByTheExit:
+    """What Monarch's atexit hook gets from ``shutdown_context`` once the session ends the
+    process itself (:func:`pytest_unconfigure`)."""
+
+    def get(self, timeout: float | None = None) -> None:
+        return None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """End the session's process once pytest has finished (the summary printed, every other
-    plugin unconfigured):
+    plugin unconfigured), with pytest's exit status:
 
-    1. shut Monarch's client down: its own atexit hook allows one second, too little on the
-       loaded CI machine, and printed a ``TimeoutError`` traceback after a green session
-       (:func:`forge_ext.supervision.shutdown_monarch`). Failures Monarch reports from then
-       on are dropped: the shutdown reported undeliverable messages to procs a test had
-       killed, after the summary, and Monarch's default hook answers with ``sys.exit``;
-    2. run the atexit hooks (shared memory unlinked, Monarch's hook finding the shutdown done);
-    3. ``os._exit`` with pytest's exit status: the interpreter's own teardown is skipped, in
-       which a green CI session (708 passed) was killed by SIGSEGV after its summary, so
-       ``make test`` failed on a run whose tests all passed. The threads left by Monarch's
-       runtime, gloo, OpenMP and vLLM engines run in-process are torn down by the exit itself.
+    1. failures Monarch reports from now on are dropped: they have no test to fail, and
+       Monarch's default hook answers with ``sys.exit`` (a killed proc's undeliverable
+       messages were reported after the summary);
+    2. Monarch's client is not shut down: in three sessions of 2026-12-03/04 (1042-1043
+       passed) its shutdown ended the process with status 1 after the summary, nothing
+       printed. A proc a test had SIGKILLed was still subscribed to the supervision of
+       torchstore's controller mesh; at shutdown the mesh controller's message to it
+       expired, the mesh controller failed, and its report to the client, stopped by then,
+       is "failed to send supervision event to actor ... Crash the process" in Monarch's
+       Rust (``/tmp/<user>/monarch_log.log``). The session's procs end with it (Monarch's
+       bootstrap sets PDEATHSIG); Monarch's atexit hook finds nothing to do;
+    3. the atexit hooks run (shared memory unlinked), then ``os._exit``: the interpreter's
+       own teardown is skipped, in which a green CI session (708 passed) was killed by
+       SIGSEGV after its summary. The threads left by Monarch's runtime, gloo, OpenMP and
+       vLLM engines run in-process are torn down by the exit itself.
 
-    ``FORGE_EXT_PYTEST_NORMAL_EXIT=1`` keeps the interpreter's own exit (to debug it;
-    ``PYTHONFAULTHANDLER=1`` prints where a crash happens).
+    ``FORGE_EXT_PYTEST_NORMAL_EXIT=1`` shuts Monarch down
+    (:func:`forge_ext.supervision.shutdown_monarch`) and keeps the interpreter's own exit (to
+    debug it; ``PYTHONFAULTHANDLER=1`` prints where a crash happens).
     """
     import atexit
     import sys
@@ -416,15 +430,17 @@ def pytest_unconfigure(config):
     if "monarch.actor" in sys.modules:
         import monarch.actor
 
-        # The session's outcome is decided: a failure Monarch reports now (the shutdown's
-        # undeliverable messages to procs a test killed) has no test to fail, and the default
-        # hook would sys.exit from the shutdown.
         monarch.actor.unhandled_fault_hook = lambda failure: None
-    shutdown_monarch()
-    sys.stdout.flush()
     status = getattr(config, "_forge_exit_status", None)
     if status is None or os.environ.get("FORGE_EXT_PYTEST_NORMAL_EXIT") == "1":
+        shutdown_monarch()
         return
+    if "monarch.actor" in sys.modules:
+        from monarch._src.actor import actor_mesh
+
+        # Monarch's atexit hook calls actor_mesh.shutdown_context(...).get(timeout=1.0).
+        actor_mesh.shutdown_context = lambda *args, **kwargs: _ShutDownByTheExit()
+    sys.stdout.flush()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
