@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 import types
@@ -170,8 +171,7 @@ def check_keys(cls: type, mapping: Any, path: str = "") -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(mapping) - set(names))
     if unknown:
-        keys = ", ".join(repr(_join(path, k)) for k in unknown)
-        raise ValueError(f"unknown key {keys}; accepted keys of {where}: {names}")
+        raise ValueError(unknown_keys_message(path, unknown, names))
     for key, value in mapping.items():
         hint = hints[key]
         is_list, item_cls = _list_of(hint)
@@ -219,6 +219,19 @@ def _dataclass_of(hint: Any) -> type | None:
         if dataclasses.is_dataclass(arg):
             return arg
     return None
+
+
+def unknown_keys_message(path: str, unknown: Sequence[str], accepted: Sequence[str]) -> str:
+    """The error for keys of the section at ``path`` that it does not have: ``unknown key
+    'loop.stpes' (did you mean 'loop.steps'?); accepted keys of loop: [...]`` (the guess from
+    :func:`difflib.get_close_matches`, only where one is close)."""
+    names = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), [str(a) for a in accepted], n=1)
+        guess = f" (did you mean {_join(path, close[0])!r}?)" if close else ""
+        names.append(f"{_join(path, str(key))!r}{guess}")
+    return (f"unknown key {', '.join(names)}; accepted keys of {path or 'the config'}: "
+            f"{list(accepted)}")
 
 
 def _join(path: str, key: str) -> str:

@@ -269,12 +269,17 @@ def test_a_model_name_that_contradicts_config_json_is_one_line_naming_the_fix(tm
     assert not (tmp_path / "out").exists()  # refused before anything was written or spawned
 
 
-def test_unknown_keys_are_named_with_their_path():
+def test_unknown_keys_are_named_with_their_path_and_the_closest_key():
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
-    with pytest.raises(ValueError, match=r"unknown key 'loop\.stpes'"):
+    with pytest.raises(ValueError,
+                       match=r"unknown key 'loop\.stpes' \(did you mean 'loop\.steps'\?\)"):
         load_config(path, ["loop.stpes=3"], check_model=False)
-    with pytest.raises(ValueError, match=r"unknown key 'generator\.sampling\.temprature'"):
+    with pytest.raises(ValueError, match=r"unknown key 'generator\.sampling\.temprature' "
+                                         r"\(did you mean 'generator\.sampling\.temperature'\?\)"):
         load_config(path, ["generator.sampling.temprature=0.5"], check_model=False)
+    # No guess where nothing is close.
+    with pytest.raises(ValueError, match=r"unknown key 'loop\.zzz'; accepted keys of loop"):
+        load_config(path, ["loop.zzz=3"], check_model=False)
 
 
 def test_unknown_engine_keys_are_named_with_their_section(demo_checkpoint):

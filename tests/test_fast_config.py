@@ -90,8 +90,8 @@ CASES = {
     "grpo unknown engine key": (
         "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
                            "trainer.training.sequence_length=64"],
-        "config error: unknown key 'trainer.training.sequence_length'; accepted keys of "
-        "trainer.training: ["),
+        "config error: unknown key 'trainer.training.sequence_length' (did you mean "
+        "'trainer.training.seq_len'?); accepted keys of trainer.training: ["),
     "grpo cross-field": ("apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml",
                                             "reference=null"],
                          "config error: loss.kl_coef=0.01 needs a reference model"),

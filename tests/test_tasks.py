@@ -711,7 +711,8 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
          r"trainer.training.seq_len=32 < 107 tokens \(longest prompt \+ task.max_episode_tokens\)"),
         # A typo inside a list entry, and a string where the list goes (a newcomer's tries).
         (["reward.functions=[{fn: exact_match, wieght: 2}]"],
-         r"unknown key 'reward.functions\[0\].wieght'; accepted keys of reward.functions\[0\]"),
+         r"unknown key 'reward.functions\[0\].wieght' \(did you mean "
+         r"'reward.functions\[0\].weight'\?\); accepted keys of reward.functions\[0\]"),
         (["reward.functions=[{fn:exact_match}]"], r"unknown key 'reward.functions\[0\].fn:exact_match'"),
         (["reward.functions=my_rewards:exact"],
          r"reward.functions: 'my_rewards:exact' is not a list; write a YAML list"),

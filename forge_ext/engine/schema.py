@@ -24,6 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from forge_ext.config import unknown_keys_message
+
 FIELDS_FILE = Path(__file__).with_name("engine_fields.json")
 
 # The fields the sizes read, with the defaults _defaults / torchtitan give them (checked
@@ -108,8 +110,7 @@ def check_engine_section(mapping: Any, section: str = "trainer") -> None:
             raise ValueError(f"{path} must be a mapping, got {type(node).__name__}")
         unknown = sorted(set(node) - set(fields))
         if unknown:
-            keys = ", ".join(repr(f"{path}.{k}") for k in unknown)
-            raise ValueError(f"unknown key {keys}; accepted keys of {path}: {list(fields)}")
+            raise ValueError(unknown_keys_message(path, unknown, list(fields)))
         for key, value in node.items():
             entry, where = fields[key], f"{path}.{key}"
             if entry.get("section") and isinstance(value, Mapping):
