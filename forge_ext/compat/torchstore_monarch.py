@@ -192,7 +192,9 @@ class RunStore:
     is stopped by then, the return is undeliverable too and Monarch's client ends the whole
     calling process ("client received undeliverable message: crashing", status 1, nothing
     printed). So with ``peer_died`` the proc is kept (``self.procs``) to end with this
-    process.
+    process. (Since :func:`apply` turns ``return_undeliverable`` off on the volume's replies,
+    the module docstring's fourth fix, such a reply is dropped rather than returned; the proc
+    is still kept, which costs nothing after a failed run.)
     """
 
     def __init__(self, name: str = "torchstore"):
