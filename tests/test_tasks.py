@@ -813,3 +813,26 @@ def test_a_reward_function_requiring_a_column_the_rows_lack_is_refused_naming_th
                                          r"'silver'\]"):
         Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="reward_fns:gold_by_keyword")]),
                _Task())
+
+
+def test_an_evaluation_sets_task_errors_name_its_fields_and_keep_the_users_paths(tmp_path):
+    """``build_task(..., "eval.sets[0].task")`` names the set's fields, not the top-level
+    task's; a path holding ``task.`` (``my.task.data/task.jsonl``) is quoted as written (it
+    was rewritten to ``my.task.data/eval.sets[0].task.jsonl``)."""
+    folder = tmp_path / "my.task.data"
+    folder.mkdir()
+    path = folder / "task.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    section = "eval.sets[0].task"
+    with pytest.raises(ValueError) as error:
+        build_task({"source": "dataset", "train_path": str(path), "prompt_field": "q",
+                    "num_eval": 1}, section)
+    assert str(error.value).startswith(
+        f"eval.sets[0].task.prompt_field='q' is not a column of "
+        f"eval.sets[0].task.train_path={str(path)!r} (its columns: ['prompt', 'answer']); "
+        "set eval.sets[0].task.prompt_field=<one of them>"), str(error.value)
+    missing = str(folder / "task.missing")
+    with pytest.raises(FileNotFoundError) as error:
+        build_task({"source": "dataset", "train_path": missing, "num_eval": 1}, section)
+    assert str(error.value) == (f"eval.sets[0].task.train_path={missing!r}: no such file or "
+                                "folder")

@@ -112,7 +112,19 @@ def build_task(mapping: Mapping[str, Any] | None, section: str = "task") -> Task
             raise
         # The fields of this section, not of the top-level task: (a user edited task.* for
         # nothing when an evaluation set's column was wrong).
-        raise type(e)(re.sub(r"(?<![\w.])task\.(?=[a-z_]+)", f"{section}.", str(e))) from None
+        raise type(e)(_in_section(str(e), section)) from None
+
+
+# A quoted value in a message (a repr: a user's path or column), left as written.
+_QUOTED = re.compile(r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def _in_section(message: str, section: str) -> str:
+    """``message`` with its field names ``task.<field>`` said as ``<section>.<field>``,
+    outside the quoted values only (``train_path='/data/task.jsonl'`` keeps its path)."""
+    parts = _QUOTED.split(message)  # odd indices: the quoted values
+    return "".join(part if i % 2 else re.sub(r"(?<![\w.])task\.(?=[a-z_])", f"{section}.", part)
+                   for i, part in enumerate(parts))
 
 
 class PluginTask:
