@@ -16,7 +16,6 @@ about 1.4 s: ``datasets`` is imported only for a dataset task); the tokenizer's 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from apps.grpo.config import GRPOConfig, check_config
 from forge_ext.actors.critic_config import critic_sections
 from forge_ext.config import RUN_CONFIG_FILE, load_run_record, record_run_config
 from forge_ext.engine.checkpoint_files import complete_checkpoint_steps
-from forge_ext.engine.schema import engine_view
+from forge_ext.engine.schema import checkpoint_config, engine_view
 from forge_ext.evaluation import build_sets, close_sets
 from forge_ext.evaluation.sets import EvalSet, check_context, check_reward_models
 from forge_ext.rollout import EpisodeRunner
@@ -151,8 +150,8 @@ def _check_lengths(config: GRPOConfig, runner: EpisodeRunner, episodes: Any,
              if limit is not None and longest > limit and episodes.agent is None]
     if short:  # every limit at once (the reference's seq_len follows the trainer's)
         fix = f"raise {' and '.join(s.split('=')[0] for s in short)}"
-        most = _max_positions(config.model.hf_path)
-        if most is not None and longest > most:  # raising seq_len cannot help: say what can
+        most = checkpoint_config(config.model.hf_path).get("max_position_embeddings")
+        if isinstance(most, int) and longest > most:  # raising seq_len cannot help: say what can
             fix = (f"{config.model.hf_path}/config.json allows at most {most} "
                    f"(max_position_embeddings), so lower {what} to at most "
                    f"{most - longest_prompt} (the longest prompt is {longest_prompt} tokens) "
@@ -160,16 +159,6 @@ def _check_lengths(config: GRPOConfig, runner: EpisodeRunner, episodes: Any,
         raise ValueError(f"{' and '.join(short)} < {longest} tokens (longest prompt + "
                          f"{what}); {fix}")
     return min((v for v in limits.values() if v is not None), default=None)
-
-
-def _max_positions(hf_path: str) -> int | None:
-    """The checkpoint's ``max_position_embeddings`` (None if it has none or no config.json)."""
-    try:
-        value = json.loads((Path(hf_path) / "config.json").read_text()).get(
-            "max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) else None
 
 
 @dataclass

@@ -286,10 +286,10 @@ def check_checkpoint_limits(view: SimpleNamespace) -> None:
     model = view.model
     if not model.hf_path or (view.engine != "hf" and model.flavor != "hf"):
         return
+    hf = checkpoint_config(model.hf_path)
     try:
-        hf = json.loads((Path(model.hf_path) / "config.json").read_text())
         n_heads = int(hf["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError):  # the full check says what is wrong
+    except (ValueError, KeyError, TypeError):  # the full check says what is wrong
         return
     check_model_limits(view.training, view.parallelism,
                        max_seq_len=hf.get("max_position_embeddings"), n_heads=n_heads,
@@ -306,6 +306,16 @@ def check_checkpoint_limits(view: SimpleNamespace) -> None:
             f"({checkpoint_label(model.hf_path)}): an adapter's rank is at most the smaller "
             "side of the layers it adapts (8 to 64 is usual); lower lora.rank"
         )
+
+
+def checkpoint_config(hf_path: str) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` as a dict, without torch; empty if it is missing, not
+    JSON or not an object (the full check, which loads it, says what is wrong)."""
+    try:
+        config = json.loads((Path(hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def checkpoint_label(hf_path: str) -> str:
