@@ -207,19 +207,26 @@ def test_a_config_error_takes_under_two_seconds(case, model_dir, user_files):
     assert took < 2.0 + bare, f"{module} took {took:.1f} s (a bare python: {bare:.1f} s)"
 
 
+@pytest.mark.parametrize("max_new_tokens,fix", [
+    (40, "raise trainer.training.seq_len"),
+    # Beyond the checkpoint's 64 positions: raising seq_len cannot help.
+    (70, "{model}/config.json allows at most 64 (max_position_embeddings), so lower "
+         "generator.sampling.max_new_tokens to at most 59 (the longest prompt is 5 tokens) or "
+         "shorten the prompts"),
+])
 def test_a_prompt_longer_than_seq_len_is_refused_before_torchtitan_and_monarch(
-        demo_checkpoint, user_files):
+        demo_checkpoint, user_files, max_new_tokens, fix):
     """What needs the checkpoint's tokenizer comes after the data checks and before the
     app's own imports: transformers' AutoTokenizer brings torch (about 4 s), torchtitan and
-    Monarch are not imported."""
+    Monarch are not imported. The fix it names is one that can work."""
     result = _run("apps.grpo.main", [
         "--config", "configs/grpo_cpu_demo.yaml", f"model.hf_path={demo_checkpoint}",
         "task.source=dataset", f"task.train_path={user_files}/rows.jsonl",
         "task.prompt_field=question", "task.num_eval=1",
         "reward.functions=[{fn: 'my_rewards:exact'}]",
-        "generator.sampling.max_new_tokens=40"], pythonpath=user_files)
-    assert ("config error: trainer.training.seq_len=32 < 45 tokens (longest prompt + "
-            "generator.sampling.max_new_tokens); raise trainer.training.seq_len"
+        f"generator.sampling.max_new_tokens={max_new_tokens}"], pythonpath=user_files)
+    assert (f"config error: trainer.training.seq_len=32 < {max_new_tokens + 5} tokens (longest "
+            f"prompt + generator.sampling.max_new_tokens); {fix.format(model=demo_checkpoint)}"
             ) in result.stderr, result.stderr[-3000:]
     assert "'torchtitan'" not in result.stderr and "'monarch'" not in result.stderr, (
         result.stderr[-3000:])
