@@ -79,6 +79,7 @@ _PATCHED_MARKER = "_forge_ext_async_endpoints"
 # The actors that answer torchstore's callers (the module docstring's fourth fix).
 REPLYING_ACTORS: tuple[type, ...] = (Controller, StorageVolume, _ControllerController)
 _monarch_prepare = _MonarchActor._prepare
+_is_replying: dict[type, bool] = {}
 
 
 def _as_async(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,9 +115,15 @@ def _prepare_dropping_returns(self: Any, *args: Any) -> Any:
     # Monarch's _Actor._prepare (the steps before an endpoint's body; it returns the body's
     # arguments and its reply port), with the reply port of REPLYING_ACTORS set not to return
     # an undeliverable reply (the module docstring's fourth fix).
+    # Runs for every message of every actor: the class test is made once per actor class.
     prepared = _monarch_prepare(self, *args)
-    if prepared is not None and isinstance(self.instance, REPLYING_ACTORS):
-        prepared[2].return_undeliverable = False
+    if prepared is not None:
+        cls = type(self.instance)
+        replying = _is_replying.get(cls)
+        if replying is None:
+            replying = _is_replying[cls] = issubclass(cls, REPLYING_ACTORS)
+        if replying:
+            prepared[2].return_undeliverable = False
     return prepared
 
 
