@@ -205,6 +205,52 @@ def install_fault_hook() -> None:
         _installed = True
 
 
+class SpawnedMeshes:
+    """The actor meshes this process's Monarch client spawns from the moment this is made:
+    ``mesh_name in spawned`` says whether a ``MeshFailure.mesh_name`` is one of them.
+
+    Why: Monarch reports a dead proc once per actor mesh on it, some of them long after
+    the death (a dead host about a minute later; a poll that timed out about 30 s later),
+    and the report of a mesh names it by its spawn name (``trainer``), which every run
+    reuses. A report of an earlier run's proc (the same process running runs one after
+    another: tests, a notebook) arriving during the next run was taken for the next run's
+    failure (seen in CI: "the reference's rank 0 ... stopped answering" as the next run
+    started). ``mesh_name`` is unique per mesh ("trainer-kR84y8PSp2"); Monarch's docs say
+    to compare it with existing meshes' names to determine identity.
+
+    How (Monarch 0.7.0, ``monarch/_src/actor/proc_mesh.py`` and ``actor_mesh.py``, private
+    API): the client's root instance appends every actor mesh it spawns (the roles' actors,
+    Monarch's set-up actor on each proc, torchstore's volume) to its ``_children``, a list
+    only ever appended to; the meshes from this object's creation on are those past its
+    length then, and a mesh's unique name is ``ActorMesh._name``. Meshes spawned by an actor
+    (not the client) and Monarch's per-proc loggers are not among them: their reports count
+    for no run (the role's own mesh on that proc is reported too).
+
+    Make it on the client's thread (the event loop's); ``in`` may be asked from any thread.
+    """
+
+    def __init__(self) -> None:
+        from monarch.actor import context
+
+        self._client = context().actor_instance
+        self._start = len(self._client._children or ())
+        self._names: dict[int, str] = {}  # position in _children -> the mesh's unique name
+
+    def __contains__(self, mesh_name: str) -> bool:
+        from monarch._src.actor.actor_mesh import ActorMesh
+
+        children = list(self._client._children or ())
+        for position in range(self._start, len(children)):
+            child = children[position]
+            if position in self._names or not isinstance(child, ActorMesh):
+                continue
+            try:  # resolved once the spawn has been sent; a failed spawn may never resolve
+                self._names[position] = child._name.get(timeout=2.0)
+            except Exception:  # noqa: BLE001 - not (yet) named: not the mesh reported
+                continue
+        return mesh_name in self._names.values()
+
+
 class FailureWatch:
     """Turns reports of dead processes and hosts into one :class:`RoleFailure` for a run.
 
@@ -220,8 +266,13 @@ class FailureWatch:
         replicas: actor (and proc mesh) names of generator replicas (module docstring): a
             report of one is not the run's failure, it is handed to ``on_replica_death(name,
             cause, likely cause)`` on the event loop's thread, once per replica.
+        spawned: ``mesh_name -> bool``, whether a reported mesh is one of the run's (a
+            report of another is dropped); default: a :class:`SpawnedMeshes` made on
+            entering, i.e. the meshes spawned from then on. Pass one (``lambda name: True``)
+            only to feed the watch reports by hand.
 
-    Use as ``with FailureWatch(...) as watch:`` inside the running loop.
+    Use as ``with FailureWatch(...) as watch:`` inside the running loop, before the run
+    spawns anything.
     """
 
     def __init__(
@@ -231,8 +282,10 @@ class FailureWatch:
         procs_per_host: Mapping[str, int] | None = None,
         replicas: Collection[str] = (),
         on_replica_death: Callable[[str, str, str], None] | None = None,
+        spawned: Callable[[str], bool] | None = None,
     ) -> None:
         self.roles = dict(roles)
+        self.spawned = spawned
         self.replicas = set(replicas)
         self.on_replica_death = on_replica_death
         self.dead_replicas: set[str] = set()
@@ -246,6 +299,8 @@ class FailureWatch:
     def __enter__(self) -> FailureWatch:
         install_fault_hook()
         self.loop = asyncio.get_running_loop()
+        if self.spawned is None:
+            self.spawned = SpawnedMeshes().__contains__
         _watches.append(self)
         return self
 
@@ -258,7 +313,12 @@ class FailureWatch:
         """A Monarch supervision report (the fault hook). Only reports of the roles' own
         actors (and torchstore's volume) count: the helper actors of a dead proc (its
         logger, Monarch's SPMD set-up actor) are reported too but name no role. Reports of
-        a replica (its actor, or a helper actor on its proc) go to ``on_replica_death``."""
+        a replica (its actor, or a helper actor on its proc) go to ``on_replica_death``.
+        Reports of a mesh the run did not spawn (``spawned``: an earlier run's) are
+        dropped."""
+        if self.spawned is not None and not self.spawned(failure.mesh_name):
+            logger.debug("not this run's: %s", failure.report().splitlines()[0])
+            return
         if self._replica_report(failure.report()):
             return
         found = self.explain_text(failure.report(), roles_only=True)

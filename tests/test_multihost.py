@@ -38,7 +38,7 @@ from forge_ext.actors import spawn_trainer
 from forge_ext.loop import LoopConfig, RLLoop
 from forge_ext.metrics import MetricsConfig
 from forge_ext.placement import HostsConfig, Placement, RoleHosts
-from forge_ext.supervision import UNANSWERED, RoleFailure, watch_run
+from forge_ext.supervision import UNANSWERED, FailureWatch, RoleFailure, watch_run
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the probe actors by value.
@@ -310,6 +310,46 @@ async def test_a_dead_proc_on_this_machine_is_one_error_not_an_interrupt(tmp_pat
         psutil.STATUS_ZOMBIE
 
 
+async def until(condition, timeout_s: float) -> None:
+    """Poll ``condition()`` every 0.1 s until true; fail after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+@module_loop
+async def test_a_report_of_a_proc_spawned_before_the_run_is_not_the_runs_failure():
+    """Monarch reports a dead proc once per mesh on it, some long after the death, by the
+    spawn name every run reuses (``trainer``): in CI a report of an earlier run's proc
+    arriving as the next run started was taken for the next run's failure. A proc spawned
+    before the run's watch began and killed during it costs the run nothing; the run's own
+    proc, of the same name, is its failure."""
+    from monarch.actor import this_host
+
+    async def spawn_and_kill() -> None:
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
+        pid = (await procs.spawn("trainer", Sleeper).pid.call_one())
+        os.kill(pid, signal.SIGKILL)
+
+    def watch(**kwargs) -> FailureWatch:
+        return FailureWatch({"trainer": "trainer"}, lambda role, host: "this machine",
+                            lambda failure: None, **kwargs)
+
+    earlier_procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
+    earlier_pid = await earlier_procs.spawn("trainer", Sleeper).pid.call_one()
+    # Every report reaches every active watch in one call of the hook: ``everything``
+    # (told every mesh is its run's) shows when the earlier proc's report has come.
+    with watch() as run, watch(spawned=lambda mesh_name: True) as everything:
+        os.kill(earlier_pid, signal.SIGKILL)
+        await until(lambda: everything.failure is not None, 90)
+        await asyncio.sleep(0.5)
+        assert run.failure is None, f"an earlier proc's death failed the run: {run.failure}"
+        await spawn_and_kill()
+        await until(lambda: run.failure is not None, 90)
+    assert str(run.failure) in sigkill_messages("the trainer's rank 0 on this machine")
+
+
 # Reference and generator share one host (hosts.<role>.group).
 SHARED_HOST = HostsConfig(launcher="processes", reference=RoleHosts(group="rollout"),
                           generator=RoleHosts(group="rollout"))
@@ -433,7 +473,6 @@ def test_two_node_gpu_config_validates_with_slurm_and_with_attached_workers(tmp_
 def test_monarch_reports_read_as_role_rank_host_and_cause():
     """The report texts Monarch 0.7.0 gives (seen on this machine) name the role, its rank,
     its host and what ended it; reports of a dead proc's helper actors name no role."""
-    from forge_ext.supervision import FailureWatch
 
     watch = FailureWatch({"trainer": "trainer", "generator": "generator"},
                          lambda role, host: f"host {host} of 2", lambda failure: None)

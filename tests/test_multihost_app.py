@@ -72,6 +72,7 @@ async def killed_run(checkpoint, tmp_path_factory):
     app = HostKillingApp(load_config(DEMO, argv[2:]), kill_at=3)
     with pytest.raises(RoleFailure) as failure:
         await app.run()
+    assert 3 in app.rollouts, f"the run failed before its host was killed: {failure.value}"
     return app, output_dir, failure.value, argv
 
 

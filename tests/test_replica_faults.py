@@ -62,9 +62,12 @@ async def test_a_dead_replica_is_reported_to_the_replicas_and_a_lone_generator_i
     watch = FailureWatch({"trainer": "trainer", "generator": "generator"},
                          lambda role, host: "this machine", failed.append,
                          replicas=["generator0", "generator1"],
-                         on_replica_death=lambda *args: died.append(args))
+                         on_replica_death=lambda *args: died.append(args),
+                         spawned=lambda mesh_name: True)
 
     class Report:
+        mesh_name = "a mesh of this run"
+
         def __init__(self, text):
             self.text = text
 
