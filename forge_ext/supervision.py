@@ -226,20 +226,29 @@ class SpawnedMeshes:
     (not the client) and Monarch's per-proc loggers are not among them: their reports count
     for no run (the role's own mesh on that proc is reported too).
 
-    Make it on the client's thread (the event loop's); ``in`` may be asked from any thread.
+    ``in`` may be asked from any thread.
     """
 
     def __init__(self) -> None:
-        from monarch.actor import context
-
-        self._client = context().actor_instance
-        self._start = len(self._client._children or ())
+        client = self._client()  # None before Monarch's client starts: nothing spawned yet
+        self._start = 0 if client is None else len(client._children or ())
         self._names: dict[int, str] = {}  # position in _children -> the mesh's unique name
+
+    @staticmethod
+    def _client() -> Any:
+        """The client's root instance, None until Monarch's client has started (never
+        started here: ``context()`` would start it, before the run set Monarch's transport
+        and console line, :func:`forge_ext.run_logs.start_monarch`)."""
+        from monarch._src.actor.actor_mesh import _client_context
+
+        context = _client_context.try_get()
+        return None if context is None else context.actor_instance
 
     def __contains__(self, mesh_name: str) -> bool:
         from monarch._src.actor.actor_mesh import ActorMesh
 
-        children = list(self._client._children or ())
+        client = self._client()
+        children = list((client._children if client is not None else None) or ())
         for position in range(self._start, len(children)):
             child = children[position]
             if position in self._names or not isinstance(child, ActorMesh):
