@@ -247,8 +247,7 @@ class SpawnedMeshes:
     def __contains__(self, mesh_name: str) -> bool:
         from monarch._src.actor.actor_mesh import ActorMesh
 
-        client = self._client()
-        children = list((client._children if client is not None else None) or ())
+        children = list(getattr(self._client(), "_children", None) or ())
         for position in range(self._start, len(children)):
             child = children[position]
             if position in self._names or not isinstance(child, ActorMesh):

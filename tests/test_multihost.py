@@ -329,7 +329,7 @@ async def test_a_report_of_a_proc_spawned_before_the_run_is_not_the_runs_failure
 
     async def spawn_and_kill() -> None:
         procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
-        pid = (await procs.spawn("trainer", Sleeper).pid.call_one())
+        pid = await procs.spawn("trainer", Sleeper).pid.call_one()
         os.kill(pid, signal.SIGKILL)
 
     def watch(**kwargs) -> FailureWatch:
