@@ -19,7 +19,7 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 
 
 def main(argv: list[str] | None = None) -> None:
-    from forge_ext.disk import OutputWriteError
+    from forge_ext.runtime.disk import OutputWriteError
     from forge_ext.engine.export import DTYPES, dcp_to_hf, export_dtype
 
     parser = argparse.ArgumentParser(

@@ -70,7 +70,7 @@ def random_checkpoint(folder: Path) -> str:
     """A random HF checkpoint with the warm-start's architecture and tokenizer."""
     from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
     from forge_ext.config import load_yaml
-    from forge_ext.hf_checkpoint import init_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import init_hf_checkpoint
 
     architecture = load_yaml(ROOT / "configs" / "sft_cpu_demo.yaml")["init"]["architecture"]
     fields = {"vocab_size": VOCAB_SIZE, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,

@@ -18,7 +18,7 @@ parameters) with random fp32 weights, written as an HF checkpoint that one vLLM 
   PEFT tensors with its ``adapter_config`` as the version's metadata (``lora``), as
   ``RLTrainer.push_weights`` does without and with ``trainer.lora``;
 - ``update``: what ``Generator.update_weights`` does then (``open_weights`` +
-  :func:`forge_ext.actors.generator.load_version`): ``full``: vLLM's in-place
+  :func:`forge_ext.rollout.generator.load_version`): ``full``: vLLM's in-place
   ``reload_weights`` in its worker from the slot; ``lora``: the PEFT folder written into
   ``/dev/shm``, ``add_lora`` under a new id, the previous adapter removed.
 
@@ -40,7 +40,7 @@ import time
 import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
-from forge_ext import lora
+from forge_ext.engine import lora
 
 # config.json of Qwen/Qwen3-0.6B (max_position_embeddings lowered: vLLM sizes buffers by it).
 QWEN3_0_6B = dict(
@@ -82,7 +82,7 @@ def make_adapter(state_dict, rank: int, targets, seed: int) -> dict[str, torch.T
 async def run(args) -> list[str]:
     import torchstore as ts
 
-    from forge_ext.actors.generator import load_version
+    from forge_ext.rollout.generator import load_version
     from forge_ext.compat.torchstore_monarch import initialize_store
     from forge_ext.rollout.engines import SamplingConfig
     from forge_ext.rollout.engines.vllm import VLLMEngine

@@ -6,7 +6,7 @@ Run from the repository root (the worker processes import this module)::
     .venv/bin/python -m bench.multi_host --flavor small --reps 5
 
 Two trainers of the same model, DP=2 by FSDP (each rank holds half of every parameter), both
-placed through :mod:`forge_ext.placement` with the ``processes`` launcher (each host a
+placed through :mod:`forge_ext.runtime.placement` with the ``processes`` launcher (each host a
 Monarch worker process, ``ProcessJob``), alive side by side:
 
 - ``1 host x 2 procs``: both ranks on one host;
@@ -76,7 +76,7 @@ def trainer_config(flavor: str, batch: int, seq: int) -> dict:
 
 async def build(name: str, layout: tuple[int, int], args):
     from forge_ext.actors import spawn_trainer
-    from forge_ext.placement import HostsConfig, Placement, RoleHosts
+    from forge_ext.runtime.placement import HostsConfig, Placement, RoleHosts
 
     hosts, per_host = layout
     placement = Placement(

@@ -94,7 +94,7 @@ def write_checkpoint(root: Path, typical_tokens: float, seed: int = 0) -> tuple[
     geometric laws: a longer tail than one geometric law of that mean."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from forge_ext.hf_checkpoint import hf_config_dict, save_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import hf_config_dict, save_hf_checkpoint
     from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
     fields = {**ARCHITECTURE, "vocab_size": VOCAB_SIZE, "eos_token_id": EOS_ID,

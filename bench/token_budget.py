@@ -52,12 +52,12 @@ from bench.train_step import interleaved, median_ci, saved_activation_peak, time
 from forge_ext.engine import TitanEngine  # noqa: E402
 from forge_ext.engine import microbatch as tb  # noqa: E402
 from forge_ext.engine.distributed import init_single_process_env  # noqa: E402
-from forge_ext.losses.grpo import GRPOLoss, valid_token_count  # noqa: E402
+from forge_ext.rl.losses.grpo import GRPOLoss, valid_token_count  # noqa: E402
 
 
 def grpo_batch(lengths: list[tuple[int, int]], vocab: int, seed: int) -> dict[str, torch.Tensor]:
     """Right-padded rows of ``(prompt, response)`` lengths in the episode layout
-    (:mod:`forge_ext.episode`), with generator log-probs and advantages."""
+    (:mod:`forge_ext.rl.episode`), with generator log-probs and advantages."""
     g = torch.Generator().manual_seed(seed)
     seq = max(p + r for p, r in lengths)
     ids = torch.randint(1, vocab, (len(lengths), seq), generator=g)

@@ -258,7 +258,7 @@ def bench_engines(args, batch) -> tuple[list[list[str]], float, float]:
 
     from forge_ext.engine import build_engine
     from forge_ext.engine.models import HF_MODEL_TYPES, SMALL_FLAVORS
-    from forge_ext.hf_checkpoint import init_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import init_hf_checkpoint
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars

@@ -68,7 +68,7 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     """Largest ``|trainer log-prob - generator log-prob|`` over the sampled tokens of
     ``episodes`` (GRPO ``Episode``s), the trainer's from a forward pass of the packed batch
     (``RLTrainer.forward(..., output="logprobs")``)."""
-    from forge_ext.episode import pack_episodes
+    from forge_ext.rl.episode import pack_episodes
 
     packed = pack_episodes(episodes, pad_id=pad_id)
     # One batch per data-parallel rank (a trainer of plain DP: every proc a DP rank); the
@@ -114,7 +114,7 @@ async def trainer_logprobs(trainer, completions):
 def demo_checkpoint(tmp_path_factory):
     """An HF checkpoint shaped like the demo's warm-start (architecture of sft_cpu_demo.yaml)."""
     from forge_ext.tasks.tokenizer import VOCAB_SIZE, save_tokenizer
-    from forge_ext.hf_checkpoint import init_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import init_hf_checkpoint
 
     from pathlib import Path
 
@@ -135,7 +135,7 @@ def task_checkpoint(root) -> str:
 
     from safetensors.torch import load_file
 
-    from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
     from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
     root = Path(root)
@@ -250,7 +250,7 @@ def chat_checkpoint(root, end_prone: float = 0.0) -> str:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
     tok = save_chat_tokenizer(root / "tok")
     arch = dict(
@@ -374,13 +374,13 @@ def slurm_cluster():
 
 def pytest_sessionstart(session):
     """Monarch's failure reports go to forge_ext's hook from the session's start
-    (:func:`forge_ext.supervision.install_fault_hook`: to the active run's watch, else logged
+    (:func:`forge_ext.runtime.supervision.install_fault_hook`: to the active run's watch, else logged
     and dropped), never to Monarch's default, ``sys.exit(1)`` from its client thread: a late
     report of a proc an earlier test killed (a host killed, its procs' reports arriving after
     the test) ended a whole session at 56% with status 1, no summary and nothing printed (the
     default hook's message goes to the test's captured stderr). A test that needs a dead proc
     noticed sees it in its own calls or its run's watch."""
-    from forge_ext.supervision import install_fault_hook
+    from forge_ext.runtime.supervision import install_fault_hook
 
     install_fault_hook()
 
@@ -419,13 +419,13 @@ def pytest_unconfigure(config):
        vLLM engines run in-process are torn down by the exit itself.
 
     ``FORGE_EXT_PYTEST_NORMAL_EXIT=1`` shuts Monarch down
-    (:func:`forge_ext.supervision.shutdown_monarch`) and keeps the interpreter's own exit (to
+    (:func:`forge_ext.runtime.supervision.shutdown_monarch`) and keeps the interpreter's own exit (to
     debug it; ``PYTHONFAULTHANDLER=1`` prints where a crash happens).
     """
     import atexit
     import sys
 
-    from forge_ext.supervision import shutdown_monarch
+    from forge_ext.runtime.supervision import shutdown_monarch
 
     if "monarch.actor" in sys.modules:
         import monarch.actor
@@ -449,10 +449,10 @@ def pytest_unconfigure(config):
 
 def random_adapter(hf_state_dict: dict, rank: int, targets=("q_proj", "v_proj", "down_proj"),
                    seed: int = 0, std: float = 0.1) -> dict:
-    """A LoRA adapter in PEFT's names (:mod:`forge_ext.lora`) for the ``targets`` linear
+    """A LoRA adapter in PEFT's names (:mod:`forge_ext.engine.lora`) for the ``targets`` linear
     layers of ``hf_state_dict`` (HF names): ``lora_A [rank, in]``, ``lora_B [out, rank]``,
     both random (non-zero B: the adapter changes the model)."""
-    from forge_ext import lora
+    from forge_ext.engine import lora
 
     g = torch.Generator().manual_seed(seed)
     adapter = {}
@@ -532,8 +532,8 @@ def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
     not; the masked positions are exactly where each episode's mask says."""
     from transformers import AutoModelForCausalLM
 
-    from forge_ext.episode import pack_episodes
-    from forge_ext.losses import grpo_loss
+    from forge_ext.rl.episode import pack_episodes
+    from forge_ext.rl.losses import grpo_loss
 
     import dataclasses
 

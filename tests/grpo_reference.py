@@ -1,7 +1,7 @@
 """An independent float64 implementation of the GRPO variants' formulas, for tests.
 
 Written from the papers, one sequence at a time with plain loops (no grouping helper, no
-masks, no code of ``forge_ext.losses``):
+masks, no code of ``forge_ext.rl.losses``):
 
 - token ratio: DeepSeekMath (arXiv:2402.03300) eq. 3, ``min(r_t A, clip(r_t) A) - beta k3``;
 - sequence ratio: GSPO (arXiv:2507.18071) eq. 5-7, ``s_i = exp(mean_t log r_t)``;
@@ -124,7 +124,7 @@ def variant_name(variant):
 
 def reference_kwargs(variant, kl_coef):
     """``reference_loss`` keyword arguments of an ``ENGINE_VARIANTS`` entry."""
-    from forge_ext.losses.grpo import default_clip_eps
+    from forge_ext.rl.losses.grpo import default_clip_eps
 
     level = variant.get("ratio_level", "token")
     return {**variant, "kl_coef": kl_coef, "clip": default_clip_eps(level)}

@@ -1,4 +1,4 @@
-"""The RL loop in ``loop.mode: async`` (forge_ext.loop) with fake hooks whose delays make the
+"""The RL loop in ``loop.mode: async`` (forge_ext.rl.loop) with fake hooks whose delays make the
 trainer or the generator the slow side: the staleness bound over every trained sample,
 stale rollouts dropped and rebuilt, every prompt trained exactly once across a kill and a
 resume, async with max_policy_age 0 equal to sync, errors and cancellation in the background

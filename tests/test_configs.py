@@ -12,7 +12,7 @@ from apps.grpo.config import GRPOConfig, load_config
 from apps.sft.main import SFTConfig
 from forge_ext.config import from_mapping, load_yaml, record_run_config
 from forge_ext.engine import engine_config_from_mapping
-from forge_ext.loop import LoopConfig
+from forge_ext.rl.loop import LoopConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -232,7 +232,7 @@ def test_sft_warns_of_prompts_its_tokenizer_cannot_read_before_training(
 
 def write_llama_config(directory: Path) -> str:
     """config.json of a tiny Llama as transformers writes it (validation reads no weights)."""
-    from forge_ext.hf_checkpoint import hf_config_dict
+    from forge_ext.engine.hf_checkpoint import hf_config_dict
 
     directory.mkdir(parents=True, exist_ok=True)
     fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -485,7 +485,7 @@ def test_chunked_prefill_is_off_for_vllm_on_cpu_and_settings_that_need_it_are_re
     """vLLM 0.32 on CPU crashes a seeded step over its batched-token budget when it chunks a
     prefill (issue 32): chunking is off there, and what would need it is refused before
     anything is spawned."""
-    from forge_ext.actors.generator import GeneratorConfig
+    from forge_ext.rollout.generator import GeneratorConfig
     from forge_ext.rollout.engines.vllm import engine_args_for
 
     assert engine_args_for({}, dtype="float32", cuda=False)["enable_chunked_prefill"] is False

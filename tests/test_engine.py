@@ -147,7 +147,7 @@ def test_step_loss_is_the_full_batch_token_mean(reference_weights):
 
 @pytest.mark.parametrize("correction", ["none", "token_tis"])
 def test_loss_metrics_are_full_batch_token_means_at_any_split(reference_weights, correction):
-    from forge_ext.losses.grpo import GRPOLoss, grpo_metrics, token_logprobs, valid_token_count
+    from forge_ext.rl.losses.grpo import GRPOLoss, grpo_metrics, token_logprobs, valid_token_count
 
     batch = make_lm_batch(8, 32, 256, seed=5, ignore_prefix=PREFIX)
     reference = build(reference_weights)
@@ -188,7 +188,7 @@ def test_every_grpo_variant_is_exact_under_gradient_accumulation(reference_weigh
     from grpo_reference import ENGINE_VARIANTS, grpo_targets, reference_kwargs, reference_loss
 
     from forge_ext.engine.base import split_batch
-    from forge_ext.losses.grpo import GRPOLoss
+    from forge_ext.rl.losses.grpo import GRPOLoss
 
     batch = make_lm_batch(8, 32, 256, seed=7, ignore_prefix=PREFIX)
     # One engine: gradient accumulation is forward_backward_batch over the microbatches
@@ -478,7 +478,7 @@ def dp_adapters(hf_path):
     from safetensors.torch import load_file
 
     from conftest import random_adapter
-    from forge_ext.lora import HF_TARGETS
+    from forge_ext.engine.lora import HF_TARGETS
 
     return random_adapter(load_file(f"{hf_path}/model.safetensors"), LORA_RANK,
                           targets=HF_TARGETS, seed=4)
@@ -731,7 +731,7 @@ def test_a_checkpoint_save_that_runs_out_of_space_is_one_line_naming_what_where_
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from forge_ext.disk import CheckpointWriteError
+    from forge_ext.runtime.disk import CheckpointWriteError
 
     engine, cfg = _disk_engine(reference_weights, tmp_path)
     real_write_item, calls = dcp_fs._write_item, []
@@ -763,7 +763,7 @@ def test_a_save_with_measurably_too_little_free_space_is_refused_before_writing(
     import os
     import shutil
 
-    from forge_ext import disk
+    from forge_ext.runtime import disk
 
     engine, _ = _disk_engine(reference_weights, tmp_path)
     usage = shutil.disk_usage(tmp_path)
@@ -787,7 +787,7 @@ def test_value_head_is_exact_under_gradient_accumulation():
     microbatch core: GA=4 gives GA=1's loss and gradient, and both equal plain autograd of
     the value loss written out over the whole batch (no microbatches, no loss weights)."""
     from forge_ext.engine.base import split_batch
-    from forge_ext.losses.value import ValueLoss
+    from forge_ext.rl.losses.value import ValueLoss
 
     init_single_process_env()
     engine = value_head_engine()

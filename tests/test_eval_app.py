@@ -173,7 +173,7 @@ async def test_a_lora_adapter_is_served_on_its_base_as_peft_computes_it(run, tmp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from forge_ext.lora import peft_adapter_config, peft_key, write_peft_folder
+    from forge_ext.engine.lora import peft_adapter_config, peft_key, write_peft_folder
 
     _, output_dir = run
     base = output_dir / "hf" / "step-2"

@@ -111,7 +111,7 @@ def test_final_answers_maj_at_k_votes_on():
 def test_shards_and_index_are_what_transformers_reads(tmp_path):
     from safetensors.torch import load_file
 
-    from forge_ext.hf_checkpoint import save_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import save_hf_checkpoint
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 32, generator=g)
@@ -133,8 +133,8 @@ def test_shards_and_index_are_what_transformers_reads(tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
-    from forge_ext import hf_checkpoint
-    from forge_ext.disk import OutputWriteError
+    from forge_ext.engine import hf_checkpoint
+    from forge_ext.runtime.disk import OutputWriteError
 
     tensors = {f"w{i}": torch.ones(1000) for i in range(4)}
     old = hf_checkpoint.save_hf_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "qwen3"})

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 from forge_ext.rollout.engines import HFSampler, SamplingConfig, make_completion, stop_token_ids
-from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 ARCH = dict(
     vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

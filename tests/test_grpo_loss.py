@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from forge_ext.losses import (
+from forge_ext.rl.losses import (
     GRPOLoss,
     compute_group_advantages,
     grpo_loss,

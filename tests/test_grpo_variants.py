@@ -9,8 +9,8 @@ import pytest
 import torch
 from grpo_reference import reference_advantages, reference_loss
 
-from forge_ext.losses import GRPOLoss, compute_group_advantages, grpo_loss, grpo_metrics
-from forge_ext.losses.grpo import AGGREGATIONS, RATIO_LEVELS, default_clip_eps
+from forge_ext.rl.losses import GRPOLoss, compute_group_advantages, grpo_loss, grpo_metrics
+from forge_ext.rl.losses.grpo import AGGREGATIONS, RATIO_LEVELS, default_clip_eps
 
 # Very unequal response lengths, and a row without any valid token (it must not count as a
 # sequence in the seq_mean modes).
@@ -280,7 +280,7 @@ def demo_without_loss_section(tmp_path):
 
 
 # Each preset's fields as its paper (or, where the paper is silent, the upstream code cited)
-# gives them, written out here rather than read from forge_ext.losses.presets.PRESETS: a
+# gives them, written out here rather than read from forge_ext.rl.losses.presets.PRESETS: a
 # preset that loses a field, or whose value drifts, then fails the test below.
 PAPER_FIELDS = {
     # DeepSeekMath (arXiv:2402.03300), eq. 3: 1/G sum_i 1/|o_i| sum_t; token ratios; std of
@@ -323,7 +323,7 @@ def test_presets_set_their_papers_fields_and_each_field_stays_overridable(tmp_pa
     from dataclasses import asdict
 
     from apps.grpo.config import load_config
-    from forge_ext.losses.presets import PRESETS, preset_fields
+    from forge_ext.rl.losses.presets import PRESETS, preset_fields
 
     assert sorted(PRESETS) == sorted(PAPER_FIELDS)
     paper = PAPER_FIELDS[preset]

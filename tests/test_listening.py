@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_ext.placement import HostsConfig, Placement, PlacementError, SlurmHosts
+from forge_ext.runtime.placement import HostsConfig, Placement, PlacementError, SlurmHosts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def test_a_host_name_on_loopback_only_is_one_error_before_anything_is_submitted(
     """Monarch's TcpWithHostname panics on it ("hostname resolved to no non-loopback,
     non-link-local address"); here the run stops first, naming hosts.transport and an
     address of this machine to set it to."""
-    import forge_ext.placement as placement_module
+    import forge_ext.runtime.placement as placement_module
 
     monkeypatch.setattr(placement_module, "_host_name_addresses", lambda: ["127.0.0.1"])
     monkeypatch.setattr(placement_module, "_interface_addresses",

@@ -1,4 +1,4 @@
-"""The RL loop template (forge_ext.loop.RLLoop) with fake hooks: step order, resume, the
+"""The RL loop template (forge_ext.rl.loop.RLLoop) with fake hooks: step order, resume, the
 weight-sync gate, and teardown on success, on an exception and on cancellation (Ctrl-C)."""
 
 import asyncio
@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from forge_ext.loop import LoopConfig, RLLoop
-from forge_ext.metrics import MetricsConfig
+from forge_ext.rl.loop import LoopConfig, RLLoop
+from forge_ext.runtime.metrics import MetricsConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -147,7 +147,7 @@ async def test_a_failing_stop_does_not_prevent_the_others(tmp_path):
 
 
 async def test_metric_history_resumes_at_the_checkpoint_step(tmp_path):
-    from forge_ext.metrics import MetricLogger
+    from forge_ext.runtime.metrics import MetricLogger
 
     logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot="p.png"))
     logger.open()
@@ -167,7 +167,7 @@ async def test_metric_history_resumes_at_the_checkpoint_step(tmp_path):
 async def test_logging_a_step_again_updates_it_and_the_file_keeps_one_line_per_step(tmp_path):
     import json
 
-    from forge_ext.metrics import MetricLogger
+    from forge_ext.runtime.metrics import MetricLogger
 
     config = MetricsConfig(log_dir=str(tmp_path), tensorboard=False, plot=None)
     logger = MetricLogger(config)
@@ -196,7 +196,7 @@ async def test_tensorboard_holds_every_scalar_and_the_sample_completions_as_text
     records as samples.jsonl; a resumed run drops the samples of steps it redoes."""
     from conftest import tensorboard_events
 
-    from forge_ext.metrics import MetricLogger
+    from forge_ext.runtime.metrics import MetricLogger
 
     logger = MetricLogger(MetricsConfig(log_dir=str(tmp_path), plot=None))
     logger.open()

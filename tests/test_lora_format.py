@@ -1,4 +1,4 @@
-"""forge_ext.lora against PEFT itself: the names and config PEFT writes and reads, and the
+"""forge_ext.engine.lora against PEFT itself: the names and config PEFT writes and reads, and the
 merged weights against PEFT's adapted model."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from forge_ext import lora
+from forge_ext.engine import lora
 
 peft = pytest.importorskip("peft")
 

@@ -25,9 +25,9 @@ from conftest import (
 )
 from test_vllm import ARCH, PROMPTS  # tests/test_vllm.py's model (head_dim 32, tied) and prompts
 
-from forge_ext import lora
+from forge_ext.engine import lora
 from forge_ext.actors import spawn_trainer
-from forge_ext.actors.generator import GeneratorConfig, spawn_generator
+from forge_ext.rollout.generator import GeneratorConfig, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.rollout.engines import SamplingConfig
 from forge_ext.rollout.engines.vllm import VLLMEngine

@@ -1,4 +1,4 @@
-"""Roles on several (simulated) hosts, through ``forge_ext.placement`` and Monarch's
+"""Roles on several (simulated) hosts, through ``forge_ext.runtime.placement`` and Monarch's
 ``ProcessJob`` (each host a worker process of its own on this machine):
 
 - a DP=2 trainer over 2 hosts (1 proc each, FSDP: each host holds half of every parameter)
@@ -35,10 +35,10 @@ from conftest import full, make_lm_batch, random_state_dict
 from monarch.actor import Actor, current_rank, endpoint
 
 from forge_ext.actors import spawn_trainer
-from forge_ext.loop import LoopConfig, RLLoop
-from forge_ext.metrics import MetricsConfig
-from forge_ext.placement import HostsConfig, Placement, RoleHosts
-from forge_ext.supervision import UNANSWERED, FailureWatch, RoleFailure, watch_run
+from forge_ext.rl.loop import LoopConfig, RLLoop
+from forge_ext.runtime.metrics import MetricsConfig
+from forge_ext.runtime.placement import HostsConfig, Placement, RoleHosts
+from forge_ext.runtime.supervision import UNANSWERED, FailureWatch, RoleFailure, watch_run
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 # Spawned procs cannot import test modules: ship the probe actors by value.
@@ -382,7 +382,7 @@ DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.y
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     from forge_ext.tasks.tokenizer import VOCAB_SIZE, save_tokenizer
-    from forge_ext.hf_checkpoint import init_hf_checkpoint
+    from forge_ext.engine.hf_checkpoint import init_hf_checkpoint
 
     root = tmp_path_factory.mktemp("multihost_ckpt_cfg")
     save_tokenizer(root / "tok")
@@ -485,7 +485,7 @@ def test_monarch_reports_read_as_role_rank_host_and_cause():
     assert str(watch.explain_text(exited)) == (
         "the trainer's rank 5 on host 1 of 2 exited with code 1: its log says why")
     silent = ("Endpoint call generator.generate() failed, Supervision event: actor <root>."
-              "<forge_ext.actors.generator.Generator generator{'hosts': 0/1, 'procs': 0/1}> "
+              "<forge_ext.rollout.generator.Generator generator{'hosts': 0/1, 'procs': 0/1}> "
               "has status:\n  stopped: no status received from process")
     assert str(watch.explain_text(silent)) == (
         "the generator's rank 0 on host 0 of 2 stopped answering: its host died or cannot be "

@@ -25,7 +25,7 @@ from test_grpo_app import Probe, history, overrides, still_running
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp, failure_message
-from forge_ext.supervision import RoleFailure
+from forge_ext.runtime.supervision import RoleFailure
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_masked_tokens_carry_no_gradient, chat_checkpoint
 
-from forge_ext.episode import Episode, pack_episodes
+from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rollout import EpisodeRunner
 from forge_ext.rollout.engines import HFEngine, HFSampler, SamplingConfig
 from forge_ext.tasks import (

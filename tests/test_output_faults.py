@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from forge_ext import disk
-from forge_ext.metrics import MetricLogger, MetricsConfig
+from forge_ext.runtime import disk
+from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
 

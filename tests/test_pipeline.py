@@ -96,7 +96,7 @@ async def test_pipeline_equals_no_pipeline(meshes, name, dp):
 async def test_loss_metrics_under_pipeline_are_the_full_batch_token_means():
     # A fresh PP trainer: its first forward-backward step runs the schedule's shape
     # inference, which calls the loss on placeholder activations; that call must not count.
-    from forge_ext.losses.grpo import grpo_metrics, token_logprobs
+    from forge_ext.rl.losses.grpo import grpo_metrics, token_logprobs
 
     loss = {"name": "grpo", "kl_coef": 0.1}
     trainer = await spawn_trainer(config(pp=2), loss=loss)

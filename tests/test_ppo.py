@@ -11,9 +11,9 @@ from ppo_reference import (
     reference_gae, reference_rloo, reference_value_loss, reference_whiten,
 )
 
-from forge_ext.advantages import GAE, AlgorithmConfig, leave_one_out_advantages
-from forge_ext.losses.grpo import AGGREGATIONS
-from forge_ext.losses.value import ValueLoss, value_loss_and_metrics
+from forge_ext.rl.advantages import GAE, AlgorithmConfig, leave_one_out_advantages
+from forge_ext.rl.losses.grpo import AGGREGATIONS
+from forge_ext.rl.losses.value import ValueLoss, value_loss_and_metrics
 
 # (prompt tokens, response tokens) per row: 1 to 64 response tokens, and a row without any.
 ROWS = ((3, 1), (1, 64), (5, 17), (2, 2), (4, 0), (6, 40))

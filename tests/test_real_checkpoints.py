@@ -244,7 +244,7 @@ LLAMA32_1B = dict(
 def test_a_flavor_that_does_not_match_the_checkpoint_is_refused(
     tmp_path, name, flavor, fields, message
 ):
-    from forge_ext.hf_checkpoint import hf_config_dict
+    from forge_ext.engine.hf_checkpoint import hf_config_dict
 
     model_type = {"qwen3": "qwen3", "llama3": "llama"}[name]
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(model_type, fields)))

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from forge_ext.replay_buffer import ReplayBuffer
+from forge_ext.rl.replay_buffer import ReplayBuffer
 
 
 @dataclass

@@ -31,22 +31,22 @@ from conftest import history, small
 
 from apps.grpo.config import load_config
 from apps.grpo.main import GRPOApp
-from forge_ext.actors.generator import alive_processes
+from forge_ext.rollout.generator import alive_processes
 from forge_ext.rollout.replicas import GeneratorReplicas, ReplicasLost
-from forge_ext.supervision import SIGNAL_CAUSES, UNANSWERED, FailureWatch
+from forge_ext.runtime.supervision import SIGNAL_CAUSES, UNANSWERED, FailureWatch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
 KILLED = "was killed by SIGKILL (signal 9)"
 # A proc killed while Monarch's poll of its state was in flight is reported ~30 s later
-# without its signal (forge_ext.supervision): either cause names the replica's death.
+# without its signal (forge_ext.runtime.supervision): either cause names the replica's death.
 CAUSES = (KILLED, UNANSWERED[0])
 
 
 def report(actor: str) -> str:
     """Monarch 0.7's report of a SIGKILLed generator actor (seen on this machine)."""
-    return (f"The actor <root>.<forge_ext.actors.generator.Generator {actor}{{'procs': 0/1}}> "
+    return (f"The actor <root>.<forge_ext.rollout.generator.Generator {actor}{{'procs': 0/1}}> "
             "and all its descendants have failed:\n  the process this actor was running on "
             "failed: Killed(sig=9)")
 

@@ -227,7 +227,7 @@ def test_the_router_forgets_the_oldest_sessions_beyond_its_bound():
 
 
 def test_replicas_on_one_host_split_its_gpus_and_cores():
-    from forge_ext.actors.generator import replica_cores, replica_devices
+    from forge_ext.rollout.generator import replica_cores, replica_devices
 
     assert replica_devices(1, 2, None, 8) == ["2", "3"]
     assert replica_devices(3, 1, "4,5,6,7", 8) == ["7"]  # of the GPUs Slurm shows

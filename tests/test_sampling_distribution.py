@@ -24,7 +24,7 @@ import pytest_asyncio
 import torch
 
 from forge_ext.rollout.engines import HFSampler, SamplingConfig
-from forge_ext.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
+from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 8 or 16).
 VOCAB = 1024

@@ -117,7 +117,7 @@ def test_lora_sft_exports_a_peft_adapter_and_on_request_the_merged_checkpoint(tm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from forge_ext.lora import read_peft_folder
+    from forge_ext.engine.lora import read_peft_folder
 
     config = tiny_config(tmp_path, steps=4, **{
         "trainer.lora": "{rank: 2, export_merged: true}", "trainer.optimizer.lr": "3e-2"})

@@ -14,7 +14,7 @@ from forge_ext.engine import engine_config_from_mapping
 from forge_ext.engine import microbatch as tb
 from forge_ext.engine import valid_tokens
 from forge_ext.engine.distributed import init_single_process_env
-from forge_ext.losses.grpo import GRPOLoss, token_logprobs, valid_token_count
+from forge_ext.rl.losses.grpo import GRPOLoss, token_logprobs, valid_token_count
 
 BASE = {
     "model": {"name": "qwen3", "flavor": "tiny"},

@@ -197,7 +197,7 @@ async def test_bad_config_fails_before_spawn():
 
 
 async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_ranks(trainers):
-    from forge_ext.losses.grpo import grpo_metrics, token_logprobs
+    from forge_ext.rl.losses.grpo import grpo_metrics, token_logprobs
 
     trainer = trainers["grpo"]  # GRPO_LOSS, DP=2
     # Rank 0's rows carry far fewer valid tokens than rank 1's: a mean of the two ranks'

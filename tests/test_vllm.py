@@ -30,7 +30,7 @@ from conftest import (
 )
 
 from forge_ext.actors import spawn_trainer
-from forge_ext.actors.generator import (
+from forge_ext.rollout.generator import (
     GeneratorConfig,
     alive_processes,
     check_vllm_checkpoint,

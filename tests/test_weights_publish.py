@@ -1035,7 +1035,7 @@ async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folde
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from forge_ext import disk
+    from forge_ext.runtime import disk
 
     prefix = "dcp_full_disk"
     publisher = make_publisher("dcp", tmp_path, prefix)
@@ -1070,7 +1070,7 @@ async def test_a_lora_version_is_the_adapter_alone_with_its_config_through_every
     mapping (the publish ``metadata``), nothing else; the bytes written are the adapter's."""
     from conftest import random_adapter
 
-    from forge_ext import lora
+    from forge_ext.engine import lora
 
     prefix = f"lora_{transport}"
     adapter = random_adapter(decoder_state_dict(), rank=4, targets=("q_proj", "up_proj"))

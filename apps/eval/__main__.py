@@ -6,7 +6,7 @@ print_saved_help("eval")  # before the imports below (seconds)
 exit_on_config_error("apps.eval.main:check_config")
 
 from apps.eval.main import main  # noqa: E402
-from forge_ext.supervision import shutdown_monarch
+from forge_ext.runtime.supervision import shutdown_monarch
 
 try:
     main()

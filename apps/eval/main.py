@@ -221,7 +221,7 @@ def generator_config(config: EvalAppConfig, checkpoint: Checkpoint) -> Any:
     generator = from_mapping(GeneratorConfig, {**section, "hf_path": checkpoint.model or "."},
                              path="generator")
     if checkpoint.kind == "lora" and generator.backend == "vllm":
-        from forge_ext.lora import read_peft_folder
+        from forge_ext.engine.lora import read_peft_folder
 
         rank = int(read_peft_folder(checkpoint.path)[1]["r"])
         generator.vllm = lora_engine_args(generator.vllm, rank)
@@ -350,7 +350,7 @@ class EvalApp:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from apps.config_reference import eval_help
     from forge_ext.config import apply_env, parse_cli
-    from forge_ext.disk import find_output_write_error
+    from forge_ext.runtime.disk import find_output_write_error
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=eval_help,
                                 prog="python -m apps.eval")
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    from forge_ext.supervision import shutdown_monarch
+    from forge_ext.runtime.supervision import shutdown_monarch
 
     try:
         main()

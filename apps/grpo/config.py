@@ -10,20 +10,20 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
                                               timeout, on_error
     grpo:      {prompts_per_step, group_size, advantage_scaling, dynamic_sampling,
                 max_rollout_batches}
-    algorithm: forge_ext.advantages.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
+    algorithm: forge_ext.rl.advantages.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
     critic:    engine mapping or null         PPO's value model (forge_ext.actors.critic); with
                                               algorithm.advantage: gae
     prompt:    forge_ext.tasks.PromptConfig   template, chat_template: how a row becomes ids
     loss:      GRPOLoss.Config                preset, aggregation, ratio_level, clip_eps_low/high,
                                               kl_coef, mask_truncated, off_policy_correction
-    loop:      forge_ext.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
+    loop:      forge_ext.rl.loop.LoopConfig      steps, mode, eval_every, save_every, max_policy_age
     trainer:   engine mapping                 (forge_ext.engine.config)
     reference: engine mapping or null         (null: none, loss.kl_coef: 0; with trainer.lora
                                               the trainer's base with its adapters disabled)
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
     procs:     {env, trainer, reference, critic, generator}  processes and environment per role
-    hosts:     forge_ext.placement.HostsConfig  where roles run: launcher, hosts per role
+    hosts:     forge_ext.runtime.placement.HostsConfig  where roles run: launcher, hosts per role
     metrics:   MetricsConfig
     eval:      forge_ext.evaluation.EvalConfig  held-out accuracy, evaluation sets (pass@k ...)
     export:    {enable, dtype, max_shard_mb}  HF checkpoint folders <output_dir>/hf/step-N
@@ -41,18 +41,18 @@ from typing import Any, Literal
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
 from forge_ext.actors.critic_config import critic_sections
-from forge_ext.algorithm import AlgorithmConfig
+from forge_ext.rl.algorithm import AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
     check_checkpoint_limits, check_lora, check_weights_transport, data_parallel_size,
     engine_view, num_microbatches, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
-from forge_ext.losses.config import ADVANTAGE_SCALINGS, GRPOLossConfig
-from forge_ext.losses.presets import PRESETS, apply_preset, preset_fields
-from forge_ext.loop import LoopConfig
-from forge_ext.metrics import MetricsConfig
-from forge_ext.placement import HostsConfig
+from forge_ext.rl.losses.config import ADVANTAGE_SCALINGS, GRPOLossConfig
+from forge_ext.rl.losses.presets import PRESETS, apply_preset, preset_fields
+from forge_ext.rl.loop import LoopConfig
+from forge_ext.runtime.metrics import MetricsConfig
+from forge_ext.runtime.placement import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
 from forge_ext.tasks import PromptConfig, RewardConfig, task_config
 from forge_ext.weights.config import WeightsConfig
@@ -74,7 +74,7 @@ class GRPOSection:
     critic's."""
     advantage_scaling: Literal["group_std", "none", "batch_std"] = "group_std"
     """What the mean-centred rewards are divided by: the group's std (DeepSeekMath), nothing
-    (Dr. GRPO), or the whole batch's std (:func:`forge_ext.losses.compute_group_advantages`)."""
+    (Dr. GRPO), or the whole batch's std (:func:`forge_ext.rl.losses.compute_group_advantages`)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): groups whose rewards are all
     equal (no gradient) are dropped, and more prompts are rolled out until the step has

@@ -1,9 +1,9 @@
 """GRPO on real Monarch actors: ``python -m apps.grpo.main --config configs/<name>.yaml [k=v ...]``.
 
-The job is :class:`forge_ext.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
+The job is :class:`forge_ext.rl.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
 
-- ``setup``: the hosts (``hosts:``, :mod:`forge_ext.placement`) and a watch that turns a
-  dead process or host into one error (:mod:`forge_ext.supervision`), torchstore, then the
+- ``setup``: the hosts (``hosts:``, :mod:`forge_ext.runtime.placement`) and a watch that turns a
+  dead process or host into one error (:mod:`forge_ext.runtime.supervision`), torchstore, then the
   ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
   null``), the critic (PPO), each reward model of ``reward.functions`` (attached to the
   rubric, :mod:`forge_ext.actors.reward_model`) and the ``Generator``, spawned concurrently
@@ -69,7 +69,7 @@ from apps.grpo.prepare import (
     MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
     run_record,
 )
-from forge_ext.episode import Episode, pack_episodes
+from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
@@ -77,16 +77,16 @@ from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
     scoped_env,
 )
-from forge_ext.disk import find_output_write_error
+from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
 from forge_ext.rollout.engines import Completion, derive_seed
-from forge_ext.losses.grpo import groups_with_spread
-from forge_ext.loop import RLLoop
-from forge_ext.metrics import MetricsConfig
-from forge_ext.placement import PlacementError
-from forge_ext.replay_buffer import ReplayBuffer
+from forge_ext.rl.losses.grpo import groups_with_spread
+from forge_ext.rl.loop import RLLoop
+from forge_ext.runtime.metrics import MetricsConfig
+from forge_ext.runtime.placement import PlacementError
+from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
-from forge_ext.supervision import RoleFailure, shutdown_monarch
+from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
 
 
 PROMPT_STREAM_FILE = "prompt_stream.json"
@@ -207,11 +207,11 @@ class GRPOApp(RLLoop):
         from forge_ext.actors.reference import spawn_reference
         from forge_ext.actors.reward_model import spawn_reward_model
         from forge_ext.compat.torchstore_monarch import RunStore
-        from forge_ext.placement import Placement
+        from forge_ext.runtime.placement import Placement
         from forge_ext.rollout.replicas import spawn_replicas
-        from forge_ext.supervision import watch_run
+        from forge_ext.runtime.supervision import watch_run
 
-        from forge_ext import run_logs
+        from forge_ext.runtime import run_logs
 
         c = self.config
         apply_env(c.procs.env)
@@ -814,7 +814,7 @@ class GRPOApp(RLLoop):
     def _write_samples(self, step: int, rollouts: Rollouts) -> None:
         """``metrics.samples_per_step`` of the step's episodes (the first of each group), as
         the rubric scored them, to ``samples.jsonl`` and TensorBoard's text
-        (:meth:`forge_ext.metrics.MetricLogger.log_samples`)."""
+        (:meth:`forge_ext.runtime.metrics.MetricLogger.log_samples`)."""
         count = self.metrics.config.samples_per_step
         if not count:
             return
@@ -1003,7 +1003,7 @@ class GRPOApp(RLLoop):
         return " | ".join(parts) + (f"\n{warning}" if warning else "")
 
     def plot_spec(self) -> dict[str, Any]:
-        from forge_ext.metrics import PlotPanel
+        from forge_ext.runtime.metrics import PlotPanel
         from forge_ext.rollout.episodes import TRUNCATION_CAUSES
 
         from forge_ext.rollout.replicas import replica_name

@@ -11,7 +11,7 @@ from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
     check_checkpoint_limits, check_lora, engine_view, num_microbatches, world_size_of,
 )
-from forge_ext.metrics import MetricsConfig
+from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.tasks import PromptConfig, RewardConfig, Rubric, Task, build_task, task_config
 
 

@@ -42,7 +42,7 @@ from apps.sft.config import (  # noqa: F401  (imported from here too)
     MAY_CHANGE_ON_SKIP, EvalConfig, InitConfig, SFTConfig, check_config, check_single_process,
     check_data, functions_only,
 )
-from forge_ext.episode import Episode, pack_episodes
+from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.tasks import (
     PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
     resolved_task, task_config,
@@ -54,9 +54,9 @@ from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
 )
 from forge_ext.rollout.engines import HFSampler, SamplingConfig
-from forge_ext.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
-from forge_ext.lora import ADAPTER_CONFIG_NAME
-from forge_ext.metrics import MetricLogger, MetricsConfig
+from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
+from forge_ext.engine.lora import ADAPTER_CONFIG_NAME
+from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 
 def kept_checkpoint(config: SFTConfig) -> bool:
@@ -113,7 +113,7 @@ def sft_batch(
     rows: list[Row], render: PromptRenderer, tok: CheckpointTokenizer
 ) -> dict[str, Any]:
     """``input_ids``/``labels`` ``[B, S]`` for ``prompt answer <eos>`` rows, labels only on the
-    answer and ``<eos>`` (the same alignment GRPO trains on, see :mod:`forge_ext.episode`)."""
+    answer and ``<eos>`` (the same alignment GRPO trains on, see :mod:`forge_ext.rl.episode`)."""
     episodes = []
     for row in rows:
         answer = tok.encode_answer(row.answer)
@@ -244,7 +244,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     if lora is None or lora.export_merged:
         saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
     else:
-        from forge_ext.lora import merge_into, read_peft_folder
+        from forge_ext.engine.lora import merge_into, read_peft_folder
 
         tensors, adapter_config = read_peft_folder(out / "adapter")
         saved = sampler

@@ -1,6 +1,6 @@
 """Monarch actors: thin adapters over the engine and the weight publisher.
 
-Imports are lazy: a proc that runs only the Generator imports ``forge_ext.actors.generator``,
+Imports are lazy: a proc that runs only the Generator imports ``forge_ext.rollout.generator``,
 and this package must not pull the trainer (and torchtitan, ~13 s per process) in with it.
 """
 

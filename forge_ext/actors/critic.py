@@ -4,14 +4,14 @@ The critic is :class:`forge_ext.actors.trainer.RLTrainer` on its own proc mesh, 
 engine section (YAML ``critic:``, the fields of ``trainer:``) with ``model.value_head: true``
 (:func:`forge_ext.engine.models.apply_value_head`: one value per position, from the policy's
 checkpoint or ``critic.hf_path``) and the clipped value loss (``loss.name: value``,
-:mod:`forge_ext.losses.value`). Nothing of the trainer is copied: its endpoints give the
+:mod:`forge_ext.rl.losses.value`). Nothing of the trainer is copied: its endpoints give the
 values (``forward(output="values")``, forward only), train on the value loss
 (``train_step``), save and load checkpoints that hold the critic's optimizer and LR schedule,
 and its engine brings the microbatch core, gradient accumulation, DP, PP and the token budget
 as they are.
 
 A PPO step (:meth:`Critic.advantages_and_update`): the critic's values of the step's batch,
-GAE advantages and returns from them (:class:`forge_ext.advantages.GAE`), then one critic
+GAE advantages and returns from them (:class:`forge_ext.rl.advantages.GAE`), then one critic
 update on those returns, clipped against those same values. The values are those of the
 critic after the previous step's update, in both loop modes: the app calls this when it
 trains a step, not when it builds its rollouts, so an asynchronous run's rollouts may come
@@ -31,7 +31,7 @@ from forge_ext.actors.reference import (
     data_parallel_rows, data_parallel_size, forward_rows, split_for_data_parallel,
 )
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
-from forge_ext.advantages import AdvantageEstimator
+from forge_ext.rl.advantages import AdvantageEstimator
 from forge_ext.config import from_mapping
 from forge_ext.engine import EngineConfig, engine_config_from_mapping
 

@@ -28,7 +28,7 @@ class CriticConfig:
     ``score`` head is read too). Default: the policy's ``model.hf_path``."""
     clip_value: float | None = 0.2
     """The value loss's clip: a new value may move at most this far from the value the
-    step's returns were computed with (:mod:`forge_ext.losses.value`); null: no clipping."""
+    step's returns were computed with (:mod:`forge_ext.rl.losses.value`); null: no clipping."""
     warmup_steps: int = 0
     """Steps at the start of the run that train the critic only: the policy moves from step
     ``warmup_steps + 1`` on (verl's ``critic_warmup``)."""

@@ -29,7 +29,7 @@ from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_conf
 from forge_ext.engine.distributed import free_port
 from forge_ext.engine.losses import build_loss
 from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
-from forge_ext.run_logs import log_role, startup_phases
+from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RLTrainer(Actor):
 
         Args:
             role: the role's name, which names its log file (``<output_dir>/logs/<role>-
-                <rank>.log``, :func:`forge_ext.run_logs.log_role`: torchtitan's INFO lines go
+                <rank>.log``, :func:`forge_ext.runtime.run_logs.log_role`: torchtitan's INFO lines go
                 there, warnings and errors also to the console).
 
         Returns:
@@ -194,7 +194,7 @@ class RLTrainer(Actor):
 
         With ``trainer.lora`` the version is the LoRA adapter alone: its PEFT-named tensors
         (``base_model.model.<module>.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``,
-        :mod:`forge_ext.lora`), with ``{"adapter_config": <adapter_config.json mapping>}`` as
+        :mod:`forge_ext.engine.lora`), with ``{"adapter_config": <adapter_config.json mapping>}`` as
         the version's metadata; ``bytes`` is then the adapter's size.
 
         Floating-point parameters are cast to ``weights.dtype`` when set; buffers keep their
@@ -220,7 +220,7 @@ class RLTrainer(Actor):
         # One source for what a generator needs (verl's get_per_tensor_param): HF-named
         # tensors as each rank holds them (shards, no gather, no copy: each rank writes its
         # own), or under LoRA the adapter alone, its adapter_config.json mapping travelling
-        # in the commit record (forge_ext.lora); the base weights never change then.
+        # in the commit record (forge_ext.engine.lora); the base weights never change then.
         with self.engine.resident(optimizer=False):
             tensors, adapter_config = self.engine.get_per_tensor_param(sharded=True)
             if adapter_config is not None:
@@ -392,7 +392,7 @@ class TrainerHandle:
     config: EngineConfig
     num_procs: int
     startup: dict[str, float] = field(default_factory=dict)
-    """``{"setup": s}``: the slowest rank's setup (:func:`forge_ext.run_logs.startup_phases`)."""
+    """``{"setup": s}``: the slowest rank's setup (:func:`forge_ext.runtime.run_logs.startup_phases`)."""
 
     async def stop(self) -> None:
         """Run ``cleanup`` on every rank, then stop the proc mesh. A rank that does not
@@ -514,10 +514,10 @@ async def spawn_trainer(
         num_procs: processes to spawn (default: the product of parallel degrees).
         weights: YAML ``weights:`` mapping for ``push_weights``.
         spawn_procs: returns the proc mesh to run on, called after validation (e.g.
-            :meth:`forge_ext.placement.Placement.spawn_procs` for a role on several hosts);
+            :meth:`forge_ext.runtime.placement.Placement.spawn_procs` for a role on several hosts);
             default: ``num_procs`` procs on this host.
         master_addr: ``MASTER_ADDR`` of an address of this machine, with a free port of it,
-            when every proc runs here (:attr:`forge_ext.placement.Placement.master_addr`);
+            when every proc runs here (:attr:`forge_ext.runtime.placement.Placement.master_addr`);
             default: 127.0.0.1 for procs on this host (``spawn_procs`` None), else the first
             proc's host name. The world's store and gloo then listen on that address only
             (:func:`forge_ext.engine.distributed.rendezvous_on_master_addr`).
@@ -559,13 +559,13 @@ async def spawn_trainer(
 
 def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, S]`` fp32 values of a value head's output ``[b, S, 1]``."""
-    from forge_ext.losses.value import value_predictions
+    from forge_ext.rl.losses.value import value_predictions
 
     return value_predictions(output)
 
 
 def _label_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, S]`` log-probability of each label under ``logits`` (0 where ignored)."""
-    from forge_ext.losses.grpo import token_logprobs
+    from forge_ext.rl.losses.grpo import token_logprobs
 
     return token_logprobs(logits, mb["labels"])

@@ -24,7 +24,7 @@ Why, each seen on Debian 12's Slurm 22.05.8 (tests/test_slurm.py runs a real clu
    (``run_worker_loop_forever``) and the procs they spawned stayed alive after a ``kill -9``
    of the controller, until the job's time limit (often INFINITE). The batch script here
    runs a watchdog beside the workers that cancels the job once the controller's heartbeat
-   file (written by :mod:`forge_ext.placement` every few seconds) stops changing for
+   file (written by :mod:`forge_ext.runtime.placement` every few seconds) stops changing for
    ``heartbeat_timeout_s``. A file, not a socket: it opens no port, and it tells a dead
    controller process and a dead controller machine alike. The controller must see the
    same file as the job's first node (the shared filesystem ``output_dir`` is on).

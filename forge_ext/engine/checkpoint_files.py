@@ -47,7 +47,7 @@ def _join(path: str, *names: str) -> str:
 
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-"""The file that makes a folder a PEFT LoRA adapter (:mod:`forge_ext.lora`)."""
+"""The file that makes a folder a PEFT LoRA adapter (:mod:`forge_ext.engine.lora`)."""
 STEP_FOLDER = re.compile(r"step-(\d+)")
 """The name of a checkpoint folder (matched whole): ``step-<N>``."""
 COMPLETE_MARKERS = (".metadata", "model.safetensors.index.json")

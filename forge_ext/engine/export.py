@@ -1,10 +1,10 @@
 """The trained model as a Hugging Face checkpoint folder: from a running engine under any
 parallelism (:func:`export_hf`, collective) or from a DCP checkpoint step on disk
-(:func:`dcp_to_hf`, one process). Both write what :mod:`forge_ext.hf_checkpoint` writes:
+(:func:`dcp_to_hf`, one process). Both write what :mod:`forge_ext.engine.hf_checkpoint` writes:
 safetensors shards (HF's names, with ``model.safetensors.index.json`` when there are several),
 ``config.json``, and the tokenizer files and ``generation_config.json`` of ``model.hf_path``;
 atomically (a staging folder renamed into place); a full disk is the one-line
-:class:`forge_ext.disk.OutputWriteError`.
+:class:`forge_ext.runtime.disk.OutputWriteError`.
 
 Weights go through the model's state-dict adapter (``to_hf``, torchtitan's
 ``Qwen3StateDictAdapter`` or :class:`forge_ext.engine.models.Llama3HFStateDictAdapter`), the
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 from forge_ext.engine.checkpoint_files import run_model_of  # noqa: F401  (imported here too)
-from forge_ext.hf_checkpoint import (
+from forge_ext.engine.hf_checkpoint import (
     DEFAULT_MAX_SHARD_BYTES, ShardWriter, finish_hf_folder, hf_config_dict, staging_folder,
     tensor_bytes, write_hf_folder,
 )
@@ -94,7 +94,7 @@ def export_hf(engine: Any, folder: str | os.PathLike, *, dtype: torch.dtype | No
     Raises:
         ValueError: no ``config.json`` for the model (:func:`hf_config_of`), before any
             collective.
-        forge_ext.disk.OutputWriteError: on every rank, when the free space is short of the
+        forge_ext.runtime.disk.OutputWriteError: on every rank, when the free space is short of the
             folder's size or a write failed; nothing is left at ``folder`` (a previous folder
             there is kept).
     """
@@ -205,7 +205,7 @@ def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
             ``.metadata``), or the run's model is unknown.
         ValueError: the checkpoint holds LoRA adapters only (a ``trainer.lora`` run), or
             tensors that are not the model's.
-        forge_ext.disk.OutputWriteError: not enough space, or a write failed.
+        forge_ext.runtime.disk.OutputWriteError: not enough space, or a write failed.
     """
     import torch.distributed.checkpoint as dcp
 

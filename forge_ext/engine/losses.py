@@ -32,13 +32,13 @@ def cross_entropy_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tor
 
 
 def _grpo(**kwargs):
-    from forge_ext.losses import grpo
+    from forge_ext.rl.losses import grpo
 
     return grpo.build(**kwargs)
 
 
 def _value(**kwargs):
-    from forge_ext.losses import value
+    from forge_ext.rl.losses import value
 
     return value.build(**kwargs)
 
@@ -46,7 +46,7 @@ def _value(**kwargs):
 LOSSES = {
     "cross_entropy": lambda: (cross_entropy_loss, valid_tokens),
     "grpo": _grpo,
-    "value": _value,  # the critic's clipped value loss (forge_ext/losses/value.py)
+    "value": _value,  # the critic's clipped value loss (forge_ext/rl/losses/value.py)
 }
 
 

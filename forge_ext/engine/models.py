@@ -663,7 +663,7 @@ def split_qkv(model_config: Any) -> None:
 def apply_lora(model_config: Any, lora: Any) -> Any:
     """Convert ``model_config`` for LoRA training with torchtitan's ``LoRAConverter``
     (``torchtitan/components/lora.py``): q/k/v split (:func:`split_qkv`), then the layers
-    named by ``lora.target_modules`` (HF names, mapped by :data:`forge_ext.lora.TITAN_NAMES`)
+    named by ``lora.target_modules`` (HF names, mapped by :data:`forge_ext.engine.lora.TITAN_NAMES`)
     become ``LoRALinear`` (``lora_a [rank, in]`` kaiming-uniform, ``lora_b [out, rank]``
     zeros, output scaled by ``alpha / rank``) and every other parameter is frozen
     (``requires_grad=False``). The model config is modified in place where possible; use the
@@ -677,7 +677,7 @@ def apply_lora(model_config: Any, lora: Any) -> Any:
     """
     from torchtitan.components.lora import LoRAConverter
 
-    from forge_ext.lora import TITAN_NAMES
+    from forge_ext.engine.lora import TITAN_NAMES
 
     split_qkv(model_config)
     targets = lora.targets

@@ -30,7 +30,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 from forge_ext.engine import microbatch as token_budget
 from forge_ext.engine import offload
 from forge_ext.engine.attention import DocumentMask
@@ -362,10 +362,10 @@ class TitanEngine(BaseEngine):
 
     def merged_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered, every rank) HF weights with the adapters merged: each adapted
-        ``W`` becomes ``W + (alpha / rank) B @ A`` (:func:`forge_ext.lora.merge_into`,
+        ``W`` becomes ``W + (alpha / rank) B @ A`` (:func:`forge_ext.engine.lora.merge_into`,
         computed in fp32, cast to ``W``'s dtype); without LoRA, the full HF weights. A
         collective under FSDP/DP: every rank must call it."""
-        from forge_ext.lora import merge_into
+        from forge_ext.engine.lora import merge_into
 
         base = {k: _full(v).detach() for k, v in self.hf_state_dict().items()}
         if not self.lora_enabled:
@@ -449,7 +449,7 @@ class TitanEngine(BaseEngine):
         return self.config.lora is not None
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapters in PEFT's names and layout (:mod:`forge_ext.lora`): for each
+        """The LoRA adapters in PEFT's names and layout (:mod:`forge_ext.engine.lora`): for each
         adapted HF module ``m`` (``model.layers.{i}.self_attn.q_proj``, ...),
         ``base_model.model.<m>.lora_A.weight`` ``[rank, in]`` and ``...lora_B.weight``
         ``[out, rank]``, so that the module computes ``x W^T + (alpha / rank) x A^T B^T``
@@ -464,7 +464,7 @@ class TitanEngine(BaseEngine):
         Raises:
             ValueError: LoRA is off (no ``lora`` section).
         """
-        from forge_ext.lora import peft_key
+        from forge_ext.engine.lora import peft_key
 
         if not self.lora_enabled:
             raise ValueError("adapter_state_dict: LoRA is off; set trainer.lora.rank")
@@ -485,7 +485,7 @@ class TitanEngine(BaseEngine):
             ValueError: LoRA is off, or ``tensors`` does not name exactly this model's adapters
                 (under PP: this stage's), or a shape differs.
         """
-        from forge_ext.lora import peft_key
+        from forge_ext.engine.lora import peft_key
 
         if not self.lora_enabled:
             raise ValueError("load_adapter_state_dict: LoRA is off; set trainer.lora.rank")
@@ -510,13 +510,13 @@ class TitanEngine(BaseEngine):
 
     def adapter_config(self) -> dict[str, Any]:
         """``adapter_config.json`` of :meth:`adapter_state_dict`
-        (:func:`forge_ext.lora.peft_adapter_config`: ``r``, ``lora_alpha``, the HF
+        (:func:`forge_ext.engine.lora.peft_adapter_config`: ``r``, ``lora_alpha``, the HF
         ``target_modules``, ``base_model_name_or_path`` = ``model.hf_path``).
 
         Raises:
             ValueError: LoRA is off.
         """
-        from forge_ext.lora import peft_adapter_config
+        from forge_ext.engine.lora import peft_adapter_config
 
         if not self.lora_enabled:
             raise ValueError("adapter_config: LoRA is off; set trainer.lora.rank")
@@ -567,10 +567,10 @@ class TitanEngine(BaseEngine):
             ValueError: under LoRA (the base's weights are not the policy:
                 :meth:`export_lora` writes the adapter and the merged model), or a model
                 without a ``config.json`` source (a registry flavor without ``model.hf_path``).
-            forge_ext.disk.OutputWriteError: not enough space, or a write failed (every rank).
+            forge_ext.runtime.disk.OutputWriteError: not enough space, or a write failed (every rank).
         """
         from forge_ext.engine.export import export_hf
-        from forge_ext.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
+        from forge_ext.engine.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 
         if self.lora_enabled:
             raise ValueError("export_hf: the model trains LoRA adapters; export_lora writes "
@@ -582,11 +582,11 @@ class TitanEngine(BaseEngine):
                     ) -> dict[str, str]:
         """Write the adapters as a PEFT folder (:meth:`adapter_state_dict`,
         :meth:`adapter_config`; ``adapter_config.json`` + ``adapter_model.safetensors``,
-        atomically, :func:`forge_ext.lora.write_peft_folder`) that
+        atomically, :func:`forge_ext.engine.lora.write_peft_folder`) that
         ``peft.PeftModel.from_pretrained(base, folder)`` and vLLM's ``LoRARequest`` load;
         with ``merged_folder`` also a merged HF checkpoint there
         (:meth:`merged_hf_state_dict`, ``config.json`` and tokenizer files from
-        ``model.hf_path``, :func:`forge_ext.hf_checkpoint.save_hf_checkpoint`).
+        ``model.hf_path``, :func:`forge_ext.engine.hf_checkpoint.save_hf_checkpoint`).
 
         A collective (the adapters are gathered on every rank); rank 0 writes. Returns
         ``{"adapter": folder, "merged": merged_folder or ""}``.
@@ -596,8 +596,8 @@ class TitanEngine(BaseEngine):
                 (``model.hf_path`` or a small flavor).
         """
         from forge_ext.engine.export import hf_config_of
-        from forge_ext.hf_checkpoint import save_hf_checkpoint
-        from forge_ext.lora import write_peft_folder
+        from forge_ext.engine.hf_checkpoint import save_hf_checkpoint
+        from forge_ext.engine.lora import write_peft_folder
 
         m = self.config.model
         if merged_folder is not None:  # on every rank, before the collectives
@@ -874,7 +874,7 @@ class TitanEngine(BaseEngine):
 
         Raises:
             ValueError: if ``checkpoint.enable`` is false.
-            forge_ext.disk.CheckpointWriteError: before writing, if the free space is
+            forge_ext.runtime.disk.CheckpointWriteError: before writing, if the free space is
                 short of the last save's size; or if the write hit an OSError (no space,
                 permissions, read-only filesystem, quota). One line: what, where, free and
                 needed space, the last complete checkpoint.

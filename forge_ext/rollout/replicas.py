@@ -15,7 +15,7 @@ one warning line is printed, and ``generator/live_replicas`` drops; weight updat
 served version and the metrics skip it from then on. Its death is learnt from whichever
 comes first: a call to it failing with Monarch's ``SupervisionError`` (~2 s after a ``kill
 -9`` on this machine, Monarch 0.7), or the run's failure watch reporting its proc
-(:mod:`forge_ext.supervision`; also when no call is in flight). Only when none is left does
+(:mod:`forge_ext.runtime.supervision`; also when no call is in flight). Only when none is left does
 the run stop, with one error naming each (:class:`ReplicasLost`).
 """
 
@@ -32,7 +32,7 @@ from forge_ext.rollout.engines import (
     Completion, SamplingConfig, WeightUpdateMode, request_seeds,
 )
 from forge_ext.rollout.router import NoReplicaError, Router
-from forge_ext.supervision import describe_death
+from forge_ext.runtime.supervision import describe_death
 
 
 class ReplicasLost(RuntimeError):
@@ -46,7 +46,7 @@ class ReplicaLoss:
     cause: str
     """What ended it, e.g. ``was killed by SIGKILL (signal 9)``."""
     hint: str = ""
-    """Its likely cause (:func:`forge_ext.supervision.describe_exit`)."""
+    """Its likely cause (:func:`forge_ext.runtime.supervision.describe_exit`)."""
 
 
 def replica_name(replica: int, replicas: int) -> str:
@@ -59,7 +59,7 @@ class GeneratorReplicas:
     """The replicas of a run (module docstring).
 
     Args:
-        handles: one :class:`forge_ext.actors.generator.GeneratorHandle` per replica.
+        handles: one :class:`forge_ext.rollout.generator.GeneratorHandle` per replica.
         max_new_tokens: the longest response (``generator.sampling.max_new_tokens``), for
             the router's load.
         is_dead: whether an error a replica's call raised means its process is gone
@@ -94,7 +94,7 @@ class GeneratorReplicas:
     async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
                      seed: int | None = None, session: Hashable | None = None,
                      sampling: SamplingConfig | None = None) -> list[Completion]:
-        """One request (:meth:`forge_ext.actors.generator.Generator.sample`) on the replica the
+        """One request (:meth:`forge_ext.rollout.generator.Generator.sample`) on the replica the
         router picks for ``session``; sent again to another replica if that one dies first.
         ``sampling`` overrides ``generator.sampling`` for this request (an evaluation set's
         temperature, top-p and length).
@@ -140,7 +140,7 @@ class GeneratorReplicas:
 
         Returns:
             The slowest replica's ``fetch_seconds``, ``load_seconds`` and
-            ``paused_seconds`` (:meth:`forge_ext.actors.generator.Generator.update_weights`).
+            ``paused_seconds`` (:meth:`forge_ext.rollout.generator.Generator.update_weights`).
         """
         live = self.live
         results = await asyncio.gather(
@@ -164,7 +164,7 @@ class GeneratorReplicas:
 
     async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
         """Every live replica serves the PEFT adapter folder ``folder`` on its base weights
-        as ``policy_version`` (:meth:`forge_ext.actors.generator.Generator
+        as ``policy_version`` (:meth:`forge_ext.rollout.generator.Generator
         .load_adapter_folder`)."""
         await asyncio.gather(*(self.handles[r].load_adapter_folder(folder, policy_version)
                                for r in self.live))
@@ -189,7 +189,7 @@ class GeneratorReplicas:
         name = self.handles[replica].name
         stream = getattr(self.handles[replica], "stream", None)
         if stream is not None:  # its requests in flight fail now and go to the others
-            from forge_ext.actors.generator import ReplicaGone
+            from forge_ext.rollout.generator import ReplicaGone
 
             stream.close(ReplicaGone(f"generator replica {name} {cause}"))
         self.losses.append(ReplicaLoss(replica, name, cause, hint))
@@ -261,7 +261,7 @@ def death_of(error: BaseException) -> tuple[str, str]:
 
 def _is_supervision_error(error: BaseException) -> bool:
     """A Monarch error that says the actor's process is gone, or a request stream's
-    :class:`forge_ext.actors.generator.ReplicaGone`."""
+    :class:`forge_ext.rollout.generator.ReplicaGone`."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -279,18 +279,18 @@ async def spawn_replicas(
     """Spawn ``config.replicas`` generator replicas concurrently (module docstring).
 
     Args:
-        config: the ``generator:`` section (:class:`forge_ext.actors.generator
+        config: the ``generator:`` section (:class:`forge_ext.rollout.generator
             .GeneratorConfig`).
         hosts: the generator's hosts; ``config.replicas`` must be a multiple.
         spawn_procs: ``(host index, name) -> one-proc mesh`` (e.g.
-            :meth:`forge_ext.placement.Placement.spawn_replica_procs`); default: procs on
+            :meth:`forge_ext.runtime.placement.Placement.spawn_replica_procs`); default: procs on
             this host.
 
     Raises:
         ValueError: from :meth:`GeneratorConfig.check_backend`, or replicas that do not
             split over the hosts, before anything is spawned.
     """
-    from forge_ext.actors.generator import spawn_generator
+    from forge_ext.rollout.generator import spawn_generator
 
     config.check_backend()
     if config.replicas % hosts:

@@ -94,7 +94,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from torchstore.transport.buffers import rdma_available
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 from forge_ext.compat import torchstore_monarch
 from forge_ext.weights import same_host, shared_buffer, shm_files
 from forge_ext.weights.fetch import (
@@ -305,7 +305,7 @@ class WeightsPublisher:
                 commit record with the tensors, whatever the transport, and handed to
                 readers (``OpenedWeights.metadata``, :func:`~forge_ext.weights.fetch
                 .fetch_metadata`); rank 0's is stored. A LoRA version carries
-                ``{"adapter_config": <adapter_config.json mapping>}`` (:mod:`forge_ext.lora`).
+                ``{"adapter_config": <adapter_config.json mapping>}`` (:mod:`forge_ext.engine.lora`).
 
         Returns:
             PublishResult for this rank.

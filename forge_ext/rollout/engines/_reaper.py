@@ -11,7 +11,7 @@ the listed files.
 Run as a file (``python _reaper.py``), not as a module: it imports nothing of forge_ext (or
 torch), so it starts in milliseconds.
 
-The placement of roles on worker processes (:mod:`forge_ext.placement`, ``processes``
+The placement of roles on worker processes (:mod:`forge_ext.runtime.placement`, ``processes``
 launcher) uses it too: ``--session`` kills every process of a worker's session (the worker and
 the procs it spawned, which sit in process groups of their own but keep its session), and
 ``--rmtree`` removes the job's socket folder.

@@ -244,7 +244,7 @@ class HFSampler:
     def load_adapter(self, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping[str, Any],
                      policy_version: int = 0) -> None:
         """Serve a LoRA adapter (a LoRA policy version) on the base weights: each adapted
-        weight becomes ``W + (alpha / r) B @ A`` (:func:`forge_ext.lora.merge_into`, fp32),
+        weight becomes ``W + (alpha / r) B @ A`` (:func:`forge_ext.engine.lora.merge_into`, fp32),
         with ``W`` from a copy of the base weights kept at the first adapter (only the adapted
         layers'), so versions never stack; layers an earlier adapter changed but this one
         does not get their base weights back. Merging (rather than wrapping the model with
@@ -257,7 +257,7 @@ class HFSampler:
         Raises:
             KeyError: an adapted module the model does not have.
         """
-        from forge_ext import lora
+        from forge_ext.engine import lora
 
         params = dict(self.model.state_dict())
         names = [f"{module}.weight" for module in lora.adapter_modules(tensors)]

@@ -12,7 +12,7 @@ on this host (no copy in this process), otherwise this engine's buffer, which th
 filled. Each worker maps the file and reloads its own rank's share in place. Afterwards the
 prefix cache is reset, so no KV computed with the old weights is reused.
 
-A LoRA policy version (the adapter alone, ``forge_ext.lora``) goes another way:
+A LoRA policy version (the adapter alone, ``forge_ext.engine.lora``) goes another way:
 :meth:`VLLMEngine.load_adapter` writes it as a PEFT folder and adds it to the engine as a
 new LoRA request (``enable_lora`` engines only), which every later request uses.
 
@@ -318,7 +318,7 @@ class VLLMEngine(Engine):
             logprobs_mode="raw_logprobs", skip_tokenizer_init=True, **args,
         ))
         self.children = _new_children(before)  # the engine-core process(es)
-        # LoRA versions (forge_ext.lora): each one a PEFT folder in a folder of this engine's,
+        # LoRA versions (forge_ext.engine.lora): each one a PEFT folder in a folder of this engine's,
         # served under a LoRA id of its own (see load_adapter).
         self.max_lora_rank = (int(args.get("max_lora_rank", VLLM_DEFAULT_MAX_LORA_RANK))
                               if args.get("enable_lora") else None)
@@ -478,7 +478,7 @@ class VLLMEngine(Engine):
                            ) -> dict[str, Any]:
         """Serve a LoRA adapter (a LoRA policy version) on the base weights.
 
-        The adapter is written as a PEFT folder (:func:`forge_ext.lora.write_peft_folder`)
+        The adapter is written as a PEFT folder (:func:`forge_ext.engine.lora.write_peft_folder`)
         into this engine's folder and added to the engine as ``LoRARequest(
         f"policy-v{policy_version}", <a new int id>, folder)``; later requests use it. Then
         the previous adapter is removed from the engine and its folder deleted. Why a new id
@@ -502,7 +502,7 @@ class VLLMEngine(Engine):
         """
         from vllm.lora.request import LoRARequest
 
-        from forge_ext import lora
+        from forge_ext.engine import lora
 
         rank = int(adapter_config["r"])
         if self.max_lora_rank is None:

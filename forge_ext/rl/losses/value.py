@@ -17,7 +17,7 @@ returns were computed with: clipping against the new values (``V`` detached) wou
 nothing. ``clip_value: null`` gives the plain ``0.5 (V - R)^2``.
 
 The token losses are aggregated like the policy loss (``loss.aggregation``,
-:func:`forge_ext.losses.grpo.aggregation_coefficients`): a microbatch's loss is its mean over
+:func:`forge_ext.rl.losses.grpo.aggregation_coefficients`): a microbatch's loss is its mean over
 valid tokens (``token_mean``) or over its sequences, and :meth:`ValueLoss.weight` is that
 unit's count, so the engine's global normalisation makes the value loss, and the critic's
 gradient, exact under any microbatching, gradient accumulation, DP, PP or packing.
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from forge_ext.losses.grpo import (
+from forge_ext.rl.losses.grpo import (
     AGGREGATIONS,
     _require,
     _sequence_slots,
@@ -77,7 +77,7 @@ def value_loss_and_metrics(
             positions, even inf/NaN, do not matter), optionally ``sequence_ids``.
         clip_value: ``c``; None: no clipping.
         aggregation, max_response_tokens: as the policy loss's
-            (:func:`forge_ext.losses.grpo.grpo_loss_and_metrics`).
+            (:func:`forge_ext.rl.losses.grpo.grpo_loss_and_metrics`).
 
     Returns:
         ``(loss, metrics)``: the microbatch's mean over its unit; metrics (means over the same

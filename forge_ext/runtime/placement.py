@@ -462,9 +462,9 @@ class Placement:
     def _start_monarch(self) -> None:
         """This process's Monarch context, once the transport is set (``slurm`` and
         ``attach`` set it above, before any channel opens; the context opens channels), its
-        console line in ``<output_dir>/logs`` (:func:`forge_ext.run_logs.start_monarch`)."""
+        console line in ``<output_dir>/logs`` (:func:`forge_ext.runtime.run_logs.start_monarch`)."""
         if self.output_dir is not None:
-            from forge_ext import run_logs
+            from forge_ext.runtime import run_logs
 
             run_logs.start_monarch(self.output_dir)
 
@@ -549,7 +549,7 @@ class Placement:
         Args:
             procs: ``{role: [proc mesh, ...]}`` of the run's roles.
         """
-        from forge_ext.actors.ports import ListeningPorts, beyond_loopback, listening, show
+        from forge_ext.runtime.ports import ListeningPorts, beyond_loopback, listening, show
 
         parts = [f"{group} workers {', '.join(a.split('@')[-1] for a in addresses)}"
                  for group, addresses in self.worker_addresses.items()]
@@ -603,7 +603,7 @@ class Placement:
         the role (Monarch's failure reports then name it). ``env`` is applied in each proc
         before any actor runs, on every launcher but ``local`` (whose procs inherit the
         controller's environment at spawn), with the run's log folder
-        (:data:`forge_ext.run_logs.LOG_DIR_ENV`)."""
+        (:data:`forge_ext.runtime.run_logs.LOG_DIR_ENV`)."""
         bootstrap = self._bootstrap(env)
         return self.host_mesh(role).spawn_procs(
             per_host={"procs": self.procs_per_host(role)}, bootstrap=bootstrap, name=role
@@ -625,7 +625,7 @@ class Placement:
         its environment (None on ``local``: its procs inherit the controller's)."""
         if self.launcher == "local":
             return None
-        from forge_ext.run_logs import LOG_DIR_ENV
+        from forge_ext.runtime.run_logs import LOG_DIR_ENV
 
         env = {**(env or {}), **({LOG_DIR_ENV: os.environ[LOG_DIR_ENV]}
                                  if LOG_DIR_ENV in os.environ else {})}

@@ -1,4 +1,4 @@
-"""YAML ``algorithm:``, the advantage estimator's config (:mod:`forge_ext.advantages` holds the
+"""YAML ``algorithm:``, the advantage estimator's config (:mod:`forge_ext.rl.advantages` holds the
 estimators): standard library only, so that a config is validated before torch is imported
 (issue 38)."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from forge_ext.advantages import AdvantageEstimator
+    from forge_ext.rl.advantages import AdvantageEstimator
 
 ESTIMATORS = ("grpo", "rloo", "gae")
 """Values of ``algorithm.advantage``."""
@@ -83,7 +83,7 @@ class AlgorithmConfig:
         Raises:
             ValueError: ``group_size`` below :attr:`min_group_size`, naming the fields.
         """
-        from forge_ext.advantages import GAE, GroupAdvantage, LeaveOneOutAdvantage
+        from forge_ext.rl.advantages import GAE, GroupAdvantage, LeaveOneOutAdvantage
 
         self.check_group_size(group_size)
         if self.advantage == "grpo":

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 
 
 SAMPLES_FILE = "samples.jsonl"

@@ -11,7 +11,7 @@ tensor name -> file; ``metadata.total_size``: bytes). :class:`ShardWriter` takes
 at a time and writes each shard as soon as it is full, so a writer holds at most one shard
 (the distributed export, :mod:`forge_ext.engine.export`, gathers one tensor at a time into it).
 A write that hits an ``OSError`` (a full disk) is the one-line
-:class:`forge_ext.disk.OutputWriteError` and leaves no folder behind.
+:class:`forge_ext.runtime.disk.OutputWriteError` and leaves no folder behind.
 
 ``config.json`` carries ``rope_theta`` at the top level as well as transformers 5's
 ``rope_parameters``: torchtitan-era readers (:func:`forge_ext.engine.models.decoder_config_from_hf`)
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from forge_ext import disk
+from forge_ext.runtime import disk
 from forge_ext.engine.checkpoint_files import is_hf_checkpoint  # noqa: F401  (imported here too)
 
 WEIGHTS_NAME = "model.safetensors"
@@ -99,7 +99,7 @@ def save_hf_checkpoint(
         ``directory`` as a Path.
 
     Raises:
-        forge_ext.disk.OutputWriteError: not enough free space, or a write failed.
+        forge_ext.runtime.disk.OutputWriteError: not enough free space, or a write failed.
     """
     tensors = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v)
                for name, v in state_dict.items()}

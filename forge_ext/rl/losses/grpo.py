@@ -75,7 +75,7 @@ from typing import Any, Literal
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, compute_logprobs
 
-from forge_ext.losses.config import (  # noqa: F401  (the modes' names, imported from here too)
+from forge_ext.rl.losses.config import (  # noqa: F401  (the modes' names, imported from here too)
     ADVANTAGE_SCALINGS, AGGREGATIONS, OFF_POLICY_CORRECTIONS, RATIO_LEVELS, SEQUENCE_CLIP_EPS,
     TOKEN_CLIP_EPS, GRPOLossConfig, check_loss_options, default_clip_eps,
 )

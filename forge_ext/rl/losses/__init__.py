@@ -3,9 +3,9 @@
 
 def __getattr__(name: str):
     # The losses import torch and torchtitan (seconds): on first use, so that their configs
-    # (forge_ext.losses.config) load without them (issue 38).
+    # (forge_ext.rl.losses.config) load without them (issue 38).
     if name in __all__:
-        from forge_ext.losses import grpo
+        from forge_ext.rl.losses import grpo
 
         return getattr(grpo, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 ``algorithm.advantage`` in the one RL app and loop (PPO is the app with a critic role).
 
 - ``grpo``: group-normalised rewards, one advantage per response
-  (:func:`forge_ext.losses.grpo.compute_group_advantages`, ``grpo.advantage_scaling``);
+  (:func:`forge_ext.rl.losses.grpo.compute_group_advantages`, ``grpo.advantage_scaling``);
 - ``rloo``: REINFORCE with a leave-one-out baseline, one advantage per response,
   ``A_i = r_i - 1/(G-1) sum_{j != i} r_j`` over the ``G`` samples of a prompt (Kool et al.
   2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et al. 2024,
@@ -12,7 +12,7 @@
   prompt (``grpo.group_size: 1``).
 
 GAE (Schulman et al. 2016, arXiv:1506.02438, eq. 11-16; verl ``trainer/ppo/core_algos.py``
-``compute_gae_advantage_return``), on the packed batch's layout (:mod:`forge_ext.episode`:
+``compute_gae_advantage_return``), on the packed batch's layout (:mod:`forge_ext.rl.episode`:
 position ``t`` holds the label ``x_{t+1}``, its log-probs and the critic's value
 ``V_t = V(x_{<=t})``), over the *model tokens* of a row (``labels != -100``; the prompt,
 padding and a multi-turn episode's environment tokens are not)::
@@ -50,9 +50,9 @@ from typing import Literal
 
 import torch
 
-from forge_ext.losses.grpo import IGNORE_INDEX, compute_group_advantages
+from forge_ext.rl.losses.grpo import IGNORE_INDEX, compute_group_advantages
 
-from forge_ext.algorithm import ESTIMATORS, AlgorithmConfig  # noqa: F401  (imported from here too)
+from forge_ext.rl.algorithm import ESTIMATORS, AlgorithmConfig  # noqa: F401  (imported from here too)
 
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root when whitening (verl's ``masked_whiten``)."""
@@ -100,7 +100,7 @@ class AdvantageEstimator(ABC):
 
 
 class GroupAdvantage(AdvantageEstimator):
-    """``grpo``: :func:`forge_ext.losses.grpo.compute_group_advantages`."""
+    """``grpo``: :func:`forge_ext.rl.losses.grpo.compute_group_advantages`."""
 
     name = "grpo"
 

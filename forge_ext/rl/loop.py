@@ -82,8 +82,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from forge_ext.disk import OutputWriteError
-from forge_ext.metrics import MetricLogger, MetricsConfig
+from forge_ext.runtime.disk import OutputWriteError
+from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from forge_ext.rollout.engines import (
     WeightUpdateMode,
     as_stop_ids,
 )
-from forge_ext.run_logs import log_role, startup_phases
+from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
@@ -198,7 +198,7 @@ class Generator(Actor):
     @endpoint
     async def setup(self, role: str = "generator") -> dict[str, Any]:
         """Start the engine on ``hf_path`` (vLLM: and warm it up); ``role`` (the replica's
-        name) names its log file (:func:`forge_ext.run_logs.log_role`).
+        name) names its log file (:func:`forge_ext.runtime.run_logs.log_role`).
 
         Returns:
             ``{"policy_version": 0, "pid", "pids", "setup_seconds"}``: this process's pid,
@@ -347,7 +347,7 @@ class Generator(Actor):
         """Serve the PEFT adapter folder ``folder`` (read in this process: no tensor travels
         over RPC) on the base weights as ``policy_version``, between requests: how an
         evaluation serves a LoRA run's exported adapter (``apps.eval``)."""
-        from forge_ext.lora import read_peft_folder
+        from forge_ext.engine.lora import read_peft_folder
 
         tensors, adapter_config = read_peft_folder(folder)
         await self.engine.pause("between_requests")
@@ -501,7 +501,7 @@ class GeneratorHandle:
     """The replica's name (its proc mesh's and actor's; Monarch's failure reports use it)."""
     stream: RequestStream | None = None
     startup: dict[str, float] = field(default_factory=dict)
-    """``{"setup": s}`` (:func:`forge_ext.run_logs.startup_phases`)."""
+    """``{"setup": s}`` (:func:`forge_ext.runtime.run_logs.startup_phases`)."""
 
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
                      seed: int | None = None, sampling: SamplingConfig | None = None
@@ -559,7 +559,7 @@ async def spawn_generator(
         key_prefix: torchstore prefix the trainer publishes under (``weights.key_prefix``).
         name: the proc mesh's and actor's name.
         spawn_procs: returns the one-proc mesh to run on, called after the checks (e.g.
-            :meth:`forge_ext.placement.Placement.spawn_procs`); default: a proc on this host.
+            :meth:`forge_ext.runtime.placement.Placement.spawn_procs`); default: a proc on this host.
         replica, replicas_on_host: see :class:`Generator`.
 
     Raises:

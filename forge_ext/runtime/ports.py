@@ -1,5 +1,5 @@
 """The TCP ports a run's processes listen on, for the line the run prints at its start
-(:meth:`forge_ext.placement.Placement.exposed_ports`): Monarch 0.7's workers and procs
+(:meth:`forge_ext.runtime.placement.Placement.exposed_ports`): Monarch 0.7's workers and procs
 accept any connection, so a user should know what is open, and where (docs/hosts.md,
 "Security").
 """

@@ -1,6 +1,6 @@
 """The GRPO loss's config (YAML ``loss:``) and the names of its modes: standard library only,
 so that a config is validated before torch is imported (issue 38). The loss itself is
-:class:`forge_ext.losses.grpo.GRPOLoss` (``GRPOLoss.Config`` is :class:`GRPOLossConfig`)."""
+:class:`forge_ext.rl.losses.grpo.GRPOLoss` (``GRPOLoss.Config`` is :class:`GRPOLossConfig`)."""
 
 from __future__ import annotations
 
@@ -67,11 +67,11 @@ def check_loss_options(
 
 @dataclass(kw_only=True, slots=True)
 class GRPOLossConfig:
-    """YAML ``loss:``, :class:`forge_ext.losses.grpo.GRPOLoss`'s config (``GRPOLoss.Config``)."""
+    """YAML ``loss:``, :class:`forge_ext.rl.losses.grpo.GRPOLoss`'s config (``GRPOLoss.Config``)."""
 
     preset: str | None = None
     """The named preset (``grpo``, ``dr_grpo``, ``dapo``, ``gspo``) the GRPO app filled
-    this section's unset fields from (:mod:`forge_ext.losses.presets`); recorded, not
+    this section's unset fields from (:mod:`forge_ext.rl.losses.presets`); recorded, not
     applied here: a Python caller passes the fields."""
 
     aggregation: Literal[
@@ -115,7 +115,7 @@ class GRPOLossConfig:
     ``tis_imp_ratio_cap``; 2.0 is verl's default ``rollout_is_threshold``)."""
 
     def __post_init__(self) -> None:
-        from forge_ext.losses.presets import PRESETS
+        from forge_ext.rl.losses.presets import PRESETS
 
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(

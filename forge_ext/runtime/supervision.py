@@ -14,7 +14,7 @@ signal.
 
 :class:`FailureWatch` replaces that for a run: it installs a fault hook that never exits
 (:func:`install_fault_hook`), turns the first report of a dead process, a dead ``processes``
-worker (:class:`forge_ext.placement.HostDeath`, at once and with its signal) or a
+worker (:class:`forge_ext.runtime.placement.HostDeath`, at once and with its signal) or a
 ``SupervisionError`` into one :class:`RoleFailure` naming the role, the rank and host, the
 signal and its likely cause, and hands it to the run (``on_failure``), which stops everything
 and raises it.
@@ -238,7 +238,7 @@ class SpawnedMeshes:
     def _client() -> Any:
         """The client's root instance, None until Monarch's client has started (never
         started here: ``context()`` would start it, before the run set Monarch's transport
-        and console line, :func:`forge_ext.run_logs.start_monarch`)."""
+        and console line, :func:`forge_ext.runtime.run_logs.start_monarch`)."""
         from monarch._src.actor.actor_mesh import _client_context
 
         context = _client_context.try_get()
@@ -336,7 +336,7 @@ class FailureWatch:
             logger.debug("Monarch reported: %s", failure.report().splitlines()[0])
 
     def host_death(self, death) -> None:
-        """A ``processes`` worker ended (:class:`forge_ext.placement.HostDeath`)."""
+        """A ``processes`` worker ended (:class:`forge_ext.runtime.placement.HostDeath`)."""
         roles = self.groups.get(death.group, [death.group])
         signum = -death.returncode if death.returncode < 0 else None
         cause, hint = describe_exit(signum=signum, code=None if signum else death.returncode)
@@ -408,8 +408,8 @@ class FailureWatch:
 def watch_run(run: Any, placement: Any, replicas: Collection[str] = (),
               on_replica_death: Callable[[str, str, str], None] | None = None
               ) -> FailureWatch:
-    """Start a :class:`FailureWatch` for ``run`` (an :class:`forge_ext.loop.RLLoop` during
-    its ``setup``) over the roles of ``placement`` (:class:`forge_ext.placement.Placement`):
+    """Start a :class:`FailureWatch` for ``run`` (an :class:`forge_ext.rl.loop.RLLoop` during
+    its ``setup``) over the roles of ``placement`` (:class:`forge_ext.runtime.placement.Placement`):
     a dead process or host of any role calls ``run.fail`` with its :class:`RoleFailure`; a
     dead one of ``replicas`` calls ``on_replica_death`` (:class:`FailureWatch`).
     The watch ends at the very end of the run's teardown (``run.track``), after every role

@@ -1,0 +1,9 @@
+"""Where a run's processes run and what a run writes.
+
+- :mod:`~forge_ext.runtime.placement`: hosts and proc meshes per role (``hosts:``);
+- :mod:`~forge_ext.runtime.supervision`: a dead process or host as one error;
+- :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;
+- :mod:`~forge_ext.runtime.run_logs`: Monarch's log and each role's log in ``output_dir``;
+- :mod:`~forge_ext.runtime.metrics`: TensorBoard, ``metrics.jsonl`` and the plot;
+- :mod:`~forge_ext.runtime.disk`: writes that fail (a full disk) as one line.
+"""
