@@ -12,7 +12,8 @@ with, per response token t of a sequence whose group-normalised advantage is ``A
   ``KL(pi_theta || pi_ref)`` (DeepSeekMath eq. 4; Schulman, "Approximating KL divergence",
   2020), always >= 0, against a frozen reference model's log-probs (``ref_logprobs``);
 - ``A = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath section 4.1.2), or
-  another scaling (``grpo.advantage_scaling``), see :func:`compute_group_advantages`.
+  another scaling (``grpo.advantage_scaling``), see
+  :func:`forge_ext.rl.advantages.compute_group_advantages`.
 
 Separate ``eps_low``/``eps_high`` are DAPO's "clip-higher" (Yu et al. 2025,
 arXiv:2503.14476, section 3.1); equal values give GRPO's symmetric clip.
@@ -73,12 +74,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torchtitan.components.loss import IGNORE_INDEX, compute_logprobs
+from torchtitan.components.loss import compute_logprobs
 
-from forge_ext.rl.losses.config import (  # noqa: F401  (the modes' names, imported from here too)
-    ADVANTAGE_SCALINGS, AGGREGATIONS, OFF_POLICY_CORRECTIONS, RATIO_LEVELS, SEQUENCE_CLIP_EPS,
-    TOKEN_CLIP_EPS, GRPOLossConfig, check_loss_options, default_clip_eps,
-)
+from forge_ext.engine.losses import IGNORE_INDEX
+from forge_ext.rl.losses.config import GRPOLossConfig, check_loss_options, default_clip_eps
 
 MAX_LOG_RATIO = 10.0
 """Bound on ``|log(pi_a / pi_b)|`` before ``exp``; ``exp(10) ~ 2.2e4``."""
@@ -305,7 +304,7 @@ def aggregation_coefficients(
         mask: ``[batch, seq]`` bool, the valid tokens (:func:`loss_mask`).
         ids: ``[batch, seq]`` int64, each token's sequence (:func:`sequence_ids`).
         counts: ``[slots]`` valid tokens per sequence (``_sequence_sums`` of the mask).
-        aggregation: one of :data:`AGGREGATIONS`.
+        aggregation: one of :data:`forge_ext.rl.losses.config.AGGREGATIONS`.
         max_response_tokens: the constant of ``seq_mean_token_sum_norm``.
 
     Returns:
@@ -327,88 +326,6 @@ def aggregation_coefficients(
     else:  # seq_mean_token_sum_norm (Dr. GRPO): a constant, not the sequence's length
         coef = mask.to(dtype) / float(max_response_tokens)
     return coef, per_sequence_mean, (counts > 0).sum().to(dtype)
-
-
-def compute_group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scaling: str = "group_std"
-) -> torch.Tensor:
-    """Group-relative advantages ``A_i = (r_i - mean(r_g)) / s``.
-
-    ``s`` by ``scaling`` (``grpo.advantage_scaling``):
-
-    - ``group_std``: ``std(r_g) + eps``, the group's own spread (DeepSeekMath,
-      arXiv:2402.03300, section 4.1.2, outcome supervision);
-    - ``none``: 1, the mean-centred reward alone (Dr. GRPO, Liu et al. 2025,
-      arXiv:2503.20783, section 3.1: dividing by the group's std up-weights questions that
-      are too easy or too hard);
-    - ``batch_std``: ``std(r) + eps`` over the whole batch, group means still per group
-      (TRL ``GRPOTrainer`` ``scale_rewards="batch"``; Hu et al. 2025, REINFORCE++,
-      arXiv:2501.03262).
-
-    ``std`` is the population standard deviation (divide by the count), as torchtitan's
-    ``AdvantageEstimator`` uses (``statistics.pstdev``), computed in float64. A group whose
-    rewards are all equal gets exactly 0 for every member, whatever the scaling, magnitude
-    and dtype, and ``group_size == 1`` is allowed (all zeros).
-
-    Args:
-        rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
-            group (the completions of one prompt).
-        group_size: completions per prompt, >= 1.
-        eps: added to the std to avoid division by zero.
-        scaling: ``group_std``, ``none`` or ``batch_std``.
-
-    Returns:
-        ``[num_groups * group_size]`` advantages, same dtype as ``rewards`` (fp32 if integer).
-
-    Raises:
-        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, its length is not a
-            multiple of ``group_size``, or ``scaling`` is unknown.
-    """
-    if scaling not in ADVANTAGE_SCALINGS:
-        raise ValueError(
-            f"grpo.advantage_scaling={scaling!r} must be one of {list(ADVANTAGE_SCALINGS)}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size} must be >= 1")
-    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
-            f"multiple of group_size={group_size}"
-        )
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    # float64 keeps the mean's rounding residue far below any real spread; a group with no
-    # spread at all is set to 0 exactly, because even in float64 mean(r, ..., r) can differ
-    # from r by one ulp, and dividing that residue by (0 + eps) gives a large advantage
-    # (eight fp32 copies of 0.35 gave +0.029 each).
-    grouped = rewards.to(torch.float64).view(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if scaling == "group_std":
-        scale = grouped.std(dim=1, unbiased=False, keepdim=True) + eps
-    elif scaling == "batch_std":
-        scale = grouped.std(unbiased=False) + eps
-    else:
-        scale = torch.ones((), dtype=torch.float64)
-    advantages = (grouped - mean) / scale
-    no_spread = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    advantages = advantages.masked_fill(no_spread, 0.0)
-    return advantages.view(-1).to(out_dtype)
-
-
-def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[num_groups]`` bool: True for a group whose rewards are not all equal. The others
-    get exactly zero advantage (:func:`compute_group_advantages`) and so no policy
-    gradient: DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) drops them.
-
-    Raises:
-        ValueError: ``rewards`` not 1-D with a length that is a multiple of ``group_size``.
-    """
-    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
-            f"multiple of group_size={group_size}"
-        )
-    grouped = rewards.view(-1, group_size)
-    return grouped.amax(dim=1) != grouped.amin(dim=1)
 
 
 def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -662,7 +579,7 @@ class GRPOLoss:
 def build(**config: Any) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
     """``(loss_fn, loss_weight_fn)`` for the engine, from a ``loss`` config section.
 
-    ``forge_ext.engine.losses.build_loss(name="grpo", **config)`` calls this, e.g. with
+    ``forge_ext.rl.losses.registry.build_loss(name="grpo", **config)`` calls this, e.g. with
     ``{"kl_coef": 0.0, "clip_eps_high": 0.28, "aggregation": "seq_mean_token_mean"}``.
 
     Raises:
