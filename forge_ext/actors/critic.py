@@ -4,11 +4,11 @@ The critic is :class:`forge_ext.actors.trainer.RLTrainer` on its own proc mesh, 
 engine section (YAML ``critic:``, the fields of ``trainer:``) with ``model.value_head: true``
 (:func:`forge_ext.engine.models.apply_value_head`: one value per position, from the policy's
 checkpoint or ``critic.hf_path``) and the clipped value loss (``loss.name: value``,
-:func:`forge_ext.rl.losses.value.value_loss_spec`). Nothing of the trainer is copied: its endpoints give the
-values (``forward(output="values")``, forward only), train on the value loss
-(``train_step``), save and load checkpoints that hold the critic's optimizer and LR schedule,
-and its engine brings the microbatch core, gradient accumulation, DP, PP and the token budget
-as they are.
+:func:`forge_ext.rl.losses.value.value_loss_spec`). Nothing of the trainer is copied: its
+endpoints give the values (``forward(output="values")``, forward only), train on the value
+loss (``train_step``), save and load checkpoints that hold the critic's optimizer and LR
+schedule, and its engine brings the microbatch core, gradient accumulation, DP, PP and the
+token budget as they are.
 
 A PPO step (:meth:`Critic.advantages_and_update`): the critic's values of the step's batch,
 GAE advantages and returns from them (:class:`forge_ext.rl.advantages.GAE`), then one critic
