@@ -57,11 +57,9 @@ def check_loss_options(
     if ratio_level == "sequence":
         for name, eps in (("clip_eps_low", clip_eps_low), ("clip_eps_high", clip_eps_high)):
             if not 0 < eps < 1:
-                raise ValueError(
-                    f"loss.{name}={eps} with loss.ratio_level=sequence must lie in (0, 1) "
-                    "(GSPO clips the sequence ratio to [1 - low, 1 + high]; the paper uses "
-                    "3e-4 and 4e-4)"
-                )
+                raise ValueError(f"loss.{name}={eps} with loss.ratio_level=sequence must lie in "
+                                 "(0, 1) (GSPO clips the sequence ratio to [1 - low, 1 + high]; "
+                                 "the paper uses 3e-4 and 4e-4)")
 
 
 @dataclass(kw_only=True, slots=True)
