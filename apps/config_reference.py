@@ -58,7 +58,7 @@ def _task_variants() -> dict[str, type]:
 
 def grpo_sections() -> list[SectionDoc]:
     from apps.grpo.config import GRPOConfig
-    from forge_ext.actors.critic import CriticConfig
+    from forge_ext.actors.critic_config import CriticConfig
     from forge_ext.engine.config import EngineConfig
 
     # reference: takes the trainer's fields (its field docstring says so), not listed twice;

@@ -533,7 +533,7 @@ def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from forge_ext.rl.episode import pack_episodes
-    from forge_ext.rl.losses import grpo_loss
+    from forge_ext.rl.losses.grpo import grpo_loss
 
     import dataclasses
 

@@ -124,7 +124,7 @@ def variant_name(variant):
 
 def reference_kwargs(variant, kl_coef):
     """``reference_loss`` keyword arguments of an ``ENGINE_VARIANTS`` entry."""
-    from forge_ext.rl.losses.grpo import default_clip_eps
+    from forge_ext.rl.losses.config import default_clip_eps
 
     level = variant.get("ratio_level", "token")
     return {**variant, "kl_coef": kl_coef, "clip": default_clip_eps(level)}

@@ -16,7 +16,7 @@ from conftest import make_lm_batch, random_state_dict
 
 from forge_ext.actors import spawn_trainer
 from forge_ext.engine.models import SMALL_FLAVORS, build_model_spec
-from forge_ext.rl.losses import compute_group_advantages
+from forge_ext.rl.advantages import compute_group_advantages
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from forge_ext.rl.losses import (
+from forge_ext.rl.advantages import compute_group_advantages
+from forge_ext.rl.losses.grpo import (
     GRPOLoss,
-    compute_group_advantages,
     grpo_loss,
     grpo_metrics,
     token_logprobs,
@@ -273,7 +273,7 @@ def test_grpo_loss_config_rejects_invalid_values():
 
 
 def test_engine_builds_grpo_from_a_loss_config():
-    from forge_ext.engine.losses import build_loss
+    from forge_ext.rl.losses.registry import build_loss
 
     loss_fn, loss_weight_fn = build_loss(name="grpo", kl_coef=0.0, clip_eps_high=0.28)
     logits, mb = random_batch(seed=4)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from grpo_reference import reference_advantages, reference_loss
 
-from forge_ext.rl.losses import GRPOLoss, compute_group_advantages, grpo_loss, grpo_metrics
-from forge_ext.rl.losses.grpo import AGGREGATIONS, RATIO_LEVELS, default_clip_eps
+from forge_ext.rl.advantages import compute_group_advantages
+from forge_ext.rl.losses.config import AGGREGATIONS, RATIO_LEVELS, default_clip_eps
+from forge_ext.rl.losses.grpo import GRPOLoss, grpo_loss, grpo_metrics
 
 # Very unequal response lengths, and a row without any valid token (it must not count as a
 # sequence in the seq_mean modes).

@@ -11,8 +11,9 @@ from ppo_reference import (
     reference_gae, reference_rloo, reference_value_loss, reference_whiten,
 )
 
-from forge_ext.rl.advantages import GAE, AlgorithmConfig, leave_one_out_advantages
-from forge_ext.rl.losses.grpo import AGGREGATIONS
+from forge_ext.rl.advantages import GAE, build_estimator, leave_one_out_advantages
+from forge_ext.rl.algorithm import AlgorithmConfig
+from forge_ext.rl.losses.config import AGGREGATIONS
 from forge_ext.rl.losses.value import ValueLoss, value_loss_and_metrics
 
 # (prompt tokens, response tokens) per row: 1 to 64 response tokens, and a row without any.
@@ -131,14 +132,14 @@ def test_rloo_matches_the_reference_and_gives_zero_to_equal_groups():
     torch.testing.assert_close(got.double(), torch.tensor(reference_rloo(rewards.tolist(), 4),
                                                           dtype=torch.float64), rtol=1e-6, atol=1e-7)
     assert (got[4:8] == 0).all()
-    estimator = AlgorithmConfig(advantage="rloo").build(group_size=4)
+    estimator = build_estimator(AlgorithmConfig(advantage="rloo"), group_size=4)
     torch.testing.assert_close(estimator.episode_advantages(rewards), got)
 
 
 def test_estimator_choice_is_refused_with_the_wrong_group_size_or_fields():
     with pytest.raises(ValueError, match="grpo.group_size=1 with algorithm.advantage=grpo"):
-        AlgorithmConfig().build(group_size=1)
-    assert AlgorithmConfig(advantage="gae").build(group_size=1).needs_critic
+        build_estimator(AlgorithmConfig(), group_size=1)
+    assert build_estimator(AlgorithmConfig(advantage="gae"), group_size=1).needs_critic
     with pytest.raises(ValueError, match="algorithm.advantage='ppo' must be one of"):
         AlgorithmConfig(advantage="ppo")
     with pytest.raises(ValueError, match="algorithm.lam=0.9 applies to algorithm.advantage=gae"):

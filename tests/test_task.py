@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.tasks.addition import AdditionProblem, AdditionTask
 from forge_ext.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tokenizer, save_tokenizer
-from forge_ext.rl.losses import token_logprobs
+from forge_ext.rl.losses.grpo import token_logprobs
 
 # Ids written out by hand from the documented vocabulary: <pad>0 <bos>1 <eos>2 <unk>3,
 # '0'..'9' -> 4..13, '+' 14, '=' 15.

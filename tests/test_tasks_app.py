@@ -24,7 +24,7 @@ import pytest_asyncio
 from conftest import Recording, chat_checkpoint, history, small
 
 from apps.grpo.config import load_config
-from forge_ext.rl.losses.grpo import compute_group_advantages
+from forge_ext.rl.advantages import compute_group_advantages
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,7 +10,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
                                               timeout, on_error
     grpo:      {prompts_per_step, group_size, advantage_scaling, dynamic_sampling,
                 max_rollout_batches}
-    algorithm: forge_ext.rl.advantages.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
+    algorithm: forge_ext.rl.algorithm.AlgorithmConfig  advantage: grpo | rloo | gae, gamma, lam, ...
     critic:    engine mapping or null         PPO's value model (forge_ext.actors.critic); with
                                               algorithm.advantage: gae
     prompt:    forge_ext.tasks.PromptConfig   template, chat_template: how a row becomes ids
@@ -41,14 +41,14 @@ from typing import Any, Literal
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
 from forge_ext.actors.critic_config import critic_sections
-from forge_ext.rl.algorithm import AlgorithmConfig
+from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
     check_checkpoint_limits, check_lora, check_weights_transport, data_parallel_size,
     engine_view, num_microbatches, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
-from forge_ext.rl.losses.config import ADVANTAGE_SCALINGS, GRPOLossConfig
+from forge_ext.rl.losses.config import GRPOLossConfig
 from forge_ext.rl.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
@@ -74,7 +74,8 @@ class GRPOSection:
     critic's."""
     advantage_scaling: Literal["group_std", "none", "batch_std"] = "group_std"
     """What the mean-centred rewards are divided by: the group's std (DeepSeekMath), nothing
-    (Dr. GRPO), or the whole batch's std (:func:`forge_ext.rl.losses.compute_group_advantages`)."""
+    (Dr. GRPO), or the whole batch's std
+    (:func:`forge_ext.rl.advantages.compute_group_advantages`)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): groups whose rewards are all
     equal (no gradient) are dropped, and more prompts are rolled out until the step has
@@ -195,9 +196,9 @@ class GRPOConfig:
     """The advantage estimator: ``grpo`` (default), ``rloo``, or ``gae`` (PPO, with the
     ``critic:`` role)."""
     critic: dict[str, Any] | None = None
-    """PPO's value model (:class:`forge_ext.actors.critic.CriticConfig`: an engine section
-    like ``trainer:`` plus ``hf_path``, ``clip_value``, ``warmup_steps``), on its own procs;
-    needed by, and only by, ``algorithm.advantage: gae``. ``{}`` takes every default: the
+    """PPO's value model (:class:`forge_ext.actors.critic_config.CriticConfig`: an engine
+    section like ``trainer:`` plus ``hf_path``, ``clip_value``, ``warmup_steps``), on its own
+    procs; needed by, and only by, ``algorithm.advantage: gae``. ``{}`` takes every default: the
     policy's checkpoint with a value head, the trainer's batch settings are not copied (give
     ``training``)."""
     prompt: PromptConfig = field(default_factory=PromptConfig)

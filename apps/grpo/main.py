@@ -80,7 +80,7 @@ from forge_ext.config import (
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
 from forge_ext.rollout.engines import Completion, derive_seed
-from forge_ext.rl.losses.grpo import groups_with_spread
+from forge_ext.rl.advantages import build_estimator, groups_with_spread
 from forge_ext.rl.loop import RLLoop
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
@@ -184,8 +184,8 @@ class GRPOApp(RLLoop):
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
         # The advantage estimator (algorithm.advantage); gae's needs the critic role.
-        self.estimator = config.algorithm.build(group_size=config.grpo.group_size,
-                                                scaling=config.grpo.advantage_scaling)
+        self.estimator = build_estimator(config.algorithm, group_size=config.grpo.group_size,
+                                         scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
         self.reward_models: dict[str, Any] = {}
         """``{name: RewardModel}`` of ``reward.functions``' reward models, once spawned."""

@@ -4,11 +4,11 @@ The critic is :class:`forge_ext.actors.trainer.RLTrainer` on its own proc mesh, 
 engine section (YAML ``critic:``, the fields of ``trainer:``) with ``model.value_head: true``
 (:func:`forge_ext.engine.models.apply_value_head`: one value per position, from the policy's
 checkpoint or ``critic.hf_path``) and the clipped value loss (``loss.name: value``,
-:mod:`forge_ext.rl.losses.value`). Nothing of the trainer is copied: its endpoints give the
-values (``forward(output="values")``, forward only), train on the value loss
-(``train_step``), save and load checkpoints that hold the critic's optimizer and LR schedule,
-and its engine brings the microbatch core, gradient accumulation, DP, PP and the token budget
-as they are.
+:func:`forge_ext.rl.losses.value.value_loss_spec`). Nothing of the trainer is copied: its
+endpoints give the values (``forward(output="values")``, forward only), train on the value
+loss (``train_step``), save and load checkpoints that hold the critic's optimizer and LR
+schedule, and its engine brings the microbatch core, gradient accumulation, DP, PP and the
+token budget as they are.
 
 A PPO step (:meth:`Critic.advantages_and_update`): the critic's values of the step's batch,
 GAE advantages and returns from them (:class:`forge_ext.rl.advantages.GAE`), then one critic
@@ -20,32 +20,20 @@ from an older policy but never meet an older critic.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from forge_ext.actors.critic_config import CriticConfig, critic_sections
 from forge_ext.actors.reference import (
     data_parallel_rows, data_parallel_size, forward_rows, split_for_data_parallel,
 )
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
-from forge_ext.rl.advantages import AdvantageEstimator
-from forge_ext.config import from_mapping
 from forge_ext.engine import EngineConfig, engine_config_from_mapping
-
-from forge_ext.actors.critic_config import (  # noqa: E402, F401  (imported from here too)
-    CRITIC_FIELDS, CriticConfig, critic_sections,
-)
-
-
-def critic_loss(options: CriticConfig, loss: Mapping[str, Any]) -> dict[str, Any]:
-    """The critic's ``loss`` spec: the clipped value loss, aggregated like the policy loss
-    (``loss.aggregation``, ``loss.max_response_tokens`` of the policy's ``loss`` section)."""
-    return {"name": "value", "clip_value": options.clip_value,
-            "aggregation": loss.get("aggregation", "token_mean"),
-            "max_response_tokens": loss.get("max_response_tokens")}
+from forge_ext.rl.advantages import AdvantageEstimator
+from forge_ext.rl.losses.value import value_loss_spec
 
 
 @dataclass
@@ -124,8 +112,9 @@ async def spawn_critic(
     ``master_addr`` as in :func:`spawn_trainer`). Raises ValueError on a config error, before
     spawning."""
     engine, options = critic_sections(critic, policy_hf_path=policy_hf_path, trainer=trainer)
-    handle = await spawn_trainer(engine, loss=critic_loss(options, loss), num_procs=num_procs,
-                                 name=name, spawn_procs=spawn_procs, master_addr=master_addr)
+    handle = await spawn_trainer(engine, loss=value_loss_spec(options.clip_value, loss),
+                                 num_procs=num_procs, name=name, spawn_procs=spawn_procs,
+                                 master_addr=master_addr)
     return Critic(handle, options)
 
 

@@ -27,8 +27,10 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_config_from_mapping
 from forge_ext.engine.distributed import free_port
-from forge_ext.engine.losses import build_loss
 from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
+from forge_ext.rl.losses.grpo import token_logprobs
+from forge_ext.rl.losses.registry import build_loss
+from forge_ext.rl.losses.value import value_predictions
 from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
@@ -45,7 +47,7 @@ class RLTrainer(Actor):
     Args:
         trainer: the YAML ``trainer:`` mapping (see :mod:`forge_ext.engine.config`).
         loss: ``{"name": <registered loss>, **kwargs}`` (see
-            :func:`forge_ext.engine.losses.build_loss`); default token-level cross entropy.
+            :func:`forge_ext.rl.losses.registry.build_loss`); default token-level cross entropy.
         weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.publish.WeightsConfig`)
             for :meth:`push_weights`; torchstore must be initialised by the controller.
     """
@@ -510,7 +512,7 @@ async def spawn_trainer(
 
     Args:
         trainer: YAML ``trainer:`` mapping.
-        loss: loss spec for :func:`forge_ext.engine.losses.build_loss`.
+        loss: loss spec for :func:`forge_ext.rl.losses.registry.build_loss`.
         num_procs: processes to spawn (default: the product of parallel degrees).
         weights: YAML ``weights:`` mapping for ``push_weights``.
         spawn_procs: returns the proc mesh to run on, called after validation (e.g.
@@ -559,13 +561,9 @@ async def spawn_trainer(
 
 def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, S]`` fp32 values of a value head's output ``[b, S, 1]``."""
-    from forge_ext.rl.losses.value import value_predictions
-
     return value_predictions(output)
 
 
 def _label_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, S]`` log-probability of each label under ``logits`` (0 where ignored)."""
-    from forge_ext.rl.losses.grpo import token_logprobs
-
     return token_logprobs(logits, mb["labels"])

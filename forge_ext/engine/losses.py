@@ -1,5 +1,7 @@
-"""Default losses for the engine, in the ``loss_fn(logits, mb) -> mean`` /
-``loss_weight_fn(mb) -> weight`` contract of :meth:`BaseEngine.forward_backward_batch`."""
+"""The engine's default loss, token-level cross entropy, in the ``loss_fn(logits, mb) -> mean``
+/ ``loss_weight_fn(mb) -> weight`` contract of :meth:`BaseEngine.forward_backward_batch`, and
+the label that carries no loss. The RL losses, and the registry a trainer builds its loss
+from by name, are :mod:`forge_ext.rl.losses`."""
 
 from __future__ import annotations
 
@@ -29,36 +31,3 @@ def cross_entropy_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tor
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
     return total / valid_tokens(mb).clamp(min=1)
-
-
-def _grpo(**kwargs):
-    from forge_ext.rl.losses import grpo
-
-    return grpo.build(**kwargs)
-
-
-def _value(**kwargs):
-    from forge_ext.rl.losses import value
-
-    return value.build(**kwargs)
-
-
-LOSSES = {
-    "cross_entropy": lambda: (cross_entropy_loss, valid_tokens),
-    "grpo": _grpo,
-    "value": _value,  # the critic's clipped value loss (forge_ext/rl/losses/value.py)
-}
-
-
-def build_loss(name: str = "cross_entropy", **kwargs):
-    """``(loss_fn, loss_weight_fn)`` for a loss named in a config (``loss.name``).
-
-    Raises:
-        ValueError: unknown ``loss.name`` (lists the known ones) or bad keyword arguments.
-    """
-    if name not in LOSSES:
-        raise ValueError(f"loss.name={name!r} must be one of {sorted(LOSSES)}")
-    try:
-        return LOSSES[name](**kwargs)
-    except TypeError as e:
-        raise ValueError(f"loss {name!r}: {e}") from None

@@ -2,7 +2,7 @@
 ``algorithm.advantage`` in the one RL app and loop (PPO is the app with a critic role).
 
 - ``grpo``: group-normalised rewards, one advantage per response
-  (:func:`forge_ext.rl.losses.grpo.compute_group_advantages`, ``grpo.advantage_scaling``);
+  (:func:`compute_group_advantages`, ``grpo.advantage_scaling``);
 - ``rloo``: REINFORCE with a leave-one-out baseline, one advantage per response,
   ``A_i = r_i - 1/(G-1) sum_{j != i} r_j`` over the ``G`` samples of a prompt (Kool et al.
   2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et al. 2024,
@@ -10,6 +10,9 @@
 - ``gae``: PPO's generalised advantage estimation with a learned critic, one advantage per
   response token (below). It needs the ``critic:`` role and works from one sample per
   prompt (``grpo.group_size: 1``).
+
+:func:`build_estimator` builds the one ``algorithm.advantage`` names from its config
+(:class:`forge_ext.rl.algorithm.AlgorithmConfig`, which names no estimator).
 
 GAE (Schulman et al. 2016, arXiv:1506.02438, eq. 11-16; verl ``trainer/ppo/core_algos.py``
 ``compute_gae_advantage_return``), on the packed batch's layout (:mod:`forge_ext.rl.episode`:
@@ -44,15 +47,13 @@ mean and std before whitening.
 from __future__ import annotations
 
 import math
-from abc import ABC
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from forge_ext.rl.losses.grpo import IGNORE_INDEX, compute_group_advantages
-
-from forge_ext.rl.algorithm import ESTIMATORS, AlgorithmConfig  # noqa: F401  (imported from here too)
+from forge_ext.engine.losses import IGNORE_INDEX
+from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root when whitening (verl's ``masked_whiten``)."""
@@ -82,6 +83,13 @@ class AdvantageEstimator(ABC):
     name: str
     needs_critic: bool = False
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: AlgorithmConfig, *, group_size: int,
+                    scaling: str) -> AdvantageEstimator:
+        """The estimator of ``config`` for ``group_size`` samples per prompt (``scaling``:
+        ``grpo.advantage_scaling``); :func:`build_estimator` has checked the group size."""
+
     def episode_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """``[N]`` advantages of ``[N]`` rewards, ``group_size`` consecutive per prompt."""
         return torch.zeros_like(rewards, dtype=torch.float32)
@@ -100,15 +108,102 @@ class AdvantageEstimator(ABC):
 
 
 class GroupAdvantage(AdvantageEstimator):
-    """``grpo``: :func:`forge_ext.rl.losses.grpo.compute_group_advantages`."""
+    """``grpo``: :func:`compute_group_advantages`."""
 
     name = "grpo"
 
     def __init__(self, group_size: int, scaling: str = "group_std") -> None:
         self.group_size, self.scaling = group_size, scaling
 
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig, *, group_size: int,
+                    scaling: str) -> GroupAdvantage:
+        return cls(group_size, scaling)
+
     def episode_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return compute_group_advantages(rewards, self.group_size, scaling=self.scaling)
+
+
+def compute_group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scaling: str = "group_std"
+) -> torch.Tensor:
+    """Group-relative advantages ``A_i = (r_i - mean(r_g)) / s``.
+
+    ``s`` by ``scaling`` (``grpo.advantage_scaling``):
+
+    - ``group_std``: ``std(r_g) + eps``, the group's own spread (DeepSeekMath,
+      arXiv:2402.03300, section 4.1.2, outcome supervision);
+    - ``none``: 1, the mean-centred reward alone (Dr. GRPO, Liu et al. 2025,
+      arXiv:2503.20783, section 3.1: dividing by the group's std up-weights questions that
+      are too easy or too hard);
+    - ``batch_std``: ``std(r) + eps`` over the whole batch, group means still per group
+      (TRL ``GRPOTrainer`` ``scale_rewards="batch"``; Hu et al. 2025, REINFORCE++,
+      arXiv:2501.03262).
+
+    ``std`` is the population standard deviation (divide by the count), as torchtitan's
+    ``AdvantageEstimator`` uses (``statistics.pstdev``), computed in float64. A group whose
+    rewards are all equal gets exactly 0 for every member, whatever the scaling, magnitude
+    and dtype, and ``group_size == 1`` is allowed (all zeros).
+
+    Args:
+        rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
+            group (the completions of one prompt).
+        group_size: completions per prompt, >= 1.
+        eps: added to the std to avoid division by zero.
+        scaling: ``group_std``, ``none`` or ``batch_std``.
+
+    Returns:
+        ``[num_groups * group_size]`` advantages, same dtype as ``rewards`` (fp32 if integer).
+
+    Raises:
+        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, its length is not a
+            multiple of ``group_size``, or ``scaling`` is unknown.
+    """
+    if scaling not in ADVANTAGE_SCALINGS:
+        raise ValueError(
+            f"grpo.advantage_scaling={scaling!r} must be one of {list(ADVANTAGE_SCALINGS)}"
+        )
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
+            f"multiple of group_size={group_size}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    # float64 keeps the mean's rounding residue far below any real spread; a group with no
+    # spread at all is set to 0 exactly, because even in float64 mean(r, ..., r) can differ
+    # from r by one ulp, and dividing that residue by (0 + eps) gives a large advantage
+    # (eight fp32 copies of 0.35 gave +0.029 each).
+    grouped = rewards.to(torch.float64).view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if scaling == "group_std":
+        scale = grouped.std(dim=1, unbiased=False, keepdim=True) + eps
+    elif scaling == "batch_std":
+        scale = grouped.std(unbiased=False) + eps
+    else:
+        scale = torch.ones((), dtype=torch.float64)
+    advantages = (grouped - mean) / scale
+    no_spread = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    advantages = advantages.masked_fill(no_spread, 0.0)
+    return advantages.view(-1).to(out_dtype)
+
+
+def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[num_groups]`` bool: True for a group whose rewards are not all equal. The others
+    get exactly zero advantage (:func:`compute_group_advantages`) and so no policy
+    gradient: DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) drops them.
+
+    Raises:
+        ValueError: ``rewards`` not 1-D with a length that is a multiple of ``group_size``.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
+            f"multiple of group_size={group_size}"
+        )
+    grouped = rewards.view(-1, group_size)
+    return grouped.amax(dim=1) != grouped.amin(dim=1)
 
 
 class LeaveOneOutAdvantage(AdvantageEstimator):
@@ -121,6 +216,11 @@ class LeaveOneOutAdvantage(AdvantageEstimator):
         if group_size < 2:
             raise ValueError(f"rloo needs grpo.group_size >= 2, got {group_size}")
         self.group_size = group_size
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig, *, group_size: int,
+                    scaling: str) -> LeaveOneOutAdvantage:
+        return cls(group_size)
 
     def episode_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return leave_one_out_advantages(rewards, self.group_size)
@@ -155,6 +255,11 @@ class GAE(AdvantageEstimator):
     def __init__(self, *, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
                  kl_coef: float = 0.0) -> None:
         self.gamma, self.lam, self.whiten, self.kl_coef = gamma, lam, whiten, kl_coef
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig, *, group_size: int, scaling: str) -> GAE:
+        return cls(gamma=config.gamma, lam=config.lam, whiten=config.whiten,
+                   kl_coef=config.kl_coef if config.kl_in_reward else 0.0)
 
     def token_advantages(self, rewards: torch.Tensor, labels: torch.Tensor,
                          values: torch.Tensor, kl: torch.Tensor | None = None) -> TokenAdvantages:
@@ -258,3 +363,23 @@ def advantage_metrics(advantages: torch.Tensor, returns: torch.Tensor, values: t
         "critic/returns_mean": float(r.mean()),
         "critic/explained_variance": explained_variance(v, r),
     }
+
+
+ESTIMATOR_TYPES: dict[str, type[AdvantageEstimator]] = {
+    estimator.name: estimator for estimator in (GroupAdvantage, LeaveOneOutAdvantage, GAE)
+}
+"""The estimator of each value of ``algorithm.advantage``
+(:data:`forge_ext.rl.algorithm.ESTIMATORS`)."""
+
+
+def build_estimator(config: AlgorithmConfig, *, group_size: int,
+                    scaling: str = "group_std") -> AdvantageEstimator:
+    """The estimator ``config.advantage`` names, for ``group_size`` samples per prompt
+    (``scaling``: ``grpo.advantage_scaling``, for ``grpo``).
+
+    Raises:
+        ValueError: ``group_size`` below ``config.min_group_size``, naming the fields.
+    """
+    config.check_group_size(group_size)
+    return ESTIMATOR_TYPES[config.advantage].from_config(config, group_size=group_size,
+                                                         scaling=scaling)

@@ -1,18 +1,20 @@
-"""YAML ``algorithm:``, the advantage estimator's config (:mod:`forge_ext.rl.advantages` holds the
-estimators): standard library only, so that a config is validated before torch is imported
-(issue 38)."""
+"""YAML ``algorithm:``, the advantage estimator's config, and the values of
+``grpo.advantage_scaling``: standard library only, so that a config is validated before torch
+is imported (issue 38). :func:`forge_ext.rl.advantages.build_estimator` builds the estimator
+from it (this module names none of them)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from forge_ext.rl.advantages import AdvantageEstimator
+from typing import Literal
 
 ESTIMATORS = ("grpo", "rloo", "gae")
 """Values of ``algorithm.advantage``."""
+
+ADVANTAGE_SCALINGS = ("group_std", "none", "batch_std")
+"""Values of ``grpo.advantage_scaling``
+(:func:`forge_ext.rl.advantages.compute_group_advantages`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,20 +77,3 @@ class AlgorithmConfig:
                 f"needs >= {self.min_group_size} samples per prompt (a group of one has no "
                 "baseline but a critic's; use algorithm.advantage=gae with a critic: section)"
             )
-
-    def build(self, *, group_size: int, scaling: str = "group_std") -> "AdvantageEstimator":
-        """The estimator for ``group_size`` samples per prompt (``scaling``:
-        ``grpo.advantage_scaling``, for ``grpo``).
-
-        Raises:
-            ValueError: ``group_size`` below :attr:`min_group_size`, naming the fields.
-        """
-        from forge_ext.rl.advantages import GAE, GroupAdvantage, LeaveOneOutAdvantage
-
-        self.check_group_size(group_size)
-        if self.advantage == "grpo":
-            return GroupAdvantage(group_size, scaling)
-        if self.advantage == "rloo":
-            return LeaveOneOutAdvantage(group_size)
-        return GAE(gamma=self.gamma, lam=self.lam, whiten=self.whiten,
-                   kl_coef=self.kl_coef if self.kl_in_reward else 0.0)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_ext.rl.losses.grpo import IGNORE_INDEX
+from forge_ext.engine.losses import IGNORE_INDEX
 
 
 @dataclass(kw_only=True, slots=True)

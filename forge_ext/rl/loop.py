@@ -82,6 +82,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from forge_ext.runtime.clock import BusyClock
 from forge_ext.runtime.disk import OutputWriteError
 from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
@@ -118,34 +119,6 @@ class LoopConfig:
                 raise ValueError(f"loop.{name}={getattr(self, name)} must be >= 0")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"loop.mode={self.mode!r} must be 'sync' or 'async'")
-
-
-class BusyClock:
-    """Seconds a role had at least one call running, overlapping calls counted once.
-
-    ``with clock: ...`` marks a call; :meth:`total` is the busy time up to now, open calls
-    included, so the idle time of an interval is its length minus the growth of ``total``.
-    """
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._since = 0.0
-        self._closed = 0.0
-
-    def __enter__(self) -> "BusyClock":
-        if self._depth == 0:
-            self._since = time.perf_counter()
-        self._depth += 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._closed += time.perf_counter() - self._since
-
-    def total(self) -> float:
-        open_part = time.perf_counter() - self._since if self._depth else 0.0
-        return self._closed + open_part
 
 
 class RLLoop(ABC):

@@ -1,29 +1,14 @@
-"""RL losses that satisfy the engine's ``loss_fn(logits, mb) -> scalar`` contract."""
+"""The losses a trainer trains with, in the engine's ``loss_fn(logits, mb)`` /
+``loss_weight_fn(mb)`` contract (:meth:`forge_ext.engine.base.BaseEngine.forward_backward_batch`):
 
+- :mod:`~forge_ext.rl.losses.config`: YAML ``loss:`` and the names of its modes (no torch);
+- :mod:`~forge_ext.rl.losses.presets`: the named GRPO variants (``loss.preset``; no torch);
+- :mod:`~forge_ext.rl.losses.grpo`: the GRPO policy loss, its aggregations, GSPO's sequence
+  ratio and the off-policy correction;
+- :mod:`~forge_ext.rl.losses.value`: PPO's clipped value loss, the critic's;
+- :mod:`~forge_ext.rl.losses.registry`: a loss by name (``{"name": "grpo", **fields}``), as
+  the trainer actor builds it, the engine's cross entropy included.
 
-def __getattr__(name: str):
-    # The losses import torch and torchtitan (seconds): on first use, so that their configs
-    # (forge_ext.rl.losses.config) load without them (issue 38).
-    if name in __all__:
-        from forge_ext.rl.losses import grpo
-
-        return getattr(grpo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "GRPOLoss",
-    "build",
-    "compute_group_advantages",
-    "grpo_loss",
-    "grpo_loss_and_metrics",
-    "grpo_metrics",
-    "k3_kl",
-    "loss_mask",
-    "per_token",
-    "sequence_ids",
-    "token_logprobs",
-    "truncated_importance_weights",
-    "valid_sequence_count",
-    "valid_token_count",
-]
+The package itself imports nothing, so that the two config modules load without torch
+(issue 38).
+"""

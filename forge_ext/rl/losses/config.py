@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from forge_ext.rl.losses.presets import PRESETS
+
 OFF_POLICY_CORRECTIONS = ("none", "token_tis")
 """Values of ``loss.off_policy_correction`` (module docstring)."""
 
@@ -16,9 +18,6 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
 
 RATIO_LEVELS = ("token", "sequence")
 """Values of ``loss.ratio_level``: PPO/GRPO token ratios, or GSPO's sequence ratio."""
-
-ADVANTAGE_SCALINGS = ("group_std", "none", "batch_std")
-"""Values of ``grpo.advantage_scaling`` (:func:`compute_group_advantages`)."""
 
 TOKEN_CLIP_EPS = (0.2, 0.2)
 """Default ``(clip_eps_low, clip_eps_high)`` of token ratios (PPO, DeepSeekMath)."""
@@ -58,11 +57,9 @@ def check_loss_options(
     if ratio_level == "sequence":
         for name, eps in (("clip_eps_low", clip_eps_low), ("clip_eps_high", clip_eps_high)):
             if not 0 < eps < 1:
-                raise ValueError(
-                    f"loss.{name}={eps} with loss.ratio_level=sequence must lie in (0, 1) "
-                    "(GSPO clips the sequence ratio to [1 - low, 1 + high]; the paper uses "
-                    "3e-4 and 4e-4)"
-                )
+                raise ValueError(f"loss.{name}={eps} with loss.ratio_level=sequence must lie in "
+                                 "(0, 1) (GSPO clips the sequence ratio to [1 - low, 1 + high]; "
+                                 "the paper uses 3e-4 and 4e-4)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,8 +112,6 @@ class GRPOLossConfig:
     ``tis_imp_ratio_cap``; 2.0 is verl's default ``rollout_is_threshold``)."""
 
     def __post_init__(self) -> None:
-        from forge_ext.rl.losses.presets import PRESETS
-
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(
                 f"loss.preset={self.preset!r} must be one of {sorted(PRESETS)} (or unset)"

@@ -12,7 +12,8 @@ with, per response token t of a sequence whose group-normalised advantage is ``A
   ``KL(pi_theta || pi_ref)`` (DeepSeekMath eq. 4; Schulman, "Approximating KL divergence",
   2020), always >= 0, against a frozen reference model's log-probs (``ref_logprobs``);
 - ``A = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath section 4.1.2), or
-  another scaling (``grpo.advantage_scaling``), see :func:`compute_group_advantages`.
+  another scaling (``grpo.advantage_scaling``), see
+  :func:`forge_ext.rl.advantages.compute_group_advantages`.
 
 Separate ``eps_low``/``eps_high`` are DAPO's "clip-higher" (Yu et al. 2025,
 arXiv:2503.14476, section 3.1); equal values give GRPO's symmetric clip.
@@ -63,6 +64,23 @@ keeps the ratio against the generator's log-probs.
 Log-ratios are clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (as
 ``torchtitan.experiments.rl.losses.dapo`` does), so a token that is wildly off-policy cannot
 overflow to inf/NaN; that token's clamped term then carries no gradient.
+
+Metrics (:func:`grpo_loss_and_metrics`), each a mean over the loss's unit: valid tokens for
+``token_mean``; for the ``seq_mean_*`` modes, sequences (each sequence's token mean, then the
+mean over sequences). NaN when there are none:
+
+- ``loss``: the loss value;
+- ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even when
+  ``kl_coef == 0``);
+- ``ratio_mean``: mean clipped-ratio argument: ``pi_theta / pi_gen`` (``none``),
+  ``pi_theta / pi_old`` = 1 (``token_tis``); per sequence for ``sequence``;
+- ``clip_fraction``: fraction of tokens where the clip binds (ratio below ``1 - eps_low``
+  with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token gets no policy
+  gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
+- ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis`` only): mean importance weight
+  ``w`` and fraction of tokens (sequences, for ``sequence``) whose ratio exceeded the cap;
+- ``num_valid_tokens``, ``num_sequences``: the valid tokens and the sequences with at least
+  one (floats, for weighting).
 """
 
 from __future__ import annotations
@@ -70,15 +88,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torchtitan.components.loss import IGNORE_INDEX, compute_logprobs
+from torchtitan.components.loss import compute_logprobs
 
-from forge_ext.rl.losses.config import (  # noqa: F401  (the modes' names, imported from here too)
-    ADVANTAGE_SCALINGS, AGGREGATIONS, OFF_POLICY_CORRECTIONS, RATIO_LEVELS, SEQUENCE_CLIP_EPS,
-    TOKEN_CLIP_EPS, GRPOLossConfig, check_loss_options, default_clip_eps,
-)
+from forge_ext.engine.losses import IGNORE_INDEX
+from forge_ext.rl.losses.config import GRPOLossConfig, check_loss_options, default_clip_eps
 
 MAX_LOG_RATIO = 10.0
 """Bound on ``|log(pi_a / pi_b)|`` before ``exp``; ``exp(10) ~ 2.2e4``."""
@@ -305,7 +321,7 @@ def aggregation_coefficients(
         mask: ``[batch, seq]`` bool, the valid tokens (:func:`loss_mask`).
         ids: ``[batch, seq]`` int64, each token's sequence (:func:`sequence_ids`).
         counts: ``[slots]`` valid tokens per sequence (``_sequence_sums`` of the mask).
-        aggregation: one of :data:`AGGREGATIONS`.
+        aggregation: one of :data:`forge_ext.rl.losses.config.AGGREGATIONS`.
         max_response_tokens: the constant of ``seq_mean_token_sum_norm``.
 
     Returns:
@@ -329,86 +345,32 @@ def aggregation_coefficients(
     return coef, per_sequence_mean, (counts > 0).sum().to(dtype)
 
 
-def compute_group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scaling: str = "group_std"
-) -> torch.Tensor:
-    """Group-relative advantages ``A_i = (r_i - mean(r_g)) / s``.
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """A microbatch's valid tokens and the sequence each belongs to: the grouping every
+    per-sequence quantity of the loss uses."""
 
-    ``s`` by ``scaling`` (``grpo.advantage_scaling``):
+    mask: torch.Tensor
+    """``[batch, seq]`` bool, the valid tokens (:func:`loss_mask`)."""
+    ids: torch.Tensor
+    """``[batch, seq]`` int64, each token's sequence (:func:`sequence_ids`)."""
+    slots: int
+    """The size of per-sequence buffers (:func:`_sequence_slots`)."""
+    counts: torch.Tensor
+    """``[slots]`` valid tokens per sequence, in the log-probs' dtype."""
 
-    - ``group_std``: ``std(r_g) + eps``, the group's own spread (DeepSeekMath,
-      arXiv:2402.03300, section 4.1.2, outcome supervision);
-    - ``none``: 1, the mean-centred reward alone (Dr. GRPO, Liu et al. 2025,
-      arXiv:2503.20783, section 3.1: dividing by the group's std up-weights questions that
-      are too easy or too hard);
-    - ``batch_std``: ``std(r) + eps`` over the whole batch, group means still per group
-      (TRL ``GRPOTrainer`` ``scale_rewards="batch"``; Hu et al. 2025, REINFORCE++,
-      arXiv:2501.03262).
+    @classmethod
+    def of(cls, mb: Mapping[str, torch.Tensor], mask: torch.Tensor,
+           dtype: torch.dtype) -> _Tokens:
+        ids, slots = sequence_ids(mb), _sequence_slots(mb)
+        return cls(mask, ids, slots, _sequence_sums(mask.to(dtype), ids, mask, slots))
 
-    ``std`` is the population standard deviation (divide by the count), as torchtitan's
-    ``AdvantageEstimator`` uses (``statistics.pstdev``), computed in float64. A group whose
-    rewards are all equal gets exactly 0 for every member, whatever the scaling, magnitude
-    and dtype, and ``group_size == 1`` is allowed (all zeros).
-
-    Args:
-        rewards: ``[num_groups * group_size]``, consecutive ``group_size`` entries form one
-            group (the completions of one prompt).
-        group_size: completions per prompt, >= 1.
-        eps: added to the std to avoid division by zero.
-        scaling: ``group_std``, ``none`` or ``batch_std``.
-
-    Returns:
-        ``[num_groups * group_size]`` advantages, same dtype as ``rewards`` (fp32 if integer).
-
-    Raises:
-        ValueError: if ``rewards`` is not 1-D, ``group_size < 1``, its length is not a
-            multiple of ``group_size``, or ``scaling`` is unknown.
-    """
-    if scaling not in ADVANTAGE_SCALINGS:
-        raise ValueError(
-            f"grpo.advantage_scaling={scaling!r} must be one of {list(ADVANTAGE_SCALINGS)}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size} must be >= 1")
-    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
-            f"multiple of group_size={group_size}"
-        )
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    # float64 keeps the mean's rounding residue far below any real spread; a group with no
-    # spread at all is set to 0 exactly, because even in float64 mean(r, ..., r) can differ
-    # from r by one ulp, and dividing that residue by (0 + eps) gives a large advantage
-    # (eight fp32 copies of 0.35 gave +0.029 each).
-    grouped = rewards.to(torch.float64).view(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if scaling == "group_std":
-        scale = grouped.std(dim=1, unbiased=False, keepdim=True) + eps
-    elif scaling == "batch_std":
-        scale = grouped.std(unbiased=False) + eps
-    else:
-        scale = torch.ones((), dtype=torch.float64)
-    advantages = (grouped - mean) / scale
-    no_spread = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    advantages = advantages.masked_fill(no_spread, 0.0)
-    return advantages.view(-1).to(out_dtype)
-
-
-def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[num_groups]`` bool: True for a group whose rewards are not all equal. The others
-    get exactly zero advantage (:func:`compute_group_advantages`) and so no policy
-    gradient: DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) drops them.
-
-    Raises:
-        ValueError: ``rewards`` not 1-D with a length that is a multiple of ``group_size``.
-    """
-    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} must be 1-D with a length that is a "
-            f"multiple of group_size={group_size}"
-        )
-    grouped = rewards.view(-1, group_size)
-    return grouped.amax(dim=1) != grouped.amin(dim=1)
+    def sequence_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Each valid token's value replaced by its sequence's mean over valid tokens; 0
+        elsewhere."""
+        means = _sequence_sums(values, self.ids, self.mask, self.slots) / self.counts.clamp(min=1.0)
+        seq_of = torch.where(self.mask, self.ids, torch.zeros_like(self.ids))  # a safe gather index
+        return torch.where(self.mask, means[seq_of], torch.zeros_like(values))
 
 
 def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -418,6 +380,86 @@ def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -
     if tuple(value.shape) != shape:
         raise ValueError(f"mb[{key!r}] has shape {tuple(value.shape)}, expected {shape}")
     return value
+
+
+def _importance_ratio(logprobs: torch.Tensor, generator_logprobs: torch.Tensor, tokens: _Tokens,
+                      *, tis: bool, sequence_level: bool) -> torch.Tensor:
+    """``[batch, seq]`` the clipped ratio's argument ``r`` (module docstring): ``pi_theta /
+    pi_gen``, or ``pi_theta / pi_old`` with ``token_tis``; per sequence (GSPO) with
+    ``sequence_level``; 1 off the valid tokens."""
+    # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
+    # trainer's own before this step's update, i.e. the current ones without gradient.
+    old_logprobs = logprobs.detach() if tis else generator_logprobs
+    # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
+    log_ratio = torch.where(tokens.mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if sequence_level:
+        # GSPO eq. 7: s_i = exp(mean_t log(pi_theta / pi_old)), the same for every token of
+        # the sequence; its gradient reaches each token through the mean.
+        log_ratio = tokens.sequence_mean(log_ratio)
+    return torch.exp(log_ratio)
+
+
+def _clipped_surrogate(
+    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, advantages: torch.Tensor,
+    tokens: _Tokens, *, clip_eps_low: float, clip_eps_high: float, off_policy_correction: str,
+    tis_imp_ratio_cap: float, sequence_level: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``[batch, seq]`` ``w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (module
+    docstring; ``w = 1`` without ``token_tis``), and the per-token values of the metrics it
+    gives: ``ratio_mean``, ``clip_fraction`` and, with ``token_tis``, ``tis_weight_mean`` and
+    ``tis_capped_fraction``."""
+    tis = off_policy_correction == "token_tis"
+    ratio = _importance_ratio(logprobs, generator_logprobs, tokens, tis=tis,
+                              sequence_level=sequence_level)
+    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    # Where the clip binds the token gets no policy gradient (TRL's clip_ratio).
+    clip_binds = ((ratio < 1.0 - clip_eps_low) & (advantages < 0)) | (
+        (ratio > 1.0 + clip_eps_high) & (advantages > 0)
+    )
+    values = {"ratio_mean": ratio, "clip_fraction": clip_binds.to(logprobs.dtype)}
+    if tis:
+        is_weights, capped = truncated_importance_weights(
+            logprobs, generator_logprobs, tokens.mask, tis_imp_ratio_cap,
+            sequence_ids=tokens.ids if sequence_level else None,
+        )
+        surrogate = is_weights * surrogate
+        values["tis_weight_mean"] = is_weights
+        values["tis_capped_fraction"] = capped.to(logprobs.dtype)
+    return surrogate, values
+
+
+def _with_kl_penalty(surrogate: torch.Tensor, logprobs: torch.Tensor,
+                     mb: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                     kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(objective, kl)``, ``[batch, seq]`` each: ``surrogate - kl_coef * kl`` and the k3 KL
+    to the reference (:func:`k3_kl`), measured without gradient when ``kl_coef == 0`` and
+    ``ref_logprobs`` is given, 0 when it is not."""
+    shape = tuple(mb["labels"].shape)
+    if kl_coef != 0.0:
+        kl = k3_kl(logprobs, _require(mb, "ref_logprobs", shape), mask)
+        return surrogate - kl_coef * kl, kl
+    if "ref_logprobs" not in mb:
+        return surrogate, torch.zeros_like(logprobs)
+    with torch.no_grad():  # no penalty, but the KL is still worth logging
+        return surrogate, k3_kl(logprobs, _require(mb, "ref_logprobs", shape), mask)
+
+
+@torch.no_grad()
+def _unit_means(weighted_loss: torch.Tensor, values: Mapping[str, torch.Tensor],
+                metric_coef: torch.Tensor, mask: torch.Tensor,
+                units: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics as means over the loss's unit (module docstring, "Metrics"): ``loss`` from
+    ``weighted_loss`` (the token losses times their aggregation coefficients), each of
+    ``values`` (``[batch, seq]``) weighted by ``metric_coef``; NaN without a unit. Tensor ops
+    only (no ``.item()``), so computing metrics never forces a device sync."""
+    sums = {"loss": weighted_loss.masked_fill(~mask, 0).sum()}
+    for name, value in values.items():
+        sums[name] = (value * metric_coef).masked_fill(~mask, 0).sum()
+    nan = torch.full_like(units, math.nan)
+    return {name: torch.where(units > 0, total / units.clamp(min=1.0), nan)
+            for name, total in sums.items()}
 
 
 def grpo_loss_and_metrics(
@@ -447,41 +489,21 @@ def grpo_loss_and_metrics(
             (:func:`sequence_ids`) and ``truncated`` (``mask_truncated``). Values of
             ``generator_logprobs``/``ref_logprobs`` at ignored positions (even inf/NaN) do
             not affect the loss or its gradient.
-        clip_eps_low: ratio lower bound is ``1 - clip_eps_low``; None: the ratio level's
-            default (:func:`default_clip_eps`).
-        clip_eps_high: ratio upper bound is ``1 + clip_eps_high``; None: as above.
+        clip_eps_low, clip_eps_high: the ratio's bounds ``[1 - low, 1 + high]``; None: the
+            ratio level's default (:func:`~forge_ext.rl.losses.config.default_clip_eps`).
         kl_coef: ``beta``, weight of the k3 KL penalty.
-        off_policy_correction: ``none``, or ``token_tis``: truncated importance weights
-            against the generator and the clipped ratio against the trainer's own log-probs
-            (module docstring).
+        off_policy_correction: ``none``, or ``token_tis`` (module docstring).
         tis_imp_ratio_cap: ``C``, the largest importance weight (``token_tis`` only).
         aggregation: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` or
             ``seq_mean_token_sum_norm`` (module docstring, "Aggregation").
         ratio_level: ``token`` or ``sequence`` (GSPO; module docstring).
         max_response_tokens: the constant divisor of ``seq_mean_token_sum_norm``.
-        mask_truncated: drop responses with ``mb["truncated"]`` from the loss
-            (:func:`loss_mask`).
+        mask_truncated: drop responses with ``mb["truncated"]`` (:func:`loss_mask`).
 
     Returns:
-        ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` aggregated as
-        ``aggregation`` says (``0.0``, still attached to the graph, if no token is valid).
-        ``metrics`` are 0-dim detached tensors, each a mean over the loss's unit: valid
-        tokens for ``token_mean``; for the ``seq_mean_*`` modes, sequences (each
-        sequence's token mean, then the mean over sequences). NaN when there are none:
-
-        - ``loss``: the loss value;
-        - ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even
-          when ``kl_coef == 0``);
-        - ``ratio_mean``: mean clipped-ratio argument: ``pi_theta / pi_gen`` (``none``),
-          ``pi_theta / pi_old`` = 1 (``token_tis``); per sequence for ``sequence``;
-        - ``clip_fraction``: fraction of tokens where the clip binds (ratio below
-          ``1 - eps_low`` with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token
-          gets no policy gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
-        - ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis`` only): mean importance
-          weight ``w`` and fraction of tokens (sequences, for ``sequence``) whose ratio
-          exceeded the cap;
-        - ``num_valid_tokens``, ``num_sequences``: the valid tokens and the sequences with
-          at least one (floats, for weighting).
+        ``(loss, metrics)``: ``loss`` is a 0-dim tensor, ``-J`` aggregated as ``aggregation``
+        says (``0.0``, still attached to the graph, if no token is valid); ``metrics`` are
+        0-dim detached tensors (module docstring, "Metrics").
 
     Raises:
         ValueError: if a required key is missing, shapes disagree, a mode is unknown, or
@@ -497,89 +519,25 @@ def grpo_loss_and_metrics(
     )
     if "labels" not in mb:
         raise ValueError(f"GRPO microbatch is missing 'labels'; it has {sorted(mb)}")
-    labels = mb["labels"]
-    logprobs = token_logprobs(logits, labels)
-    batch, seq = labels.shape
+    logprobs = token_logprobs(logits, mb["labels"])
     advantages = per_token(mb, "advantages").to(logprobs.dtype)
-    generator_logprobs = _require(mb, "generator_logprobs", (batch, seq))
-
-    mask = loss_mask(mb, mask_truncated)
-    zeros = torch.zeros_like(logprobs)
-    ids, slots = sequence_ids(mb), _sequence_slots(mb)
-    seq_of = torch.where(mask, ids, torch.zeros_like(ids))  # a safe gather index everywhere
-    counts = _sequence_sums(mask.to(logprobs.dtype), ids, mask, slots)  # tokens per sequence
-    num_valid = counts.sum()
-    num_sequences = (counts > 0).sum().to(logprobs.dtype)
-    sequence_level = ratio_level == "sequence"
-
-    def sequence_mean(values: torch.Tensor) -> torch.Tensor:
-        """Each token's value replaced by its sequence's mean over valid tokens."""
-        means = _sequence_sums(values, ids, mask, slots) / counts.clamp(min=1.0)
-        return torch.where(mask, means[seq_of], zeros)
-
-    tis = off_policy_correction == "token_tis"
-    # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
-    # trainer's own before this step's update, i.e. the current ones without gradient.
-    old_logprobs = logprobs.detach() if tis else generator_logprobs
-    # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
-    log_ratio = torch.where(mask, logprobs - old_logprobs, zeros)
-    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if sequence_level:
-        # GSPO eq. 7: s_i = exp(mean_t log(pi_theta / pi_old)), the same for every token of
-        # the sequence; its gradient reaches each token through the mean.
-        log_ratio = sequence_mean(log_ratio)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    if tis:
-        is_weights, capped = truncated_importance_weights(
-            logprobs, generator_logprobs, mask, tis_imp_ratio_cap,
-            sequence_ids=ids if sequence_level else None,
-        )
-        surrogate = is_weights * surrogate
-
-    if kl_coef != 0.0:
-        kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
-        objective = surrogate - kl_coef * kl
-    else:
-        objective = surrogate
-        if "ref_logprobs" in mb:  # no penalty, but the KL is still worth logging
-            with torch.no_grad():
-                kl = k3_kl(logprobs, _require(mb, "ref_logprobs", (batch, seq)), mask)
-        else:
-            kl = zeros
-
-    token_loss = torch.where(mask, -objective, zeros)
-    coef, metric_coef, units = aggregation_coefficients(
-        mask, ids, counts, aggregation, max_response_tokens
+    generator_logprobs = _require(mb, "generator_logprobs", tuple(mb["labels"].shape))
+    tokens = _Tokens.of(mb, loss_mask(mb, mask_truncated), logprobs.dtype)
+    surrogate, values = _clipped_surrogate(
+        logprobs, generator_logprobs, advantages, tokens, clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high, off_policy_correction=off_policy_correction,
+        tis_imp_ratio_cap=tis_imp_ratio_cap, sequence_level=ratio_level == "sequence",
     )
-    loss = (token_loss * coef).sum() / units.clamp(min=1.0)
-
-    # Tensor ops only (no .item()), so computing metrics never forces a device sync.
-    with torch.no_grad():
-        clipped = ((ratio < 1.0 - clip_eps_low) & (advantages < 0)) | (
-            (ratio > 1.0 + clip_eps_high) & (advantages > 0)
-        )
-        values = {
-            "loss": token_loss * coef,
-            "kl": kl,
-            "ratio_mean": ratio,
-            "clip_fraction": clipped.to(logprobs.dtype),
-        }
-        if tis:
-            values["tis_weight_mean"] = is_weights
-            values["tis_capped_fraction"] = capped.to(logprobs.dtype)
-        sums = {
-            name: (value if name == "loss" else value * metric_coef).masked_fill(~mask, 0).sum()
-            for name, value in values.items()
-        }
-        nan = torch.full_like(units, math.nan)
-        metrics = {
-            name: torch.where(units > 0, total / units.clamp(min=1.0), nan)
-            for name, total in sums.items()
-        }
-        metrics["num_valid_tokens"] = num_valid
-        metrics["num_sequences"] = num_sequences
+    objective, kl = _with_kl_penalty(surrogate, logprobs, mb, tokens.mask, kl_coef)
+    token_loss = torch.where(tokens.mask, -objective, torch.zeros_like(logprobs))
+    coef, metric_coef, units = aggregation_coefficients(
+        tokens.mask, tokens.ids, tokens.counts, aggregation, max_response_tokens
+    )
+    weighted_loss = token_loss * coef
+    loss = weighted_loss.sum() / units.clamp(min=1.0)
+    metrics = _unit_means(weighted_loss, {"kl": kl, **values}, metric_coef, tokens.mask, units)
+    metrics["num_valid_tokens"] = tokens.counts.sum()
+    metrics["num_sequences"] = (tokens.counts > 0).sum().to(logprobs.dtype)
     return loss, metrics
 
 
@@ -662,7 +620,7 @@ class GRPOLoss:
 def build(**config: Any) -> tuple[GRPOLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
     """``(loss_fn, loss_weight_fn)`` for the engine, from a ``loss`` config section.
 
-    ``forge_ext.engine.losses.build_loss(name="grpo", **config)`` calls this, e.g. with
+    ``forge_ext.rl.losses.registry.build_loss(name="grpo", **config)`` calls this, e.g. with
     ``{"kl_coef": 0.0, "clip_eps_high": 0.28, "aggregation": "seq_mean_token_mean"}``.
 
     Raises:

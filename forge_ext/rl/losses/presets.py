@@ -40,31 +40,35 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+_FIELDS = ("loss.aggregation", "loss.ratio_level", "loss.clip_eps_low", "loss.clip_eps_high",
+           "loss.kl_coef", "grpo.advantage_scaling", "grpo.dynamic_sampling",
+           "reward.overlong.enable")
+"""The dotted fields every preset sets: the columns of :data:`_VALUES`."""
+
+_VALUES: dict[str, tuple[Any, ...]] = {
+    #          aggregation                ratio       clip lo, hi  KL    advantages dynamic overlong
+    "grpo":    ("seq_mean_token_mean",     "token",    0.2, 0.2,   0.04, "group_std", False, False),
+    "dr_grpo": ("seq_mean_token_sum_norm", "token",    0.2, 0.2,   0.0,  "none",      False, False),
+    "dapo":    ("token_mean",              "token",    0.2, 0.28,  0.0,  "group_std", True,  True),
+    "gspo":    ("seq_mean_token_mean",     "sequence", 3e-4, 4e-4, 0.0,  "group_std", False, False),
+}
+"""Each preset's values of :data:`_FIELDS` (the module docstring's table)."""
+
+
+def _nested(fields: tuple[str, ...], values: tuple[Any, ...]) -> dict[str, Any]:
+    """``{"a.b": 1}`` as ``{"a": {"b": 1}}``, for each field and its value."""
+    out: dict[str, Any] = {}
+    for dotted, value in zip(fields, values, strict=True):
+        *sections, name = dotted.split(".")
+        target = out
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+    return out
+
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "grpo": {
-        "loss": {"aggregation": "seq_mean_token_mean", "ratio_level": "token",
-                 "clip_eps_low": 0.2, "clip_eps_high": 0.2, "kl_coef": 0.04},
-        "grpo": {"advantage_scaling": "group_std", "dynamic_sampling": False},
-        "reward": {"overlong": {"enable": False}},
-    },
-    "dr_grpo": {
-        "loss": {"aggregation": "seq_mean_token_sum_norm", "ratio_level": "token",
-                 "clip_eps_low": 0.2, "clip_eps_high": 0.2, "kl_coef": 0.0},
-        "grpo": {"advantage_scaling": "none", "dynamic_sampling": False},
-        "reward": {"overlong": {"enable": False}},
-    },
-    "dapo": {
-        "loss": {"aggregation": "token_mean", "ratio_level": "token",
-                 "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": 0.0},
-        "grpo": {"advantage_scaling": "group_std", "dynamic_sampling": True},
-        "reward": {"overlong": {"enable": True}},
-    },
-    "gspo": {
-        "loss": {"aggregation": "seq_mean_token_mean", "ratio_level": "sequence",
-                 "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "kl_coef": 0.0},
-        "grpo": {"advantage_scaling": "group_std", "dynamic_sampling": False},
-        "reward": {"overlong": {"enable": False}},
-    },
+    name: _nested(_FIELDS, values) for name, values in _VALUES.items()
 }
 """``{preset: {section: {field: value}}}`` (nested sections as nested dicts)."""
 

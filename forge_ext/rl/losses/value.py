@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
+from forge_ext.rl.losses.config import AGGREGATIONS
 from forge_ext.rl.losses.grpo import (
-    AGGREGATIONS,
     _require,
     _sequence_slots,
     _sequence_sums,
@@ -188,10 +188,21 @@ class ValueLoss:
 
 
 def build(**config: Any) -> tuple[ValueLoss, Callable[[Mapping[str, torch.Tensor]], torch.Tensor]]:
-    """``(loss_fn, loss_weight_fn)`` for the engine (``build_loss(name="value", ...)``).
+    """``(loss_fn, loss_weight_fn)`` for the engine
+    (:func:`forge_ext.rl.losses.registry.build_loss` with ``name="value"``).
 
     Raises:
         TypeError: an unknown key. ValueError: an invalid value.
     """
     loss_fn = ValueLoss(ValueLoss.Config(**config))
     return loss_fn, loss_fn.weight
+
+
+def value_loss_spec(clip_value: float | None, policy_loss: Mapping[str, Any]) -> dict[str, Any]:
+    """The critic's ``loss`` spec for the trainer actor
+    (:func:`forge_ext.rl.losses.registry.build_loss`): this clipped value loss with
+    ``critic.clip_value``, aggregated like the policy loss (``aggregation`` and
+    ``max_response_tokens`` of the policy's ``loss`` section, ``policy_loss``)."""
+    return {"name": "value", "clip_value": clip_value,
+            "aggregation": policy_loss.get("aggregation", "token_mean"),
+            "max_response_tokens": policy_loss.get("max_response_tokens")}

@@ -27,11 +27,13 @@ import asyncio
 import hashlib
 import json
 import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from forge_ext.runtime.clock import BusyClock
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SamplingConfig:
@@ -189,33 +191,6 @@ WeightUpdateMode = Literal["between_requests", "keep", "abort"]
   sent again from its tokens so far (counted in :attr:`Completion.resubmitted`)."""
 
 WEIGHT_UPDATE_MODES = ("between_requests", "keep", "abort")
-
-
-class BusyClock:
-    """Seconds with at least one request running, overlapping requests counted once
-    (``with clock: ...`` marks a request)."""
-
-    def __init__(self) -> None:
-        self._open, self._since, self._total = 0, 0.0, 0.0
-
-    def __enter__(self) -> BusyClock:
-        if self._open == 0:
-            self._since = time.perf_counter()
-        self._open += 1
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._open -= 1
-        if self._open == 0:
-            self._total += time.perf_counter() - self._since
-
-    @property
-    def running(self) -> int:
-        return self._open
-
-    def total(self) -> float:
-        """Busy seconds so far, a request still running included."""
-        return self._total + (time.perf_counter() - self._since if self._open else 0.0)
 
 
 @dataclass(slots=True)
