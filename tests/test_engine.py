@@ -478,7 +478,7 @@ def dp_adapters(hf_path):
     from safetensors.torch import load_file
 
     from conftest import random_adapter
-    from forge_ext.engine.lora import HF_TARGETS
+    from forge_ext.engine.schema import HF_TARGETS
 
     return random_adapter(load_file(f"{hf_path}/model.safetensors"), LORA_RANK,
                           targets=HF_TARGETS, seed=4)
