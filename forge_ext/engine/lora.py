@@ -38,6 +38,14 @@ from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+ENGINE_ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight")
+"""How the engine's own adapter parameters end (torchtitan's ``LoRALinear``, and the ``hf``
+backend's, which copies its names): ``<module>.lora_a.weight`` is A, ``lora_b.weight`` B."""
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether an engine state-dict key is a LoRA adapter's (:data:`ENGINE_ADAPTER_SUFFIXES`)."""
+    return key.endswith(ENGINE_ADAPTER_SUFFIXES)
 
 
 def peft_adapter_config(rank: int, alpha: float, target_modules: Sequence[str],
