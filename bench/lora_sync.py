@@ -41,6 +41,7 @@ import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
 from forge_ext.engine import lora
+from forge_ext.engine.schema import HF_TARGETS, check_targets
 
 # config.json of Qwen/Qwen3-0.6B (max_position_embeddings lowered: vLLM sizes buffers by it).
 QWEN3_0_6B = dict(
@@ -90,7 +91,7 @@ async def run(args) -> list[str]:
     from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
 
     fields = {**QWEN3_0_6B, "num_hidden_layers": args.layers}
-    targets = lora.check_targets(args.targets, field="--targets")
+    targets = check_targets(args.targets, field="--targets")
     await initialize_store()
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
@@ -160,7 +161,7 @@ async def run(args) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--targets", nargs="*", default=list(lora.HF_TARGETS))
+    parser.add_argument("--targets", nargs="*", default=list(HF_TARGETS))
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
     parser.add_argument("--versions", type=int, default=3)
     args = parser.parse_args()

@@ -633,7 +633,7 @@ def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_print
     torchtitan's two not-applicable warnings; any other root-logger warning still shows."""
     import logging
 
-    from forge_ext.engine.config import engine_config_from_mapping
+    from forge_ext.engine import engine_config_from_mapping
     from forge_ext.engine.models import build_model_spec
 
     with caplog.at_level(logging.WARNING):

@@ -187,7 +187,7 @@ def test_every_grpo_variant_is_exact_under_gradient_accumulation(reference_weigh
     without a valid token), where the variants give different losses."""
     from grpo_reference import ENGINE_VARIANTS, grpo_targets, reference_kwargs, reference_loss
 
-    from forge_ext.engine.base import split_batch
+    from forge_ext.engine.core import split_batch
     from forge_ext.rl.losses.grpo import GRPOLoss
 
     batch = make_lm_batch(8, 32, 256, seed=7, ignore_prefix=PREFIX)
@@ -292,7 +292,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
     their storages' lifetimes while a consumer copies each tensor out and drops it."""
     import weakref
 
-    from forge_ext.engine import titan
+    from forge_ext.engine import model_weights
 
     engine = make()
     expected = {k: full(v).clone() for k, v in engine.hf_state_dict().items()}
@@ -306,7 +306,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
         weakref.finalize(copy.untyped_storage(), lambda: live.__setitem__(0, live[0] - nbytes))
         return copy
 
-    monkeypatch.setattr(titan, "_full", gather_allocating)
+    monkeypatch.setattr(model_weights, "_full", gather_allocating)
     tensors, adapter_config = engine.get_per_tensor_param()
     assert adapter_config is None
     names = []
@@ -319,7 +319,7 @@ def test_get_per_tensor_param_yields_hf_state_dict_one_gathered_tensor_at_a_time
     largest = max(t.numel() * t.element_size() for t in expected.values())
     assert 0 < peak[0] <= largest < full_copy / 4, (peak[0], largest, full_copy)
     # sharded=True: the tensors as held (what the weight publisher writes), no gather.
-    monkeypatch.setattr(titan, "_full", lambda t: pytest.fail("gathered"))
+    monkeypatch.setattr(model_weights, "_full", lambda t: pytest.fail("gathered"))
     held = dict(engine.get_per_tensor_param(sharded=True)[0])
     assert list(held) == names and all(torch.equal(full(held[k]), expected[k]) for k in held)
 
@@ -478,7 +478,7 @@ def dp_adapters(hf_path):
     from safetensors.torch import load_file
 
     from conftest import random_adapter
-    from forge_ext.engine.lora import HF_TARGETS
+    from forge_ext.engine.schema import HF_TARGETS
 
     return random_adapter(load_file(f"{hf_path}/model.safetensors"), LORA_RANK,
                           targets=HF_TARGETS, seed=4)
@@ -786,7 +786,7 @@ def test_value_head_is_exact_under_gradient_accumulation():
     """A critic (``model.value_head``) trains on the clipped value loss through the same
     microbatch core: GA=4 gives GA=1's loss and gradient, and both equal plain autograd of
     the value loss written out over the whole batch (no microbatches, no loss weights)."""
-    from forge_ext.engine.base import split_batch
+    from forge_ext.engine.core import split_batch
     from forge_ext.rl.losses.value import ValueLoss
 
     init_single_process_env()

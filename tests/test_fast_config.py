@@ -272,11 +272,12 @@ def test_a_good_config_passes_the_light_check_and_then_the_full_one(demo_checkpo
 def test_the_saved_engine_fields_are_the_engines_config():
     """``forge_ext/engine/engine_fields.json`` (what the light check reads) is what
     ``EngineConfig`` and torchtitan's sections are now; regenerate it with ``python -m
-    forge_ext.engine.schema --write``."""
-    from forge_ext.engine.schema import FIELDS_FILE, describe_engine_fields
+    forge_ext.engine.config --write``."""
+    from forge_ext.engine.config import describe_engine_fields
+    from forge_ext.engine.schema import FIELDS_FILE
 
     assert json.loads(FIELDS_FILE.read_text()) == json.loads(json.dumps(describe_engine_fields())), (
-        f"{FIELDS_FILE} is stale; regenerate it: python -m forge_ext.engine.schema --write")
+        f"{FIELDS_FILE} is stale; regenerate it: python -m forge_ext.engine.config --write")
 
 
 def test_the_light_engine_view_has_the_full_configs_sizes(demo_checkpoint):

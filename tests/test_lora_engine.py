@@ -14,7 +14,8 @@ from conftest import assert_grad_close, full, make_lm_batch, random_state_dict
 from forge_ext.engine import build_engine, cross_entropy_loss, valid_tokens
 from forge_ext.engine.distributed import init_single_process_env
 from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
-from forge_ext.engine.lora import HF_TARGETS, merge_into, read_peft_folder
+from forge_ext.engine.lora import merge_into, read_peft_folder
+from forge_ext.engine.schema import HF_TARGETS
 
 # The tiny qwen3 flavor's shapes as an HF checkpoint (forge_ext.engine.models.SMALL_FLAVORS).
 ARCH = dict(

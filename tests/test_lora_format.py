@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from forge_ext.engine import lora
+from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME
+from forge_ext.engine.schema import HF_TARGETS, check_targets
 
 peft = pytest.importorskip("peft")
 
@@ -45,14 +47,14 @@ def test_a_folder_we_write_is_what_peft_writes_and_peft_loads_it(tmp_path):
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-    config = json.loads((ours / lora.ADAPTER_CONFIG_NAME).read_text())
+    config = json.loads((ours / ADAPTER_CONFIG_NAME).read_text())
     for field in ("peft_type", "r", "lora_alpha", "target_modules", "bias"):
         assert config[field] == (sorted(their_config[field]) if field == "target_modules"
                                  else their_config[field]), field
 
 
 def test_merged_weights_give_the_adapted_models_logits(tmp_path):
-    model = _peft_model(_tiny_qwen3(), lora.HF_TARGETS)
+    model = _peft_model(_tiny_qwen3(), HF_TARGETS)
     model.save_pretrained(tmp_path / "peft")
     tensors, config = lora.read_peft_folder(tmp_path / "peft")
     base = _tiny_qwen3()
@@ -65,12 +67,12 @@ def test_merged_weights_give_the_adapted_models_logits(tmp_path):
 
 
 def test_bad_targets_and_tensors_are_refused_by_name():
-    assert lora.check_targets(None) == lora.HF_TARGETS
-    assert lora.check_targets("all-linear") == lora.HF_TARGETS
+    assert check_targets(None) == HF_TARGETS
+    assert check_targets("all-linear") == HF_TARGETS
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules.*'qkv'"):
-        lora.check_targets(["q_proj", "qkv"])
+        check_targets(["q_proj", "qkv"])
     with pytest.raises(ValueError, match="adapts no layer"):
-        lora.check_targets([])
+        check_targets([])
     with pytest.raises(ValueError, match="without both"):
         lora.adapter_modules({lora.peft_key("model.layers.0.self_attn.q_proj", "A"): torch.ones(1)})
     with pytest.raises(ValueError, match="not a PEFT LoRA tensor name"):

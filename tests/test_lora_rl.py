@@ -26,6 +26,7 @@ from conftest import (
 from test_vllm import ARCH, PROMPTS  # tests/test_vllm.py's model (head_dim 32, tied) and prompts
 
 from forge_ext.engine import lora
+from forge_ext.engine.schema import HF_TARGETS
 from forge_ext.actors import spawn_trainer
 from forge_ext.rollout.generator import GeneratorConfig, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
@@ -84,7 +85,7 @@ async def test_a_lora_version_publishes_the_adapter_bytes_alone(actors):
     want = {}
     for name, weight in base.items():
         module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] in lora.HF_TARGETS:
+        if module.rsplit(".", 1)[-1] in HF_TARGETS:
             want[lora.peft_key(module, "A")] = (LORA_RANK, weight.shape[1])
             want[lora.peft_key(module, "B")] = (weight.shape[0], LORA_RANK)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == want
@@ -94,7 +95,7 @@ async def test_a_lora_version_publishes_the_adapter_bytes_alone(actors):
     config = (await fetch_metadata(version, key_prefix=KEY_PREFIX))["adapter_config"]
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (
         LORA_RANK, 2.0 * LORA_RANK, "LORA")
-    assert sorted(config["target_modules"]) == sorted(lora.HF_TARGETS)
+    assert sorted(config["target_modules"]) == sorted(HF_TARGETS)
 
 
 @pytest.mark.parametrize(

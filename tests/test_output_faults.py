@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from forge_ext.engine.checkpoint import write_checkpoint
 from forge_ext.runtime import disk
 from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
@@ -100,7 +101,7 @@ def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
         r"not writing checkpoint step 2 to .*step-2: 1.0 MiB free on its filesystem \(rank 1\), "
         r"8.0 MiB needed .*last complete checkpoint: .*step-1$"
     )):
-        disk.write_checkpoint(
+        write_checkpoint(
             lambda: written.append(1), what="checkpoint step 2",
             path=str(tmp_path / "ckpt" / "step-2"), folder=str(tmp_path / "ckpt"),
             needed_bytes=8 << 20, gather=gathered,
@@ -127,8 +128,8 @@ def test_a_save_is_refused_exactly_when_free_space_is_short_of_the_last_checkpoi
         step2.mkdir(parents=True)
         (step2 / ".metadata").write_bytes(b"12345")
 
-    save = lambda: disk.write_checkpoint(write, what="checkpoint step 2", path=str(step2),
-                                         folder=str(tmp_path / "ckpt"), needed_bytes=needed)
+    save = lambda: write_checkpoint(write, what="checkpoint step 2", path=str(step2),
+                                    folder=str(tmp_path / "ckpt"), needed_bytes=needed)
     if refused:
         with pytest.raises(disk.CheckpointWriteError) as raised:
             save()

@@ -54,8 +54,8 @@ from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
 )
 from forge_ext.rollout.engines import HFSampler, SamplingConfig
-from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, is_hf_checkpoint, save_hf_checkpoint
-from forge_ext.engine.lora import ADAPTER_CONFIG_NAME
+from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME, is_hf_checkpoint
+from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, save_hf_checkpoint
 from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 

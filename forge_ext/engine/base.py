@@ -1,305 +1,201 @@
-"""The engine interface: one microbatch core and the high-level calls written on top of it.
+"""The engine: one microbatch core and every verb written on top of it, once for all backends.
 
-Modelled on verl's ``BaseEngine`` (``verl/workers/engine/base.py``): a backend implements
-:meth:`BaseEngine.forward_backward_batch` (the only loop over microbatches, the only place
-that weights losses and runs backward), the optimizer verbs, device moves (:meth:`BaseEngine.to`)
-and weight export (:meth:`BaseEngine.get_per_tensor_param`); the mode contexts
-(:meth:`BaseEngine.train_mode`, :meth:`BaseEngine.eval_mode`, verl's ``BaseEngineCtx``) and
-``train_batch``, ``infer_batch``, ``eval_batch`` and ``forward_batch`` are written once here.
-Backends register under a model type and a backend name (:class:`EngineRegistry`, verl's
-registry), which ``trainer.engine`` names.
+Modelled on verl's ``BaseEngine`` (``verl/workers/engine/base.py``): the interface is one
+class with docstrings, and the high-level calls (``train_batch``, ``infer_batch``,
+``eval_batch``, ``forward_batch``) and the mode contexts (``train_mode``, ``eval_mode``,
+verl's ``BaseEngineCtx``) are written on top of :meth:`BaseEngine.forward_backward_batch`,
+the only loop over microbatches, the only place that weights losses and runs backward
+(its parts: :mod:`forge_ext.engine.core`). Here that core, the optimizer verbs, checkpoints
+and device moves are written once too; a backend (:mod:`forge_ext.engine.titan`:
+torchtitan's models and every parallelism; :mod:`forge_ext.engine.hf`: any transformers
+``AutoModelForCausalLM``) builds its model and fills the hooks that differ:
 
-Batch format: a ``dict[str, torch.Tensor]`` whose tensors share the leading batch dimension
-``B`` (per data-parallel rank). ``input_ids`` is ``[B, S]`` int64 (right-padded); ``labels``,
-when present, is ``[B, S]`` int64 already shifted (``labels[:, t]`` is the target of the
-logits at position ``t``) with ``-100`` marking tokens that carry no loss. Any other per-sample
-tensor (``advantages [B]``, ``generator_logprobs [B, S]``, ...) rides along and is split the
-same way.
+- :meth:`BaseEngine.validate_config`: its own config checks, before anything is spawned
+  (:meth:`forge_ext.engine.registry.EngineRegistry.validate` calls it);
+- :meth:`BaseEngine._model_forward`: one microbatch's logits;
+- the weights' names (:class:`forge_ext.engine.model_weights.ModelWeights`: ``_to_hf``,
+  ``_hf_module_name``, ``load_hf_state_dict``);
+- under pipeline parallelism (titan): ``pp_schedule``, ``pp_has_first_stage``,
+  ``pp_has_last_stage``, ``pp_mesh`` and ``_pp_loss``, which the core drives one
+  ``schedule.step`` per microbatch.
+
+A backend's ``__init__`` sets ``config``, ``device``, ``model_parts``, ``dp_mesh`` (None with
+one data-parallel rank), ``num_microbatches`` (and under PP ``num_pp_microbatches``),
+``train_context`` and ``sd_adapter`` (each has a default below), then calls
+:meth:`BaseEngine._build_training_state` (optimizer, LR scheduler, checkpointer, step).
+The batch format: :mod:`forge_ext.engine.core`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.config import CommConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools import utils as titan_utils
 
-from forge_ext.engine.microbatch import count_tokens, restore_rows
-
-Batch = dict[str, torch.Tensor]
-LossMetrics = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | tuple[torch.Tensor, LossMetrics]"]
-"""``loss_fn(logits [b, S, V], microbatch) -> scalar``: the microbatch's *mean* loss; or
-``-> (scalar, metrics)`` with ``metrics`` a dict of 0-dim tensors, each a mean over the same
-unit as the loss (e.g. valid tokens), which the engine combines like the loss (see
-:attr:`ForwardBackwardOutputs.metrics`). The metric names must be the same on every call and
-every rank (the engine reduces them in one collective)."""
-LossWeightFn = Callable[[Batch], torch.Tensor | int | float]
-"""``loss_weight_fn(microbatch) -> scalar``: the microbatch's weight, e.g. its valid tokens."""
-
-
-@dataclass
-class ForwardBackwardOutputs:
-    """What :meth:`BaseEngine.forward_backward_batch` returns for one step.
-
-    Attributes:
-        mb_outputs: per microbatch, ``output_post_hook(logits, mb)`` (or the logits) when
-            ``return_outputs=True``; empty otherwise. Under PP only the last stage has them.
-        losses: per microbatch, the detached ``loss_fn`` value (a mean over the microbatch).
-        loss: the step loss ``sum_i w_i * loss_i / sum_i w_i`` over all microbatches of all
-            data-parallel ranks, as a float, identical on every rank; None without a loss
-            function and on PP ranks without the last stage (they hold no loss). A weighted
-            mean, never a sum logged as a mean.
-        global_weight: ``sum_i w_i`` over all microbatches and data-parallel ranks.
-        metrics: the loss function's metrics (when it returns ``(loss, metrics)``), each
-            weighted like the loss: ``sum_i w_i * m_i / sum_i w_i`` over all microbatches of
-            all data-parallel ranks (NaN if the weights sum to 0); empty otherwise and on PP
-            ranks without the last stage. Microbatches of weight 0 contribute nothing.
-    """
-
-    mb_outputs: list[Any] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    loss: float | None = None
-    global_weight: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
+from forge_ext.engine import microbatch as token_budget
+from forge_ext.engine import offload
+from forge_ext.engine.checkpoint import build_checkpointer
+from forge_ext.engine.core import (
+    Batch, ForwardBackwardOutputs, InferOutputs, LossFn, LossTerm, LossWeightFn, pad_to,
+    split_batch, validate_batch,
+)
+from forge_ext.engine.distributed import rendezvous_on_master_addr
+from forge_ext.engine.model_weights import ModelWeights
 
 
-def split_batch(batch: Batch, num_microbatches: int) -> list[Batch]:
-    """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` equal parts.
-
-    Raises:
-        ValueError: if the batch size is not a multiple of ``num_microbatches``, naming both.
-    """
-    batch_size = next(iter(batch.values())).shape[0]
-    if batch_size % num_microbatches:
-        raise ValueError(
-            f"batch size {batch_size} is not divisible into {num_microbatches} microbatches "
-            "(training.local_batch_size / training.microbatch_size)"
-        )
-    chunks = {k: v.chunk(num_microbatches, dim=0) for k, v in batch.items()}
-    return [{k: c[i] for k, c in chunks.items()} for i in range(num_microbatches)]
-
-
-@dataclass
-class InferOutputs:
-    """What :meth:`BaseEngine.infer_batch` returns.
-
-    Attributes:
-        outputs: the per-microbatch outputs (``post_hook(logits, mb)``, default the logits
-            ``[b, S, V]``) aggregated as :meth:`BaseEngine.forward_batch` documents; None when
-            not asked for (``return_outputs=False``) and on PP stages other than the last.
-        loss: with a loss function, the weighted mean loss over all microbatches of all
-            data-parallel ranks (as :attr:`ForwardBackwardOutputs.loss`); None otherwise.
-        global_weight: the loss weights' sum over all data-parallel ranks (0 without loss).
-        metrics: the loss function's metrics, weighted like the loss (as
-            :attr:`ForwardBackwardOutputs.metrics`).
-    """
-
-    outputs: Any = None
-    loss: float | None = None
-    global_weight: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-MODEL_TYPE = "language_model"
-"""The model type of a causal LM policy or reference (verl's ``language_model``); a critic
-would register as ``value_model``."""
-
-
-class EngineRegistry:
-    """Engine backends by model type and backend name (verl's ``EngineRegistry``,
-    ``verl/workers/engine/base.py``): ``trainer.engine`` names the backend, the actors build
-    it with :meth:`new`, so a second backend plugs in without touching them::
-
-        @EngineRegistry.register("language_model", "titan")
-        class TitanEngine(BaseEngine): ...
-
-        engine = EngineRegistry.new("language_model", "titan", config)
-    """
-
-    _engines: dict[str, dict[str, type]] = {}
-
-    @classmethod
-    def register(cls, model_type: str, backend: str | list[str]) -> Callable[[type], type]:
-        """A class decorator registering a :class:`BaseEngine` subclass as ``backend`` (one
-        name or several) for ``model_type``.
-
-        Raises:
-            TypeError: the class is not a :class:`BaseEngine`.
-            ValueError: another class is registered under the same names already.
-        """
-
-        def decorator(engine_class: type) -> type:
-            if not (isinstance(engine_class, type) and issubclass(engine_class, BaseEngine)):
-                raise TypeError(f"{engine_class!r} is not a BaseEngine subclass")
-            backends = cls._engines.setdefault(model_type, {})
-            for name in [backend] if isinstance(backend, str) else backend:
-                known = backends.get(name)
-                if known is not None and known.__qualname__ != engine_class.__qualname__:
-                    raise ValueError(f"engine backend {name!r} for {model_type!r} is "
-                                     f"{known.__qualname__} already")
-                backends[name] = engine_class
-            return engine_class
-
-        return decorator
-
-    @classmethod
-    def backends(cls, model_type: str = MODEL_TYPE) -> list[str]:
-        """The backend names registered for ``model_type``, sorted."""
-        return sorted(cls._engines.get(model_type, {}))
-
-    @classmethod
-    def get_engine_cls(cls, model_type: str, backend: str) -> type:
-        """The class registered as ``backend`` for ``model_type``.
-
-        Raises:
-            ValueError: naming ``trainer.engine`` and the registered backends.
-        """
-        known = cls._engines.get(model_type, {})
-        if backend not in known:
-            raise ValueError(f"engine={backend!r} is not an engine backend for {model_type} "
-                             f"(registered: {', '.join(sorted(known)) or 'none'}); set engine "
-                             "to one of them")
-        return known[backend]
-
-    @classmethod
-    def new(cls, model_type: str, backend: str, *args: Any, **kwargs: Any) -> "BaseEngine":
-        """Build the engine registered as ``backend`` for ``model_type`` with ``*args``,
-        ``**kwargs`` (for the built-in backends: the engine config).
-
-        Raises:
-            ValueError: an unknown backend (:meth:`get_engine_cls`).
-        """
-        return cls.get_engine_cls(model_type, backend)(*args, **kwargs)
-
-
-class BaseEngine(ABC):
-    """Engine interface. Backends implement the abstract methods; the rest is shared.
-
-    The interface is verl's ``BaseEngine`` (``verl/workers/engine/base.py``) with this
-    project's batch format and microbatch core: mode contexts with offload, ``train_batch`` /
-    ``infer_batch``, ``get_per_tensor_param``, data-parallel accessors, ``to``, and
-    ``disable_adapter``.
-    """
+class BaseEngine(ModelWeights):
+    """A model with optimizer, LR scheduler and checkpointer, driven in microbatches: the
+    verbs every backend shares (module docstring); backends build the model and fill the
+    hooks."""
 
     mode: str | None = None
     """``"train"`` or ``"eval"`` inside :meth:`train_mode` / :meth:`eval_mode` (the innermost),
     None outside both."""
     _resident_depth: int = 0
+    # What a backend's __init__ may leave at these defaults: one data-parallel rank, no
+    # pipeline, no SPMD context, HF names already (no state-dict adapter).
+    dp_mesh: Any = None
+    pp_schedule: Any = None
+    pp_mesh: Any = None
+    pp_has_first_stage: bool = True
+    pp_has_last_stage: bool = True
+    num_pp_microbatches: int = 1
+    ep_enabled: bool = False
+    train_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    sd_adapter: Any = None
 
-    # ---- implemented by backends -------------------------------------------------------
+    # ---- what a backend implements --------------------------------------------------------
+    @classmethod
     @abstractmethod
+    def validate_config(cls, config: Any) -> None:
+        """Check everything an :class:`~forge_ext.engine.config.EngineConfig` for this
+        backend shows before any process is spawned (its :meth:`validate` included).
+
+        Raises:
+            ValueError: naming the offending field and the fix.
+            FileNotFoundError: ``model.hf_path`` without a config.json.
+        """
+
+    @abstractmethod
+    def _model_forward(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """Logits ``[b, L, V]`` of one microbatch; a packed microbatch (``position_ids``)
+        runs with positions restarting per sequence and attention confined to each."""
+
+    # ---- construction -------------------------------------------------------------------
+    def _init_distributed(self) -> int:
+        """Set ``self.device`` (this rank's accelerator, or the CPU) and join the world
+        (``torch.distributed`` from the usual environment; the rendezvous listens on
+        ``MASTER_ADDR`` only, not on every interface); return the world size."""
+        self.device = titan_utils.get_local_device()
+        titan_utils.device_module.set_device(self.device)
+        with rendezvous_on_master_addr():
+            return dist_utils.init_distributed(CommConfig(), base_folder=self.config.dump_folder)
+
+    def _build_training_state(self) -> None:
+        """The optimizer and LR scheduler over ``model_parts`` (torchtitan's containers, which
+        take any module and only its ``requires_grad`` parameters), the step counter, and
+        ``self.checkpointer`` over them
+        (:func:`forge_ext.engine.checkpoint.build_checkpointer`)."""
+        config = self.config
+        self.optimizers = config.optimizer.to_titan().build(model_parts=self.model_parts)
+        self.lr_schedulers = config.lr_scheduler.build(
+            optimizers=self.optimizers, training_steps=config.training.steps
+        )
+        self.step = 0
+        # (id(param), key) -> device of each optimizer state tensor moved to the host.
+        self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
+        self.checkpointer = build_checkpointer(
+            config, model_parts=self.model_parts, optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers, train_state=self, sd_adapter=self.sd_adapter,
+        )
+
+    # ---- modules, data parallelism, offload (verl's interface) --------------------------
     def model_modules(self) -> list[torch.nn.Module]:
-        """The model's modules on this rank (one, or one per pipeline stage held here)."""
+        """The model parts on this rank: one, or one per pipeline stage held here."""
+        return self.model_parts
+
+    def get_data_parallel_size(self) -> int:
+        """Data-parallel ranks: ``data_parallel_replicate_degree x data_parallel_shard_degree``
+        (torchtitan's ``batch`` mesh; the ``hf`` backend's FSDP mesh), 1 without data
+        parallelism."""
+        return self.dp_mesh.size() if self.dp_mesh is not None else 1
+
+    def get_data_parallel_rank(self) -> int:
+        """This process's coordinate on the ``batch`` mesh (0 without data parallelism): the
+        index of the batch part it trains on."""
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's data-parallel ranks (the ``batch`` mesh), over
+        which losses and weights are summed; None without data parallelism."""
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
     @property
-    @abstractmethod
     def is_param_offload_enabled(self) -> bool:
-        """Whether parameters (and gradients) rest in host memory between uses
-        (``trainer.offload.params``)."""
+        """``trainer.offload.params``: parameters and gradients rest in host memory
+        outside :meth:`train_mode` / :meth:`eval_mode` and the state verbs."""
+        return self.config.offload.params
 
     @property
-    @abstractmethod
     def is_optimizer_offload_enabled(self) -> bool:
-        """Whether the optimizer state rests in host memory between optimizer steps
-        (``trainer.offload.optimizer``)."""
+        """``trainer.offload.optimizer``: the optimizer state rests in host memory outside
+        :meth:`train_mode` and the checkpoint verbs."""
+        return self.config.offload.optimizer
 
-    @abstractmethod
     def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True,
            grad: bool = True) -> None:
-        """Move the model's parameters (``model``), their gradients (``grad``) and the
-        optimizer state (``optimizer``) to ``device`` (``"cpu"`` or the engine's
-        accelerator), exactly (copies, no casts). verl's ``BaseEngine.to``.
+        """Move parameters and buffers (``model``), gradients (``grad``) and the optimizer
+        state (``optimizer``) of this rank to ``device``: ``"cpu"`` (pinned host memory when
+        the engine runs on an accelerator) or the engine's device (``"cuda"`` means this
+        rank's). Exact: copies, no casts; a round trip gives back the same bits, each
+        optimizer state tensor on the device it came from (Adam's ``step`` stays on the CPU).
+        After a move to the CPU the accelerator's cached blocks are released
+        (``empty_cache``), so the engine's memory there is free for the generator.
+
+        A gradient lives on its parameter's device (torch refuses anything else), so
+        gradients move with the parameters whenever ``model`` is set; ``grad=False`` only
+        says the caller does not need them (verl's ``eval_mode`` passes it). A tensor
+        already on ``device`` is not copied: on a machine without an accelerator the engine's
+        device is the CPU and ``to`` is the identity.
+
+        The compute verbs need what they use on the engine's device: call them inside
+        :meth:`train_mode` / :meth:`eval_mode` (``train_batch`` and ``infer_batch`` enter them
+        themselves), or after ``to(engine.device)``. verl's ``BaseEngine.to``.
 
         Raises:
-            ValueError: a device other than the CPU and the engine's own, or ``grad``
-                without ``model``.
+            ValueError: ``device`` is neither the CPU nor the engine's device type, or
+                ``grad`` without ``model``.
         """
-
-    @abstractmethod
-    def get_per_tensor_param(self) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
-        """``(tensors, adapter_config)``: a generator of ``(HF name, full tensor)`` pairs of
-        what a generator needs for this policy, one tensor at a time, and the PEFT
-        ``adapter_config.json`` mapping under LoRA (None otherwise). verl's
-        ``get_per_tensor_param``."""
-
-    @abstractmethod
-    def get_data_parallel_size(self) -> int:
-        """Data-parallel ranks (replicate x shard degrees)."""
-
-    @abstractmethod
-    def get_data_parallel_rank(self) -> int:
-        """This process's rank among the data-parallel ranks (0-based)."""
-
-    @abstractmethod
-    def get_data_parallel_group(self) -> Any:
-        """The ``torch.distributed`` process group of the data-parallel ranks (None with one
-        data-parallel rank)."""
-
-    @abstractmethod
-    def disable_adapter(self) -> contextlib.AbstractContextManager:
-        """A context within which the model computes its base model (LoRA adapters off);
-        a no-op without LoRA."""
-
-    @abstractmethod
-    def forward_backward_batch(
-        self,
-        data_iterator: Iterable[Batch],
-        loss_fn: LossFn | None,
-        loss_weight_fn: LossWeightFn | None,
-        output_post_hook: Callable[[torch.Tensor, Batch], Any] | None = None,
-        return_outputs: bool = False,
-        forward_only: bool = False,
-    ) -> ForwardBackwardOutputs:
-        """Run forward (and, unless ``forward_only``, backward) over all microbatches.
-
-        The loss backpropagated is ``sum_i w_i * loss_i / W`` with ``W`` the sum of weights
-        over all microbatches of the step and all data-parallel ranks, taken before any
-        backward; gradients accumulate across microbatches (never zeroed here) and equal the
-        full-batch gradient whatever the split. Every data-parallel rank runs as many
-        microbatches (:meth:`microbatches` splits so).
-
-        Raises:
-            RuntimeError: the data-parallel ranks were given different microbatch counts
-                (checked before any other collective, so no rank is left waiting in one).
-        """
-
-    @abstractmethod
-    def microbatches(self, batch: Batch) -> list[Batch]:
-        """Validate ``batch`` and split it into this engine's microbatches."""
-
-    @abstractmethod
-    def optimizer_zero_grad(self) -> None:
-        """Zero the gradients of all model parts (never called per microbatch)."""
-
-    @abstractmethod
-    def optimizer_step(self) -> float:
-        """Clip gradients to ``training.max_norm``, step, then zero the gradients the step
-        consumed (the next ``forward_backward_batch`` accumulates from zero); return the
-        pre-clip grad norm."""
-
-    @abstractmethod
-    def lr_scheduler_step(self) -> float:
-        """Step the LR scheduler; return the learning rate of the next optimizer step."""
-
-    @abstractmethod
-    def current_lr(self) -> float:
-        """The learning rate the next optimizer step will use."""
-
-    @abstractmethod
-    def save_checkpoint(self, step: int) -> None:
-        """Save the full training state (model, optimizer, LR scheduler, step) for ``step``."""
-
-    @abstractmethod
-    def load_checkpoint(self, step: int | None = None) -> int:
-        """Load ``step`` (latest when None); return the step loaded."""
+        target = torch.device(device)
+        if target.type != "cpu":
+            if target.type != self.device.type:
+                raise ValueError(f"to(device={str(device)!r}): the engine runs on "
+                                 f"{self.device}; move to 'cpu' or {self.device.type!r}")
+            target = self.device
+        if grad and not model:
+            raise ValueError("to(model=False, grad=True): a gradient lives on its "
+                             "parameter's device; move both (model=True) or neither "
+                             "(grad=False)")
+        if model and not offload.modules_on(self.model_parts, target):
+            offload.move_modules(self.model_parts, target)
+        if optimizer:
+            offload.move_optimizer_state(self.optimizers, target, self._optimizer_homes)
+        if self.device.type != "cpu":
+            titan_utils.device_module.synchronize()  # the pinned copies have landed
+            if target.type == "cpu":
+                titan_utils.device_module.empty_cache()
 
     # ---- modes and residency (verl's BaseEngineCtx) ---------------------------------------
-    # Backends set ``self.device``: the accelerator (or CPU) the engine computes on.
     def train_mode(self) -> contextlib.AbstractContextManager:
         """A context that puts every model module in training mode (``module.train()``)
         and, with offload on, first moves parameters, gradients and optimizer state to the
@@ -366,6 +262,294 @@ class BaseEngine(ABC):
         """Alias of :meth:`get_data_parallel_rank`."""
         return self.get_data_parallel_rank()
 
+    # ---- the microbatch core ------------------------------------------------------------
+    def check_batch(self, batch: Batch) -> None:
+        """Raise the errors :meth:`microbatches` would, without splitting (no collective)."""
+        validate_batch(batch, self.config.training)
+
+    def microbatches(self, batch: Batch) -> list[Batch]:
+        """Check ``batch`` against the config and split it into microbatches: fixed row
+        counts, or with ``training.max_tokens_per_microbatch`` token-budget microbatches
+        (packed with ``training.packing``), as many on every data-parallel rank (a
+        collective over the DP group: every rank calls it once per step).
+
+        Raises:
+            ValueError: missing/mistyped ``input_ids``, a tensor whose leading dimension or
+                sequence length disagrees with ``input_ids``, a batch size other than
+                ``training.local_batch_size`` (fixed rows only), or
+                ``seq_len > training.seq_len``.
+        """
+        validate_batch(batch, self.config.training)
+        t = self.config.training
+        if t.max_tokens_per_microbatch is None:
+            return split_batch(batch, self.num_microbatches)
+        lengths = token_budget.row_lengths(batch).tolist()
+        plan = (token_budget.plan_packing if t.packing else token_budget.plan_token_budget)(
+            lengths, t.max_tokens_per_microbatch, t.pad_to_multiple_of
+        )
+        count = self._dp_all_reduce(torch.tensor(max(len(plan), 1), device=self.device),
+                                    dist.ReduceOp.MAX)
+        plan = token_budget.equalize(plan, int(count), lengths)
+        build = token_budget.packed_microbatch if t.packing else token_budget.padded_microbatch
+        return [build(batch, rows, lengths, t.pad_to_multiple_of) for rows in plan]
+
+    def forward_backward_batch(
+        self,
+        data_iterator: Iterable[Batch],
+        loss_fn: LossFn | None,
+        loss_weight_fn: LossWeightFn | None,
+        output_post_hook: Callable[[torch.Tensor, Batch], Any] | None = None,
+        return_outputs: bool = False,
+        forward_only: bool = False,
+    ) -> ForwardBackwardOutputs:
+        """Run forward (and, unless ``forward_only``, backward) over all microbatches.
+
+        The loss backpropagated is ``sum_i w_i * loss_i / W`` with ``W`` the sum of weights
+        over all microbatches of the step and all data-parallel ranks, taken before any
+        backward; gradients accumulate across microbatches (never zeroed here) and equal the
+        full-batch gradient whatever the split. Every data-parallel rank runs as many
+        microbatches (:meth:`microbatches` splits so).
+
+        Raises:
+            RuntimeError: the data-parallel ranks were given different microbatch counts
+                (checked before any other collective, so no rank is left waiting in one).
+        """
+        # With offload on the parameters come to the device for the call (the mode
+        # contexts keep them there across calls).
+        with self.resident(optimizer=False):
+            return self._forward_backward_batch(
+                data_iterator, loss_fn, loss_weight_fn, output_post_hook, return_outputs,
+                forward_only,
+            )
+
+    def _forward_backward_batch(
+        self, data_iterator, loss_fn, loss_weight_fn, output_post_hook, return_outputs,
+        forward_only,
+    ) -> ForwardBackwardOutputs:
+        if loss_fn is not None and loss_weight_fn is None:
+            raise ValueError("loss_weight_fn is required with loss_fn")
+        microbatches = [self._to_device(mb) for mb in data_iterator]
+        self._check_dp_microbatch_count(len(microbatches))
+        seq_len = microbatches[0]["input_ids"].shape[1] if microbatches else 0
+        if self.pp_schedule is not None:
+            # Schedules fix activation shapes at their first step: pad to training.seq_len.
+            microbatches = [pad_to(mb, self.config.training.seq_len) for mb in microbatches]
+        # Under PP each microbatch is one schedule.step over its PP microbatches; the loss
+        # weights belong to the PP microbatches, which are the units the loss sees.
+        groups = (
+            [split_batch(mb, self.num_pp_microbatches) for mb in microbatches]
+            if self.pp_schedule is not None else [[mb] for mb in microbatches]
+        )
+        units = [mb for group in groups for mb in group]
+        out = ForwardBackwardOutputs()
+        weights: list[torch.Tensor] = []
+        global_weight = None
+        if loss_fn is not None:
+            weights = [
+                torch.as_tensor(loss_weight_fn(mb), dtype=torch.float32, device=self.device)
+                for mb in units
+            ]
+            # Known before any backward: the step's loss is normalised once, globally.
+            global_weight = self._dp_all_reduce(torch.stack(weights).sum())
+            out.global_weight = float(global_weight)
+        loss_term = LossTerm(
+            loss_fn, weights, global_weight, output_post_hook, keep_outputs=return_outputs
+        )
+        grad_ctx = torch.no_grad() if forward_only else torch.enable_grad()
+        with grad_ctx, self.train_context():
+            if self.pp_schedule is None:
+                model = self.model_parts[0]
+                for i, mb in enumerate(units):
+                    scaled = loss_term(self._model_forward(model, mb), mb, i)
+                    if loss_fn is not None and not forward_only:
+                        # FSDP reduces (and reshards) gradients after every backward unless
+                        # told otherwise; reduce once, after the last microbatch.
+                        _set_gradient_sync(model, i == len(units) - 1)
+                        scaled.backward()
+                _set_gradient_sync(model, True)
+            else:
+                self._pipeline_steps(groups, units, loss_term, forward_only)
+        loss_term.fill(out)
+        if self.pp_schedule is not None:
+            out.mb_outputs = [
+                o[:, :seq_len] if torch.is_tensor(o) and o.dim() >= 2 else o
+                for o in out.mb_outputs
+            ]
+        if loss_fn is not None:
+            # Only ranks holding the last PP stage computed losses; others report None. One
+            # collective (and one host sync) for the loss and the loss function's metrics.
+            names, local = loss_term.weighted_sums()
+            totals = self._dp_all_reduce(local).tolist()
+            out.loss = totals[0] if self.pp_has_last_stage else None
+            out.metrics = {
+                name: total / out.global_weight if out.global_weight else math.nan
+                for name, total in zip(names, totals[1:])
+            }
+        return out
+
+    def _pipeline_steps(
+        self, groups: list[list[Batch]], units: list[Batch], loss_term: LossTerm,
+        forward_only: bool,
+    ) -> None:
+        """Run one ``schedule.step`` (or ``eval``) per group of PP microbatches.
+
+        The schedule calls ``self._pp_loss(logits, target)`` on the last stage per PP
+        microbatch; ``target`` carries the microbatch's index into ``units`` (a tensor the
+        schedule splits like the inputs), so the loss reads the whole microbatch dict and
+        returns the globally normalised term: backward inside ``step`` sees the final scale.
+        """
+        self._pp_loss.term, self._pp_loss.units = loss_term, units
+        offset = 0
+        for group in groups:
+            n = len(group)
+            target = torch.arange(offset, offset + n, device=self.device)
+            inputs = (torch.cat([mb["input_ids"] for mb in group]),) if self.pp_has_first_stage else ()
+            run = self.pp_schedule.eval if forward_only else self.pp_schedule.step
+            kwargs = {"target": target} if self.pp_has_last_stage else {}
+            if not forward_only:
+                kwargs["return_outputs"] = False
+            run(*inputs, **kwargs)
+            offset += n
+        self._pp_loss.term, self._pp_loss.units = None, []
+
+    def _dp_all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``x`` reduced with ``op`` (sum, max) over this rank's data-parallel group (a
+        collective: every rank of the group must call it); ``x`` itself when there is one DP
+        rank. ``x`` must be on ``self.device``."""
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, op=op, group=self.dp_mesh.get_group())
+        return x
+
+    def _check_dp_microbatch_count(self, count: int) -> None:
+        """Raise unless every rank of this rank's data-parallel group runs ``count``
+        microbatches (a collective: one small all-reduce).
+
+        FSDP all-gathers and reduce-scatters per microbatch, pairing the ranks' calls in
+        order: with unequal counts a rank waits in a collective its peers never enter, until
+        the process group's timeout (minutes), and fails without naming the cause. Every
+        rank sees the same minimum and maximum here, so all of them raise, before any
+        other collective of the step.
+
+        Raises:
+            RuntimeError: naming this rank's count and the group's minimum and maximum.
+        """
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return
+        most, negated_least = self._dp_all_reduce(
+            torch.tensor([count, -count], dtype=torch.int64, device=self.device),
+            dist.ReduceOp.MAX,
+        ).tolist()
+        if most != -negated_least:
+            raise RuntimeError(
+                f"data-parallel ranks disagree on the microbatch count: this rank has "
+                f"{count}, the group between {-negated_least} and {most}; every rank must "
+                "run as many (FSDP's collectives pair up per microbatch), so the split must "
+                "equalise them (microbatches() does, with a MAX all-reduce, under "
+                "training.max_tokens_per_microbatch)"
+            )
+
+    def _to_device(self, mb: Batch) -> Batch:
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        return mb.with_tensors(tensors) if isinstance(mb, token_budget.Microbatch) else tensors
+
+    # ---- optimizer verbs ---------------------------------------------------------------
+    def optimizer_zero_grad(self) -> None:
+        """Zero the gradients of all model parts (never called per microbatch)."""
+        self.optimizers.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip gradients to ``training.max_norm``, step, then zero the gradients the step
+        consumed (the next ``forward_backward_batch`` accumulates from zero); return the
+        pre-clip grad norm.
+
+        Raises:
+            FloatingPointError: the gradient norm is not finite (nothing is stepped).
+        """
+        with self.resident(optimizer=True):
+            return self._optimizer_step()
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip the trainable parameters' gradients to ``training.max_norm``; return the
+        pre-clip norm over all ranks and stages (torchtitan's ``clip_grad_norm_``: under
+        FSDP the norm of sharded gradients is a DTensor, reduced over its mesh)."""
+        return dist_utils.clip_grad_norm_(
+            self.trainable_parameters(),
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.pp_mesh,
+            ep_enabled=self.ep_enabled,
+        )
+
+    def _optimizer_step(self) -> float:
+        grad_norm = self._clip_grad_norm()
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {grad_norm} at step {self.step + 1}")
+        self.optimizers.step()
+        # The step consumed these gradients: whatever verb comes next (forward_backward,
+        # train_batch), its accumulation must start from zero, never re-apply this batch.
+        self.optimizer_zero_grad()
+        self.step += 1
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        """Step the LR scheduler; return the learning rate of the next optimizer step."""
+        self.lr_schedulers.step()
+        return self.current_lr()
+
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return float(self.lr_schedulers.schedulers[0].get_last_lr()[0])
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Train state saved with checkpoints (``train_state``): the step counter."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the train state :meth:`state_dict` saved."""
+        self.step = int(state_dict["step"])
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save model, optimizer, LR scheduler and train state for ``step`` with DCP under
+        ``<dump_folder>/<checkpoint.folder>/step-<step>`` (``.metadata`` written last, so a
+        half-written step is never picked by :meth:`load_checkpoint`). Then only the newest
+        ``checkpoint.keep_latest_k`` complete checkpoints are kept; a folder a crashed save
+        left is set aside as ``step-<N>.incomplete`` (:mod:`forge_ext.engine.checkpoint`).
+
+        Raises:
+            ValueError: if ``checkpoint.enable`` is false.
+            forge_ext.runtime.disk.CheckpointWriteError: before writing, if the free space is
+                short of the last save's size; or if the write hit an OSError (no space,
+                permissions, read-only filesystem, quota). One line: what, where, free and
+                needed space, the last complete checkpoint.
+        """
+        if not self.checkpointer.enable:
+            raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        with self.resident(optimizer=True):
+            self.checkpointer.save_step(step)
+
+    def load_checkpoint(self, step: int | None = None) -> int:
+        """Restore ``step`` (the latest complete one when None); return the step restored,
+        0 when there is no checkpoint yet.
+
+        Raises:
+            ValueError: if ``checkpoint.enable`` is false.
+            FileNotFoundError: if ``step`` is given and was not saved, or its save did not
+                finish (no ``.metadata``).
+        """
+        if not self.checkpointer.enable:
+            raise ValueError("checkpoint.enable is false; set trainer.checkpoint.enable=true")
+        with self.resident(optimizer=True):
+            self.checkpointer.load(step=-1 if step is None else step)
+        return self.step
+
+    def close(self) -> None:
+        """Stop the checkpointer's background work (async saves, the purge thread)."""
+        self.checkpointer.close()
+
     # ---- written once on top of forward_backward_batch ---------------------------------
     def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict:
         """One optimizer step on ``batch`` in :meth:`train_mode`: zero grad, forward/backward
@@ -396,7 +580,7 @@ class BaseEngine(ABC):
             "num_tokens": out.global_weight,
             "tokens_per_second": batch["input_ids"].numel() / seconds,
             "num_microbatches": len(microbatches),
-            "computed_tokens": count_tokens(microbatches),
+            "computed_tokens": token_budget.count_tokens(microbatches),
             **{f"loss/{name}": value for name, value in out.metrics.items()},
         }
 
@@ -443,7 +627,8 @@ class BaseEngine(ABC):
                               metrics=out.metrics)
         if return_outputs and out.mb_outputs:
             ids = batch["input_ids"]
-            outputs = aggregate_fn(restore_rows(out.mb_outputs, microbatches, *ids.shape[:2]))
+            rows = token_budget.restore_rows(out.mb_outputs, microbatches, *ids.shape[:2])
+            outputs = aggregate_fn(rows)
             if output_seqlens is not None:
                 outputs = [row[row.shape[0] - n :] for row, n in zip(outputs, output_seqlens)]
             result.outputs = outputs
@@ -488,4 +673,10 @@ class BaseEngine(ABC):
     def step_lr_scheduler(self) -> float:
         """Alias of :meth:`lr_scheduler_step`."""
         return self.lr_scheduler_step()
+
+
+
+def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
 

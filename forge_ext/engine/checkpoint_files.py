@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from forge_ext.config import RUN_CONFIG_FILE, WORKING_DIR_KEY, load_run_record
+
 
 def _fs(path: str):
     """``(fsspec filesystem, path)`` of a remote URI (``"://"``: torch DCP's and torchtitan's
@@ -95,8 +97,6 @@ def run_model_of(step_folder: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: no run record there, naming where it was looked for and the
             ``--model`` flag that replaces it.
     """
-    from forge_ext.config import RUN_CONFIG_FILE, WORKING_DIR_KEY, load_run_record
-
     step = Path(step_folder).resolve()
     candidates = [step.parent.parent / RUN_CONFIG_FILE, step.parent / RUN_CONFIG_FILE]
     for path in candidates:

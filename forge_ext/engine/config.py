@@ -3,7 +3,7 @@
 The sections mirror torchforge's YAML apps and torchtitan's ``Trainer.Config``::
 
     trainer:
-      engine: titan                  # the backend (forge_ext.engine.base.EngineRegistry)
+      engine: titan                  # the backend (forge_ext.engine.registry.EngineRegistry)
       model: {name: qwen3, flavor: tiny, hf_path: null, attn_backend: sdpa}
       training: {local_batch_size: 8, microbatch_size: 2, seq_len: 64, steps: 100}
       parallelism: {data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1}
@@ -29,12 +29,21 @@ slower on CPU) and ``parallelism.spmd_backend=partial_dtensor``. Data parallelis
 torchtitan's defaults (FSDP over all ranks: ``data_parallel_shard_degree=-1``); replication
 (``data_parallel_replicate_degree``) and HSDP work too, on gloo as on NCCL. Always:
 ``training.disable_cuda_graphs=true``.
+
+Data only: no backend is named here. :func:`parse_engine_config` reads a mapping and
+:meth:`EngineConfig.validate` checks what every backend needs; the backend that ``engine``
+names checks the rest (its model, its parallelisms) behind the registry
+(:func:`forge_ext.engine.registry.engine_config_from_mapping`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import logging
+import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -49,8 +58,10 @@ from torchtitan.config import TrainingConfig as TitanTrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from forge_ext.config import check_keys, from_mapping
+from forge_ext.engine import schema
 # torchtitan's manager with retention that counts only complete checkpoints (same fields).
 from forge_ext.engine.checkpoint import CheckpointManager
+from forge_ext.engine.models import model_name_of, read_hf_config
 
 # torchtitan warnings (through the root logger, torchtitan/tools/logging.py) about defaults
 # that do not apply to the engine, printed by every process for every engine config or model:
@@ -102,8 +113,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.name is None:
-            from forge_ext.engine.models import model_name_of
-
             self.name = model_name_of(self.hf_path)
 
 
@@ -216,9 +225,7 @@ class LoRAConfig:
             ValueError: an empty list or a name that is not one of the seven, naming
                 ``lora.target_modules``.
         """
-        from forge_ext.engine.schema import check_targets
-
-        return check_targets(self.target_modules, "lora.target_modules")
+        return schema.check_targets(self.target_modules, "lora.target_modules")
 
     @property
     def scaling(self) -> float:
@@ -227,11 +234,9 @@ class LoRAConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the field for a rank below 1, a non-positive alpha or a
-        target that is not a decoder linear layer (:meth:`EngineConfig.validate` calls it;
+        target that is not a decoder linear layer (``HFEngine.validate_config`` calls it;
         :func:`forge_ext.engine.schema.check_lora` holds the rules)."""
-        from forge_ext.engine.schema import check_lora
-
-        check_lora(self)
+        schema.check_lora(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -299,9 +304,7 @@ class EngineConfig:
             ValueError: naming ``training.local_batch_size`` and the microbatch field when
                 they do not divide, or when both microbatch fields are set.
         """
-        from forge_ext.engine.schema import num_microbatches
-
-        return num_microbatches(self.training)
+        return schema.num_microbatches(self.training)
 
     def num_pp_microbatches(self) -> int:
         """PP microbatches per ``schedule.step`` (1 without PP): each gradient-accumulation
@@ -334,51 +337,20 @@ class EngineConfig:
         return n
 
     def validate(self) -> None:
-        """Check everything the config alone shows, before any process is spawned.
+        """Check the batch split every backend needs (``training.local_batch_size`` > 0, the
+        microbatch fields, the token budget), naming the field and the fix. The backend's
+        own checks (the model, its parallelisms) are its ``validate_config``, which calls
+        this: :meth:`forge_ext.engine.registry.EngineRegistry.validate` runs the whole check.
 
         Raises:
             ValueError: naming the offending field and the fix.
         """
-        from forge_ext.engine import MODEL_TYPE, EngineRegistry  # registers the backends
-        from forge_ext.engine.models import build_model_spec, check_checkpoint_tensors
-        from forge_ext.engine.schema import check_model_limits, checkpoint_label
-
-        EngineRegistry.get_engine_cls(MODEL_TYPE, self.engine)
-        if self.engine == "hf":  # transformers' module: none of torchtitan's model checks
-            from forge_ext.engine.hf import validate_hf_engine
-
-            validate_hf_engine(self)
-            return
         if self.training.local_batch_size <= 0:
             raise ValueError(
                 f"training.local_batch_size={self.training.local_batch_size} must be > 0"
             )
         self.num_microbatches()
         self._validate_token_budget()
-        spec = build_model_spec(
-            self.model.name, self.model.flavor, hf_path=self.model.hf_path,
-            attn_backend=self.model.attn_backend, value_head=self.model.value_head,
-        )
-        if self.model.value_head:
-            _validate_value_head(self)
-        if self.model.hf_path:
-            check_checkpoint_tensors(spec, self.model.hf_path)
-        attention = spec.model.layers[0].attention
-        check_model_limits(self.training, self.parallelism,
-                           max_seq_len=attention.rope.max_seq_len, n_heads=attention.n_heads,
-                           n_kv_heads=attention.n_kv_heads or attention.n_heads,
-                           model=(checkpoint_label(self.model.hf_path)
-                                  if self.model.flavor == "hf" else
-                                  f"{self.model.name} {self.model.flavor}"))
-        if self.lora is not None:
-            _validate_lora(self, spec)
-        if self.pp_degree > 1:
-            _validate_pipeline_config(self, spec)
-        if not torch.cuda.is_available() and self.model.attn_backend != "sdpa":
-            raise ValueError(
-                f"model.attn_backend={self.model.attn_backend!r} has no CPU backward; use "
-                "model.attn_backend=sdpa on a machine without CUDA"
-            )
 
     def _validate_token_budget(self) -> None:
         t, par = self.training, self.parallelism
@@ -415,65 +387,6 @@ class EngineConfig:
             )
 
 
-def _validate_value_head(config: "EngineConfig") -> None:
-    """What a value head cannot be combined with (before any spawn)."""
-    tp = config.parallelism.tensor_parallel_degree
-    if tp > 1:
-        raise ValueError(
-            f"model.value_head with parallelism.tensor_parallel_degree={tp} is not supported "
-            "(a one-column head has no tensor-parallel split); use data or pipeline "
-            "parallelism for the critic or reward model"
-        )
-    if config.lora is not None:
-        raise ValueError(
-            "model.value_head with a lora section is not supported (LoRA freezes every "
-            "weight but the adapters, the value head included); remove the lora section "
-            "of the critic"
-        )
-
-
-def _validate_lora(config: "EngineConfig", spec) -> None:
-    """LoRA settings the model or the parallelism cannot take (before any spawn)."""
-    from torchtitan.models.common import ComplexRoPE
-
-    from forge_ext.engine.models import apply_lora
-
-    from forge_ext.engine.schema import check_lora
-
-    check_lora(config.lora, config.parallelism)  # rank, alpha, targets, PP, TP
-    rope = spec.model.layers[0].attention.rope
-    if isinstance(rope, ComplexRoPE.Config):
-        # Its HF adapter permutes q/k rows (interleaved RoPE); the adapter export does not.
-        raise ValueError(
-            f"lora with model.name={config.model.name} flavor {config.model.flavor!r} "
-            "(interleaved, complex RoPE) is not supported; use model.flavor=hf (HF's "
-            "rotate-half layout) or a small flavor"
-        )
-    apply_lora(spec.model, config.lora)  # raises naming lora.target_modules
-
-
-def _validate_pipeline_config(config: "EngineConfig", spec) -> None:
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    par = config.parallelism
-    try:
-        get_schedule_class(par.pipeline_parallel_schedule)
-    except ValueError:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule={par.pipeline_parallel_schedule!r} is "
-            "not a torch.distributed.pipelining schedule (e.g. 1F1B, GPipe, Interleaved1F1B)"
-        ) from None
-    if getattr(spec.model, "enable_weight_tying", False):
-        raise ValueError(
-            f"model {config.model.name} {config.model.flavor} ties its embedding and output "
-            "weights, which pipeline parallelism cannot split; use an untied flavor "
-            "(tie_word_embeddings=false) or parallelism.pipeline_parallel_degree=1"
-        )
-    if spec.pipelining_fn is None:
-        raise ValueError(f"model.name={config.model.name!r} does not support pipelining")
-    config.num_pp_microbatches()
-
-
 def _defaults(raw: dict[str, Any]) -> None:
     """Fill forge_ext's defaults into fields ``raw`` leaves unset.
 
@@ -493,18 +406,19 @@ def _defaults(raw: dict[str, Any]) -> None:
     par.setdefault("spmd_backend", "partial_dtensor")
 
 
-def engine_config_from_mapping(
-    mapping: Mapping[str, Any] | None = None, section: str = "trainer"
-) -> EngineConfig:
-    """Build and validate an :class:`EngineConfig` from a nested mapping (YAML ``trainer:``).
+def parse_engine_config(mapping: Mapping[str, Any] | None, section: str = "trainer"
+                        ) -> EngineConfig:
+    """An :class:`EngineConfig` from a nested mapping (YAML ``trainer:``), defaults filled and
+    ``model.name`` resolved from the checkpoint, not yet validated: the whole check is
+    :func:`forge_ext.engine.registry.engine_config_from_mapping`, which calls this first.
 
     Args:
         section: the YAML section the mapping came from, for error messages.
 
     Raises:
         ValueError: an unknown key or a value of the wrong type (named with its full path,
-            e.g. ``trainer.training.foo``), or a failed :meth:`EngineConfig.validate` check
-            (prefixed ``trainer: ``).
+            e.g. ``trainer.training.foo``); a checkpoint of a family the titan backend
+            lacks (prefixed ``trainer: ``).
         FileNotFoundError: ``model.hf_path`` without a config.json (prefixed the same way).
     """
     raw = copy.deepcopy(dict(mapping or {}))
@@ -514,8 +428,6 @@ def engine_config_from_mapping(
     if (raw.get("engine") == "hf" and isinstance(model, Mapping) and model.get("name") is None
             and model.get("hf_path")):
         # Any family: the name is the checkpoint's own model_type, read by transformers.
-        from forge_ext.engine.models import read_hf_config
-
         try:
             model_type = read_hf_config(model["hf_path"]).get("model_type")
         except FileNotFoundError as e:
@@ -523,15 +435,68 @@ def engine_config_from_mapping(
         raw["model"] = model = {**model, "name": model_type}
     if isinstance(model, Mapping) and model.get("name") is None:
         # The name from the checkpoint here, so that a refusal names the section.
-        from forge_ext.engine.models import model_name_of
-
         try:
             raw["model"] = {**model, "name": model_name_of(model.get("hf_path"))}
         except ValueError as e:
             raise ValueError(f"{section}: {e}") from None
-    config = from_mapping(EngineConfig, raw, section)
-    try:
-        config.validate()
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"{section}: {e}") from None
-    return config
+    return from_mapping(EngineConfig, raw, section)
+
+
+def describe_engine_fields() -> dict[str, Any]:
+    """The field tree of :class:`EngineConfig` as it is now: what
+    :data:`forge_ext.engine.schema.FIELDS_FILE` saves for the light check
+    (``{section: {field: {"types": [...], "default": ..., "section": <nested or None>}}}``,
+    ``""`` the top level). Regenerate the file with ``python -m forge_ext.engine.config
+    --write``."""
+    tree: dict[str, Any] = {}
+
+    def walk(cls: type, name: str) -> None:
+        hints = typing.get_type_hints(cls)
+        section: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            entry: dict[str, Any] = {"types": _kinds(hint)}
+            nested = next((a for a in (hint, *typing.get_args(hint))
+                           if dataclasses.is_dataclass(a)), None)
+            if nested is not None:
+                entry["section"] = f"{name}.{f.name}".lstrip(".")
+                walk(nested, entry["section"])
+            elif f.default is not dataclasses.MISSING:
+                entry["default"] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                entry["default"] = f.default_factory()
+            if "default" in entry:
+                try:
+                    json.dumps(entry["default"])
+                except TypeError:
+                    entry.pop("default")
+            section[f.name] = entry
+        tree[name] = section
+
+    walk(EngineConfig, "")
+    return tree
+
+
+def _kinds(hint: Any) -> list[Any]:
+    """The light check's names for the values a type hint admits
+    (:func:`forge_ext.engine.schema.check_engine_section` reads them)."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return [{"literal": list(typing.get_args(hint))}]
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        return [k for arg in typing.get_args(hint) for k in _kinds(arg)]
+    if hint is type(None):
+        return ["null"]
+    if hint in (int, float, bool, str):
+        return [hint.__name__]
+    if dataclasses.is_dataclass(hint):
+        return ["section"]
+    return ["any"]  # lists, tuples, mappings, callables: the full check reads them
+
+
+if __name__ == "__main__":  # python -m forge_ext.engine.config --write
+    text = json.dumps(describe_engine_fields(), indent=1, sort_keys=True) + "\n"
+    if "--write" in sys.argv:
+        schema.FIELDS_FILE.write_text(text)
+    else:
+        sys.stdout.write(text)

@@ -23,18 +23,25 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from forge_ext.runtime import disk
-from forge_ext.engine.checkpoint_files import run_model_of  # noqa: F401  (imported here too)
+from forge_ext.engine.checkpoint_files import is_complete_checkpoint, run_model_of
+from forge_ext.engine.config import ModelConfig
 from forge_ext.engine.hf_checkpoint import (
     DEFAULT_MAX_SHARD_BYTES, ShardWriter, finish_hf_folder, hf_config_dict, staging_folder,
     tensor_bytes, write_hf_folder,
 )
+from forge_ext.engine.lora import is_adapter_key
+from forge_ext.engine.models import (
+    HF_MODEL_TYPES, build_model_spec, hf_config_for, model_name_of, read_hf_config,
+)
+from forge_ext.runtime import disk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Export dtypes by name (``export.dtype``, ``--dtype``)."""
@@ -62,9 +69,8 @@ def hf_config_of(model: Any) -> dict[str, Any]:
     Raises:
         ValueError: neither (a torchtitan registry flavor without ``model.hf_path``).
     """
+    # transformers takes seconds to import: only an export pays for it.
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from forge_ext.engine.models import HF_MODEL_TYPES, hf_config_for, read_hf_config
 
     if model.hf_path:
         config = read_hf_config(model.hf_path)
@@ -112,10 +118,8 @@ def _export(engine: Any, folder: Path, config: dict[str, Any], dtype: torch.dtyp
     written = dtype or next((v.dtype for v in state.values() if v.is_floating_point()), None)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    # The hf backend (one process, transformers' module) has no device mesh: one stage.
-    parallel_dims = getattr(engine, "parallel_dims", None)
-    pp_mesh = parallel_dims.get_optional_mesh("pp") if parallel_dims is not None else None
-    stage = pp_mesh.get_local_rank() if pp_mesh is not None else 0
+    # Without pipeline parallelism (the hf backend never has it) there is one stage.
+    stage = engine.pp_mesh.get_local_rank() if engine.pp_mesh is not None else 0
     size = sum(tensor_bytes(v, dtype) for v in state.values())
     # Each stage's lowest rank writes its tensors; the folder's size is the stages' sum.
     peers = _gather((stage, size)) if distributed else [(stage, size)]
@@ -207,12 +211,6 @@ def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
             tensors that are not the model's.
         forge_ext.runtime.disk.OutputWriteError: not enough space, or a write failed.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from forge_ext.engine.checkpoint import is_complete_checkpoint
-    from forge_ext.engine.config import ModelConfig
-    from forge_ext.engine.models import build_model_spec, model_name_of
-
     step = Path(step_folder)
     if not is_complete_checkpoint(step):
         raise FileNotFoundError(
@@ -229,7 +227,7 @@ def dcp_to_hf(step_folder: str | os.PathLike, out: str | os.PathLike, *,
     with torch.device("meta"):
         names = list(spec.model.build().state_dict())
     stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
-    if any(k.endswith((".lora_a.weight", ".lora_b.weight")) for k in stored):
+    if any(is_adapter_key(k) for k in stored):
         raise ValueError(
             f"{step} is a LoRA run's checkpoint (adapters only); its final adapter is the "
             "PEFT folder <output_dir>/adapter, which apps.eval takes as checkpoint= on its base")
@@ -250,10 +248,6 @@ def _converted(step: Path, names: list[str], stored: dict[str, Any], adapter: An
     """``(HF name, tensor)`` of the model tensors ``names`` of the DCP checkpoint ``step``,
     read ``max_bytes`` at a time (DCP reads only the keys asked for) and converted by the
     state-dict adapter."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     for group in _groups(names, stored, max_bytes):
         tensors = {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
                    for n in group}

@@ -3,12 +3,13 @@ the same microbatch core as :class:`forge_ext.engine.titan.TitanEngine` (issue 4
 
 The model is transformers' own module (``AutoModelForCausalLM.from_pretrained(
 model.hf_path)``, SDPA attention), so a family torchtitan lacks (Qwen2 with q/k/v biases,
-Mistral, Gemma, ...) trains as it is served. Everything else is the titan backend's, by
-inheritance: the microbatch core (``forward_backward_batch``: one loss normalisation over all
-microbatches and data-parallel ranks, gradient accumulation, token budget, packing), the
-optimizer and LR-scheduler containers (torchtitan's, which take any module), the DCP
-checkpoint manager (:mod:`forge_ext.engine.checkpoint`), the LoRA state verbs and the verl
-interface (modes, offload, ``to``).
+Mistral, Gemma, ...) trains as it is served. Everything else is
+:class:`forge_ext.engine.base.BaseEngine`'s, as for the titan backend: the microbatch core
+(``forward_backward_batch``: one loss normalisation over all microbatches and data-parallel
+ranks, gradient accumulation, token budget, packing), the optimizer and LR-scheduler
+containers (torchtitan's, which take any module), the DCP checkpoint manager
+(:mod:`forge_ext.engine.checkpoint`), the weight and LoRA state verbs
+(:mod:`forge_ext.engine.model_weights`) and the verl interface (modes, offload, ``to``).
 
 Data parallelism is FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ranks of the
 world, as verl's and AReaL's FSDP engines shard transformers models: each decoder layer
@@ -21,80 +22,30 @@ transformers' ``nn.Linear``): the base weights keep their HF names and the adapt
 PEFT's names, the titan backend's contract (``docs/lora.md``).
 
 What it does not do (tensor, pipeline, context or expert parallelism, replication, activation
-checkpointing, compile) is refused by :func:`validate_hf_engine` when the config is read,
-before anything is spawned.
+checkpointing, compile) is refused by :meth:`HFEngine.validate_config` when the config is
+read, before anything is spawned.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torchtitan.config import CommConfig, TORCH_DTYPE_MAP
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.tools import utils as titan_utils
+from torchtitan.config import TORCH_DTYPE_MAP
 
 from forge_ext.engine import microbatch as token_budget
 from forge_ext.engine.attention import DocumentMask
-from forge_ext.engine.base import MODEL_TYPE, Batch, EngineRegistry
-from forge_ext.engine.config import EngineConfig, engine_config_from_mapping
-from forge_ext.engine.distributed import init_single_process_env, rendezvous_on_master_addr
+from forge_ext.engine.base import BaseEngine
+from forge_ext.engine.config import EngineConfig
+from forge_ext.engine.core import Batch
+from forge_ext.engine.distributed import init_single_process_env
+from forge_ext.engine.lora import is_adapter_key
 from forge_ext.engine.models import read_hf_config
+from forge_ext.engine.registry import MODEL_TYPE, EngineRegistry, engine_config_from_mapping
 from forge_ext.engine.schema import check_model_limits, checkpoint_label
-from forge_ext.engine.titan import TitanEngine, _is_adapter_key
-
-
-def validate_hf_engine(config: EngineConfig) -> None:
-    """Refuse what the ``hf`` backend does not do, naming the field and the fix.
-
-    Raises:
-        ValueError: tensor, pipeline, context or expert parallelism, replication, activation
-            checkpointing or compile; a bad batch split or token budget; a bad ``lora``
-            section; no ``model.hf_path``; ``training.seq_len`` beyond the checkpoint's
-            ``max_position_embeddings``; ``model.value_head``.
-        FileNotFoundError: ``model.hf_path`` without a config.json.
-    """
-    par = config.parallelism
-    for name in ("pipeline_parallel_degree", "tensor_parallel_degree",
-                 "context_parallel_degree", "data_parallel_replicate_degree",
-                 "expert_parallel_degree"):
-        degree = getattr(par, name, 1)
-        if degree > 1:
-            raise ValueError(
-                f"engine=hf does not support parallelism.{name}={degree} (its data "
-                "parallelism is FSDP over all ranks, parallelism.data_parallel_shard_degree);"
-                f" use engine=titan for Qwen3 / Llama 3, or parallelism.{name}=1"
-            )
-    unsupported = {
-        "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
-        "compile.enable": config.compile.enable,
-        "model.value_head": config.model.value_head,
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise ValueError(f"engine=hf does not support {name} yet; remove it or use "
-                             "engine=titan")
-    if config.model.attn_backend != "sdpa":
-        raise ValueError(f"engine=hf runs transformers' SDPA attention; set "
-                         f"model.attn_backend=sdpa, not {config.model.attn_backend!r}")
-    if config.training.local_batch_size <= 0:
-        raise ValueError(
-            f"training.local_batch_size={config.training.local_batch_size} must be > 0")
-    config.num_microbatches()
-    config._validate_token_budget()
-    if config.lora is not None:
-        config.lora.check()
-    if not config.model.hf_path:
-        raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
-    hf = read_hf_config(config.model.hf_path)
-    heads = hf.get("num_attention_heads") or 1
-    check_model_limits(config.training, config.parallelism,
-                       max_seq_len=hf.get("max_position_embeddings"), n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads") or heads,
-                       model=checkpoint_label(config.model.hf_path))
 
 
 class LoRALinear(nn.Linear):
@@ -103,8 +54,8 @@ class LoRALinear(nn.Linear):
     [out, rank]`` (zeros: training starts at the base model). torchtitan's ``LoRALinear``
     (``torchtitan/components/lora.py``) on transformers' layers, which keep their own
     parameter names (``...q_proj.weight``), so the base's HF names are unchanged and the
-    adapters' are ``...q_proj.lora_a.weight`` / ``lora_b.weight`` (what the titan backend's
-    checkpoint and export code looks for)."""
+    adapters' are ``...q_proj.lora_a.weight`` / ``lora_b.weight`` (what the engine's
+    checkpoint and weight verbs look for, :func:`forge_ext.engine.lora.is_adapter_key`)."""
 
     lora_a: nn.Linear
     lora_b: nn.Linear
@@ -180,60 +131,82 @@ def _shard(model: nn.Module, mesh) -> None:
 
 
 @EngineRegistry.register(MODEL_TYPE, "hf")
-class HFEngine(TitanEngine):
+class HFEngine(BaseEngine):
     """An ``AutoModelForCausalLM`` with optimizer, LR scheduler and checkpointer, driven in
-    microbatches by :class:`TitanEngine`'s core (``trainer.engine: hf``); FSDP2 over all
-    ranks when ``WORLD_SIZE > 1``.
+    microbatches by :class:`~forge_ext.engine.base.BaseEngine`'s core
+    (``trainer.engine: hf``); FSDP2 over all ranks when ``WORLD_SIZE > 1``.
 
     Args:
         config: an :class:`EngineConfig` (``engine: hf``) or its mapping.
 
     Raises:
-        ValueError: a config error (:func:`validate_hf_engine`), or
+        ValueError: a config error (:meth:`validate_config`), or
             ``parallelism.data_parallel_shard_degree`` other than -1 or the world size.
     """
 
-    def __init__(self, config: EngineConfig | dict):
-        # Not TitanEngine.__init__ (no torchtitan model or parallel dims): the attributes
-        # its microbatch core and verbs read are set here instead.
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
+    @classmethod
+    def validate_config(cls, config: EngineConfig) -> None:
+        """Refuse what the ``hf`` backend does not do, naming the field and the fix.
 
+        Raises:
+            ValueError: tensor, pipeline, context or expert parallelism, replication,
+                activation checkpointing or compile; a bad batch split or token budget
+                (:meth:`EngineConfig.validate`); a bad ``lora`` section; no
+                ``model.hf_path``; ``training.seq_len`` beyond the checkpoint's
+                ``max_position_embeddings``; ``model.value_head``.
+            FileNotFoundError: ``model.hf_path`` without a config.json.
+        """
+        par = config.parallelism
+        for name in ("pipeline_parallel_degree", "tensor_parallel_degree",
+                     "context_parallel_degree", "data_parallel_replicate_degree",
+                     "expert_parallel_degree"):
+            degree = getattr(par, name, 1)
+            if degree > 1:
+                raise ValueError(
+                    f"engine=hf does not support parallelism.{name}={degree} (its data "
+                    "parallelism is FSDP over all ranks, parallelism.data_parallel_shard_degree);"
+                    f" use engine=titan for Qwen3 / Llama 3, or parallelism.{name}=1"
+                )
+        unsupported = {
+            "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
+            "compile.enable": config.compile.enable,
+            "model.value_head": config.model.value_head,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"engine=hf does not support {name} yet; remove it or use "
+                                 "engine=titan")
+        if config.model.attn_backend != "sdpa":
+            raise ValueError(f"engine=hf runs transformers' SDPA attention; set "
+                             f"model.attn_backend=sdpa, not {config.model.attn_backend!r}")
+        config.validate()
+        if config.lora is not None:
+            config.lora.check()
+        if not config.model.hf_path:
+            raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
+        hf = read_hf_config(config.model.hf_path)
+        heads = hf.get("num_attention_heads") or 1
+        check_model_limits(config.training, config.parallelism,
+                           max_seq_len=hf.get("max_position_embeddings"), n_heads=heads,
+                           n_kv_heads=hf.get("num_key_value_heads") or heads,
+                           model=checkpoint_label(config.model.hf_path))
+
+    def __init__(self, config: EngineConfig | dict):
         if not isinstance(config, EngineConfig):
             config = engine_config_from_mapping(config)
         self.config = config
         # A world of one without torchrun's environment (DCP checkpoints want a process
         # group); as TitanEngine, the rendezvous listens on MASTER_ADDR only.
         init_single_process_env()
-        self.device = titan_utils.get_local_device()
-        titan_utils.device_module.set_device(self.device)
-        with rendezvous_on_master_addr():
-            world_size = dist_utils.init_distributed(CommConfig(),
-                                                     base_folder=config.dump_folder)
+        world_size = self._init_distributed()
         shard = config.parallelism.data_parallel_shard_degree
         if shard not in (-1, world_size):
             raise ValueError(f"parallelism.data_parallel_shard_degree={shard} does not fit "
                              f"world size {world_size}: engine=hf shards over all ranks "
                              "(set it to -1 or the number of processes)")
         self.num_microbatches = config.num_microbatches()
-        self.num_pp_microbatches = 1
-        self.pp_schedule = None
-        self.pp_has_first_stage = self.pp_has_last_stage = True
-        self.train_context = contextlib.nullcontext  # no SPMD context without torchtitan
-        self.sd_adapter = None  # the module's names are HF names
         torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
-        # No "Loading weights" bar in the middle of a run's console (restored after), as
-        # the transformers generator (forge_ext/rollout/engines/hf.py).
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
-                attn_implementation="sdpa",
-            ).to(self.device)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+        model = self._load_model()
         # A tied weight's second name (``lm_head.weight`` of a tied head) and its first: one
         # tensor, published and exported once, as transformers' save_pretrained writes it.
         first: dict[int, str] = {}
@@ -243,23 +216,35 @@ class HFEngine(TitanEngine):
         if config.lora is not None:
             lora = config.lora
             apply_lora(model, lora.rank, float(lora.alpha), lora.targets)
-        self.dp_mesh = None
         if world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self.dp_mesh = init_device_mesh(self.device.type, (world_size,),
                                             mesh_dim_names=("dp_shard",))
             _shard(model, self.dp_mesh)
         model.train()
         self.model_parts = [model]
-        self.optimizers = config.optimizer.to_titan().build(model_parts=self.model_parts)
-        self.lr_schedulers = config.lr_scheduler.build(
-            optimizers=self.optimizers, training_steps=config.training.steps
-        )
-        self.step = 0
-        self._build_checkpointer()
-        self._optimizer_homes: dict[tuple[int, str], torch.device] = {}
+        self._build_training_state()
         self.offload()
+
+    def _load_model(self) -> nn.Module:
+        """transformers' model of ``model.hf_path`` in ``training.dtype`` with SDPA
+        attention, on the engine's device."""
+        # transformers takes seconds to import: only an hf engine pays for it.
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        config = self.config
+        # No "Loading weights" bar in the middle of a run's console (restored after), as
+        # the transformers generator (forge_ext/rollout/engines/hf.py).
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                config.model.hf_path, dtype=TORCH_DTYPE_MAP[config.training.dtype],
+                attn_implementation="sdpa",
+            ).to(self.device)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
 
     def _model_forward(self, model: nn.Module, mb: Batch) -> torch.Tensor:
         """Logits ``[b, L, V]`` of transformers' model: causal, no padding mask (right
@@ -278,28 +263,18 @@ class HFEngine(TitanEngine):
         return model(input_ids=mb["input_ids"], position_ids=positions, attention_mask=mask,
                      use_cache=False).logits
 
-    def _clip_grad_norm(self) -> torch.Tensor:
-        """Clip the trainable gradients to ``training.max_norm``; return the pre-clip norm
-        over all ranks (under FSDP the norm of the sharded gradients is a DTensor, reduced
-        over the mesh: torchtitan's ``clip_grad_norm_``)."""
-        return dist_utils.clip_grad_norm_(
-            self.trainable_parameters(), self.config.training.max_norm, foreach=True
-        )
-
     # ---- weights: HF names already -------------------------------------------------------
-    def _check_hf_names(self) -> None:
-        pass
-
     def _to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state_dict`` without the LoRA adapters' entries (they travel in PEFT names,
         :meth:`adapter_state_dict`) and without a tied weight's second name (a tied
         ``lm_head.weight``: the embedding, which vLLM and transformers re-tie): the module's
         names are HF names."""
         return {k: v for k, v in state_dict.items()
-                if not _is_adapter_key(k) and k not in self._tied}
+                if not is_adapter_key(k) and k not in self._tied}
 
-    def _hf_module_name(self, titan_module: str, weight: torch.Tensor) -> str:
-        return titan_module
+    def _hf_module_name(self, module: str, weight: torch.Tensor) -> str:
+        """``module``: the model's own names are HF names."""
+        return module
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full (or sharded) tensors in HF names; under FSDP each full tensor is sharded

@@ -31,7 +31,6 @@ import torch
 from safetensors.torch import save_file
 
 from forge_ext.runtime import disk
-from forge_ext.engine.checkpoint_files import is_hf_checkpoint  # noqa: F401  (imported here too)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -3,7 +3,8 @@ the generators and the exported checkpoint.
 
 A LoRA policy version is a flat state dict of adapter tensors under PEFT's names plus an
 ``adapter_config.json`` mapping; nothing else travels. For every adapted linear layer
-``model.layers.{i}.{self_attn|mlp}.{proj}`` (HF names, ``proj`` one of :data:`HF_TARGETS`):
+``model.layers.{i}.{self_attn|mlp}.{proj}`` (HF names, ``proj`` one of
+:data:`forge_ext.engine.schema.HF_TARGETS`):
 
 - ``base_model.model.<module>.lora_A.weight``: ``[rank, in_features]``
 - ``base_model.model.<module>.lora_B.weight``: ``[out_features, rank]``
@@ -18,7 +19,7 @@ These are PEFT's own names and fields (``peft/utils/save_and_load.py``
 (``vllm/lora/lora_model.py``) read a folder written by :func:`write_peft_folder`.
 
 torchtitan's names for the same layers (``torchtitan/components/lora.py`` ``LoRAConverter``,
-``target_modules`` matched on the last segment): :data:`TITAN_NAMES`.
+``target_modules`` matched on the last segment): :data:`forge_ext.engine.schema.TITAN_NAMES`.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ from typing import Any
 
 import torch
 
-from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME  # noqa: F401  (imported here too)
+from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+ENGINE_ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight")
+"""How the engine's own adapter parameters end (torchtitan's ``LoRALinear``, and the ``hf``
+backend's, which copies its names): ``<module>.lora_a.weight`` is A, ``lora_b.weight`` B."""
 
-# The adapted layers' names and their check, without torch (config errors before the apps'
-# imports, issue 38): forge_ext.engine.schema.
-from forge_ext.engine.schema import HF_TARGETS, TITAN_NAMES, check_targets  # noqa: E402, F401
+
+def is_adapter_key(key: str) -> bool:
+    """Whether an engine state-dict key is a LoRA adapter's (:data:`ENGINE_ADAPTER_SUFFIXES`)."""
+    return key.endswith(ENGINE_ADAPTER_SUFFIXES)
 
 
 def peft_adapter_config(rank: int, alpha: float, target_modules: Sequence[str],

@@ -38,6 +38,7 @@ from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from forge_ext.engine.attention import DocumentMaskedSDPA
+from forge_ext.engine.schema import TITAN_NAMES
 
 # Small flavors, as HF config.json fields (Qwen3Config / LlamaConfig names).
 SMALL_FLAVORS: dict[str, dict[str, dict[str, Any]]] = {
@@ -663,11 +664,11 @@ def split_qkv(model_config: Any) -> None:
 def apply_lora(model_config: Any, lora: Any) -> Any:
     """Convert ``model_config`` for LoRA training with torchtitan's ``LoRAConverter``
     (``torchtitan/components/lora.py``): q/k/v split (:func:`split_qkv`), then the layers
-    named by ``lora.target_modules`` (HF names, mapped by :data:`forge_ext.engine.lora.TITAN_NAMES`)
-    become ``LoRALinear`` (``lora_a [rank, in]`` kaiming-uniform, ``lora_b [out, rank]``
-    zeros, output scaled by ``alpha / rank``) and every other parameter is frozen
-    (``requires_grad=False``). The model config is modified in place where possible; use the
-    returned root.
+    named by ``lora.target_modules`` (HF names, mapped by
+    :data:`forge_ext.engine.schema.TITAN_NAMES`) become ``LoRALinear`` (``lora_a [rank, in]``
+    kaiming-uniform, ``lora_b [out, rank]`` zeros, output scaled by ``alpha / rank``) and
+    every other parameter is frozen (``requires_grad=False``). The model config is modified
+    in place where possible; use the returned root.
 
     Args:
         lora: a :class:`forge_ext.engine.config.LoRAConfig`.
@@ -676,8 +677,6 @@ def apply_lora(model_config: Any, lora: Any) -> Any:
         ValueError: a target the model has no layer for, naming ``lora.target_modules``.
     """
     from torchtitan.components.lora import LoRAConverter
-
-    from forge_ext.engine.lora import TITAN_NAMES
 
     split_qkv(model_config)
     targets = lora.targets

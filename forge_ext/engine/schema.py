@@ -5,7 +5,7 @@ importing torchtitan alone takes seconds.
 
 The field tree of :class:`forge_ext.engine.config.EngineConfig` (forge_ext's sections and
 torchtitan's own ``TrainingConfig``, ``ParallelismConfig``, ...) is saved in
-``engine_fields.json`` beside this module, written by ``python -m forge_ext.engine.schema
+``engine_fields.json`` beside this module, written by ``python -m forge_ext.engine.config
 --write`` and kept current by tests/test_fast_config.py, as ``apps/<app>/help.txt`` is for
 ``--help``. :func:`forge_ext.engine.engine_config_from_mapping` still builds and validates
 the real config (the model's own checks: RoPE length, heads, LoRA targets, pipeline stages)
@@ -17,7 +17,6 @@ Standard library only.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -45,57 +44,6 @@ def engine_fields() -> dict[str, Any]:
     """The saved field tree: ``{section: {field: {"types": [...], "default": ...,
     "section": <nested section or None>}}}``, ``""`` the top level."""
     return json.loads(FIELDS_FILE.read_text())
-
-
-def describe_engine_fields() -> dict[str, Any]:
-    """The field tree of :class:`~forge_ext.engine.config.EngineConfig` as it is now (imports
-    torchtitan): what ``engine_fields.json`` saves."""
-    import dataclasses
-    import typing
-
-    from forge_ext.engine.config import EngineConfig
-
-    tree: dict[str, Any] = {}
-
-    def kinds(hint: Any) -> list[Any]:
-        origin = typing.get_origin(hint)
-        if origin is typing.Literal:
-            return [{"literal": list(typing.get_args(hint))}]
-        if origin is typing.Union or type(hint).__name__ == "UnionType":
-            return [k for arg in typing.get_args(hint) for k in kinds(arg)]
-        if hint is type(None):
-            return ["null"]
-        if hint in (int, float, bool, str):
-            return [hint.__name__]
-        if dataclasses.is_dataclass(hint):
-            return ["section"]
-        return ["any"]  # lists, tuples, mappings, callables: the full check reads them
-
-    def walk(cls: type, name: str) -> None:
-        hints = typing.get_type_hints(cls)
-        section: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            hint = hints[f.name]
-            entry: dict[str, Any] = {"types": kinds(hint)}
-            nested = next((a for a in (hint, *typing.get_args(hint))
-                           if dataclasses.is_dataclass(a)), None)
-            if nested is not None:
-                entry["section"] = f"{name}.{f.name}".lstrip(".")
-                walk(nested, entry["section"])
-            elif f.default is not dataclasses.MISSING:
-                entry["default"] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                entry["default"] = f.default_factory()
-            if "default" in entry:
-                try:
-                    json.dumps(entry["default"])
-                except TypeError:
-                    entry.pop("default")
-            section[f.name] = entry
-        tree[name] = section
-
-    walk(EngineConfig, "")
-    return tree
 
 
 def check_engine_section(mapping: Any, section: str = "trainer") -> None:
@@ -247,7 +195,7 @@ def check_model_limits(training: Any, parallelism: Any, *, max_seq_len: int | No
     """Raise ValueError if ``training.seq_len`` exceeds the model's longest sequence or
     ``parallelism.tensor_parallel_degree`` does not divide its attention and KV heads
     (tensor parallelism splits attention by heads). One home for the two checks: the full
-    check (:meth:`forge_ext.engine.config.EngineConfig.validate`, from the built model) and
+    check (the backends' ``validate_config``, from the built model or the checkpoint) and
     the light one (:func:`check_checkpoint_limits`, from config.json) raise the same words.
 
     Args:
@@ -410,13 +358,3 @@ def check_weights_transport(config: Any, weights: Any) -> None:
             "rank, but pipeline stages hold different ones; use weights.transport=dcp with "
             "parallelism.pipeline_parallel_degree > 1"
         )
-
-
-if __name__ == "__main__":  # python -m forge_ext.engine.schema --write
-    import forge_ext  # noqa: F401  (the CPU device before torchtitan is imported)
-
-    text = json.dumps(describe_engine_fields(), indent=1, sort_keys=True) + "\n"
-    if "--write" in sys.argv:
-        FIELDS_FILE.write_text(text)
-    else:
-        sys.stdout.write(text)

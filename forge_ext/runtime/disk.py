@@ -5,13 +5,10 @@ A full disk used to surface as a dead trainer host and a traceback: DCP raised i
 ``CheckpointException`` (a ``BaseException``), which ended the trainer's process. Such
 failures become an :class:`OutputWriteError` (a ``RuntimeError``: the actor survives and
 the caller gets it), whose message is the one line the app prints
-(:func:`find_output_write_error` finds it behind a remote call's error). :func:`write_checkpoint`
-wraps one save: before writing it compares the free space with the size of the last
-complete save (when known) and refuses early; an ``OSError`` during the write (raised
-directly or inside DCP's ``CheckpointException``, a ``BaseException``) becomes a
-:class:`CheckpointWriteError` naming what was written, where, the free and the needed space,
-and the last complete checkpoint. The half-written folder is removed (it frees space and is
-never loadable: DCP writes ``.metadata`` last).
+(:func:`find_output_write_error` finds it behind a remote call's error). A checkpoint save
+is wrapped by :func:`forge_ext.engine.checkpoint.write_checkpoint` with these helpers: it
+refuses early when the free space is short of the last complete save, and turns an
+``OSError`` during the write into a :class:`CheckpointWriteError`.
 """
 
 from __future__ import annotations
@@ -19,8 +16,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Callable
-
 
 
 class OutputWriteError(RuntimeError):
@@ -44,7 +39,8 @@ class OutputWriteError(RuntimeError):
 
 
 class CheckpointWriteError(OutputWriteError):
-    """A checkpoint could not be written (see :func:`write_checkpoint`)."""
+    """A checkpoint could not be written (see
+    :func:`forge_ext.engine.checkpoint.write_checkpoint`)."""
 
 
 def _rebuild(cls, message, path, errno_, free, needed, last):
@@ -80,7 +76,7 @@ def write_failed(what: str, path: str, os_error: OSError) -> OutputWriteError:
     """The one-line error of a write of ``what`` to ``path`` that raised ``os_error``."""
     return OutputWriteError(
         f"writing {what} to {path} failed: {describe(os_error)}; "
-        f"{_mb(free_bytes(path))} free", path=path, errno=os_error.errno,
+        f"{mib(free_bytes(path))} free", path=path, errno=os_error.errno,
         free_bytes=free_bytes(path),
     )
 
@@ -95,8 +91,8 @@ def refuse_if_short(what: str, path: str, needed_bytes: int) -> None:
     free = free_bytes(path)
     if free is not None and free < needed_bytes:
         raise OutputWriteError(
-            f"not writing {what} to {path}: {_mb(free)} free on its filesystem, "
-            f"{_mb(needed_bytes)} needed; free space or write it to a larger filesystem",
+            f"not writing {what} to {path}: {mib(free)} free on its filesystem, "
+            f"{mib(needed_bytes)} needed; free space or write it to a larger filesystem",
             path=path, free_bytes=free, needed_bytes=needed_bytes,
         )
 
@@ -127,18 +123,6 @@ def tree_bytes(path: str) -> int:
     return total
 
 
-def last_complete_checkpoint(folder: str) -> str | None:
-    """The newest complete ``<folder>/step-N`` (:mod:`forge_ext.engine.checkpoint`'s test:
-    DCP's ``.metadata``, written last), None if there is none."""
-    from forge_ext.engine.checkpoint import checkpoint_folders, complete_checkpoint_steps
-
-    try:
-        steps = complete_checkpoint_steps(folder)
-    except OSError:
-        return None
-    return checkpoint_folders(folder)[steps[-1]] if steps else None
-
-
 def os_error_in(error: BaseException) -> OSError | None:
     """The OSError that caused ``error``: itself, one it was raised from, or (DCP) one in a
     ``CheckpointException``'s per-rank failures."""
@@ -159,56 +143,6 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def _mb(n: int | None) -> str:
+def mib(n: int | None) -> str:
+    """``n`` bytes as ``"12.3 MiB"``; ``"unknown"`` for None."""
     return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
-
-
-def write_checkpoint(
-    write: Callable[[], object], *, what: str, path: str, folder: str,
-    needed_bytes: int | None, gather: Callable[[object], list] | None = None,
-) -> int:
-    """Run ``write()`` (which writes the checkpoint folder ``path`` inside ``folder``) and
-    return the bytes it wrote. ``needed_bytes``: the last complete save's size, None before
-    the first. ``gather``: an all-gather over the ranks that save together (``write`` is a
-    collective there): every rank then refuses if any rank is short of space, so none is
-    left waiting inside the collective save; None for a single process.
-
-    Raises:
-        CheckpointWriteError: before writing, when the free space is measurably short of
-            ``needed_bytes``; or when ``write`` raised an OSError (ENOSPC, EACCES, EROFS,
-            EDQUOT...), directly or inside DCP's ``CheckpointException``.
-    """
-    last = last_complete_checkpoint(folder)
-    last_text = f"last complete checkpoint: {last or 'none'}"
-    free = free_bytes(path)
-    spaces = [(free, needed_bytes)] if gather is None else gather((free, needed_bytes))
-    short = [(rank, f, n) for rank, (f, n) in enumerate(spaces)
-             if f is not None and n is not None and f < n]
-    if short:
-        rank, free_there, needed_there = short[0]
-        on_rank = "" if len(spaces) == 1 else f" (rank {rank})"
-        raise CheckpointWriteError(
-            f"not writing {what} to {path}: {_mb(free_there)} free on its filesystem"
-            f"{on_rank}, {_mb(needed_there)} needed (the last checkpoint's size); free space "
-            f"or point output_dir at a larger filesystem; {last_text}",
-            path=path, errno=None, free_bytes=free_there, needed_bytes=needed_there,
-            last_complete=last,
-        )
-    existed = os.path.exists(path)
-    try:
-        write()
-    except BaseException as e:  # DCP's CheckpointException is one; re-raised unless an OSError
-        os_error = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else os_error_in(e)
-        if os_error is None:
-            raise
-        if not existed:  # half-written: never loadable, and it holds the space
-            shutil.rmtree(path, ignore_errors=True)
-        free = free_bytes(path)
-        basis = "" if needed_bytes is None else " (the last checkpoint's size)"
-        raise CheckpointWriteError(
-            f"writing {what} to {path} failed: {describe(os_error)}; "
-            f"{_mb(free)} free, {_mb(needed_bytes)} needed{basis}; {last_text}",
-            path=path, errno=os_error.errno, free_bytes=free, needed_bytes=needed_bytes,
-            last_complete=last,
-        ) from None
-    return tree_bytes(path)
