@@ -570,7 +570,7 @@ class GRPOLoss:
     """Callable GRPO loss built from a :class:`GRPOLoss.Config`, for the engine.
 
     ``loss_fn = GRPOLoss(GRPOLoss.Config(kl_coef=0.0))`` satisfies the engine's
-    ``loss_fn(logits, mb) -> (loss, metrics)`` contract (``forge_ext.engine.base.LossFn``):
+    ``loss_fn(logits, mb) -> (loss, metrics)`` contract (``forge_ext.engine.core.LossFn``):
     ``loss`` as :func:`grpo_loss`, ``metrics`` the means ``kl``, ``ratio_mean`` and
     ``clip_fraction`` of :func:`grpo_loss_and_metrics` (with ``token_tis`` also
     ``tis_weight_mean`` and ``tis_capped_fraction``), which the engine weights by
