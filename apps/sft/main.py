@@ -47,7 +47,8 @@ from forge_ext.tasks import (
     PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
     resolved_task, task_config,
 )
-from forge_ext.tasks.prompts import prompt_characters, render_splits
+from forge_ext.tasks.base import prompt_characters
+from forge_ext.tasks.prompts import render_splits
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 from forge_ext.config import (

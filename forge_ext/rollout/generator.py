@@ -47,9 +47,9 @@ from forge_ext.rollout.engines import (
     HFEngine,
     SamplingConfig,
     WeightUpdateMode,
-    as_stop_ids,
 )
 from forge_ext.runtime.run_logs import log_role, startup_phases
+from forge_ext.tasks.tokenizer import as_stop_ids
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
@@ -172,7 +172,7 @@ class Generator(Actor):
     Args:
         config: :class:`GeneratorConfig` as a mapping.
         stop_token_ids: every id that ends a response
-            (:func:`forge_ext.rollout.engines.stop_token_ids`).
+            (:func:`forge_ext.tasks.tokenizer.stop_token_ids`).
         pad_token_id: the id that pads prompts (``hf`` engine).
         key_prefix: torchstore prefix the trainer publishes under.
         replica: this replica's index among those on its host, and ``replicas_on_host`` their

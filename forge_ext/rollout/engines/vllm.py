@@ -160,7 +160,7 @@ def sampling_params(
     ``ignore_eos=True``: otherwise vLLM's engine also stops at the ``eos_token_id`` of the
     checkpoint's ``generation_config.json`` (``SamplingParams.update_from_generation_config``,
     ``vllm/sampling_params.py``), ids the caller did not pass. Callers that want them pass
-    them (:func:`~forge_ext.rollout.engines.base.stop_token_ids` does).
+    them (:func:`~forge_ext.tasks.tokenizer.stop_token_ids` does).
 
     Draws come from the softmax at ``sampling.temperature`` restricted to nucleus
     ``sampling.top_p`` and nothing else: every other option that shapes the distribution is
