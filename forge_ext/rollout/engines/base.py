@@ -186,6 +186,16 @@ class Engine(ABC):
         self.stats = EngineStats()
         self.busy = BusyClock()
 
+    @classmethod
+    def validate_config(cls, config: Any) -> None:
+        """Check a ``generator:`` section (:class:`~forge_ext.rollout.config.GeneratorConfig`)
+        for this backend, before anything is spawned (what every backend shares is checked
+        already); nothing by default.
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
+
     @abstractmethod
     async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
                      seed: int | None = None, sampling: SamplingConfig | None = None
