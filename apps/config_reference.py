@@ -24,7 +24,12 @@ import os
 import sys
 from pathlib import Path
 
+from apps.eval.config import EvalAppConfig
+from apps.grpo.config import GRPOConfig
+from apps.sft.config import SFTConfig
+from forge_ext.actors.critic_config import CriticConfig
 from forge_ext.config_doc import SectionDoc, help_text, markdown, sections
+from forge_ext.tasks import SOURCES, EpisodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "config.md"
@@ -49,34 +54,31 @@ and `lr_scheduler.warmup_steps: 0` unless given.
 
 
 def _task_variants() -> dict[str, type]:
-    from forge_ext.tasks import SOURCES, EpisodeConfig
-
     variants = {f"task.source: {name}" + (" (default)" if name == "addition" else ""): cls
                 for name, cls in SOURCES.items()}
     return {**variants, "every source: multi-turn episodes": EpisodeConfig}
 
 
-def grpo_sections() -> list[SectionDoc]:
-    from apps.grpo.config import GRPOConfig
-    from forge_ext.actors.critic_config import CriticConfig
+def _engine_config() -> type:
+    # torchtitan's config dataclasses (torch, seconds): only when a reference is rendered, not
+    # when an app that prints it on --help is imported.
     from forge_ext.engine.config import EngineConfig
 
+    return EngineConfig
+
+
+def grpo_sections() -> list[SectionDoc]:
     # reference: takes the trainer's fields (its field docstring says so), not listed twice;
     # critic: lists its own fields (CriticConfig's), the engine's being the trainer's.
-    return sections(GRPOConfig, {"trainer": EngineConfig, "critic": CriticConfig,
+    return sections(GRPOConfig, {"trainer": _engine_config(), "critic": CriticConfig,
                                  "task": _task_variants()})
 
 
 def sft_sections() -> list[SectionDoc]:
-    from apps.sft.main import SFTConfig
-    from forge_ext.engine.config import EngineConfig
-
-    return sections(SFTConfig, {"trainer": EngineConfig, "task": _task_variants()})
+    return sections(SFTConfig, {"trainer": _engine_config(), "task": _task_variants()})
 
 
 def eval_sections() -> list[SectionDoc]:
-    from apps.eval.main import EvalAppConfig
-
     return sections(EvalAppConfig, {"task": _task_variants()})
 
 

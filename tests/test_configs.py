@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
-from apps.sft.main import SFTConfig
+from apps.sft.config import SFTConfig
 from forge_ext.config import from_mapping, load_yaml, record_run_config
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.rl.loop import LoopConfig
