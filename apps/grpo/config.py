@@ -23,7 +23,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
     procs:     {env, trainer, reference, critic, generator}  processes and environment per role
-    hosts:     forge_ext.runtime.placement.HostsConfig  where roles run: launcher, hosts per role
+    hosts:     forge_ext.runtime.hosts.HostsConfig      where roles run: launcher, hosts per role
     metrics:   MetricsConfig
     eval:      forge_ext.evaluation.EvalConfig  held-out accuracy, evaluation sets (pass@k ...)
     export:    {enable, dtype, max_shard_mb}  HF checkpoint folders <output_dir>/hf/step-N
@@ -52,7 +52,7 @@ from forge_ext.rl.losses.config import GRPOLossConfig
 from forge_ext.rl.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime.placement import HostsConfig
+from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
 from forge_ext.tasks import PromptConfig, RewardConfig, task_config
 from forge_ext.weights.config import WeightsConfig

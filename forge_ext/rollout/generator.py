@@ -464,7 +464,7 @@ class GeneratorHandle:
     async def stop(self) -> None:
         """Stop the engine's processes, then the proc; kill whatever survived both (on
         this machine; on another host the engine's own watchdog does it, see
-        :mod:`forge_ext.rollout.engines._reaper`)."""
+        :mod:`forge_ext.runtime.reaper`)."""
         if self.stream is not None:
             self.stream.close(ReplicaGone(f"generator replica {self.name} was stopped"))
         try:

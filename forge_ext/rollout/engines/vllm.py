@@ -35,8 +35,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,6 +50,7 @@ from forge_ext.rollout.engines.base import (
     make_completion,
 )
 from forge_ext.rollout.config import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS
+from forge_ext.runtime.reaper import start_reaper
 from forge_ext.weights.convert import check_tensor_parallel
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
 from forge_ext.weights.shm_files import new_name
@@ -101,32 +100,6 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = 
     per_rank = len(cores) // tensor_parallel_size
     groups = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
     return "|".join(",".join(map(str, group)) for group in groups)
-
-
-def start_reaper(pids: Sequence[int], unlink: Sequence[str] = (), rmtree: Sequence[str] = ()
-                 ) -> subprocess.Popen:
-    """Start :mod:`forge_ext.rollout.engines._reaper` for ``pids`` (and their children): it kills
-    them, and removes the files matching the ``unlink`` globs and the folders ``rmtree``, when
-    this process exits (however it exits) or closes the returned process's standard input."""
-    import psutil
-
-    targets = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            for p in [process, *process.children(recursive=True)]:
-                targets.append(f"{p.pid}:{p.create_time()}")
-        except psutil.NoSuchProcess:
-            pass
-    script = os.path.join(os.path.dirname(__file__), "_reaper.py")
-    args = [a for pattern in unlink for a in ("--unlink", pattern)]
-    args += [a for folder in rmtree for a in ("--rmtree", folder)]
-    # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
-    # before it has done its work.
-    return subprocess.Popen(
-        [sys.executable, script, *args, *targets], stdin=subprocess.PIPE,
-        start_new_session=True,
-    )
 
 
 def _new_children(before: set[int]) -> list[int]:
