@@ -44,8 +44,7 @@ from forge_ext.actors.critic_config import critic_sections
 from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.engine.schema import (
-    check_checkpoint_limits, check_lora, check_weights_transport, data_parallel_size,
-    engine_view, num_microbatches, world_size_of,
+    check_engine_view, check_weights_transport, data_parallel_size, engine_view, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rl.losses.config import GRPOLossConfig
@@ -363,12 +362,7 @@ class GRPOConfig:
         self._derive_sizes()
         views = self._engine_views()
         for role, view in views.items():
-            try:
-                num_microbatches(view.training)
-                check_lora(view.lora, view.parallelism)
-                check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
-            except ValueError as e:
-                raise ValueError(f"{role}: {e}") from None
+            check_engine_view(view, role)
         check_weights_transport(views["trainer"], self.weights)
         layout = self.hosts.layout(self.processes(views))
         if check_engines:

@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge_ext.config import from_mapping, load_yaml
-from forge_ext.engine.schema import (
-    check_checkpoint_limits, check_lora, engine_view, num_microbatches, world_size_of,
-)
+from forge_ext.engine.schema import check_engine_view, engine_view, world_size_of
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.tasks import PromptConfig, RewardConfig, Rubric, Task, build_task, task_config
 
@@ -108,12 +106,7 @@ def check_single_process(trainer: dict[str, Any]) -> None:
             f"trainer.parallelism degrees multiply to {processes} processes, but the "
             "SFT app trains in this one process; set them to 1 (or leave them out)"
         )
-    try:
-        num_microbatches(view.training)
-        check_lora(view.lora, view.parallelism)
-        check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
-    except ValueError as e:
-        raise ValueError(f"trainer: {e}") from None
+    check_engine_view(view, "trainer")
 
 
 def functions_only(rubric: Rubric) -> Rubric:
