@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from forge_ext.config import WORKING_DIR_KEY, from_mapping, load_yaml
+from forge_ext.config_doc import SectionDoc, help_text, sections
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rollout.config import GeneratorConfig
-from forge_ext.tasks import PromptConfig, RewardConfig
+from forge_ext.tasks import PromptConfig, RewardConfig, task_section_variants
 
 RUN_SECTIONS = ("output_dir", "seed", "task", "reward", "prompt", "generator", "eval",
                 "checkpoint", "base", "save_samples")
@@ -91,3 +92,14 @@ def check_config(path: str, overrides: list[str]) -> EvalAppConfig:
     section = {k: v for k, v in config.generator.items() if k != "hf_path"}
     from_mapping(GeneratorConfig, {**section, "hf_path": "."}, path="generator")
     return config
+
+
+def eval_sections() -> list[SectionDoc]:
+    """The evaluation app's config reference (``--help``, docs/config.md):
+    :class:`EvalAppConfig`'s sections and ``task:`` as each source's."""
+    return sections(EvalAppConfig, {"task": task_section_variants()})
+
+
+def eval_help() -> str:
+    """What ``python -m apps.eval --help`` prints after the usage."""
+    return help_text(eval_sections())

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
-from apps.eval.config import EvalAppConfig, load_eval_config
+from apps.eval.config import EvalAppConfig, eval_help, load_eval_config
 
 @dataclass
 class Checkpoint:
@@ -262,7 +262,6 @@ class EvalApp:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    from apps.config_reference import eval_help
     from forge_ext.config import apply_env, parse_cli
     from forge_ext.runtime.disk import find_output_write_error
 

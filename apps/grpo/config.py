@@ -40,9 +40,10 @@ from typing import Any, Literal
 # Light modules only (standard library, OmegaConf, dacite): a config error shows in well
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
-from forge_ext.actors.critic_config import critic_sections
+from forge_ext.actors.critic_config import CriticConfig, critic_sections
 from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
+from forge_ext.config_doc import SectionDoc, help_text, sections
 from forge_ext.engine.schema import (
     check_engine_view, check_weights_transport, data_parallel_size, engine_view, world_size_of,
 )
@@ -53,7 +54,7 @@ from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
-from forge_ext.tasks import PromptConfig, RewardConfig, task_config
+from forge_ext.tasks import PromptConfig, RewardConfig, task_config, task_section_variants
 from forge_ext.weights.config import WeightsConfig
 
 @dataclass(kw_only=True, slots=True)
@@ -614,3 +615,21 @@ def check_config(path: str, overrides: list[str] = ()) -> GRPOConfig:
         ValueError / FileNotFoundError: naming the field and the fix.
     """
     return load_config(path, overrides, check_engines=False)
+
+
+def grpo_sections() -> list[SectionDoc]:
+    """The GRPO app's config reference (``--help``, docs/config.md): :class:`GRPOConfig`'s
+    sections, ``trainer:`` as the engine's fields, ``critic:`` as :class:`CriticConfig`'s
+    and ``task:`` as each source's."""
+    # torchtitan's config dataclasses (torch, seconds): only when the reference is rendered.
+    from forge_ext.engine.config import EngineConfig
+
+    # reference: takes the trainer's fields (its field docstring says so), not listed twice;
+    # critic: lists its own fields (CriticConfig's), the engine's being the trainer's.
+    return sections(GRPOConfig, {"trainer": EngineConfig, "critic": CriticConfig,
+                                 "task": task_section_variants()})
+
+
+def grpo_help() -> str:
+    """What ``python -m apps.grpo.main --help`` prints after the usage."""
+    return help_text(grpo_sections())

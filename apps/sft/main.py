@@ -38,7 +38,9 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
     _checked = exit_on_config_error("apps.sft.config:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
-from apps.sft.config import MAY_CHANGE_ON_SKIP, SFTConfig, check_config, check_data, functions_only
+from apps.sft.config import (
+    MAY_CHANGE_ON_SKIP, SFTConfig, check_config, check_data, functions_only, sft_help,
+)
 from forge_ext.config import RUN_CONFIG_FILE, apply_env, parse_cli, record_run_config
 from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME, is_hf_checkpoint
 from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, save_hf_checkpoint
@@ -315,8 +317,6 @@ def _full(state_dict: dict) -> dict:
 def main(argv: list[str] | None = None, task: Task | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
     ``task``: the task :func:`apps.sft.config.check_run` built from it, if already done."""
-    from apps.config_reference import sft_help
-
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
                                 prog="python -m apps.sft.main")
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from forge_ext.rollout.engines.base import WEIGHT_UPDATE_MODES, SamplingConfig, WeightUpdateMode
-from forge_ext.rollout.engines.registry import validate_backend
+from forge_ext.rollout.engines.registry import VLLM_LORA_RANKS, validate_backend
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,12 +67,6 @@ class GeneratorConfig:
         validate_backend(self)
 
 
-#: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: vLLM's ``max_lora_rank`` when unset (``LoRAConfig.max_lora_rank``).
-VLLM_DEFAULT_MAX_LORA_RANK = 16
-
-
 def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
                      field: str = "generator.vllm") -> dict[str, Any]:
     """``engine_args`` (``generator.vllm``) for a trainer that publishes LoRA adapters of
@@ -81,7 +75,8 @@ def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
 
     Raises:
         ValueError: ``enable_lora`` set false, ``max_lora_rank`` below ``rank`` or not one of
-            :data:`VLLM_LORA_RANKS`, naming the field and the fix.
+            :data:`~forge_ext.rollout.engines.registry.VLLM_LORA_RANKS`, naming the field and
+            the fix.
     """
     args = dict(engine_args)
     if args.get("enable_lora", True) is not True:

@@ -11,7 +11,8 @@ size) does so in its engine class's ``validate_config``
 keeps its model classes (``vllm/model_executor/models/registry.py``: architecture ->
 ``(module, class)``, imported on first use), an engine's module is imported only when it is
 built or runs its own checks, so this module and the config load without torch (issue 38):
-an ``hf`` section is checked without importing transformers.
+an ``hf`` section is checked without importing transformers. vLLM's LoRA ranks live here too
+(:data:`VLLM_LORA_RANKS`), for the config's ``lora_engine_args`` and the engine alike.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ BACKENDS: dict[str, Backend] = {
                     weight_updates=WEIGHT_UPDATE_MODES, checks_more=True),
 }
 """``generator.backend`` -> its :class:`Backend`."""
+
+# What of vLLM's LoRA arguments the config checks without vLLM (``lora_engine_args`` in
+# forge_ext.rollout.config), and the engine uses.
+#: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's ``max_lora_rank`` when unset (``LoRAConfig.max_lora_rank``).
+VLLM_DEFAULT_MAX_LORA_RANK = 16
 
 
 def backend(name: str) -> Backend:

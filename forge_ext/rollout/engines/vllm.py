@@ -49,7 +49,7 @@ from forge_ext.rollout.engines.base import (
     derive_seed,
     make_completion,
 )
-from forge_ext.rollout.config import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS
+from forge_ext.rollout.engines.registry import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS
 from forge_ext.runtime.reaper import start_reaper
 from forge_ext.weights.convert import check_tensor_parallel
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
