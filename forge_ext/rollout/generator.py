@@ -34,13 +34,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_ext.rollout.config import GeneratorConfig
 from forge_ext.rollout.engines import (
-    WEIGHT_UPDATE_MODES,
     Completion,
     HFEngine,
     SamplingConfig,
