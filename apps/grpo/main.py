@@ -1162,7 +1162,7 @@ def main(argv: list[str] | None = None,
          inputs: RunInputs | FinishedRun | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
     ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done."""
-    from apps.config_reference import grpo_help
+    from apps.grpo.config import grpo_help
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
                                 prog="python -m apps.grpo.main")
