@@ -69,7 +69,9 @@ from apps.grpo.prepare import (
     MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
     run_record,
 )
-from forge_ext.rl.episode import Episode, pack_episodes
+from forge_ext.rl.episode import (
+    Episode, episodes_from_trajectories, pack_episodes, set_ref_logprobs,
+)
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
@@ -593,25 +595,12 @@ class GRPOApp(RLLoop):
         trajectories = [t for k, g in groups
                         for t in batches[k].trajectories[g * group : (g + 1) * group]]
         rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
-        trained = len(chosen) * group
-        # Per episode (grpo, rloo); gae's are per token, from the critic at train time.
+        # Per episode (grpo, rloo); gae's are per token, from the critic at train time. The
+        # filler groups after the chosen ones carry no loss (episodes_from_trajectories).
         advantages = self.estimator.episode_advantages(
-            torch.tensor(rewards[:trained])).tolist() + [0.0] * (len(rewards) - trained)
-        episodes = [
-            Episode(
-                prompt_ids=prompt_ids, response_ids=response_ids,
-                generator_logprobs=logprobs, advantage=a, reward=r,
-                policy_version=t.policy_version,
-                # A filler group (dynamic sampling found too few groups with spread) fills
-                # the step's fixed batch shape but carries no loss: every token masked.
-                response_mask=([0] * len(response_ids) if i >= trained else
-                               mask if batch.multi_turn else None),
-                truncated=t.truncated,
-            )
-            for i, (t, a, r) in enumerate(zip(trajectories, advantages, rewards))
-            # An agent's episode may be several rows, each with the episode's advantage.
-            for prompt_ids, response_ids, mask, logprobs in t.training_rows()
-        ]
+            torch.tensor(rewards[: len(chosen) * group]))
+        episodes = episodes_from_trajectories(trajectories, rewards, advantages,
+                                              multi_turn=batch.multi_turn)
         self._check_rows(len(episodes))
         if c.reward.overlong.enable:
             penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
@@ -619,10 +608,7 @@ class GRPOApp(RLLoop):
         if self.reference is not None:
             start = time.perf_counter()
             packed = pack_episodes(episodes, pad_id=tok.pad_id)
-            ref = await self.reference.logprobs(packed)
-            for row, ep in enumerate(episodes):
-                first = len(ep.prompt_ids) - 1
-                ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
+            set_ref_logprobs(episodes, await self.reference.logprobs(packed))
             seconds["reference"] = time.perf_counter() - start
         return Rollouts(
             rows=[batches[k].trajectories[g * group].row for k, g in groups],
@@ -774,7 +760,7 @@ class GRPOApp(RLLoop):
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
             "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
-            "rollout/finished": sum(ep.response_ids[-1] in self.tok.stop_ids for ep in batch)
+            "rollout/finished": sum(int(ep.response_ids[-1]) in self.tok.stop_ids for ep in batch)
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
             "rollout/truncated": sum(ep.truncated for ep in batch) / len(batch),
