@@ -44,7 +44,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +69,10 @@ from apps.grpo.prepare import (
     MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
     run_record,
 )
-from forge_ext.rl.episode import (
-    Episode, episodes_from_trajectories, pack_episodes, set_ref_logprobs,
-)
+from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
+from forge_ext.rl.rollouts import Rollouts
 from forge_ext.rollout import EpisodeBatch
-from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
+from forge_ext.tasks import EPISODE_FIELDS, PromptStream, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -102,21 +101,6 @@ def reward_model_role(name: str) -> str:
     import re
 
     return "reward_model." + re.sub(r"[^\w.-]", "_", name)
-
-
-@dataclass
-class Rollouts:
-    """One step's samples: ``group_size`` consecutive episodes per prompt."""
-
-    rows: list[Row]
-    episodes: list[Episode]
-    rewards: list[float]
-    correct: list[bool]
-    batch: EpisodeBatch
-    generator_version: int
-    seconds: dict[str, float]
-    stats: dict[str, float] = field(default_factory=dict)
-    """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
 ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
@@ -562,8 +546,7 @@ class GRPOApp(RLLoop):
 
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
-        c, tok = self.config, self.tok
-        group = c.grpo.group_size
+        c, group = self.config, self.config.grpo.group_size
         start = time.perf_counter()
         with failures_of(f"the rollouts of step {step + 1}"):
             if c.grpo.dynamic_sampling:
@@ -576,46 +559,31 @@ class GRPOApp(RLLoop):
                                                  version=self.trainer_version)]
                 chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
                 fillers, stats = [], {}
-        batch = EpisodeBatch.concat(batches) if len(batches) > 1 else batches[0]
-        # Episodes run side by side: "generate" is the wall time until the last one ended
-        # (their environments' time included), "env" the mean seconds an episode waited for
-        # its environment.
-        seconds = {"generate": time.perf_counter() - start - batch.reward_seconds,
-                   "reward": batch.reward_seconds}
-        if batch.multi_turn:
-            seconds["env"] = batch.env_seconds / len(batch.trajectories)
+        rolled_out = time.perf_counter()
         # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
         # logged reward/mean stays the rubric's, comparable across variants.
         shaped = [self._shaped_rewards(b) for b in batches]
-        # Groups whose rewards are all equal have advantage 0 everywhere: no signal. Logged on
-        # every run (a group of identical episodes shows here first, issue 32).
-        spread = torch.cat([groups_with_spread(torch.tensor(r), group) for r in shaped])
-        stats["rollout/groups_without_spread"] = 1.0 - spread.float().mean().item()
-        groups = chosen + fillers
-        trajectories = [t for k, g in groups
-                        for t in batches[k].trajectories[g * group : (g + 1) * group]]
-        rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
-        # Per episode (grpo, rloo); gae's are per token, from the critic at train time. The
-        # filler groups after the chosen ones carry no loss (episodes_from_trajectories).
-        advantages = self.estimator.episode_advantages(
-            torch.tensor(rewards[: len(chosen) * group]))
-        episodes = episodes_from_trajectories(trajectories, rewards, advantages,
-                                              multi_turn=batch.multi_turn)
-        self._check_rows(len(episodes))
+        rollouts = Rollouts.of(batches, shaped, chosen, fillers, group=group,
+                               estimator=self.estimator)
+        rollouts.stats = {**stats, **rollouts.stats}
+        batch = rollouts.batch
+        # Episodes run side by side: "generate" is the wall time until the last one ended
+        # (their environments' time included), "env" the mean seconds an episode waited for
+        # its environment.
+        rollouts.seconds = {"generate": rolled_out - start - batch.reward_seconds,
+                            "reward": batch.reward_seconds}
+        if batch.multi_turn:
+            rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
+        self._check_rows(len(rollouts.episodes))
         if c.reward.overlong.enable:
             penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
-            stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
+            rollouts.stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
         if self.reference is not None:
             start = time.perf_counter()
-            packed = pack_episodes(episodes, pad_id=tok.pad_id)
-            set_ref_logprobs(episodes, await self.reference.logprobs(packed))
-            seconds["reference"] = time.perf_counter() - start
-        return Rollouts(
-            rows=[batches[k].trajectories[g * group].row for k, g in groups],
-            episodes=episodes, rewards=batch.rewards, correct=batch.scores.correct,
-            batch=batch, generator_version=min(ep.policy_version for ep in episodes),
-            seconds=seconds, stats=stats,
-        )
+            packed = pack_episodes(rollouts.episodes, pad_id=self.tok.pad_id)
+            set_ref_logprobs(rollouts.episodes, await self.reference.logprobs(packed))
+            rollouts.seconds["reference"] = time.perf_counter() - start
+        return rollouts
 
     def _check_rows(self, rows: int) -> None:
         """An agent's calls may make more rows than episodes (:mod:`forge_ext.rollout.agents`):

@@ -55,8 +55,8 @@ class Episode:
     is converted on construction to the field's dtype (a tensor of that dtype is kept as is).
     Episodes compare by identity (``==`` of their tensors would be elementwise).
 
-    Raises ``ValueError`` on construction if the prompt or response is empty or a per-token
-    field's length differs from ``len(response_ids)``.
+    Raises ``ValueError`` on construction if a per-token field is not 1-D, the prompt or
+    response is empty, or a per-token field's length differs from ``len(response_ids)``.
     """
 
     prompt_ids: torch.Tensor
@@ -92,7 +92,11 @@ class Episode:
         for name, dtype in _TOKEN_FIELDS.items():
             values = getattr(self, name)
             if values is not None:
-                setattr(self, name, torch.as_tensor(values, dtype=dtype).reshape(-1))
+                values = torch.as_tensor(values, dtype=dtype)
+                if values.dim() != 1:
+                    raise ValueError(f"Episode.{name} must be 1-D, got shape "
+                                     f"{tuple(values.shape)}")
+                setattr(self, name, values)
         if not len(self.prompt_ids) or not len(self.response_ids):
             raise ValueError(
                 f"Episode needs a non-empty prompt and response; got {len(self.prompt_ids)} "

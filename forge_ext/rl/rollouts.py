@@ -1,0 +1,83 @@
+"""One step's rollouts as training data: from the scored episode batches of a step to the
+episodes it trains on.
+
+The app rolls out task rows (:class:`forge_ext.rollout.episodes.EpisodeRunner`), one batch,
+or several under dynamic sampling (DAPO, arXiv:2503.14476, section 3.2), and picks the groups
+the step trains on; :meth:`Rollouts.of` then makes the step's data, in order:
+
+1. the chosen groups' trajectories and their (shaped) rewards, then the filler groups' (too
+   few groups with spread: they keep the step's batch shape and carry no loss);
+2. the chosen groups' per-episode advantages (``algorithm.advantage``: ``grpo``, ``rloo``;
+   ``gae``'s are per token, from the critic at train time);
+3. the episodes, their token data as tensors (:func:`forge_ext.rl.episode
+   .episodes_from_trajectories`).
+
+The reference's log-probs are added by the app (:func:`forge_ext.rl.episode
+.set_ref_logprobs`), and the trainer's batch is :func:`forge_ext.rl.episode.pack_episodes` of
+the replay buffer's sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from forge_ext.rl.advantages import AdvantageEstimator, groups_with_spread
+from forge_ext.rl.episode import Episode, episodes_from_trajectories
+from forge_ext.rollout.episodes import EpisodeBatch
+from forge_ext.tasks import Row
+
+
+@dataclass
+class Rollouts:
+    """One step's samples: ``group_size`` consecutive episodes per prompt."""
+
+    rows: list[Row]
+    episodes: list[Episode]
+    rewards: list[float]
+    correct: list[bool]
+    batch: EpisodeBatch
+    generator_version: int
+    seconds: dict[str, float]
+    stats: dict[str, float] = field(default_factory=dict)
+    """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
+
+    @classmethod
+    def of(cls, batches: Sequence[EpisodeBatch], shaped: Sequence[Sequence[float]],
+           chosen: Sequence[tuple[int, int]], fillers: Sequence[tuple[int, int]], *,
+           group: int, estimator: AdvantageEstimator) -> Rollouts:
+        """The step's rollouts (module docstring), ``seconds`` empty.
+
+        Args:
+            batches: the step's scored batches, ``group`` consecutive episodes per row.
+            shaped: per batch, the reward of each episode that the step trains on (the
+                rubric's plus ``reward.overlong``'s penalty).
+            chosen: ``(batch, group)`` indices of the groups trained on, in order.
+            fillers: ``(batch, group)`` indices of the groups that fill the step's batch
+                shape, masked out of the loss.
+            group: episodes per row (``grpo.group_size``).
+            estimator: the advantage estimator of ``algorithm.advantage``.
+
+        Returns:
+            The rollouts; ``stats`` has ``rollout/groups_without_spread``, the fraction of
+            all the batches' groups whose rewards are all equal (their advantages are 0: no
+            signal), logged on every run (a group of identical episodes shows here first).
+        """
+        spread = torch.cat([groups_with_spread(torch.tensor(r), group) for r in shaped])
+        groups = [*chosen, *fillers]
+        trajectories = [t for k, g in groups
+                        for t in batches[k].trajectories[g * group : (g + 1) * group]]
+        rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
+        advantages = estimator.episode_advantages(torch.tensor(rewards[: len(chosen) * group]))
+        batch = EpisodeBatch.concat(list(batches)) if len(batches) > 1 else batches[0]
+        episodes = episodes_from_trajectories(trajectories, rewards, advantages,
+                                              multi_turn=batch.multi_turn)
+        return cls(
+            rows=[batches[k].trajectories[g * group].row for k, g in groups],
+            episodes=episodes, rewards=batch.rewards, correct=batch.scores.correct,
+            batch=batch, generator_version=min(ep.policy_version for ep in episodes),
+            seconds={},
+            stats={"rollout/groups_without_spread": 1.0 - spread.float().mean().item()},
+        )
