@@ -1,10 +1,10 @@
 """One sampled completion (an episode) as tensors, and packing episodes into the engine's batch.
 
 The rollout side's output becomes tensors once, where the trajectories of a step become
-episodes (:class:`Episode`, :func:`episodes_from_trajectories`); the reference's log-probs of the
-packed batch go back onto the episodes as tensor slices (:func:`set_ref_logprobs`); the
-trainer's batch is :func:`pack_episodes` of the replay buffer's sample. No per-token data
-passes through Python lists on the way.
+episodes (:func:`forge_ext.rl.rollouts.episodes_from_trajectories`); the reference's
+log-probs of the packed batch go back onto the episodes as tensor slices
+(:func:`set_ref_logprobs`); the trainer's batch is :func:`pack_episodes` of the replay
+buffer's sample. No per-token data passes through Python lists on the way.
 
 Alignment used by :func:`pack_episodes` (next-token labels, already shifted): for an episode
 with prompt ``p_0..p_{P-1}`` and response ``o_0..o_{R-1}``, the row's tokens are
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from forge_ext.engine.losses import IGNORE_INDEX
-from forge_ext.rollout.episodes import Trajectory
 
 _TOKEN_FIELDS = {
     "prompt_ids": torch.int64, "response_ids": torch.int64,
@@ -109,53 +108,6 @@ class Episode:
                     f"Episode.{name} has {len(values)} entries, expected one per response "
                     f"token ({len(self.response_ids)})"
                 )
-
-
-def episodes_from_trajectories(
-    trajectories: Sequence[Trajectory], rewards: Sequence[float], advantages: torch.Tensor,
-    *, multi_turn: bool,
-) -> list[Episode]:
-    """The training episodes of a step's trajectories: their token ids, generator log-probs
-    and loss masks as tensors (read once from the rollout side's lists).
-
-    Args:
-        trajectories: ``N`` scored trajectories; an agent's trajectory trains on several rows
-            (:meth:`~forge_ext.rollout.episodes.Trajectory.training_rows`), each an episode
-            with the trajectory's advantage, reward and policy version.
-        rewards: ``[N]`` the (shaped) reward of each trajectory, kept for logging and PPO.
-        advantages: ``[T]``, ``T <= N``: the advantage of each of the first ``T``
-            trajectories. The trajectories after them are fillers (dynamic sampling found too
-            few groups with spread): they keep the step's batch shape but carry no loss, with
-            advantage 0 and every response token masked.
-        multi_turn: the trajectories mix the model's tokens with others' (an environment's,
-            an agent's): their response masks are kept; otherwise every response token is
-            the model's (``response_mask`` None).
-
-    Returns:
-        The episodes, in the trajectories' order (an agent's rows in order).
-
-    Raises:
-        ValueError: ``len(rewards) != N`` or ``T > N``.
-    """
-    trained = len(advantages)
-    if len(rewards) != len(trajectories) or trained > len(trajectories):
-        raise ValueError(
-            f"{len(trajectories)} trajectories need as many rewards and at most as many "
-            f"advantages, got {len(rewards)} rewards and {trained} advantages"
-        )
-    episodes = []
-    for i, (t, reward) in enumerate(zip(trajectories, rewards)):
-        advantage = float(advantages[i]) if i < trained else 0.0
-        for prompt_ids, response_ids, mask, logprobs in t.training_rows():
-            if i >= trained:
-                mask = torch.zeros(len(response_ids), dtype=torch.bool)
-            episodes.append(Episode(  # the lists become tensors here
-                prompt_ids=prompt_ids, response_ids=response_ids, generator_logprobs=logprobs,
-                advantage=advantage, reward=reward, policy_version=t.policy_version,
-                response_mask=mask if multi_turn or i >= trained else None,
-                truncated=t.truncated,
-            ))
-    return episodes
 
 
 def pack_episodes(

@@ -9,8 +9,7 @@ the step trains on; :meth:`Rollouts.of` then makes the step's data, in order:
    few groups with spread: they keep the step's batch shape and carry no loss);
 2. the chosen groups' per-episode advantages (``algorithm.advantage``: ``grpo``, ``rloo``;
    ``gae``'s are per token, from the critic at train time);
-3. the episodes, their token data as tensors (:func:`forge_ext.rl.episode
-   .episodes_from_trajectories`).
+3. the episodes, their token data as tensors (:func:`episodes_from_trajectories`).
 
 The reference's log-probs are added by the app (:func:`forge_ext.rl.episode
 .set_ref_logprobs`), and the trainer's batch is :func:`forge_ext.rl.episode.pack_episodes` of
@@ -25,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from forge_ext.rl.advantages import AdvantageEstimator, groups_with_spread
-from forge_ext.rl.episode import Episode, episodes_from_trajectories
-from forge_ext.rollout.episodes import EpisodeBatch
+from forge_ext.rl.episode import Episode
+from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
 
 
@@ -81,3 +80,50 @@ class Rollouts:
             seconds={},
             stats={"rollout/groups_without_spread": 1.0 - spread.float().mean().item()},
         )
+
+
+def episodes_from_trajectories(
+    trajectories: Sequence[Trajectory], rewards: Sequence[float], advantages: torch.Tensor,
+    *, multi_turn: bool,
+) -> list[Episode]:
+    """The training episodes of a step's trajectories: their token ids, generator log-probs
+    and loss masks as tensors (read once from the rollout side's lists).
+
+    Args:
+        trajectories: ``N`` scored trajectories; an agent's trajectory trains on several rows
+            (:meth:`~forge_ext.rollout.episodes.Trajectory.training_rows`), each an episode
+            with the trajectory's advantage, reward and policy version.
+        rewards: ``[N]`` the (shaped) reward of each trajectory, kept for logging and PPO.
+        advantages: ``[T]``, ``T <= N``: the advantage of each of the first ``T``
+            trajectories. The trajectories after them are fillers (dynamic sampling found too
+            few groups with spread): they keep the step's batch shape but carry no loss, with
+            advantage 0 and every response token masked.
+        multi_turn: the trajectories mix the model's tokens with others' (an environment's,
+            an agent's): their response masks are kept; otherwise every response token is
+            the model's (``response_mask`` None).
+
+    Returns:
+        The episodes, in the trajectories' order (an agent's rows in order).
+
+    Raises:
+        ValueError: ``len(rewards) != N`` or ``T > N``.
+    """
+    trained = len(advantages)
+    if len(rewards) != len(trajectories) or trained > len(trajectories):
+        raise ValueError(
+            f"{len(trajectories)} trajectories need as many rewards and at most as many "
+            f"advantages, got {len(rewards)} rewards and {trained} advantages"
+        )
+    episodes = []
+    for i, (t, reward) in enumerate(zip(trajectories, rewards)):
+        advantage = float(advantages[i]) if i < trained else 0.0
+        for prompt_ids, response_ids, mask, logprobs in t.training_rows():
+            if i >= trained:
+                mask = torch.zeros(len(response_ids), dtype=torch.bool)
+            episodes.append(Episode(  # the lists become tensors here
+                prompt_ids=prompt_ids, response_ids=response_ids, generator_logprobs=logprobs,
+                advantage=advantage, reward=reward, policy_version=t.policy_version,
+                response_mask=mask if multi_turn or i >= trained else None,
+                truncated=t.truncated,
+            ))
+    return episodes
