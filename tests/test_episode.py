@@ -14,7 +14,7 @@ from forge_ext.rl.rollouts import Rollouts, episodes_from_trajectories
 from forge_ext.rollout.agents import AgentRow
 from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
-from forge_ext.tasks.rubric import Scores
+from forge_ext.tasks.rubric import OverlongConfig, Scores
 
 PAD = 0
 
@@ -137,9 +137,8 @@ def test_a_steps_rollouts_train_the_chosen_groups_then_the_fillers():
                             multi_turn=False)
 
     batches = [batch([1.0, 1.0, 0.0, 1.0]), batch([0.0, 0.0, 1.0, 0.0])]
-    shaped = [b.rewards for b in batches]
-    rollouts = Rollouts.of(batches, shaped, chosen=[(0, 1), (1, 1)], fillers=[(0, 0)],
-                           group=2, estimator=GroupAdvantage(group_size=2))
+    rollouts = Rollouts.of(batches, chosen=[(0, 1), (1, 1)], fillers=[(0, 0)], group=2,
+                           estimator=GroupAdvantage(group_size=2), overlong=OverlongConfig())
     assert rollouts.stats == {"rollout/groups_without_spread": 0.5}
     assert [ep.reward for ep in rollouts.episodes] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
     advantages = [ep.advantage for ep in rollouts.episodes]

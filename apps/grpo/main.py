@@ -70,7 +70,7 @@ from apps.grpo.prepare import (
     run_record,
 )
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
-from forge_ext.rl.rollouts import Rollouts
+from forge_ext.rl.rollouts import Rollouts, shaped_rewards
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.tasks import EPISODE_FIELDS, PromptStream, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
@@ -560,11 +560,8 @@ class GRPOApp(RLLoop):
                 chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
                 fillers, stats = [], {}
         rolled_out = time.perf_counter()
-        # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
-        # logged reward/mean stays the rubric's, comparable across variants.
-        shaped = [self._shaped_rewards(b) for b in batches]
-        rollouts = Rollouts.of(batches, shaped, chosen, fillers, group=group,
-                               estimator=self.estimator)
+        rollouts = Rollouts.of(batches, chosen, fillers, group=group, estimator=self.estimator,
+                               overlong=c.reward.overlong)
         rollouts.stats = {**stats, **rollouts.stats}
         batch = rollouts.batch
         # Episodes run side by side: "generate" is the wall time until the last one ended
@@ -575,9 +572,6 @@ class GRPOApp(RLLoop):
         if batch.multi_turn:
             rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
         self._check_rows(len(rollouts.episodes))
-        if c.reward.overlong.enable:
-            penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
-            rollouts.stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
         if self.reference is not None:
             start = time.perf_counter()
             packed = pack_episodes(rollouts.episodes, pad_id=self.tok.pad_id)
@@ -605,12 +599,6 @@ class GRPOApp(RLLoop):
                     f"{role}.training has fixed-row microbatches; set "
                     f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
                     "number of rows)")
-
-    def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
-        """The rubric's rewards plus ``reward.overlong``'s length penalty."""
-        overlong = self.config.reward.overlong
-        return [r + overlong.penalty(len(t.response_ids))
-                for r, t in zip(batch.rewards, batch.trajectories)]
 
     async def _dynamic_rollouts(self, step: int):
         """DAPO's dynamic sampling (``grpo.dynamic_sampling``, arXiv:2503.14476, section
@@ -643,7 +631,8 @@ class GRPOApp(RLLoop):
             batch = await self.runner.run(rows, group, self.sample,
                                           seed=c.seed * 1_000_003 + step + k * 10_000_019,
                                           version=self.trainer_version)
-            spread = groups_with_spread(torch.tensor(self._shaped_rewards(batch)), group)
+            shaped = shaped_rewards(batch, c.reward.overlong)
+            spread = groups_with_spread(torch.tensor(shaped), group)
             for g, keep in enumerate(spread.tolist()):
                 (chosen if keep and len(chosen) < wanted else dropped).append((len(batches), g))
             batches.append(batch)

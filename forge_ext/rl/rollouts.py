@@ -5,8 +5,9 @@ The app rolls out task rows (:class:`forge_ext.rollout.episodes.EpisodeRunner`),
 or several under dynamic sampling (DAPO, arXiv:2503.14476, section 3.2), and picks the groups
 the step trains on; :meth:`Rollouts.of` then makes the step's data, in order:
 
-1. the chosen groups' trajectories and their (shaped) rewards, then the filler groups' (too
-   few groups with spread: they keep the step's batch shape and carry no loss);
+1. the chosen groups' trajectories and their shaped rewards (:func:`shaped_rewards`: DAPO's
+   soft overlong punishment, ``reward.overlong``), then the filler groups' (too few groups
+   with spread: they keep the step's batch shape and carry no loss);
 2. the chosen groups' per-episode advantages (``algorithm.advantage``: ``grpo``, ``rloo``;
    ``gae``'s are per token, from the critic at train time);
 3. the episodes, their token data as tensors (:func:`episodes_from_trajectories`).
@@ -27,6 +28,7 @@ from forge_ext.rl.advantages import AdvantageEstimator, groups_with_spread
 from forge_ext.rl.episode import Episode
 from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
+from forge_ext.tasks.rubric import OverlongConfig
 
 
 @dataclass
@@ -44,26 +46,28 @@ class Rollouts:
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
     @classmethod
-    def of(cls, batches: Sequence[EpisodeBatch], shaped: Sequence[Sequence[float]],
-           chosen: Sequence[tuple[int, int]], fillers: Sequence[tuple[int, int]], *,
-           group: int, estimator: AdvantageEstimator) -> Rollouts:
+    def of(cls, batches: Sequence[EpisodeBatch], chosen: Sequence[tuple[int, int]],
+           fillers: Sequence[tuple[int, int]], *, group: int, estimator: AdvantageEstimator,
+           overlong: OverlongConfig) -> Rollouts:
         """The step's rollouts (module docstring), ``seconds`` empty.
 
         Args:
             batches: the step's scored batches, ``group`` consecutive episodes per row.
-            shaped: per batch, the reward of each episode that the step trains on (the
-                rubric's plus ``reward.overlong``'s penalty).
             chosen: ``(batch, group)`` indices of the groups trained on, in order.
             fillers: ``(batch, group)`` indices of the groups that fill the step's batch
                 shape, masked out of the loss.
             group: episodes per row (``grpo.group_size``).
             estimator: the advantage estimator of ``algorithm.advantage``.
+            overlong: ``reward.overlong``, which shapes the rewards trained on.
 
         Returns:
             The rollouts; ``stats`` has ``rollout/groups_without_spread``, the fraction of
-            all the batches' groups whose rewards are all equal (their advantages are 0: no
-            signal), logged on every run (a group of identical episodes shows here first).
+            all the batches' groups whose shaped rewards are all equal (their advantages
+            are 0: no signal), logged on every run (a group of identical episodes shows here
+            first), and with ``overlong.enable`` ``reward/overlong_penalty``, the mean
+            penalty of all the batches' episodes.
         """
+        shaped = [shaped_rewards(b, overlong) for b in batches]
         spread = torch.cat([groups_with_spread(torch.tensor(r), group) for r in shaped])
         groups = [*chosen, *fillers]
         trajectories = [t for k, g in groups
@@ -73,13 +77,25 @@ class Rollouts:
         batch = EpisodeBatch.concat(list(batches)) if len(batches) > 1 else batches[0]
         episodes = episodes_from_trajectories(trajectories, rewards, advantages,
                                               multi_turn=batch.multi_turn)
+        stats = {"rollout/groups_without_spread": 1.0 - spread.float().mean().item()}
+        if overlong.enable:
+            penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
+            stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
         return cls(
             rows=[batches[k].trajectories[g * group].row for k, g in groups],
             episodes=episodes, rewards=batch.rewards, correct=batch.scores.correct,
             batch=batch, generator_version=min(ep.policy_version for ep in episodes),
-            seconds={},
-            stats={"rollout/groups_without_spread": 1.0 - spread.float().mean().item()},
+            seconds={}, stats=stats,
         )
+
+
+def shaped_rewards(batch: EpisodeBatch, overlong: OverlongConfig) -> list[float]:
+    """Per episode of ``batch``: the rubric's reward plus ``overlong``'s length penalty
+    (DAPO's soft overlong punishment, :meth:`~forge_ext.tasks.rubric.OverlongConfig.penalty`;
+    0 when not enabled). What the step trains on; the logged ``reward/mean`` stays the
+    rubric's, comparable across variants."""
+    return [r + overlong.penalty(len(t.response_ids))
+            for r, t in zip(batch.rewards, batch.trajectories)]
 
 
 def episodes_from_trajectories(
