@@ -540,7 +540,8 @@ def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
     # Advantages of both signs (a group's may all be 0: no policy gradient to see).
     episodes = [dataclasses.replace(
         ep, advantage=(1.0, -0.5, 0.25, -1.0)[i % 4],
-        ref_logprobs=ep.ref_logprobs or [lp - 0.1 for lp in ep.generator_logprobs])
+        ref_logprobs=ep.ref_logprobs if ep.ref_logprobs is not None
+        else [lp - 0.1 for lp in ep.generator_logprobs.tolist()])
         for i, ep in enumerate(episodes)]
     packed = pack_episodes(episodes, pad_id=pad_id)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -565,7 +566,7 @@ def assert_masked_tokens_carry_no_gradient(path, episodes, pad_id: int) -> None:
     for r, ep in enumerate(episodes):
         first = len(ep.prompt_ids) - 1
         labels = packed["labels"][r, first : first + len(ep.response_ids)]
-        assert ((labels != -100).int().tolist()) == ep.response_mask
+        assert ((labels != -100).int().tolist()) == ep.response_mask.int().tolist()
 
 
 def assert_every_prompt_trained_once(crashed, resumed) -> None:
@@ -584,5 +585,5 @@ def assert_every_prompt_trained_once(crashed, resumed) -> None:
     assert [r.prompt for r in trained] == [r.prompt for r in expected]
     assert len({r.prompt for r in trained}) == len(trained)
     before, after = crashed.rollouts[steps[0]].episodes, resumed.rollouts[steps[0]].episodes
-    assert [(ep.prompt_ids, ep.response_ids) for ep in before] == [
-        (ep.prompt_ids, ep.response_ids) for ep in after]
+    assert [(ep.prompt_ids.tolist(), ep.response_ids.tolist()) for ep in before] == [
+        (ep.prompt_ids.tolist(), ep.response_ids.tolist()) for ep in after]

@@ -49,7 +49,9 @@ def trained_and_filler_groups(rollouts):
     """``(trained, fillers)``: lists of groups (lists of episodes) of a step."""
     eps = rollouts.episodes
     groups = [eps[i : i + GROUP] for i in range(0, len(eps), GROUP)]
-    fillers = [g for g in groups if all(m == 0 for ep in g for m in (ep.response_mask or [1]))]
+    fillers = [g for g in groups if all(
+        m == 0 for ep in g
+        for m in (ep.response_mask.tolist() if ep.response_mask is not None else [1]))]
     return [g for g in groups if g not in fillers], fillers
 
 
@@ -139,7 +141,7 @@ async def test_overlong_punishment_lowers_the_trained_reward_of_long_responses(
 
     lengths = [len(ep.response_ids) for ep in rollouts.episodes]
     penalties = [penalty(n) for n in lengths]
-    rubric = [parity_reward(app.tok.completion_text(ep.response_ids)[0])
+    rubric = [parity_reward(app.tok.completion_text(ep.response_ids.tolist())[0])
               for ep in rollouts.episodes]
     assert rollouts.rewards == rubric  # what reward/mean logs
     shaped = [r + p for r, p in zip(rubric, penalties)]

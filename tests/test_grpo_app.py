@@ -245,7 +245,8 @@ async def test_logged_reward_is_the_reward_of_those_rollouts(crashed_run):
         # Re-score what the generator returned, without the app's tokenizer or scorer.
         rewards = [
             reference_reward(rollouts.rows[i // group].metadata["a"],
-                             rollouts.rows[i // group].metadata["b"], list(ep.response_ids), partial)
+                             rollouts.rows[i // group].metadata["b"], ep.response_ids.tolist(),
+                             partial)
             for i, ep in enumerate(rollouts.episodes)
         ]
         assert rows[step]["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
@@ -305,8 +306,8 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     # crashed run was on: the data stream was fast-forwarded and the checkpoint is exact.
     _, before_crash = crashed.rollouts[3]
     assert rollouts.rows == before_crash.rows
-    assert [ep.response_ids for ep in rollouts.episodes] == [
-        ep.response_ids for ep in before_crash.episodes
+    assert [ep.response_ids.tolist() for ep in rollouts.episodes] == [
+        ep.response_ids.tolist() for ep in before_crash.episodes
     ]
 
 
@@ -347,14 +348,16 @@ async def test_async_with_max_policy_age_0_trains_on_the_samples_and_losses_of_s
         (_, a), (_, b) = run_sync.trained[step], run_async.trained[step]
         assert a.rows == b.rows
         for x, y in zip(a.episodes, b.episodes, strict=True):
-            assert (x.response_ids, x.policy_version) == (y.response_ids, y.policy_version)
+            assert ((x.response_ids.tolist(), x.policy_version)
+                    == (y.response_ids.tolist(), y.policy_version))
             # The same tokens; their log-probs to fp32 rounding: two came out 1.0e-6 apart
             # in most runs of the whole file (exact when the test runs alone; also before
             # the evaluation merge), not yet explained: the transformers engine computes a
             # request in a padded batch with whatever else is in flight, and a padded
             # batch's matmuls are not bitwise batch-invariant.
-            assert x.generator_logprobs == pytest.approx(y.generator_logprobs, abs=1e-5)
-            assert x.ref_logprobs == pytest.approx(y.ref_logprobs, abs=1e-5)
+            assert x.generator_logprobs.tolist() == pytest.approx(
+                y.generator_logprobs.tolist(), abs=1e-5)
+            assert x.ref_logprobs.tolist() == pytest.approx(y.ref_logprobs.tolist(), abs=1e-5)
     rows = {mode: {r["step"]: r for r in history(d) if "loss" in r}
             for mode, d in (("sync", sync_dir), ("async", async_dir))}
     assert sorted(rows["async"]) == sorted(rows["sync"]) == [1, 2, 3, 4]

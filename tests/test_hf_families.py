@@ -172,7 +172,7 @@ class RolloutRecording(GRPOApp):
 
     async def build_rollouts(self, step):
         rollouts = await super().build_rollouts(step)
-        self.sampled[step] = [(list(ep.response_ids), list(ep.generator_logprobs))
+        self.sampled[step] = [(ep.response_ids.tolist(), ep.generator_logprobs.tolist())
                               for ep in rollouts.episodes]
         return rollouts
 

@@ -120,6 +120,6 @@ async def test_rerun_resumes_from_the_last_checkpoint(killed_run, checkpoint):
     # From the restored version-3 weights, the same prompts and samples as the killed run's
     # step 4: the checkpoint written across hosts is exact.
     assert app.rollouts[3].rows == killed.rollouts[3].rows
-    assert [ep.response_ids for ep in app.rollouts[3].episodes] == [
-        ep.response_ids for ep in killed.rollouts[3].episodes
+    assert [ep.response_ids.tolist() for ep in app.rollouts[3].episodes] == [
+        ep.response_ids.tolist() for ep in killed.rollouts[3].episodes
     ]

@@ -107,7 +107,7 @@ async def test_generator_log_probs_equal_the_trainers_on_every_model_token(ratio
     size = app.config.grpo.group_size
     for r in app.rollouts.values():
         for g in range(0, len(r.episodes), size):
-            assert len({tuple(ep.response_ids) for ep in r.episodes[g : g + size]}) > 1
+            assert len({tuple(ep.response_ids.tolist()) for ep in r.episodes[g : g + size]}) > 1
     for row in history(output_dir):
         if "loss" in row:
             assert row["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-4)

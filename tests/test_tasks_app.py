@@ -113,7 +113,7 @@ async def test_each_sample_gets_what_the_users_reward_function_returned(user_run
         expected = []
         for i, ep in enumerate(rollouts.episodes):
             row = rollouts.rows[i // group]
-            text, finished = app.tok.completion_text(ep.response_ids)
+            text, finished = app.tok.completion_text(ep.response_ids.tolist())
             expected.append(record(text, row.prompt, row.answer, row, finished))
         # record's value + constant's 0.25; the failing functions scored on_error = 0.
         assert [ep.reward for ep in rollouts.episodes] == pytest.approx(
@@ -154,7 +154,7 @@ async def test_samples_and_tensorboard_hold_what_the_rubric_scored(user_run):
     for k, sample in enumerate(samples):
         rollouts = app.trained[sample["step"] - 1]
         ep, row = rollouts.episodes[(k % 2) * group], rollouts.rows[k % 2]
-        text, finished = app.tok.completion_text(ep.response_ids)
+        text, finished = app.tok.completion_text(ep.response_ids.tolist())
         assert sample["prompt"] == row.text and sample["completion"] == text
         assert sample["rewards"]["record"] == record(text, row.prompt, row.answer, row, finished)
         assert sample["rewards"]["constant"] == 0.25
@@ -183,7 +183,7 @@ async def test_prompt_ids_are_the_chat_template_and_the_ratio_is_one(user_run):
             messages = row.prompt if isinstance(row.prompt, list) else [
                 {"role": "user", "content": row.prompt}]
             ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            assert ep.prompt_ids == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert ep.prompt_ids.tolist() == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert max(app.gap.values()) <= 1e-4, app.gap
     for r in history(output_dir):
         if "loss" in r:
@@ -285,7 +285,7 @@ async def test_reasoning_gym_rewards_are_its_own_score_answer(rg_runs, rg_warmst
     for rollouts in app.rollouts.values():
         for i, ep in enumerate(rollouts.episodes):
             row = rollouts.rows[i // app.config.grpo.group_size]
-            text = app.tok.completion_text(ep.response_ids)[0]
+            text = app.tok.completion_text(ep.response_ids.tolist())[0]
             assert ep.reward == scorer(text.strip(), row.metadata), (text, row.answer)
             scored += 1
     assert scored >= 16

@@ -44,7 +44,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,10 @@ from apps.grpo.prepare import (
     MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
     run_record,
 )
-from forge_ext.rl.episode import Episode, pack_episodes
+from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
+from forge_ext.rl.rollouts import Rollouts, shaped_rewards
 from forge_ext.rollout import EpisodeBatch
-from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
+from forge_ext.tasks import EPISODE_FIELDS, PromptStream, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
@@ -100,21 +101,6 @@ def reward_model_role(name: str) -> str:
     import re
 
     return "reward_model." + re.sub(r"[^\w.-]", "_", name)
-
-
-@dataclass
-class Rollouts:
-    """One step's samples: ``group_size`` consecutive episodes per prompt."""
-
-    rows: list[Row]
-    episodes: list[Episode]
-    rewards: list[float]
-    correct: list[bool]
-    batch: EpisodeBatch
-    generator_version: int
-    seconds: dict[str, float]
-    stats: dict[str, float] = field(default_factory=dict)
-    """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
 ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
@@ -560,8 +546,7 @@ class GRPOApp(RLLoop):
 
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
-        c, tok = self.config, self.tok
-        group = c.grpo.group_size
+        c, group = self.config, self.config.grpo.group_size
         start = time.perf_counter()
         with failures_of(f"the rollouts of step {step + 1}"):
             if c.grpo.dynamic_sampling:
@@ -574,62 +559,25 @@ class GRPOApp(RLLoop):
                                                  version=self.trainer_version)]
                 chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
                 fillers, stats = [], {}
-        batch = EpisodeBatch.concat(batches) if len(batches) > 1 else batches[0]
+        rolled_out = time.perf_counter()
+        rollouts = Rollouts.of(batches, chosen, fillers, group=group, estimator=self.estimator,
+                               overlong=c.reward.overlong)
+        rollouts.stats = {**stats, **rollouts.stats}
+        batch = rollouts.batch
         # Episodes run side by side: "generate" is the wall time until the last one ended
         # (their environments' time included), "env" the mean seconds an episode waited for
         # its environment.
-        seconds = {"generate": time.perf_counter() - start - batch.reward_seconds,
-                   "reward": batch.reward_seconds}
+        rollouts.seconds = {"generate": rolled_out - start - batch.reward_seconds,
+                            "reward": batch.reward_seconds}
         if batch.multi_turn:
-            seconds["env"] = batch.env_seconds / len(batch.trajectories)
-        # DAPO's soft overlong punishment (reward.overlong) shapes what is trained on; the
-        # logged reward/mean stays the rubric's, comparable across variants.
-        shaped = [self._shaped_rewards(b) for b in batches]
-        # Groups whose rewards are all equal have advantage 0 everywhere: no signal. Logged on
-        # every run (a group of identical episodes shows here first, issue 32).
-        spread = torch.cat([groups_with_spread(torch.tensor(r), group) for r in shaped])
-        stats["rollout/groups_without_spread"] = 1.0 - spread.float().mean().item()
-        groups = chosen + fillers
-        trajectories = [t for k, g in groups
-                        for t in batches[k].trajectories[g * group : (g + 1) * group]]
-        rewards = [r for k, g in groups for r in shaped[k][g * group : (g + 1) * group]]
-        trained = len(chosen) * group
-        # Per episode (grpo, rloo); gae's are per token, from the critic at train time.
-        advantages = self.estimator.episode_advantages(
-            torch.tensor(rewards[:trained])).tolist() + [0.0] * (len(rewards) - trained)
-        episodes = [
-            Episode(
-                prompt_ids=prompt_ids, response_ids=response_ids,
-                generator_logprobs=logprobs, advantage=a, reward=r,
-                policy_version=t.policy_version,
-                # A filler group (dynamic sampling found too few groups with spread) fills
-                # the step's fixed batch shape but carries no loss: every token masked.
-                response_mask=([0] * len(response_ids) if i >= trained else
-                               mask if batch.multi_turn else None),
-                truncated=t.truncated,
-            )
-            for i, (t, a, r) in enumerate(zip(trajectories, advantages, rewards))
-            # An agent's episode may be several rows, each with the episode's advantage.
-            for prompt_ids, response_ids, mask, logprobs in t.training_rows()
-        ]
-        self._check_rows(len(episodes))
-        if c.reward.overlong.enable:
-            penalties = [s - r for b, sh in zip(batches, shaped) for s, r in zip(sh, b.rewards)]
-            stats["reward/overlong_penalty"] = sum(penalties) / len(penalties)
+            rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
+        self._check_rows(len(rollouts.episodes))
         if self.reference is not None:
             start = time.perf_counter()
-            packed = pack_episodes(episodes, pad_id=tok.pad_id)
-            ref = await self.reference.logprobs(packed)
-            for row, ep in enumerate(episodes):
-                first = len(ep.prompt_ids) - 1
-                ep.ref_logprobs = ref[row, first : first + len(ep.response_ids)].tolist()
-            seconds["reference"] = time.perf_counter() - start
-        return Rollouts(
-            rows=[batches[k].trajectories[g * group].row for k, g in groups],
-            episodes=episodes, rewards=batch.rewards, correct=batch.scores.correct,
-            batch=batch, generator_version=min(ep.policy_version for ep in episodes),
-            seconds=seconds, stats=stats,
-        )
+            packed = pack_episodes(rollouts.episodes, pad_id=self.tok.pad_id)
+            set_ref_logprobs(rollouts.episodes, await self.reference.logprobs(packed))
+            rollouts.seconds["reference"] = time.perf_counter() - start
+        return rollouts
 
     def _check_rows(self, rows: int) -> None:
         """An agent's calls may make more rows than episodes (:mod:`forge_ext.rollout.agents`):
@@ -651,12 +599,6 @@ class GRPOApp(RLLoop):
                     f"{role}.training has fixed-row microbatches; set "
                     f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
                     "number of rows)")
-
-    def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
-        """The rubric's rewards plus ``reward.overlong``'s length penalty."""
-        overlong = self.config.reward.overlong
-        return [r + overlong.penalty(len(t.response_ids))
-                for r, t in zip(batch.rewards, batch.trajectories)]
 
     async def _dynamic_rollouts(self, step: int):
         """DAPO's dynamic sampling (``grpo.dynamic_sampling``, arXiv:2503.14476, section
@@ -689,7 +631,8 @@ class GRPOApp(RLLoop):
             batch = await self.runner.run(rows, group, self.sample,
                                           seed=c.seed * 1_000_003 + step + k * 10_000_019,
                                           version=self.trainer_version)
-            spread = groups_with_spread(torch.tensor(self._shaped_rewards(batch)), group)
+            shaped = shaped_rewards(batch, c.reward.overlong)
+            spread = groups_with_spread(torch.tensor(shaped), group)
             for g, keep in enumerate(spread.tolist()):
                 (chosen if keep and len(chosen) < wanted else dropped).append((len(batches), g))
             batches.append(batch)
@@ -774,7 +717,7 @@ class GRPOApp(RLLoop):
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
             "rollout/accuracy": sum(rollouts.correct) / len(rollouts.correct),
-            "rollout/finished": sum(ep.response_ids[-1] in self.tok.stop_ids for ep in batch)
+            "rollout/finished": sum(int(ep.response_ids[-1]) in self.tok.stop_ids for ep in batch)
             / len(batch),
             "rollout/response_tokens": sum(len(ep.response_ids) for ep in batch) / len(batch),
             "rollout/truncated": sum(ep.truncated for ep in batch) / len(batch),

@@ -1,4 +1,10 @@
-"""One sampled completion (an episode) and packing episodes into the engine's batch dict.
+"""One sampled completion (an episode) as tensors, and packing episodes into the engine's batch.
+
+The rollout side's output becomes tensors once, where the trajectories of a step become
+episodes (:func:`forge_ext.rl.rollouts.episodes_from_trajectories`); the reference's
+log-probs of the packed batch go back onto the episodes as tensor slices
+(:func:`set_ref_logprobs`); the trainer's batch is :func:`pack_episodes` of the replay
+buffer's sample. No per-token data passes through Python lists on the way.
 
 Alignment used by :func:`pack_episodes` (next-token labels, already shifted): for an episode
 with prompt ``p_0..p_{P-1}`` and response ``o_0..o_{R-1}``, the row's tokens are
@@ -32,23 +38,34 @@ import torch
 
 from forge_ext.engine.losses import IGNORE_INDEX
 
+_TOKEN_FIELDS = {
+    "prompt_ids": torch.int64, "response_ids": torch.int64,
+    "generator_logprobs": torch.float32, "ref_logprobs": torch.float32,
+    "response_mask": torch.bool,
+}
+"""Each per-token field of :class:`Episode` and the dtype it is stored in."""
 
-@dataclass(kw_only=True, slots=True)
+
+@dataclass(kw_only=True, slots=True, eq=False)
 class Episode:
     """A prompt, one sampled response, and what GRPO needs to train on it.
 
-    Raises ``ValueError`` on construction if the prompt or response is empty or a per-token
-    list's length differs from ``len(response_ids)``.
+    The per-token fields are 1-D tensors; a sequence (a list of ints or floats) given for one
+    is converted on construction to the field's dtype (a tensor of that dtype is kept as is).
+    Episodes compare by identity (``==`` of their tensors would be elementwise).
+
+    Raises ``ValueError`` on construction if a per-token field is not 1-D, the prompt or
+    response is empty, or a per-token field's length differs from ``len(response_ids)``.
     """
 
-    prompt_ids: list[int]
-    """Prompt token ids, ``<bos>`` included."""
+    prompt_ids: torch.Tensor
+    """``[P]`` int64 prompt token ids, ``<bos>`` included."""
 
-    response_ids: list[int]
-    """Sampled token ids, ``<eos>`` included if the generator emitted it."""
+    response_ids: torch.Tensor
+    """``[R]`` int64 sampled token ids, ``<eos>`` included if the generator emitted it."""
 
-    generator_logprobs: list[float]
-    """``[len(response_ids)]`` log-probs (nats) of each response token under the generator."""
+    generator_logprobs: torch.Tensor
+    """``[R]`` fp32 log-probs (nats) of each response token under the generator."""
 
     advantage: float
     """Group-normalised advantage (``compute_group_advantages``)."""
@@ -59,11 +76,11 @@ class Episode:
     reward: float = 0.0
     """Reward of the response (kept for logging)."""
 
-    ref_logprobs: list[float] | None = None
-    """Optional ``[len(response_ids)]`` log-probs under the reference model."""
+    ref_logprobs: torch.Tensor | None = None
+    """Optional ``[R]`` fp32 log-probs under the reference model."""
 
-    response_mask: list[int] | None = None
-    """``[len(response_ids)]``: 1 on the model's tokens, 0 on an environment's (multi-turn);
+    response_mask: torch.Tensor | None = None
+    """``[R]`` bool: True on the model's tokens, False on an environment's (multi-turn);
     None: every response token is the model's."""
 
     truncated: bool = False
@@ -71,7 +88,15 @@ class Episode:
     turn budget ran out); ``loss.mask_truncated`` drops such responses from the loss."""
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids or not self.response_ids:
+        for name, dtype in _TOKEN_FIELDS.items():
+            values = getattr(self, name)
+            if values is not None:
+                values = torch.as_tensor(values, dtype=dtype)
+                if values.dim() != 1:
+                    raise ValueError(f"Episode.{name} must be 1-D, got shape "
+                                     f"{tuple(values.shape)}")
+                setattr(self, name, values)
+        if not len(self.prompt_ids) or not len(self.response_ids):
             raise ValueError(
                 f"Episode needs a non-empty prompt and response; got {len(self.prompt_ids)} "
                 f"prompt and {len(self.response_ids)} response tokens"
@@ -128,19 +153,18 @@ def pack_episodes(
     ref_logprobs = torch.zeros(batch, seq_len, dtype=torch.float32) if all(with_ref) else None
     for row, ep in enumerate(episodes):
         prompt_len, response_len = len(ep.prompt_ids), len(ep.response_ids)
-        input_ids[row, : prompt_len + response_len] = torch.tensor(
-            ep.prompt_ids + ep.response_ids, dtype=torch.int64
-        )
+        input_ids[row, :prompt_len] = ep.prompt_ids
+        input_ids[row, prompt_len : prompt_len + response_len] = ep.response_ids
         # Position t predicts token t + 1: response token i sits at input position
         # prompt_len + i and is the label of position prompt_len - 1 + i.
-        targets = slice(prompt_len - 1, prompt_len - 1 + response_len)
-        response = torch.tensor(ep.response_ids, dtype=torch.int64)
+        targets = _targets(ep)
+        response = ep.response_ids
         if ep.response_mask is not None:  # environment tokens are inputs, never labels
-            response[torch.tensor(ep.response_mask) == 0] = IGNORE_INDEX
+            response = response.masked_fill(~ep.response_mask, IGNORE_INDEX)
         labels[row, targets] = response
-        generator_logprobs[row, targets] = torch.tensor(ep.generator_logprobs)
+        generator_logprobs[row, targets] = ep.generator_logprobs
         if ref_logprobs is not None:
-            ref_logprobs[row, targets] = torch.tensor(ep.ref_logprobs)
+            ref_logprobs[row, targets] = ep.ref_logprobs
 
     packed = {
         "input_ids": input_ids,
@@ -152,3 +176,27 @@ def pack_episodes(
     if ref_logprobs is not None:
         packed["ref_logprobs"] = ref_logprobs
     return packed
+
+
+def set_ref_logprobs(episodes: Sequence[Episode], ref_logprobs: torch.Tensor) -> None:
+    """Give each episode its reference log-probs, read from the reference's output on
+    :func:`pack_episodes` of ``episodes`` (the label positions of its response).
+
+    Args:
+        episodes: ``B`` episodes, in the packed batch's row order.
+        ref_logprobs: ``[B, S]`` log-probs of each label; each episode keeps a copy of its
+            ``[R]`` slice, as fp32 (not a view that would hold the whole batch).
+
+    Raises:
+        ValueError: ``ref_logprobs`` has not ``B`` rows.
+    """
+    if ref_logprobs.shape[0] != len(episodes):
+        raise ValueError(f"ref_logprobs has {ref_logprobs.shape[0]} rows for "
+                         f"{len(episodes)} episodes")
+    for row, ep in enumerate(episodes):
+        ep.ref_logprobs = ref_logprobs[row, _targets(ep)].to(torch.float32, copy=True)
+
+
+def _targets(ep: Episode) -> slice:
+    """The positions of ``ep``'s packed row whose labels are its response tokens."""
+    return slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
