@@ -85,6 +85,9 @@ from forge_ext.rl.loop import RLLoop
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
 from forge_ext.rl.replay_buffer import ReplayBuffer
+from forge_ext.rl.report import (
+    ALGORITHM_NAMES, FlatGroupsWatch, accuracy_summary, plot_spec, step_line,
+)
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
 
@@ -115,34 +118,6 @@ class Rollouts:
     seconds: dict[str, float]
     stats: dict[str, float] = field(default_factory=dict)
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
-
-
-ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
-
-
-class FlatGroupsWatch:
-    """Warns once per streak of ``steps`` consecutive steps whose every group scored alike
-    (``rollout/groups_without_spread`` = 1): GRPO's advantages are then all 0 and the run
-    trains nothing while looking healthy (a reward that never varies, a task the model
-    cannot start, prompts the tokenizer maps to ``<unk>``)."""
-
-    def __init__(self, group_size: int, steps: int = 3):
-        self.group_size, self.steps, self.streak = group_size, steps, 0
-
-    def update(self, metrics: dict[str, float]) -> str | None:
-        """The warning line, on the step that completes a streak; else None."""
-        flat = metrics.get("rollout/groups_without_spread")
-        if self.group_size < 2 or flat is None:  # a group of one (PPO) is always flat
-            return None
-        self.streak = self.streak + 1 if flat >= 1.0 else 0
-        if self.streak != self.steps:
-            return None
-        return (f"warning: every group of the last {self.steps} steps scored alike (flat "
-                "groups 100%): their advantages are 0 and nothing trains. Check that the "
-                "rewards vary between a prompt's samples (samples.jsonl holds each function's "
-                "score), that the model can start the task (an <unk> warning above?), and "
-                "that generator.sampling.temperature > 0")
-"""How the run calls itself on the console, by ``algorithm.advantage``."""
 
 
 class GRPOApp(RLLoop):
@@ -907,190 +882,21 @@ class GRPOApp(RLLoop):
     def log_line(self, step: int, m: dict[str, float]) -> str | None:
         if self.bar is not None and "loss" in m:
             self.bar.update(1)
-        parts = [f"step {step:>3}/{self.loop.steps}"]
-        if "reward/mean" in m:
-            parts += [
-                f"reward {m['reward/mean']:.3f}",
-                f"acc {m['rollout/accuracy']:.3f}",
-                # A group of one (PPO) is always flat: nothing to say.
-                *([f"flat groups {m['rollout/groups_without_spread']:.0%}"]
-                  if self.config.grpo.group_size > 1 else []),
-                f"loss {m['loss']:+.4f}",
-            ]
-            failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()
-                      if k.startswith("reward/errors/") and v}
-            if failed:  # a user's reward function raised, hung or returned garbage
-                parts.append("reward errors " + ", ".join(f"{k} {v}" for k, v in failed.items()))
-            from forge_ext.rollout.episodes import TRUNCATION_CAUSES
-
-            # Truncated episodes by the limit that cut them (the field to raise), if any.
-            cut = {c: m[f"rollout/truncated/{c}"] for c in TRUNCATION_CAUSES
-                   if m.get(f"rollout/truncated/{c}")}
-            causes = " ".join(f"{c} {v:.0%}" for c, v in cut.items())
-            if "episode/turns_mean" in m:  # multi-turn episodes
-                env_failed = int(m["episode/env_errors"] + m["episode/env_timeouts"])
-                unknown = int(m.get("episode/env_unk_replies", 0))
-                parts.append(
-                    f"turns {m['episode/turns_mean']:.2f} (max {int(m['episode/turns_max'])}, "
-                    f"truncated {m['episode/truncated']:.0%}" + (f": {causes}" if cut else "")
-                    + (f", env errors {int(m['episode/env_errors'])} timeouts "
-                       f"{int(m['episode/env_timeouts'])}" if env_failed else "")
-                    + (f", env replies with <unk> {unknown}" if unknown else "") + ")"
-                )
-            elif cut:  # one turn: a response cut at generator.sampling.max_new_tokens
-                parts.append(f"truncated {causes}")
-            if "agent/calls_mean" in m:  # task.agent
-                failed = int(m["agent/errors"] + m["agent/timeouts"])
-                parts.append(
-                    f"agent calls {m['agent/calls_mean']:.2f} rows {m['agent/rows_mean']:.2f}"
-                    + (f" (errors {int(m['agent/errors'])} timeouts "
-                       f"{int(m['agent/timeouts'])})" if failed else "")
-                    + (f" refused {int(m['agent/rejected_calls'])}"
-                       if m.get("agent/rejected_calls") else "")
-                )
-            if "rollout/dropped_groups" in m:  # grpo.dynamic_sampling
-                parts.append(
-                    f"groups dropped {int(m['rollout/dropped_groups'])} short "
-                    f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
-                    "rollouts)"
-                )
-            if self.reference is not None and "loss/kl" in m:
-                parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
-            if "critic/loss" in m:  # PPO
-                parts.append(
-                    f"critic loss {m['critic/loss']:.4f} explained var "
-                    f"{m['critic/explained_variance']:+.3f}"
-                    + (" (warm-up: policy frozen)" if math.isnan(m["loss"]) else ""))
-            if "loss/tis_weight_mean" in m:
-                parts.append(
-                    f"is weight {m['loss/tis_weight_mean']:.3f} "
-                    f"(capped {m['loss/tis_capped_fraction']:.1%})"
-                )
-            if self.config.generator.replicas > 1 or m.get("generator/resubmitted"):
-                parts.append(
-                    f"replicas {int(m['generator/live_replicas'])}/"
-                    f"{self.config.generator.replicas} (resubmitted "
-                    f"{int(m['generator/resubmitted'])}, versions per response max "
-                    f"{int(m.get('rollout/versions_per_response_max', 1))})"
-                )
-            parts.append(
-                f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])}, "
-                f"age {m['rollout/policy_age_mean']:.2f} max {int(m['rollout/policy_age_max'])}, "
-                f"dropped {int(m['rollout/dropped_samples'])})"
-            )
-            times = " ".join(
-                f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "env", "reward", "reference", "critic", "train", "push",
-                          "fetch")
-                if f"time/{k}" in m
-            )
-            parts.append(times)
-            parts.append(
-                f"idle generator {m['time/generator_idle']:.2f}s "
-                f"trainer {m['time/trainer_idle']:.2f}s | "
-                f"{m['throughput/samples_per_s']:.0f} samples/s"
-            )
-        if "eval/accuracy" in m:
-            parts.append(
-                f"held-out acc {m['eval/accuracy']:.1%} ({int(m['eval/num_prompts'])} prompts)"
-            )
-        for s in self.eval_sets:  # each set's own metrics, e.g. "gsm8k pass@1 12.5% ..."
-            shown = [f"{name} {m[f'eval/{s.name}/{name}']:.1%}" for name in s.metrics
-                     if f"eval/{s.name}/{name}" in m]
-            if shown:
-                parts.append(f"{s.name} " + " ".join(shown))
-        warning = self.flat_groups.update(m) if "loss" in m else None
-        return " | ".join(parts) + (f"\n{warning}" if warning else "")
+        c = self.config
+        return step_line(step, m, steps=self.loop.steps, group_size=c.grpo.group_size,
+                         replicas=c.generator.replicas, kl=self.reference is not None,
+                         eval_sets=self.eval_sets, flat_groups=self.flat_groups)
 
     def plot_spec(self) -> dict[str, Any]:
-        from forge_ext.runtime.metrics import PlotPanel
-        from forge_ext.rollout.episodes import TRUNCATION_CAUSES
-
-        from forge_ext.rollout.replicas import replica_name
-
-        how = "greedy" if self.config.eval.greedy else "sampled"
-        count = self.config.generator.replicas
-        replicas = [replica_name(r, count) for r in range(count)]
-        return {
-            "plot_keys": ["reward/mean", "eval/accuracy"],
-            "labels": {
-                "reward/mean": "reward (training rollouts, sampled)",
-                "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
-            },
-            "panels": [
-                # How training went (issue 38): the loss and the KL to the reference, each
-                # reward function's mean, the response length.
-                PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
-                          labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
-                PlotPanel(keys=[f"reward/{name}" for name in self.rubric.names],
-                          ylabel="mean score",
-                          labels={f"reward/{name}": name for name in self.rubric.names}),
-                PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
-                          labels={"rollout/response_tokens": "response length (mean)"}),
-                # Why episodes were cut (rollout/truncated/<cause>: the limit to raise), how
-                # often the clip bound, and how many groups carried no signal.
-                PlotPanel(keys=[f"rollout/truncated/{c}" for c in TRUNCATION_CAUSES],
-                          ylabel="truncated (fraction)", ylim=(-0.02, 1.02),
-                          labels={f"rollout/truncated/{c}": f"cut by {c}"
-                                  for c in TRUNCATION_CAUSES}),
-                PlotPanel(keys=["loss/clip_fraction", "rollout/groups_without_spread"],
-                          ylabel="fraction", ylim=(-0.02, 1.02),
-                          labels={"loss/clip_fraction": "clip fraction (tokens)",
-                                  "rollout/groups_without_spread":
-                                      "groups without reward spread (no signal)"}),
-                PlotPanel(keys=["rollout/dropped_groups"], ylabel="groups",
-                          labels={"rollout/dropped_groups": "groups dropped (dynamic sampling)"}),
-                PlotPanel(
-                    keys=["time/step", "time/generator_idle", "time/trainer_idle"],
-                    ylabel="seconds per step",
-                    labels={"time/step": "step (wall)", "time/generator_idle": "generator idle",
-                            "time/trainer_idle": "trainer idle"},
-                ),
-                *([PlotPanel(
-                    keys=["episode/turns_mean", "episode/turns_max"],
-                    ylabel="turns",
-                    labels={"episode/turns_mean": "turns per episode (mean)",
-                            "episode/turns_max": "turns per episode (max)"},
-                )] if self.runner.multi_turn else []),
-                *([PlotPanel(
-                    keys=[f"eval/{s.name}/{name}" for s in self.eval_sets for name in s.metrics],
-                    ylabel="evaluation sets", ylim=(-0.02, 1.02),
-                    labels={f"eval/{s.name}/{name}": f"{s.name} {name}"
-                            for s in self.eval_sets for name in s.metrics},
-                )] if self.eval_sets else []),
-                *([PlotPanel(  # PPO: how much of the returns the critic explains
-                    keys=["critic/explained_variance", "critic/loss"],
-                    ylabel="explained variance / value loss",
-                    labels={"critic/explained_variance": "critic explained variance",
-                            "critic/loss": "critic value loss"},
-                )] if self.critic is not None else []),
-                PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
-                          labels={"throughput/samples_per_s": "samples trained per second"}),
-                PlotPanel(  # each replica's sampling rate
-                    keys=[f"generator/{n}/tokens_per_s" for n in replicas],
-                    ylabel="sampled tokens/s",
-                    labels={f"generator/{n}/tokens_per_s": n for n in replicas},
-                ),
-                PlotPanel(  # ... and the time it had nothing to run, or held requests
-                    keys=[f"generator/{n}/{k}" for n in replicas
-                          for k in ("idle_seconds", "paused_seconds")],
-                    ylabel="seconds per step",
-                    labels={f"generator/{n}/{k}": f"{n} {what}" for n in replicas
-                            for k, what in (("idle_seconds", "idle"),
-                                            ("paused_seconds", "paused for updates"))},
-                ),
-                PlotPanel(
-                    keys=["rollout/policy_age_mean", "rollout/policy_age_max",
-                          "rollout/dropped_samples"],
-                    ylabel="policy versions / samples",
-                    labels={"rollout/policy_age_mean": "sample policy age (mean)",
-                            "rollout/policy_age_max": "sample policy age (max)",
-                            "rollout/dropped_samples": "dropped samples (stale)"},
-                ),
-            ],
-            "title": f"{ALGORITHM_NAMES[self.config.algorithm.advantage]} ({self.loop.mode}, "
-                     f"max_policy_age {self.loop.max_policy_age})",
-        }
+        c = self.config
+        how = "greedy" if c.eval.greedy else "sampled"
+        return plot_spec(
+            title=f"{ALGORITHM_NAMES[c.algorithm.advantage]} ({self.loop.mode}, "
+                  f"max_policy_age {self.loop.max_policy_age})",
+            eval_label=f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
+            reward_names=self.rubric.names, replicas=c.generator.replicas,
+            multi_turn=self.runner.multi_turn, eval_sets=self.eval_sets,
+            critic=self.critic is not None)
 
     def on_finish(self, completed: bool) -> None:
         if self.bar is not None:
@@ -1099,17 +905,11 @@ class GRPOApp(RLLoop):
         evals = self.metrics.series("eval/accuracy")
         if not completed or not evals:
             return
-        (first_step, before), (last_step, after) = evals[0], evals[-1]
         # "warm-start": a checkpoint an SFT run wrote (it records its config beside it).
-        warm = (Path(self.config.model.hf_path) / RUN_CONFIG_FILE).is_file()
-        start = f"step {first_step}" if first_step or not warm else "warm-start"
-        how = "greedy" if self.config.eval.greedy else "sampled"
-        print(
-            f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
-            f"{before:.1%} | after {ALGORITHM_NAMES[self.config.algorithm.advantage]} "
-            f"(step {last_step}) {after:.1%} | "
-            f"{100 * (after - before):+.1f} points"
-        )
+        print(accuracy_summary(
+            evals, warm_start=(Path(self.config.model.hf_path) / RUN_CONFIG_FILE).is_file(),
+            how="greedy" if self.config.eval.greedy else "sampled",
+            prompts=len(self.eval_rows), algorithm=self.config.algorithm.advantage))
         failed = {name: n for name, n in self.rubric.error_counts.items() if n}
         if failed:
             print("reward calls that failed and scored reward.on_error: " + ", ".join(
