@@ -75,7 +75,6 @@ from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 from forge_ext.config import (
     RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
-    scoped_env,
 )
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
@@ -83,13 +82,15 @@ from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.rl.advantages import build_estimator, groups_with_spread
 from forge_ext.rl.loop import RLLoop
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime.placement import PlacementError
+from forge_ext.runtime import run_logs
+from forge_ext.runtime.placement import Placement, PlacementError
 from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import (
     ALGORITHM_NAMES, FlatGroupsWatch, accuracy_summary, plot_spec, step_line,
 )
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
-from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
+from forge_ext.runtime.roles import RoleSpec, Roles
+from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch, watch_run
 
 
 PROMPT_STREAM_FILE = "prompt_stream.json"
@@ -177,41 +178,15 @@ class GRPOApp(RLLoop):
 
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
-        from forge_ext.actors import spawn_trainer
-        from forge_ext.actors.critic import spawn_critic
-        from forge_ext.actors.reference import spawn_reference
-        from forge_ext.actors.reward_model import spawn_reward_model
+        from forge_ext.actors.reference import base_of_trainer
         from forge_ext.compat.torchstore_monarch import RunStore
-        from forge_ext.runtime.placement import Placement
-        from forge_ext.rollout.replicas import spawn_replicas
-        from forge_ext.runtime.supervision import watch_run
-
-        from forge_ext.runtime import run_logs
 
         c = self.config
         apply_env(c.procs.env)
-        began = time.perf_counter()
-        # Monarch's log in <output_dir>/logs, before Monarch starts (procs inherit the name).
-        run_logs.start(c.output_dir)
-
-        async def keep_monarch_log() -> None:
-            run_logs.finish(c.output_dir)
-
-        self.track("monarch log", keep_monarch_log)
-        self.startup: dict[str, float] = {}
-        """Seconds each part of the start-up took (``start-up:`` lines before step 0)."""
-
-        def timed(name: str, spawn):
-            async def run() -> None:
-                start = time.perf_counter()
-                await spawn()
-                self.startup[name] = time.perf_counter() - start
-            return run
-
-        roles = ["trainer", *(["reference"] if c.reference else []),
-                 *(["critic"] if c.critic is not None else []), "generator"]
-        placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
-        self.placement = placement
+        self.roles = roles = Roles()
+        run_logs.start(c.output_dir)  # Monarch's log in <output_dir>/logs, before Monarch starts
+        self.track("monarch log", functools.partial(run_logs.finish, c.output_dir))
+        self.placement = placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
         # Before anything starts: a process or host that dies is one error naming it; a
         # generator replica that dies is one warning, the others serve its requests.
         n = c.generator.replicas
@@ -219,186 +194,116 @@ class GRPOApp(RLLoop):
             self, placement, replicas=[replica_name(r, n) for r in range(n)] if n > 1 else (),
             on_replica_death=self.replica_died,
         )
-        # What the run will do, before anything starts: model, steps, task, roles, output.
-        for line in self.plan_lines(roles, placement):
+        names = ["trainer", *(["reference"] if c.reference else []),
+                 *(["critic"] if c.critic is not None else []), "generator"]
+        for line in self.plan_lines(names, placement):  # model, steps, task, roles, output
             self.write(line)
         # The reward worker processes start now, while the roles spawn (each imports its
         # functions' modules: a second or more), and end with the run.
         self.rubric.start()
-
-        async def stop_rewards() -> None:
-            self.rubric.close()
-            close_sets(self.eval_sets)
-
-        self.track("reward workers", stop_rewards)
-
-        async def stop_hosts() -> None:
-            placement.stop()
-
-        self.track("hosts", stop_hosts)
-        start = time.perf_counter()
+        self.track("reward workers", self.stop_rewards)
+        self.track("hosts", placement.stop)
         # A Slurm job waits in the queue here (Ctrl-C cancels it); Monarch's context starts
         # once its transport is set, its console line in <output_dir>/logs.
-        await placement.start()
-        self.startup["hosts"] = time.perf_counter() - start
+        await roles.timed("hosts", placement.start())
         # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
         # role's process or host died (RunStore says why).
         store = RunStore()
-
-        async def stop_store() -> None:
-            await store.stop(peer_died=isinstance(self.failure, RoleFailure))
-
-        self.track("torchstore", stop_store)
-        start = time.perf_counter()
-        await store.start()
-        self.startup["torchstore"] = time.perf_counter() - start
-
-        stops: dict[str, Any] = {}  # each role's stop, once it is spawned
-
-        async def stop_roles() -> None:
-            if self.failure is not None and placement.owns_workers:
-                # A host died: stopping the roles' procs one mesh at a time would wait on it
-                # (~30 s per mesh); placement.stop() below kills every proc at once.
-                return
-            # The roles do not depend on each other: stop them all at once.
-            results = await asyncio.gather(*(stop() for stop in stops.values()),
-                                           return_exceptions=True)
-            for role, result in zip(stops, results):
-                if isinstance(result, BaseException):
-                    self.write(f"stopping the {role} failed: {result!r}")
-
-        self.track("actors", stop_roles)
-
-        def procs_of(role: str):
-            # Procs on other hosts start from their worker's environment: give them the
-            # run's and the role's (on this machine they inherit it, see below).
-            env = None if c.hosts.launcher == "local" else {
-                **c.procs.env, **getattr(c.procs, role).env
-            }
-            return functools.partial(placement.spawn_procs, role, env)
-
-        async def trainer():
-            # A restarted run may replace the DCP weight folders its crashed process left.
-            run_id = c.weights.run_id or os.path.abspath(c.output_dir)
-            weights = {**asdict(c.weights), "run_id": run_id}
-            if not placement.same_host("trainer", ["generator"]):
-                weights["same_host"] = "off"  # no same-host shortcut between hosts
-            self.trainer_weights = weights
-            self.trainer = await spawn_trainer(
-                c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
-                weights=weights, spawn_procs=procs_of("trainer"),
-                master_addr=placement.master_addr,
-            )
-            stops["trainer"] = self.trainer.stop
-
-        async def reference():
-            self.reference = await spawn_reference(
-                c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs_of("reference"), master_addr=placement.master_addr,
-            )
-            stops["reference"] = self.reference.stop
-
-        async def generator():
-            env = None if c.hosts.launcher == "local" else {**c.procs.env, **c.procs.generator.env}
-            self.generator = await spawn_replicas(
-                c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
-                key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
-                spawn_procs=functools.partial(placement.spawn_replica_procs, "generator",
-                                              env=env),
-            )
-            stops["generator"] = self.generator.stop
-
-        async def critic():
-            self.critic = await spawn_critic(
-                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
-                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
-                spawn_procs=procs_of("critic"), master_addr=placement.master_addr,
-            )
-            stops["critic"] = self.critic.stop
-
-        def reward_model(index: int, entry: Any):
-            async def spawn() -> None:
-                # On this machine (GRPOConfig.validate refuses the launchers of other hosts).
-                name = entry.metric_name
-                model = await spawn_reward_model(
-                    entry, f"reward.functions[{index}]", name=reward_model_role(name))
-                stops[f"reward model {name}"] = model.stop
-                self.reward_models[name] = model
-                for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
-                    if name in rubric.models:  # the evaluation sets' scored by it too
-                        rubric.attach_model(name, model.score)
-            return spawn
-
-        spawns = {"trainer": timed("trainer", trainer), "reference": timed("reference", reference),
-                  "critic": timed("critic", critic), "generator": timed("generator", generator)}
-        # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
-        # per batch; spawned beside the roles (those with their own env after them, one at
-        # a time), stopped with them.
-        entries = [(i, e) for i, e in enumerate(c.reward.functions) if e.model is not None]
-        models = {reward_model_role(e.metric_name): timed(reward_model_role(e.metric_name),
-                                                            reward_model(i, e))
-                  for i, e in entries if not e.env}
-        spawns.update(models)
-        if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
-            # Procs read the environment when they start, after the spawning call returns:
-            # roles with their own environment are spawned one at a time.
-            for role in roles:
-                with scoped_env(getattr(c.procs, role).env):
-                    await spawns[role]()
-            for spawn in models.values():
-                await spawn()
-        else:
-            results = await asyncio.gather(*(spawns[r]() for r in [*roles, *models]),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-        for i, entry in entries:
-            if entry.env:
-                with scoped_env(entry.env):
-                    await reward_model(i, entry)()
+        self.track("torchstore",
+                   lambda: store.stop(peer_died=isinstance(self.failure, RoleFailure)))
+        await roles.timed("torchstore", store.start())
+        self.track("actors", self.stop_roles)
+        await roles.start(self.role_specs(names, placement))
         if self.runner.config.agent is not None:
             await self.start_agent_endpoint()
         if c.reference_is_trainer_base:
-            from forge_ext.actors.reference import base_of_trainer
-
             # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
             self.reference = base_of_trainer(self.trainer)
         # Every port of the run that other machines may reach (all unauthenticated), once.
-        roles_procs = {"trainer": [self.trainer.procs],
-                       "generator": [h.procs for h in self.generator.handles]}
-        if c.reference and not c.reference_is_trainer_base:
-            roles_procs["reference"] = [self.reference.trainer.procs]
-        if self.critic is not None:
-            roles_procs["critic"] = [self.critic.trainer.procs]
-        for name, model in self.reward_models.items():
-            roles_procs[f"reward model {name}"] = [model.trainer.procs]
-        exposed = await placement.exposed_ports(roles_procs)
+        exposed = await placement.exposed_ports(roles.meshes(first=("trainer", "generator")))
         if exposed:
             self.write(exposed)
-        # What the start-up spent, one line per part (issue 38): each role's from the call
-        # that spawns its procs to its actor ready (the procs' imports of torch, torchtitan or
-        # vLLM, the model built and loaded, vLLM's engine started); the roles start at once.
-        # Each role's processes time their setup (model and engine built, checkpoint or
-        # weights loaded); the rest is their start and imports.
-        phases = {"trainer": self.trainer.startup,
-                  "generator": {"setup": max(h.startup.get("setup", 0.0)
-                                             for h in self.generator.handles)}}
-        if c.reference and not c.reference_is_trainer_base:
-            phases["reference"] = self.reference.trainer.startup
-        if self.critic is not None:
-            phases["critic"] = self.critic.trainer.startup
-        for name, model in self.reward_models.items():
-            phases[reward_model_role(name)] = model.trainer.startup
-        spawned = [r for r in (*roles, *(reward_model_role(e.metric_name) for _, e in entries))
-                   if r in self.startup]
-        for part in ("hosts", "torchstore", *spawned):
-            setup, total = phases.get(part, {}).get("setup"), self.startup[part]
-            self.write(f"start-up: {part} {total:.1f}s" + (
-                f" (processes and imports {max(total - setup, 0.0):.1f}s, setup {setup:.1f}s)"
-                if setup else ""))
-        self.write(f"start-up: all roles ready {time.perf_counter() - began:.1f}s after setup "
-                   "began")
+        for line in roles.startup_lines():  # what the start-up spent (issue 38)
+            self.write(line)
+
+    def role_specs(self, names: list[str], placement: Placement) -> list[RoleSpec]:
+        """The roles ``names`` and the reward models of ``reward.functions``, as spawned on
+        ``placement``: procs on other hosts get the run's and the role's environment
+        (``procs.env``, ``procs.<role>.env``); on this machine a role's own is set while it
+        spawns (its procs inherit it), one role at a time, as is a reward model's."""
+        from forge_ext.actors import spawn_trainer
+        from forge_ext.actors.critic import spawn_critic
+        from forge_ext.actors.reference import spawn_reference
+        from forge_ext.actors.reward_model import spawn_reward_model
+        from forge_ext.rollout.replicas import spawn_replicas
+
+        c, local = self.config, self.config.hosts.launcher == "local"
+
+        def procs(role: str, spawn=placement.spawn_procs):
+            env = None if local else {**c.procs.env, **getattr(c.procs, role).env}
+            return functools.partial(spawn, role, env=env)
+
+        # A restarted run may replace the DCP weight folders its crashed process left; no
+        # same-host shortcut between hosts.
+        self.trainer_weights = {**asdict(c.weights),
+                                "run_id": c.weights.run_id or os.path.abspath(c.output_dir)}
+        if not placement.same_host("trainer", ["generator"]):
+            self.trainer_weights["same_host"] = "off"
+
+        def role(name: str, spawn, **more) -> RoleSpec:
+            return RoleSpec(name=name, spawn=spawn, env=getattr(c.procs, name).env if local
+                            else {}, ready=functools.partial(setattr, self, name), **more)
+
+        specs = {
+            "trainer": role("trainer", lambda: spawn_trainer(
+                c.trainer, loss=c.loss_spec(), weights=self.trainer_weights,
+                num_procs=placement.num_procs("trainer"), spawn_procs=procs("trainer"),
+                master_addr=placement.master_addr)),
+            "reference": role("reference", lambda: spawn_reference(
+                c.reference, num_procs=placement.num_procs("reference"),
+                spawn_procs=procs("reference"), master_addr=placement.master_addr)),
+            "critic": role("critic", lambda: spawn_critic(
+                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
+                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
+                spawn_procs=procs("critic"), master_addr=placement.master_addr)),
+            "generator": role("generator", lambda: spawn_replicas(
+                c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
+                key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
+                spawn_procs=procs("generator", placement.spawn_replica_procs)),
+                meshes=lambda g: [h.procs for h in g.handles],  # each replica its own mesh
+                setup_seconds=lambda g: max(h.startup.get("setup", 0.0) for h in g.handles)),
+        }
+        # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
+        # per batch, on this machine (GRPOConfig.validate refuses the launchers of other
+        # hosts), stopped with the roles.
+        return [specs[name] for name in names] + [
+            RoleSpec(name=reward_model_role(e.metric_name), env=e.env,
+                     label=f"reward model {e.metric_name}",
+                     spawn=functools.partial(spawn_reward_model, e, f"reward.functions[{i}]",
+                                             name=reward_model_role(e.metric_name)),
+                     ready=functools.partial(self.attach_reward_model, e.metric_name))
+            for i, e in enumerate(c.reward.functions) if e.model is not None
+        ]
+
+    def attach_reward_model(self, name: str, model: Any) -> None:
+        """Reward model ``name`` scores for the rubric, and for the evaluation sets' rubrics
+        that use it."""
+        self.reward_models[name] = model
+        for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
+            if name in rubric.models:
+                rubric.attach_model(name, model.score)
+
+    def stop_rewards(self) -> None:
+        """The reward worker processes and the evaluation sets' end with the run."""
+        self.rubric.close()
+        close_sets(self.eval_sets)
+
+    async def stop_roles(self) -> None:
+        if self.failure is not None and self.placement.owns_workers:
+            # A host died: stopping the roles' procs one mesh at a time would wait on it
+            # (~30 s per mesh); placement.stop() (tracked before) kills every proc at once.
+            return
+        await self.roles.stop(self.write)
 
     async def start_agent_endpoint(self) -> None:
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
