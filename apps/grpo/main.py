@@ -85,17 +85,13 @@ from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime import run_logs
 from forge_ext.runtime.placement import Placement, PlacementError
 from forge_ext.rl.replay_buffer import ReplayBuffer
+from forge_ext.rl.sampling import DynamicSampling, shaped_rewards
 from forge_ext.rl.report import (
     ALGORITHM_NAMES, FlatGroupsWatch, accuracy_summary, plot_spec, step_line,
 )
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.runtime.roles import RoleSpec, Roles
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch, watch_run
-
-
-PROMPT_STREAM_FILE = "prompt_stream.json"
-"""In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
-prompt stream position where each checkpointed step's prompts begin."""
 
 
 def reward_model_role(name: str) -> str:
@@ -154,8 +150,10 @@ class GRPOApp(RLLoop):
         self.task, self.rubric = inputs.task, inputs.rubric
         self.prompts = PromptStream(inputs.train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
-        self._stream_starts: dict[int, int] = {0: 0}
-        self._stream_ranges: dict[int, tuple[int, int]] = {}
+        self.stream = DynamicSampling(
+            self.prompts, prompts_per_step=config.grpo.prompts_per_step,
+            group_size=config.grpo.group_size, max_rollout_batches=config.grpo.max_rollout_batches,
+            seed=config.seed, output_dir=config.output_dir, shape=self._shaped_rewards)
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
@@ -415,15 +413,7 @@ class GRPOApp(RLLoop):
         # Without dynamic sampling build_rollouts addresses the prompt stream by step; with
         # it, the position of the resumed step is the one recorded with its checkpoint.
         if self.config.grpo.dynamic_sampling and step > 0:
-            path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
-            positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
-            if str(step) not in positions:
-                raise ValueError(
-                    f"{path} has no prompt stream position for step {step} (the checkpoint "
-                    "resumed); without it the resumed run cannot know which prompts the "
-                    "dropped groups consumed. Use a new output_dir"
-                )
-            self._stream_starts[step] = positions[str(step)]
+            self.stream.resume(step)
         # No bar when stdout is not a terminal (disable=None): a redirected log would hold
         # its every carriage-return update; the per-step lines say the same.
         self.bar = tqdm(
@@ -534,80 +524,16 @@ class GRPOApp(RLLoop):
 
     def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
         """The rubric's rewards plus ``reward.overlong``'s length penalty."""
-        overlong = self.config.reward.overlong
-        return [r + overlong.penalty(len(t.response_ids))
-                for r, t in zip(batch.rewards, batch.trajectories)]
+        return shaped_rewards(batch, self.config.reward.overlong)
 
     async def _dynamic_rollouts(self, step: int):
-        """DAPO's dynamic sampling (``grpo.dynamic_sampling``, arXiv:2503.14476, section
-        3.2): roll out the next prompts of the stream, keep the groups whose (shaped)
-        rewards are not all equal, and roll out as many more prompts as groups are missing,
-        up to ``grpo.max_rollout_batches`` rollouts. Every prompt rolled out is consumed
-        (the next step starts after it), kept or dropped.
+        """DAPO's dynamic sampling (``grpo.dynamic_sampling``): :meth:`forge_ext.rl.sampling
+        .DynamicSampling.rollouts` of ``step``, on the generator at the trainer's version."""
+        async def rollout(rows, seed):
+            return await self.runner.run(rows, self.config.grpo.group_size, self.sample,
+                                         seed=seed, version=self.trainer_version)
 
-        A step built again (async mode drops stale rollouts) rolls out the same prompts,
-        so the stream stays what the first build consumed.
-
-        Returns:
-            ``(batches, chosen, fillers, stats)``: the rollouts made; the ``(batch, group)``
-            indices of the groups trained on, then of the dropped groups that fill the step
-            when too few had spread (masked out of the loss); and metrics:
-            ``rollout/dropped_groups`` (groups without spread), ``rollout/short_groups``
-            (fillers), ``rollout/rollout_batches``, ``rollout/prompts_consumed``.
-        """
-        c = self.config
-        wanted, group = c.grpo.prompts_per_step, c.grpo.group_size
-        first = self._stream_start(step)
-        again = self._stream_ranges.get(step)  # a rebuild: the same prompts as before
-        position, batches, chosen, dropped = first, [], [], []
-        for k in range(c.grpo.max_rollout_batches):
-            count = again[1] - position if again else wanted - len(chosen)
-            if count <= 0:
-                break
-            rows = self.prompts.slice(position, count)
-            # The first rollout has the seed of a step without dynamic sampling.
-            batch = await self.runner.run(rows, group, self.sample,
-                                          seed=c.seed * 1_000_003 + step + k * 10_000_019,
-                                          version=self.trainer_version)
-            spread = groups_with_spread(torch.tensor(self._shaped_rewards(batch)), group)
-            for g, keep in enumerate(spread.tolist()):
-                (chosen if keep and len(chosen) < wanted else dropped).append((len(batches), g))
-            batches.append(batch)
-            position += count
-            if again:
-                break
-        self._stream_ranges[step] = (first, position)
-        self._stream_starts[step + 1] = position
-        fillers = dropped[: wanted - len(chosen)]
-        stats = {
-            "rollout/dropped_groups": float(len(dropped)),
-            "rollout/short_groups": float(len(fillers)),
-            "rollout/rollout_batches": float(len(batches)),
-            "rollout/prompts_consumed": float(position - first),
-        }
-        return batches, chosen, fillers, stats
-
-    def _stream_start(self, step: int) -> int:
-        """The prompt stream position where ``step``'s prompts begin (dynamic sampling: the
-        steps before consumed a varying number)."""
-        if step not in self._stream_starts:
-            raise RuntimeError(
-                f"the prompt stream position of step {step} is unknown: steps are built in "
-                "order, and a resumed run reads it from "
-                f"{Path(self.config.output_dir) / PROMPT_STREAM_FILE}"
-            )
-        return self._stream_starts[step]
-
-    def _save_stream_position(self, step: int) -> None:
-        """Record where step ``step``'s prompts begin in ``<output_dir>/prompt_stream.json``
-        (before the checkpoint of ``step`` is written, so a committed checkpoint always has
-        its position); every saved step's position is kept."""
-        path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
-        positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
-        positions[str(step)] = self._stream_start(step)
-        staged = path.with_name(path.name + ".tmp")
-        staged.write_text(json.dumps({"positions": positions}, indent=1, sort_keys=True))
-        staged.replace(path)
+        return await self.stream.rollouts(step, rollout)
 
     def overlapping_rollouts(self) -> bool:
         # Dynamic sampling's steps begin where the previous step's prompts ended.
@@ -754,7 +680,7 @@ class GRPOApp(RLLoop):
         if not self.config.trainer.get("checkpoint", {}).get("enable"):
             return  # checkpoints off (loop.save_every must then be 0): nothing to keep
         if self.config.grpo.dynamic_sampling:
-            self._save_stream_position(step)
+            self.stream.save_position(step)
         start = time.perf_counter()
         await self.trainer.save_checkpoint(step)
         if self.critic is not None:  # after the policy's: a resume takes the step both have
