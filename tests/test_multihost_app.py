@@ -24,7 +24,8 @@ from conftest import task_checkpoint
 from test_grpo_app import Probe, history, overrides, still_running
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp, failure_message
+from apps.grpo.console import failure_message
+from apps.grpo.main import GRPOApp
 from forge_ext.runtime.supervision import RoleFailure
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

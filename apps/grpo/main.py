@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import math
 import os
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,41 +63,30 @@ import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imp
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
+from apps.grpo.console import RunConsole, failure_message
 from apps.grpo.prepare import (
     MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
-    run_record,
+    run_record, warn_if_task_differs_from_warm_start,
 )
-from forge_ext.rl.episode import Episode, pack_episodes
-from forge_ext.rollout import EpisodeBatch
-from forge_ext.tasks import EPISODE_FIELDS, PromptStream, Row, resolved_task
-from forge_ext.tasks.rubric import RewardFailure, failures_of
-from forge_ext.config import (
-    RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
-)
-from forge_ext.runtime.disk import find_output_write_error
+from forge_ext.config import apply_env, parse_cli, record_run_config
 from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
-from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.rl.advantages import build_estimator, groups_with_spread
+from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rl.loop import RLLoop
-from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime import run_logs
-from forge_ext.runtime.placement import Placement, PlacementError
 from forge_ext.rl.replay_buffer import ReplayBuffer
+from forge_ext.rl.report import FlatGroupsWatch
 from forge_ext.rl.sampling import DynamicSampling, shaped_rewards
-from forge_ext.rl.report import (
-    ALGORITHM_NAMES, FlatGroupsWatch, accuracy_summary, plot_spec, step_line,
-)
+from forge_ext.rollout import EpisodeBatch
+from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
+from forge_ext.runtime import run_logs
+from forge_ext.runtime.disk import find_output_write_error
+from forge_ext.runtime.metrics import MetricsConfig
+from forge_ext.runtime.placement import Placement, PlacementError
 from forge_ext.runtime.roles import RoleSpec, Roles
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch, watch_run
-
-
-def reward_model_role(name: str) -> str:
-    """The proc mesh and actor name of reward model ``name`` (Monarch's failure reports
-    name it)."""
-    import re
-
-    return "reward_model." + re.sub(r"[^\w.-]", "_", name)
+from forge_ext.tasks import PromptStream, Row
+from forge_ext.tasks.rubric import RewardFailure, failures_of
 
 
 @dataclass
@@ -117,7 +104,7 @@ class Rollouts:
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
-class GRPOApp(RLLoop):
+class GRPOApp(RunConsole, RLLoop):
     """The GRPO job on actors (module docstring)."""
 
     def __init__(self, config: GRPOConfig, inputs: RunInputs | None = None) -> None:
@@ -143,7 +130,7 @@ class GRPOApp(RLLoop):
         record_run_config(config.output_dir, run_record(config),
                           may_change=MAY_CHANGE_ON_RESUME,
                           check=resume_step > 0)  # with nothing to resume, start over
-        _warn_if_task_differs_from_warm_start(config)
+        warn_if_task_differs_from_warm_start(config)
         self.config = config
         self.resume_step = resume_step
         """The checkpoint step the run resumes from (0: it starts over)."""
@@ -232,7 +219,7 @@ class GRPOApp(RLLoop):
         from forge_ext.actors import spawn_trainer
         from forge_ext.actors.critic import spawn_critic
         from forge_ext.actors.reference import spawn_reference
-        from forge_ext.actors.reward_model import spawn_reward_model
+        from forge_ext.actors.reward_model import reward_model_role, spawn_reward_model
         from forge_ext.rollout.replicas import spawn_replicas
 
         c, local = self.config, self.config.hosts.launcher == "local"
@@ -307,78 +294,23 @@ class GRPOApp(RLLoop):
         """``task.agent``: the OpenAI-compatible endpoint over the replicas
         (:mod:`forge_ext.rollout.agents`), on 127.0.0.1; its address and the run's key go to
         ``<output_dir>/agent_endpoint.json`` (readable by this user only) for external agents."""
-        from forge_ext.rollout.agents import AgentEndpoint
+        from forge_ext.rollout.agents import TOOL_PARSERS, AgentEndpoint, write_address
 
         c, episodes = self.config, self.runner.config
         parser = episodes.agent_tool_parser
-        if parser == "auto":
-            family = self.model_name()
-            parser = {"qwen3": "hermes", "qwen2": "hermes", "llama3": "llama3_json"}.get(family)
         endpoint = AgentEndpoint(
             self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
             max_tokens=episodes.agent_max_tokens or self.context or 1 << 30,
-            max_new_tokens=c.generator.sampling.max_new_tokens, tool_parser=parser,
+            max_new_tokens=c.generator.sampling.max_new_tokens,
+            tool_parser=TOOL_PARSERS.get(self.model_name()) if parser == "auto" else parser,
             chat_template_kwargs=c.prompt.chat_template_kwargs, port=episodes.agent_port,
         )
         await endpoint.start()
         self.track("agent endpoint", endpoint.stop)
         self.runner.endpoint = endpoint
-        path = Path(c.output_dir) / "agent_endpoint.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_name(path.name + ".tmp")
-        with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"base_url": endpoint.base_url, "api_key": endpoint.key}, f)
-        staged.replace(path)
+        write_address(endpoint, path := Path(c.output_dir) / "agent_endpoint.json")
         self.write(f"agent endpoint {endpoint.base_url} ({episodes.agent}; address and key in "
                    f"{path})")
-
-    def model_name(self) -> str:
-        """The policy's ``model.name``: as given, else the one the engine reads from
-        config.json (``trainer.engine: hf``: its ``model_type``, any family; ``titan``:
-        :func:`forge_ext.engine.models.model_name_of`)."""
-        from forge_ext.engine.models import model_name_of, read_hf_config
-
-        model = self.config.trainer.get("model", {})
-        if model.get("name"):
-            return model["name"]
-        if self.config.trainer.get("engine") == "hf" and model.get("hf_path"):
-            return read_hf_config(model["hf_path"]).get("model_type") or "?"
-        return model_name_of(model.get("hf_path"))
-
-    def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
-        """The run's first console lines: model, steps and batch, task, roles and where
-        they run, output_dir."""
-        c = self.config
-        name = self.model_name()
-        replicas = c.generator.replicas
-        procs = ", ".join(
-            f"{r} ({c.generator.backend}, {replicas} replica{'s' * (replicas > 1)}, "
-            f"weight_update {c.generator.weight_update})" if r == "generator"
-            else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)}, "
-                 f"{(getattr(c, r) or {}).get('engine', 'titan')} engine)"
-            for r in roles
-        ) + "".join(
-            f", reward model {rm} ({entry.procs or 1} proc{'s' * ((entry.procs or 1) > 1)})"
-            for rm, (entry, _) in self.rubric.models.items()
-        )
-        where = "this machine" if c.hosts.launcher == "local" else ", ".join(
-            f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
-        ) + f" (hosts x procs, launcher {c.hosts.launcher})"
-        rewards = ", ".join(self.rubric.names) or "the environment's"
-        return [
-            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) "
-            f"of {c.grpo.prompts_per_step} prompts x "
-            f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
-            f"{c.output_dir}",
-            f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {rewards}",
-            c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
-            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"]
-              if self.resume_step else []),
-            f"spawning {procs} on {where}" + (
-                "; KL reference: the trainer's base (its LoRA adapters disabled)"
-                if c.reference_is_trainer_base else ""),
-        ]
 
     def replica_died(self, name: str, cause: str, hint: str) -> None:
         """The failure watch's report of a dead generator replica (``generator.replicas >
@@ -408,25 +340,11 @@ class GRPOApp(RLLoop):
         return step
 
     def fast_forward(self, step: int) -> None:
-        from tqdm import tqdm
-
         # Without dynamic sampling build_rollouts addresses the prompt stream by step; with
         # it, the position of the resumed step is the one recorded with its checkpoint.
         if self.config.grpo.dynamic_sampling and step > 0:
             self.stream.resume(step)
-        # No bar when stdout is not a terminal (disable=None): a redirected log would hold
-        # its every carriage-return update; the per-step lines say the same.
-        self.bar = tqdm(
-            total=self.loop.steps, initial=step, unit="step", file=sys.stdout,
-            desc=ALGORITHM_NAMES[self.config.algorithm.advantage], dynamic_ncols=True,
-            disable=None,
-        )
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        self.start_bar(step)
 
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
@@ -700,95 +618,6 @@ class GRPOApp(RLLoop):
                    f"{time.perf_counter() - start:.1f}s: {out / 'adapter'}"
                    + (f", merged HF checkpoint {merged}" if merged else ""))
 
-    def checkpoint_folder(self) -> Path:
-        """``<trainer.dump_folder>/<trainer.checkpoint.folder>``."""
-        from forge_ext.engine import engine_config_from_mapping
-
-        if getattr(self, "_checkpoint_folder", None) is None:
-            engine = engine_config_from_mapping(self.config.trainer)
-            self._checkpoint_folder = Path(engine.dump_folder) / engine.checkpoint.folder
-        return self._checkpoint_folder
-
-    # ---- output --------------------------------------------------------------------------
-    def log_line(self, step: int, m: dict[str, float]) -> str | None:
-        if self.bar is not None and "loss" in m:
-            self.bar.update(1)
-        c = self.config
-        return step_line(step, m, steps=self.loop.steps, group_size=c.grpo.group_size,
-                         replicas=c.generator.replicas, kl=self.reference is not None,
-                         eval_sets=self.eval_sets, flat_groups=self.flat_groups)
-
-    def plot_spec(self) -> dict[str, Any]:
-        c = self.config
-        how = "greedy" if c.eval.greedy else "sampled"
-        return plot_spec(
-            title=f"{ALGORITHM_NAMES[c.algorithm.advantage]} ({self.loop.mode}, "
-                  f"max_policy_age {self.loop.max_policy_age})",
-            eval_label=f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
-            reward_names=self.rubric.names, replicas=c.generator.replicas,
-            multi_turn=self.runner.multi_turn, eval_sets=self.eval_sets,
-            critic=self.critic is not None)
-
-    def on_finish(self, completed: bool) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        evals = self.metrics.series("eval/accuracy")
-        if not completed or not evals:
-            return
-        # "warm-start": a checkpoint an SFT run wrote (it records its config beside it).
-        print(accuracy_summary(
-            evals, warm_start=(Path(self.config.model.hf_path) / RUN_CONFIG_FILE).is_file(),
-            how="greedy" if self.config.eval.greedy else "sampled",
-            prompts=len(self.eval_rows), algorithm=self.config.algorithm.advantage))
-        failed = {name: n for name, n in self.rubric.error_counts.items() if n}
-        if failed:
-            print("reward calls that failed and scored reward.on_error: " + ", ".join(
-                f"{name} {n}" for name, n in failed.items()) + " (reward/errors/<name> per step)")
-        log_dir = self.metrics.log_dir
-        if self.metrics.config.plot:
-            print(f"plot: {log_dir / self.metrics.config.plot}")
-        if self.metrics.config.tensorboard:
-            print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
-        print(self.outputs_line())
-
-    def outputs_line(self) -> str:
-        """The run's last console line: where everything was written."""
-        out = Path(self.config.output_dir)
-        parts = [f"run config {out / RUN_CONFIG_FILE}",
-                 f"metrics {self.metrics.jsonl_path}"]
-        if self.config.trainer.get("checkpoint", {}).get("enable"):
-            parts.append(f"checkpoints {self.checkpoint_folder()}")
-        if self.config.export.enable and not self.config.trainer.get("lora"):
-            parts.append(f"HF checkpoints {out / 'hf'}")
-        return f"written to {out}: " + ", ".join(parts)
-
-
-def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
-    """A warm-start written by apps.sft records its config; GRPO on another task (more
-    digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
-    record = Path(config.model.hf_path) / RUN_CONFIG_FILE
-    try:
-        warm_task = load_run_record(record).get("task") if record.is_file() else None
-    except ValueError:  # an unreadable record: this warning is best effort
-        return
-    if warm_task is None:
-        return
-    try:
-        warm_task = resolved_task(warm_task)
-    except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
-        return
-    # The warm-start is single-turn: GRPO may add an environment and its limits.
-    changes = config_changes(warm_task, resolved_task(config.task),
-                             may_change=("num_eval", "partial_credit", *EPISODE_FIELDS))
-    if changes:
-        print(
-            f"warning: task differs from the task model.hf_path={config.model.hf_path} was "
-            f"trained on ({'; '.join('task.' + c for c in changes)})",
-            file=sys.stderr,
-        )
-
-
 def main(argv: list[str] | None = None,
          inputs: RunInputs | FinishedRun | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
@@ -826,25 +655,6 @@ def main(argv: list[str] | None = None,
         # A full disk, a read-only folder, a quota: the line names what, where, the space
         # and the last complete checkpoint.
         sys.exit(f"error: {write_error}")
-
-
-def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | None) -> str:
-    """What the console shows when a role's process or host died: what died and its likely
-    cause, that everything else was stopped, the last checkpoint and the command that
-    resumes from it."""
-    step = resume_step_of(config)
-    if step:
-        from forge_ext.engine import engine_config_from_mapping
-
-        engine = engine_config_from_mapping(config.trainer)
-        folder = Path(engine.dump_folder) / engine.checkpoint.folder / f"step-{step}"
-        last = f"last checkpoint: step {step} ({folder})"
-    else:
-        last = "no checkpoint yet: a rerun starts over"
-    command = shlex.join([os.path.basename(sys.executable), "-m", "apps.grpo.main",
-                          *(sys.argv[1:] if argv is None else argv)])
-    return (f"error: {failure}.\nEvery other process of the run was stopped; {last}.\n"
-            f"resume with: {command}")
 
 
 if __name__ == "__main__":
