@@ -42,7 +42,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,13 @@ from apps.grpo.prepare import (
     run_record, warn_if_task_differs_from_warm_start,
 )
 from forge_ext.config import apply_env, parse_cli, record_run_config
-from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
+from forge_ext.evaluation import as_logged, close_sets, evaluate_held_out, evaluate_sets
 from forge_ext.rl.advantages import build_estimator, groups_with_spread
 from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rl.loop import RLLoop
 from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import FlatGroupsWatch
-from forge_ext.rl.sampling import DynamicSampling, shaped_rewards
+from forge_ext.rl.sampling import DynamicSampling, check_training_rows, shaped_rewards
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.rollout.engines import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost, replica_name
@@ -83,7 +83,7 @@ from forge_ext.runtime import run_logs
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import Placement, PlacementError
-from forge_ext.runtime.roles import RoleSpec, Roles
+from forge_ext.runtime.roles import Roles
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch, watch_run
 from forge_ext.tasks import PromptStream, Row
 from forge_ext.tasks.rubric import RewardFailure, failures_of
@@ -164,6 +164,7 @@ class GRPOApp(RunConsole, RLLoop):
     # ---- setup and state -----------------------------------------------------------------
     async def setup(self) -> None:
         from forge_ext.actors.reference import base_of_trainer
+        from forge_ext.actors.rl_roles import rl_role_specs, role_names, trainer_weights
         from forge_ext.compat.torchstore_monarch import RunStore
 
         c = self.config
@@ -179,9 +180,7 @@ class GRPOApp(RunConsole, RLLoop):
             self, placement, replicas=[replica_name(r, n) for r in range(n)] if n > 1 else (),
             on_replica_death=self.replica_died,
         )
-        names = ["trainer", *(["reference"] if c.reference else []),
-                 *(["critic"] if c.critic is not None else []), "generator"]
-        for line in self.plan_lines(names, placement):  # model, steps, task, roles, output
+        for line in self.plan_lines(role_names(c), placement):  # model, task, roles, output
             self.write(line)
         # The reward worker processes start now, while the roles spawn (each imports its
         # functions' modules: a second or more), and end with the run.
@@ -198,7 +197,10 @@ class GRPOApp(RunConsole, RLLoop):
                    lambda: store.stop(peer_died=isinstance(self.failure, RoleFailure)))
         await roles.timed("torchstore", store.start())
         self.track("actors", self.stop_roles)
-        await roles.start(self.role_specs(names, placement))
+        self.trainer_weights = trainer_weights(c, placement)
+        await roles.start(rl_role_specs(c, placement, tok=self.tok, weights=self.trainer_weights,
+                                        ready=functools.partial(setattr, self),
+                                        reward_model_ready=self.attach_reward_model))
         if self.runner.config.agent is not None:
             await self.start_agent_endpoint()
         if c.reference_is_trainer_base:
@@ -210,65 +212,6 @@ class GRPOApp(RunConsole, RLLoop):
             self.write(exposed)
         for line in roles.startup_lines():  # what the start-up spent (issue 38)
             self.write(line)
-
-    def role_specs(self, names: list[str], placement: Placement) -> list[RoleSpec]:
-        """The roles ``names`` and the reward models of ``reward.functions``, as spawned on
-        ``placement``: procs on other hosts get the run's and the role's environment
-        (``procs.env``, ``procs.<role>.env``); on this machine a role's own is set while it
-        spawns (its procs inherit it), one role at a time, as is a reward model's."""
-        from forge_ext.actors import spawn_trainer
-        from forge_ext.actors.critic import spawn_critic
-        from forge_ext.actors.reference import spawn_reference
-        from forge_ext.actors.reward_model import reward_model_role, spawn_reward_model
-        from forge_ext.rollout.replicas import spawn_replicas
-
-        c, local = self.config, self.config.hosts.launcher == "local"
-
-        def procs(role: str, spawn=placement.spawn_procs):
-            env = None if local else {**c.procs.env, **getattr(c.procs, role).env}
-            return functools.partial(spawn, role, env=env)
-
-        # A restarted run may replace the DCP weight folders its crashed process left; no
-        # same-host shortcut between hosts.
-        self.trainer_weights = {**asdict(c.weights),
-                                "run_id": c.weights.run_id or os.path.abspath(c.output_dir)}
-        if not placement.same_host("trainer", ["generator"]):
-            self.trainer_weights["same_host"] = "off"
-
-        def role(name: str, spawn, **more) -> RoleSpec:
-            return RoleSpec(name=name, spawn=spawn, env=getattr(c.procs, name).env if local
-                            else {}, ready=functools.partial(setattr, self, name), **more)
-
-        specs = {
-            "trainer": role("trainer", lambda: spawn_trainer(
-                c.trainer, loss=c.loss_spec(), weights=self.trainer_weights,
-                num_procs=placement.num_procs("trainer"), spawn_procs=procs("trainer"),
-                master_addr=placement.master_addr)),
-            "reference": role("reference", lambda: spawn_reference(
-                c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs("reference"), master_addr=placement.master_addr)),
-            "critic": role("critic", lambda: spawn_critic(
-                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
-                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
-                spawn_procs=procs("critic"), master_addr=placement.master_addr)),
-            "generator": role("generator", lambda: spawn_replicas(
-                c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
-                key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
-                spawn_procs=procs("generator", placement.spawn_replica_procs)),
-                meshes=lambda g: [h.procs for h in g.handles],  # each replica its own mesh
-                setup_seconds=lambda g: max(h.startup.get("setup", 0.0) for h in g.handles)),
-        }
-        # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
-        # per batch, on this machine (GRPOConfig.validate refuses the launchers of other
-        # hosts), stopped with the roles.
-        return [specs[name] for name in names] + [
-            RoleSpec(name=reward_model_role(e.metric_name), env=e.env,
-                     label=f"reward model {e.metric_name}",
-                     spawn=functools.partial(spawn_reward_model, e, f"reward.functions[{i}]",
-                                             name=reward_model_role(e.metric_name)),
-                     ready=functools.partial(self.attach_reward_model, e.metric_name))
-            for i, e in enumerate(c.reward.functions) if e.model is not None
-        ]
 
     def attach_reward_model(self, name: str, model: Any) -> None:
         """Reward model ``name`` scores for the rubric, and for the evaluation sets' rubrics
@@ -420,25 +363,9 @@ class GRPOApp(RunConsole, RLLoop):
         )
 
     def _check_rows(self, rows: int) -> None:
-        """An agent's calls may make more rows than episodes (:mod:`forge_ext.rollout.agents`):
-        fixed-row microbatches need exactly ``grpo.batch_size``.
-
-        Raises:
-            ValueError: naming the token budget that trains any number of rows.
-        """
-        if rows == self.config.grpo.batch_size:
-            return
-        for role in ("trainer", "reference", "critic"):
-            section = getattr(self.config, role)
-            if section is not None and not section.get("training", {}).get(
-                    "max_tokens_per_microbatch"):
-                raise ValueError(
-                    f"this step made {rows} training rows from grpo.batch_size="
-                    f"{self.config.grpo.batch_size} episodes (an agent whose calls do not "
-                    "extend one another makes a row per call, docs/agents.md), but "
-                    f"{role}.training has fixed-row microbatches; set "
-                    f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
-                    "number of rows)")
+        """:func:`forge_ext.rl.sampling.check_training_rows` of a step's ``rows``."""
+        check_training_rows(rows, self.config.grpo.batch_size, {
+            role: getattr(self.config, role) for role in ("trainer", "reference", "critic")})
 
     def _shaped_rewards(self, batch: EpisodeBatch) -> list[float]:
         """The rubric's rewards plus ``reward.overlong``'s length penalty."""
@@ -558,27 +485,14 @@ class GRPOApp(RunConsole, RLLoop):
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
-        batches = []
-        size = c.eval.batch_size
-        for lo in range(0, len(self.eval_rows), size):
-            with failures_of(f"the held-out evaluation at step {step}"):
-                batches.append(await self.runner.run(
-                    self.eval_rows[lo : lo + size], 1, self.sample, greedy=c.eval.greedy,
-                    seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
-                    version=self.trainer_version,
-                ))
-        batch = EpisodeBatch.concat(batches)
-        n = len(batch.rewards)
+        held_out = await evaluate_held_out(
+            self.runner, self.eval_rows, self.sample, batch_size=c.eval.batch_size,
+            greedy=c.eval.greedy, seed=c.seed * 1_000_003 + 999_983 + step,
+            version=self.trainer_version, step=step)
         # The evaluation sets, each seeded from the run's seed, the step and its name.
         sets = await evaluate_sets(self.eval_sets, self.sample, batch_size=c.eval.batch_size,
                                    seed=derive_seed(c.seed, step))
-        return {
-            "eval/accuracy": sum(batch.scores.correct) / n,
-            "eval/reward": sum(batch.rewards) / n,
-            "eval/num_prompts": n,
-            **{"eval/" + k: v for k, v in batch.metrics().items()},
-            **as_logged(sets),
-        }
+        return {**held_out, **as_logged(sets)}
 
     async def export_model(self, step: int) -> None:
         """The policy of ``step`` as an HF checkpoint folder ``<output_dir>/hf/step-N``

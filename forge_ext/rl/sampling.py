@@ -5,14 +5,16 @@ sampling (arXiv:2503.14476, sections 3.2 and 3.4).
   (``reward.overlong``, :class:`forge_ext.tasks.rubric.OverlongConfig`);
 - :class:`DynamicSampling`: roll out prompts of the stream until enough groups have reward
   spread (``grpo.dynamic_sampling``), and where each step's prompts begin, recorded beside
-  the checkpoints so that a resumed run consumes every prompt once.
+  the checkpoints so that a resumed run consumes every prompt once;
+- :func:`check_training_rows`: a step's training rows fit the engines' microbatches.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,3 +150,30 @@ class DynamicSampling:
 
     def _positions(self) -> dict[str, int]:
         return json.loads(self.path.read_text())["positions"] if self.path.is_file() else {}
+
+
+def check_training_rows(rows: int, batch_size: int,
+                        sections: Mapping[str, Mapping[str, Any] | None]) -> None:
+    """A step's ``rows`` training rows fit the engines that train on them: an agent's calls
+    may make more rows than episodes (:mod:`forge_ext.rollout.agents`), and fixed-row
+    microbatches need exactly ``batch_size`` (``grpo.batch_size``).
+
+    Args:
+        sections: ``{role: engine section}`` of the roles that take the rows (None: the
+            role is not in the run).
+
+    Raises:
+        ValueError: naming the token budget that trains any number of rows.
+    """
+    if rows == batch_size:
+        return
+    for role, section in sections.items():
+        if section is not None and not section.get("training", {}).get(
+                "max_tokens_per_microbatch"):
+            raise ValueError(
+                f"this step made {rows} training rows from grpo.batch_size="
+                f"{batch_size} episodes (an agent whose calls do not "
+                "extend one another makes a row per call, docs/agents.md), but "
+                f"{role}.training has fixed-row microbatches; set "
+                f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
+                "number of rows)")
