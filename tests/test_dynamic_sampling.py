@@ -14,7 +14,7 @@ import pytest
 from grpo_reference import parity_reward, reference_advantages
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
 PROMPTS, GROUP = 3, 2
@@ -40,7 +40,7 @@ class InProcessGenerator:
 
 
 def app_for(config, generator=None):
-    app = GRPOApp(config)
+    app = RLApp(config)
     app.generator = generator or InProcessGenerator(config, app.tok)
     return app
 

@@ -1,6 +1,6 @@
 """GRPO on real Monarch actors: ``python -m apps.grpo.main --config configs/<name>.yaml [k=v ...]``.
 
-The job is :class:`forge_ext.rl.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
+The job is :class:`forge_ext.rl.loop.RLLoop`'s template; :class:`RLApp` fills its hooks:
 
 - ``setup``: the hosts (``hosts:``, :mod:`forge_ext.runtime.placement`) and a watch that turns a
   dead process or host into one error (:mod:`forge_ext.runtime.supervision`), torchstore, then the
@@ -104,8 +104,9 @@ class Rollouts:
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
-class GRPOApp(RunConsole, RLLoop):
-    """The GRPO job on actors (module docstring)."""
+class RLApp(RunConsole, RLLoop):
+    """The RL job on actors, GRPO, RLOO or PPO by ``algorithm.advantage`` (module
+    docstring)."""
 
     def __init__(self, config: GRPOConfig, inputs: RunInputs | None = None) -> None:
         """Check ``config`` and what the run reads (``inputs``: :func:`apps.grpo.prepare
@@ -532,19 +533,23 @@ class GRPOApp(RunConsole, RLLoop):
                    f"{time.perf_counter() - start:.1f}s: {out / 'adapter'}"
                    + (f", merged HF checkpoint {merged}" if merged else ""))
 
-def main(argv: list[str] | None = None,
-         inputs: RunInputs | FinishedRun | None = None) -> None:
+
+
+def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None = None, *,
+         module: str = "apps.grpo.main", description: str = __doc__.splitlines()[0]) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
-    ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done."""
+    ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done;
+    ``module``: the app's module, which ``--help`` and the resume command name
+    (``apps.ppo.main`` runs this app too), ``description``: its ``--help`` line."""
     from apps.config_reference import grpo_help
 
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
-                                prog="python -m apps.grpo.main")
+    path, overrides = parse_cli(argv, description, reference=grpo_help,
+                                prog=f"python -m {module}")
     if isinstance(inputs, FinishedRun):  # found before the imports: nothing to train
         print(inputs.message())
         return
     try:
-        app = GRPOApp(load_config(path, overrides), inputs)
+        app = RLApp(load_config(path, overrides), inputs)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
@@ -557,7 +562,7 @@ def main(argv: list[str] | None = None,
               "resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)
     except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
-        sys.exit(failure_message(failure, app.config, argv))
+        sys.exit(failure_message(failure, app.config, argv, module))
     except PlacementError as error:  # the hosts did not start: the message says the fix
         sys.exit(f"error: {error}")
     except RewardFailure as failure:  # every call of a batch failed: count and traceback

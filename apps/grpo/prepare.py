@@ -6,7 +6,7 @@ prompt's ids, the evaluation sets and where an episode must fit (issue 38).
 a rerun of a finished run says so and exits, a rerun with another config is refused, a bad
 data file, column, reward module or a prompt longer than ``trainer.training.seq_len`` is a
 ``config error`` in seconds; the app then takes the :class:`RunInputs` as they are
-(:class:`apps.grpo.main.GRPOApp`).
+(:class:`apps.grpo.main.RLApp`).
 
 Light imports only: the task sources, the rubric, the tokenizer wrapper, the checkpoint
 folders' scan. The resume and data checks come first (a missing column or reward module in
