@@ -1,49 +1,30 @@
 """GRPO on real Monarch actors: ``python -m apps.grpo.main --config configs/<name>.yaml [k=v ...]``.
 
-The job is :class:`forge_ext.rl.loop.RLLoop`'s template; :class:`RLApp` fills its hooks:
+The RL app (GRPO, RLOO, or PPO with a critic role: ``algorithm.advantage``; ``python -m
+apps.ppo.main`` runs it under PPO's name) as config -> roles -> loop: the config and what
+the run reads, checked before anything is spawned (:mod:`apps.grpo.config`,
+:mod:`apps.grpo.prepare`); the roles (:mod:`apps.grpo.roles`); :class:`RLApp` fills the hooks
+of :class:`forge_ext.rl.loop.RLLoop`'s template: ``build_rollouts`` (the step's prompts by
+stream position, ``grpo.group_size`` samples each, rewards from the rubric, advantages,
+reference log-probs), ``train_step`` (the rollouts through the replay buffer, which drops any
+older than ``loop.max_policy_age``, into the trainer), ``push_weights`` / ``fetch_weights``
+(``RLTrainer.push_weights(N)`` then ``Generator.update_weights(N)``), ``evaluate`` (held-out
+accuracy and ``eval.sets``), and the checkpoints and exports (:mod:`apps.grpo.outputs`).
 
-- ``setup``: the hosts (``hosts:``, :mod:`forge_ext.runtime.placement`) and a watch that turns a
-  dead process or host into one error (:mod:`forge_ext.runtime.supervision`), torchstore, then the
-  ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
-  null``), the critic (PPO), each reward model of ``reward.functions`` (attached to the
-  rubric, :mod:`forge_ext.actors.reward_model`) and the ``Generator``, spawned concurrently
-  on their host meshes; teardown stops them (concurrently), then torchstore, then the hosts.
-- ``build_rollouts``: the ``grpo.prompts_per_step`` task rows of the step (by stream
-  position, :class:`forge_ext.tasks.PromptStream`), ``grpo.group_size`` samples each (seeded
-  by the step), rewards from the rubric (``reward:``, :mod:`forge_ext.tasks.rubric`),
-  group-normalised advantages, reference log-probs. In ``loop.mode: async`` the loop's
-  rollout task calls it for the next steps while the trainer trains.
-- ``policy_versions``: the version each episode was sampled with (the loop bounds and logs
-  their policy ages).
-- ``train_step``: the rollouts go through the replay buffer (which drops any older than
-  ``loop.max_policy_age``) into the trainer's ``train_step``.
-- ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
-  ``Generator.update_weights(N)`` (torchstore).
-- ``evaluate``: held-out accuracy (greedy by default) through the generator: the rate at
-  which the rubric's accuracy function (``reward.accuracy``, default the first) scores 1;
-  and the evaluation sets of ``eval.sets`` (pass@k, mean@k, maj@k, greedy accuracy per set,
-  :mod:`forge_ext.evaluation`), logged as ``eval/<set>/<metric>``.
-- ``export_model``: the policy as an HF checkpoint folder ``<output_dir>/hf/step-N`` at the
-  last step and every ``loop.export_every`` steps (``export:``; LoRA runs write their
-  adapter at the last step, ``<output_dir>/adapter``).
-
-Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
-in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
-held-out accuracy before and after GRPO. ``<output_dir>/run_config.yaml`` records the
-resolved config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must
-match it except for :data:`apps.grpo.prepare.MAY_CHANGE_ON_RESUME`.
+Output (:mod:`apps.grpo.console`): a progress bar, one console line per step, TensorBoard
+events and ``metrics.jsonl`` in ``metrics.log_dir``, a PNG of the run, and a final line with
+held-out accuracy before and after. ``<output_dir>/run_config.yaml`` records the resolved
+config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must match it
+except for :data:`apps.grpo.prepare.MAY_CHANGE_ON_RESUME`. docs/grpo.md says more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
@@ -64,12 +45,14 @@ import torch
 
 from apps.grpo.config import GRPOConfig, load_config
 from apps.grpo.console import RunConsole, failure_message
+from apps.grpo.outputs import RunOutputs
 from apps.grpo.prepare import (
-    MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
-    run_record, warn_if_task_differs_from_warm_start,
+    MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, run_record,
+    warn_if_task_differs_from_warm_start,
 )
-from forge_ext.config import apply_env, parse_cli, record_run_config
-from forge_ext.evaluation import as_logged, close_sets, evaluate_held_out, evaluate_sets
+from apps.grpo.roles import RunRoles
+from forge_ext.config import parse_cli, record_run_config
+from forge_ext.evaluation import as_logged, evaluate_held_out, evaluate_sets
 from forge_ext.rl.advantages import build_estimator, groups_with_spread
 from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rl.loop import RLLoop
@@ -78,13 +61,11 @@ from forge_ext.rl.report import FlatGroupsWatch
 from forge_ext.rl.sampling import DynamicSampling, check_training_rows, shaped_rewards
 from forge_ext.rollout import EpisodeBatch
 from forge_ext.rollout.engines import Completion, derive_seed
-from forge_ext.rollout.replicas import ReplicasLost, replica_name
-from forge_ext.runtime import run_logs
+from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime.placement import Placement, PlacementError
-from forge_ext.runtime.roles import Roles
-from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch, watch_run
+from forge_ext.runtime.placement import PlacementError
+from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
 from forge_ext.tasks import PromptStream, Row
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 
@@ -104,7 +85,7 @@ class Rollouts:
     """Rollout metrics logged with the step (dynamic sampling's counts, overlong penalty)."""
 
 
-class RLApp(RunConsole, RLLoop):
+class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
     """The RL job on actors, GRPO, RLOO or PPO by ``algorithm.advantage`` (module
     docstring)."""
 
@@ -161,127 +142,6 @@ class RLApp(RunConsole, RLLoop):
         with self.busy("generator"):
             return await self.generator.sample(prompt_ids, n, greedy=greedy, seed=seed,
                                                session=session, sampling=sampling)
-
-    # ---- setup and state -----------------------------------------------------------------
-    async def setup(self) -> None:
-        from forge_ext.actors.reference import base_of_trainer
-        from forge_ext.actors.rl_roles import rl_role_specs, role_names, trainer_weights
-        from forge_ext.compat.torchstore_monarch import RunStore
-
-        c = self.config
-        apply_env(c.procs.env)
-        self.roles = roles = Roles()
-        run_logs.start(c.output_dir)  # Monarch's log in <output_dir>/logs, before Monarch starts
-        self.track("monarch log", functools.partial(run_logs.finish, c.output_dir))
-        self.placement = placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
-        # Before anything starts: a process or host that dies is one error naming it; a
-        # generator replica that dies is one warning, the others serve its requests.
-        n = c.generator.replicas
-        self.watch = watch_run(
-            self, placement, replicas=[replica_name(r, n) for r in range(n)] if n > 1 else (),
-            on_replica_death=self.replica_died,
-        )
-        for line in self.plan_lines(role_names(c), placement):  # model, task, roles, output
-            self.write(line)
-        # The reward worker processes start now, while the roles spawn (each imports its
-        # functions' modules: a second or more), and end with the run.
-        self.rubric.start()
-        self.track("reward workers", self.stop_rewards)
-        self.track("hosts", placement.stop)
-        # A Slurm job waits in the queue here (Ctrl-C cancels it); Monarch's context starts
-        # once its transport is set, its console line in <output_dir>/logs.
-        await roles.timed("hosts", placement.start())
-        # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
-        # role's process or host died (RunStore says why).
-        store = RunStore()
-        self.track("torchstore",
-                   lambda: store.stop(peer_died=isinstance(self.failure, RoleFailure)))
-        await roles.timed("torchstore", store.start())
-        self.track("actors", self.stop_roles)
-        self.trainer_weights = trainer_weights(c, placement)
-        await roles.start(rl_role_specs(c, placement, tok=self.tok, weights=self.trainer_weights,
-                                        ready=functools.partial(setattr, self),
-                                        reward_model_ready=self.attach_reward_model))
-        if self.runner.config.agent is not None:
-            await self.start_agent_endpoint()
-        if c.reference_is_trainer_base:
-            # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
-            self.reference = base_of_trainer(self.trainer)
-        # Every port of the run that other machines may reach (all unauthenticated), once.
-        exposed = await placement.exposed_ports(roles.meshes(first=("trainer", "generator")))
-        if exposed:
-            self.write(exposed)
-        for line in roles.startup_lines():  # what the start-up spent (issue 38)
-            self.write(line)
-
-    def attach_reward_model(self, name: str, model: Any) -> None:
-        """Reward model ``name`` scores for the rubric, and for the evaluation sets' rubrics
-        that use it."""
-        self.reward_models[name] = model
-        for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
-            if name in rubric.models:
-                rubric.attach_model(name, model.score)
-
-    def stop_rewards(self) -> None:
-        """The reward worker processes and the evaluation sets' end with the run."""
-        self.rubric.close()
-        close_sets(self.eval_sets)
-
-    async def stop_roles(self) -> None:
-        if self.failure is not None and self.placement.owns_workers:
-            # A host died: stopping the roles' procs one mesh at a time would wait on it
-            # (~30 s per mesh); placement.stop() (tracked before) kills every proc at once.
-            return
-        await self.roles.stop(self.write)
-
-    async def start_agent_endpoint(self) -> None:
-        """``task.agent``: the OpenAI-compatible endpoint over the replicas
-        (:mod:`forge_ext.rollout.agents`), on 127.0.0.1; its address and the run's key go to
-        ``<output_dir>/agent_endpoint.json`` (readable by this user only) for external agents."""
-        from forge_ext.rollout.agents import TOOL_PARSERS, AgentEndpoint, write_address
-
-        c, episodes = self.config, self.runner.config
-        parser = episodes.agent_tool_parser
-        endpoint = AgentEndpoint(
-            self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
-            max_tokens=episodes.agent_max_tokens or self.context or 1 << 30,
-            max_new_tokens=c.generator.sampling.max_new_tokens,
-            tool_parser=TOOL_PARSERS.get(self.model_name()) if parser == "auto" else parser,
-            chat_template_kwargs=c.prompt.chat_template_kwargs, port=episodes.agent_port,
-        )
-        await endpoint.start()
-        self.track("agent endpoint", endpoint.stop)
-        self.runner.endpoint = endpoint
-        write_address(endpoint, path := Path(c.output_dir) / "agent_endpoint.json")
-        self.write(f"agent endpoint {endpoint.base_url} ({episodes.agent}; address and key in "
-                   f"{path})")
-
-    def replica_died(self, name: str, cause: str, hint: str) -> None:
-        """The failure watch's report of a dead generator replica (``generator.replicas >
-        1``): it serves no more requests; with none left the run stops naming each."""
-        if self.generator is None:  # while spawning: spawn_replicas fails with its error
-            return
-        self.generator.lose(self.generator.index(name), cause, hint)
-        if not self.generator.live:
-            self.fail(self.generator.all_lost())
-
-    def explain_error(self, error: BaseException) -> BaseException | None:
-        watch = getattr(self, "watch", None)
-        return watch.explain(error) if watch is not None else None
-
-    async def load_checkpoint(self) -> int:
-        if not self.config.trainer.get("checkpoint", {}).get("enable"):
-            return 0
-        # The step both the policy and the critic have (a crash between their saves leaves
-        # the policy one ahead); the folder's step is the loop's, whatever the policy's own
-        # count of updates (it does not move during critic.warmup_steps).
-        step = resume_step_of(self.config)
-        if step == 0:
-            return 0
-        await self.trainer.load_checkpoint(step)
-        if self.critic is not None:
-            await self.critic.load_checkpoint(step)
-        return step
 
     def fast_forward(self, step: int) -> None:
         # Without dynamic sampling build_rollouts addresses the prompt stream by step; with
@@ -463,18 +323,6 @@ class RLApp(RunConsole, RLLoop):
             packed, rewards, self.estimator, kl)
         return metrics
 
-    def _write_samples(self, step: int, rollouts: Rollouts) -> None:
-        """``metrics.samples_per_step`` of the step's episodes (the first of each group), as
-        the rubric scored them, to ``samples.jsonl`` and TensorBoard's text
-        (:meth:`forge_ext.runtime.metrics.MetricLogger.log_samples`)."""
-        count = self.metrics.config.samples_per_step
-        if not count:
-            return
-        group = self.config.grpo.group_size
-        batch = rollouts.batch
-        indices = list(range(0, len(batch.trajectories), group))[:count]
-        self.metrics.log_samples(step, batch.samples(self.tok, indices))
-
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
 
@@ -494,44 +342,6 @@ class RLApp(RunConsole, RLLoop):
         sets = await evaluate_sets(self.eval_sets, self.sample, batch_size=c.eval.batch_size,
                                    seed=derive_seed(c.seed, step))
         return {**held_out, **as_logged(sets)}
-
-    async def export_model(self, step: int) -> None:
-        """The policy of ``step`` as an HF checkpoint folder ``<output_dir>/hf/step-N``
-        (``RLTrainer.export_hf``: gathered a tensor at a time, written atomically); not for
-        LoRA runs, whose adapter :meth:`export_lora` writes at the last step."""
-        c = self.config
-        if self.config.trainer.get("lora") or not c.export.enable:
-            return
-        folder = Path(c.output_dir) / "hf" / f"step-{step}"
-        info = await self.trainer.export_hf(folder, c.export.dtype,
-                                            int(c.export.max_shard_mb * 10**6))
-        self.write(f"HF checkpoint of step {step} written in {info['seconds']:.1f}s: {folder}")
-
-    async def save_checkpoint(self, step: int) -> None:
-        if step == self.loop.steps and self.config.trainer.get("lora"):
-            await self.export_lora()
-        if not self.config.trainer.get("checkpoint", {}).get("enable"):
-            return  # checkpoints off (loop.save_every must then be 0): nothing to keep
-        if self.config.grpo.dynamic_sampling:
-            self.stream.save_position(step)
-        start = time.perf_counter()
-        await self.trainer.save_checkpoint(step)
-        if self.critic is not None:  # after the policy's: a resume takes the step both have
-            await self.critic.save_checkpoint(step)
-        self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
-                   f"{self.checkpoint_folder() / f'step-{step}'}")
-
-    async def export_lora(self) -> None:
-        """The final policy of a LoRA run: a PEFT adapter folder ``<output_dir>/adapter``
-        (``peft.PeftModel.from_pretrained(base, folder)``, vLLM ``LoRARequest``) and, with
-        ``trainer.lora.export_merged``, a merged HF checkpoint ``<output_dir>/merged``."""
-        out = Path(self.config.output_dir)
-        merged = out / "merged" if self.config.trainer["lora"].get("export_merged") else None
-        start = time.perf_counter()
-        await self.trainer.export_lora(out / "adapter", merged)
-        self.write(f"LoRA adapter of step {self.loop.steps} written in "
-                   f"{time.perf_counter() - start:.1f}s: {out / 'adapter'}"
-                   + (f", merged HF checkpoint {merged}" if merged else ""))
 
 
 
