@@ -28,17 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
-    from apps.fast_help import exit_on_config_error, print_saved_help
+    from apps.fast_help import check_command_line
 
-    print_saved_help("grpo")
     # The config, the data, the rewards and every prompt, checked before torchtitan and
     # Monarch are imported; the app takes them as they are (main's inputs).
-    _checked_inputs = exit_on_config_error("apps.grpo.prepare:check_run")
-    from apps.grpo.prepare import FinishedRun as _Finished
-
-    if isinstance(_checked_inputs, _Finished):  # nothing to train: no torch, no Monarch
-        print(_checked_inputs.message())
-        raise SystemExit(0)
+    _checked_inputs = check_command_line("grpo", "apps.grpo.prepare:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch

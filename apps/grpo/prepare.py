@@ -169,6 +169,8 @@ class FinishedRun:
 
     config: GRPOConfig
     step: int
+    finished = True
+    """Nothing to do (:func:`apps.fast_help.check_command_line` prints :meth:`message`)."""
 
     def message(self) -> str:
         """The one line the app prints: the run is finished, and what to do instead."""
