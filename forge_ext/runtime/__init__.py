@@ -1,6 +1,7 @@
 """Where a run's processes run and what a run writes.
 
 - :mod:`~forge_ext.runtime.placement`: hosts and proc meshes per role (``hosts:``);
+- :mod:`~forge_ext.runtime.roles`: a run's roles as a declarative list, spawned, timed, stopped;
 - :mod:`~forge_ext.runtime.supervision`: a dead process or host as one error;
 - :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;
 - :mod:`~forge_ext.runtime.run_logs`: Monarch's log and each role's log in ``output_dir``;
