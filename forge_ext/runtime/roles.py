@@ -65,7 +65,7 @@ class Roles:
     """The spawned roles of a run, by name, with the seconds each part of the start-up took.
 
     Attributes:
-        handles: ``{name: handle}`` of the roles spawned so far, in spec order.
+        handles: ``{name: handle}`` of the roles spawned so far.
         startup: ``{part: seconds}`` of the timed parts and the spawned roles.
     """
 
@@ -127,7 +127,8 @@ class Roles:
     def meshes(self, first: Sequence[str] = ()) -> dict[str, list[Any]]:
         """``{label: [proc mesh, ...]}`` of the spawned roles, those named in ``first``
         first (in spec order otherwise)."""
-        names = sorted(self.handles, key=lambda name: name not in first)
+        spawned = [name for name in self._specs if name in self.handles]
+        names = sorted(spawned, key=lambda name: name not in first)  # stable: spec order
         return {self.label(n): self._specs[n].meshes(self.handles[n]) for n in names}
 
     def startup_lines(self) -> list[str]:
