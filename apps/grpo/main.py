@@ -116,7 +116,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.stream = DynamicSampling(
             self.prompts, prompts_per_step=config.grpo.prompts_per_step,
             group_size=config.grpo.group_size, max_rollout_batches=config.grpo.max_rollout_batches,
-            seed=config.seed, output_dir=config.output_dir, shape=self._shaped_rewards)
+            seed=config.seed, output_dir=config.output_dir, overlong=config.reward.overlong)
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )

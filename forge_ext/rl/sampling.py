@@ -49,14 +49,15 @@ class DynamicSampling:
         seed: the run's seed (the first rollout of a step has the seed a step without
             dynamic sampling has).
         output_dir: where :data:`PROMPT_STREAM_FILE` is kept.
-        shape: the rewards a group's spread is judged on (:func:`shaped_rewards`).
+        overlong: ``reward.overlong``: a group's spread is judged on its shaped rewards
+            (:func:`shaped_rewards`), which it trains on.
     """
 
     def __init__(self, prompts: PromptStream, *, prompts_per_step: int, group_size: int,
                  max_rollout_batches: int, seed: int, output_dir: str,
-                 shape: Callable[[EpisodeBatch], list[float]]) -> None:
+                 overlong: OverlongConfig) -> None:
         self.prompts, self.wanted, self.group = prompts, prompts_per_step, group_size
-        self.max_rollout_batches, self.seed, self.shape = max_rollout_batches, seed, shape
+        self.max_rollout_batches, self.seed, self.overlong = max_rollout_batches, seed, overlong
         self.path = Path(output_dir) / PROMPT_STREAM_FILE
         self.starts: dict[int, int] = {0: 0}
         """Where each step's prompts begin in the stream."""
@@ -89,7 +90,8 @@ class DynamicSampling:
             rows = self.prompts.slice(position, count)
             # The first rollout has the seed of a step without dynamic sampling.
             batch = await rollout(rows, self.seed * 1_000_003 + step + k * 10_000_019)
-            spread = groups_with_spread(torch.tensor(self.shape(batch)), self.group)
+            shaped = shaped_rewards(batch, self.overlong)
+            spread = groups_with_spread(torch.tensor(shaped), self.group)
             for g, keep in enumerate(spread.tolist()):
                 (chosen if keep and len(chosen) < self.wanted else dropped).append(
                     (len(batches), g))
