@@ -6,11 +6,12 @@
 ``--write`` also saves each app's ``--help`` output (``apps/<app>/help.txt``), which ``python
 -m apps.<app>.main --help`` prints without importing the app (:mod:`apps.fast_help`).
 
-Each app's sections are its config dataclass walked by :func:`forge_ext.config_doc.sections`,
+Each app's sections are its config dataclass walked by :func:`forge_ext.config_doc.sections`
+in its config module (``apps.<app>.config.<app>_sections``, which its ``--help`` prints too),
 with the mapping sections described by the dataclasses that validate them: the engine's
-``trainer:`` (:class:`forge_ext.engine.config.EngineConfig`; ``reference:`` takes the same) and ``task:``
-(one section per ``task.source``, :data:`forge_ext.tasks.SOURCES`, plus the multi-turn fields
-every source takes).
+``trainer:`` (:class:`forge_ext.engine.config.EngineConfig`; ``reference:`` takes the same)
+and ``task:`` (one section per ``task.source``, :func:`forge_ext.tasks.task_section_variants`,
+plus the multi-turn fields every source takes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import os
 import sys
 from pathlib import Path
 
-from forge_ext.config_doc import SectionDoc, help_text, markdown, sections
+from apps.eval.config import eval_sections
+from apps.grpo.config import grpo_sections
+from apps.sft.config import sft_sections
+from forge_ext.config_doc import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "config.md"
@@ -48,55 +52,13 @@ and `lr_scheduler.warmup_steps: 0` unless given.
 """
 
 
-def _task_variants() -> dict[str, type]:
-    from forge_ext.tasks import SOURCES, EpisodeConfig
-
-    variants = {f"task.source: {name}" + (" (default)" if name == "addition" else ""): cls
-                for name, cls in SOURCES.items()}
-    return {**variants, "every source: multi-turn episodes": EpisodeConfig}
-
-
-def grpo_sections() -> list[SectionDoc]:
-    from apps.grpo.config import GRPOConfig
-    from forge_ext.actors.critic_config import CriticConfig
-    from forge_ext.engine.config import EngineConfig
-
-    # reference: takes the trainer's fields (its field docstring says so), not listed twice;
-    # critic: lists its own fields (CriticConfig's), the engine's being the trainer's.
-    return sections(GRPOConfig, {"trainer": EngineConfig, "critic": CriticConfig,
-                                 "task": _task_variants()})
-
-
-def sft_sections() -> list[SectionDoc]:
-    from apps.sft.main import SFTConfig
-    from forge_ext.engine.config import EngineConfig
-
-    return sections(SFTConfig, {"trainer": EngineConfig, "task": _task_variants()})
-
-
-def eval_sections() -> list[SectionDoc]:
-    from apps.eval.main import EvalAppConfig
-
-    return sections(EvalAppConfig, {"task": _task_variants()})
-
-
 APPS = {
     "GRPO (`python -m apps.grpo.main`)": grpo_sections,
     "SFT warm-start (`python -m apps.sft.main`)": sft_sections,
     "Evaluation (`python -m apps.eval`)": eval_sections,
 }
-
-
-def grpo_help() -> str:
-    return help_text(grpo_sections())
-
-
-def sft_help() -> str:
-    return help_text(sft_sections())
-
-
-def eval_help() -> str:
-    return help_text(eval_sections())
+"""Each app's reference, from its config module (``<app>_sections``, which its ``--help``
+prints too)."""
 
 
 def render() -> str:

@@ -76,7 +76,8 @@ def trainer_config(flavor: str, batch: int, seq: int) -> dict:
 
 async def build(name: str, layout: tuple[int, int], args):
     from forge_ext.actors import spawn_trainer
-    from forge_ext.runtime.placement import HostsConfig, Placement, RoleHosts
+    from forge_ext.runtime.hosts import HostsConfig, RoleHosts
+    from forge_ext.runtime.placement import Placement
 
     hosts, per_host = layout
     placement = Placement(

@@ -11,7 +11,7 @@ Everything lives in a fresh folder under /tmp (munged, which runs as user ``mung
 reach pytest's root-only temporary folders) on free ports. :meth:`SlurmCluster.stop` cancels
 every job, waits until their step daemons are gone and stops the daemons by pid; should the
 process that started them die first (a killed test session), a watchdog holding a pipe from
-it (forge_ext/rollout/engines/_reaper.py) stops the daemons and removes the folder.
+it (forge_ext/runtime/reaper.py) stops the daemons and removes the folder.
 
 Installing: :func:`ensure_slurm` installs ``slurm-wlm`` and ``munge`` from the distribution's
 package registry (``apt-get``, about a minute) when they are missing and this is root; where
@@ -134,7 +134,7 @@ class SlurmCluster:
     def _start_reaper(self) -> None:
         import psutil
 
-        script = Path(__file__).resolve().parent.parent / "forge_ext/rollout/engines/_reaper.py"
+        script = Path(__file__).resolve().parent.parent / "forge_ext/runtime/reaper.py"
         args = ["--rmtree", str(self.root)]
         for daemon in self.daemons.values():  # each leads a session of its own
             args += ["--session", f"{daemon.pid}:{psutil.Process(daemon.pid).create_time()}"]

@@ -66,7 +66,8 @@ def record(path: str, placement, roles: dict, **extra) -> None:
 
 async def placement_main(out: str, hosts_json: str, output_dir: str) -> None:
     from forge_ext.config import from_mapping
-    from forge_ext.runtime.placement import HostsConfig, Placement
+    from forge_ext.runtime.hosts import HostsConfig
+    from forge_ext.runtime.placement import Placement
 
     hosts = from_mapping(HostsConfig, json.loads(hosts_json), "hosts")
     roles = [r for r in ("trainer", "reference", "generator")

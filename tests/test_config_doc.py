@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from apps.config_reference import REGENERATE, grpo_sections, render, sft_sections, DOC_PATH
+from apps.config_reference import REGENERATE, render, DOC_PATH
+from apps.grpo.config import grpo_sections
+from apps.sft.config import sft_sections
 from forge_ext.config_doc import field_docs, first_sentence, help_text, sections, undocumented
 
 

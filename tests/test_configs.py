@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apps.grpo.config import GRPOConfig, load_config
-from apps.sft.main import SFTConfig
+from apps.sft.config import SFTConfig
 from forge_ext.config import from_mapping, load_yaml, record_run_config
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.rl.loop import LoopConfig
@@ -485,7 +485,7 @@ def test_chunked_prefill_is_off_for_vllm_on_cpu_and_settings_that_need_it_are_re
     """vLLM 0.32 on CPU crashes a seeded step over its batched-token budget when it chunks a
     prefill (issue 32): chunking is off there, and what would need it is refused before
     anything is spawned."""
-    from forge_ext.rollout.generator import GeneratorConfig
+    from forge_ext.rollout.config import GeneratorConfig
     from forge_ext.rollout.engines.vllm import engine_args_for
 
     assert engine_args_for({}, dtype="float32", cuda=False)["enable_chunked_prefill"] is False

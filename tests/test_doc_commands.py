@@ -143,7 +143,7 @@ def _validate_app_command(argv: list[str]) -> None:
     module = argv[2]
     path, overrides = parse_cli(argv[3:])
     if module == "apps.eval":
-        from apps.eval.main import load_eval_config
+        from apps.eval.config import load_eval_config
 
         load_eval_config(path, overrides)
     elif module in ("apps.grpo.main", "apps.ppo.main"):
@@ -151,7 +151,7 @@ def _validate_app_command(argv: list[str]) -> None:
 
         load_config(path, overrides, check_model=False)
     else:
-        from apps.sft.main import SFTConfig
+        from apps.sft.config import SFTConfig
         from forge_ext.tasks import task_config
 
         config = from_mapping(SFTConfig, load_yaml(path, overrides))

@@ -116,7 +116,8 @@ async def test_the_run_logs_its_evaluation_set(run):
 async def evaluate(overrides):
     """``python -m apps.eval --config configs/eval_cpu_demo.yaml <overrides>``, in this
     event loop."""
-    from apps.eval.main import EvalApp, load_eval_config
+    from apps.eval.config import load_eval_config
+    from apps.eval.main import EvalApp
 
     return await EvalApp(load_eval_config(str(CONFIGS / "eval_cpu_demo.yaml"), overrides)).run()
 

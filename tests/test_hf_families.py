@@ -204,10 +204,15 @@ async def test_a_resumed_hf_run_continues_exactly(tmp_path):
     assert resumed.sampled[2] == crashed.sampled[2]
     # Its loss is a mean near 0 (advantages sum to 0 per group): compared absolutely. On the
     # titan engine (this test with trainer.engine=titan) the loss differed by 2e-8, the
-    # grad norm not at all, the next rollouts' log-probs by 5e-6; Adam moments not
-    # restored would move version 3's log-probs by orders of magnitude more.
+    # grad norm not at all, the next rollouts' log-probs by 5e-6. On this backend, on the
+    # 2-core CPU, the same restored weights and batch give gradients that differ in their
+    # 7th digit from one process to the next (the optimizer's restored state, printed, was
+    # bitwise the crashed run's), and Adam at lr 1e-3 turns that into up to 1.01e-5 on
+    # version 3's log-probs (seen on CI and here, 2026-12-07); Adam moments not restored
+    # (the state cleared after the load) moved them by 2.34. Hence 1e-3: 100x the noise,
+    # 2000x below that fault.
     assert after[3]["loss"] == pytest.approx(before[3]["loss"], abs=1e-6)
     assert after[3]["grad_norm"] == pytest.approx(before[3]["grad_norm"], rel=1e-6)
     for (ids, lps), (ids0, lps0) in zip(resumed.sampled[3], crashed.sampled[3], strict=True):
         assert ids == ids0
-        assert lps == pytest.approx(lps0, abs=1e-5)
+        assert lps == pytest.approx(lps0, abs=1e-3)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_ext.runtime.placement import HostsConfig, Placement, PlacementError, SlurmHosts
+from forge_ext.runtime.hosts import HostsConfig, SlurmHosts
+from forge_ext.runtime.placement import Placement, PlacementError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,7 +28,8 @@ from test_vllm import ARCH, PROMPTS  # tests/test_vllm.py's model (head_dim 32, 
 from forge_ext.engine import lora
 from forge_ext.engine.schema import HF_TARGETS
 from forge_ext.actors import spawn_trainer
-from forge_ext.rollout.generator import GeneratorConfig, spawn_generator
+from forge_ext.rollout.config import GeneratorConfig
+from forge_ext.rollout.generator import spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.rollout.engines import SamplingConfig
 from forge_ext.rollout.engines.vllm import VLLMEngine

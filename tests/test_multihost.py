@@ -37,7 +37,8 @@ from monarch.actor import Actor, current_rank, endpoint
 from forge_ext.actors import spawn_trainer
 from forge_ext.rl.loop import LoopConfig, RLLoop
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime.placement import HostsConfig, Placement, RoleHosts
+from forge_ext.runtime.hosts import HostsConfig, RoleHosts
+from forge_ext.runtime.placement import Placement
 from forge_ext.runtime.supervision import UNANSWERED, FailureWatch, RoleFailure, watch_run
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

@@ -366,7 +366,8 @@ def test_sft_runs_a_step_and_writes_the_checkpoints_config(app_checkpoints, key,
     """The warm-start app from the checkpoint: one step, then the written checkpoint keeps
     config.json's fields (RoPE scaling, tying, head_dim) and transformers reads it as the
     engine does."""
-    from apps.sft.main import SFTConfig, run
+    from apps.sft.config import SFTConfig
+    from apps.sft.main import run
     from forge_ext.config import from_mapping, load_yaml
 
     name, model_type, fields, path = app_checkpoints[key]

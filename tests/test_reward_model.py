@@ -185,7 +185,7 @@ def test_reward_model_entries_are_refused_naming_the_field(tmp_path, checkpoint)
         (bare / f).write_bytes((__import__("pathlib").Path(checkpoint) / f).read_bytes())
     refused({"model": str(bare)}, r"has no tokenizer")
     # The SFT app scores held-out answers with functions only.
-    from apps.sft.main import functions_only
+    from apps.sft.config import functions_only
 
     with pytest.raises(ValueError, match="'rm' is a reward model .* which the SFT app"):
         functions_only(Rubric(from_mapping(RewardConfig, {"functions": [

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from apps.sft.main import SFTConfig, run
+from apps.sft.config import SFTConfig
+from apps.sft.main import run
 from forge_ext.config import from_mapping, load_yaml
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sft_cpu_demo.yaml"

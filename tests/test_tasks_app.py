@@ -198,7 +198,8 @@ RG_TASK = ["task.source=reasoning_gym", "task.name=chain_sum", "task.num_train=4
 @pytest.fixture(scope="module")
 def rg_warmstart(tmp_path_factory):
     """One SFT step of the reasoning-gym task (configs/sft_cpu_chain_sum.yaml, smaller)."""
-    from apps.sft.main import SFTConfig, run
+    from apps.sft.config import SFTConfig
+    from apps.sft.main import run
     from forge_ext.config import from_mapping, load_yaml
 
     root = tmp_path_factory.mktemp("rg_sft")

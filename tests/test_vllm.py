@@ -30,12 +30,9 @@ from conftest import (
 )
 
 from forge_ext.actors import spawn_trainer
-from forge_ext.rollout.generator import (
-    GeneratorConfig,
-    alive_processes,
-    check_vllm_checkpoint,
-    spawn_generator,
-)
+from forge_ext.rollout.config import GeneratorConfig
+from forge_ext.rollout.engines.vllm import check_vllm_checkpoint
+from forge_ext.rollout.generator import alive_processes, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.rollout.engines import SamplingConfig
 from forge_ext.weights import same_host

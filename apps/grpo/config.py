@@ -23,7 +23,7 @@ YAML top level (see ``configs/grpo_cpu_demo.yaml`` for a complete, commented exa
     generator: GeneratorConfig
     weights:   WeightsConfig                  transport of push_weights / fetch
     procs:     {env, trainer, reference, critic, generator}  processes and environment per role
-    hosts:     forge_ext.runtime.placement.HostsConfig  where roles run: launcher, hosts per role
+    hosts:     forge_ext.runtime.hosts.HostsConfig      where roles run: launcher, hosts per role
     metrics:   MetricsConfig
     eval:      forge_ext.evaluation.EvalConfig  held-out accuracy, evaluation sets (pass@k ...)
     export:    {enable, dtype, max_shard_mb}  HF checkpoint folders <output_dir>/hf/step-N
@@ -40,21 +40,21 @@ from typing import Any, Literal
 # Light modules only (standard library, OmegaConf, dacite): a config error shows in well
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
-from forge_ext.actors.critic_config import critic_sections
+from forge_ext.actors.critic_config import CriticConfig, critic_sections
 from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
+from forge_ext.config_doc import SectionDoc, help_text, sections
 from forge_ext.engine.schema import (
-    check_checkpoint_limits, check_lora, check_weights_transport, data_parallel_size,
-    engine_view, num_microbatches, world_size_of,
+    check_engine_view, check_weights_transport, data_parallel_size, engine_view, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rl.losses.config import GRPOLossConfig
 from forge_ext.rl.losses.presets import PRESETS, apply_preset, preset_fields
 from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.runtime.placement import HostsConfig
+from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
-from forge_ext.tasks import PromptConfig, RewardConfig, task_config
+from forge_ext.tasks import PromptConfig, RewardConfig, task_config, task_section_variants
 from forge_ext.weights.config import WeightsConfig
 
 @dataclass(kw_only=True, slots=True)
@@ -363,12 +363,7 @@ class GRPOConfig:
         self._derive_sizes()
         views = self._engine_views()
         for role, view in views.items():
-            try:
-                num_microbatches(view.training)
-                check_lora(view.lora, view.parallelism)
-                check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
-            except ValueError as e:
-                raise ValueError(f"{role}: {e}") from None
+            check_engine_view(view, role)
         check_weights_transport(views["trainer"], self.weights)
         layout = self.hosts.layout(self.processes(views))
         if check_engines:
@@ -620,3 +615,21 @@ def check_config(path: str, overrides: list[str] = ()) -> GRPOConfig:
         ValueError / FileNotFoundError: naming the field and the fix.
     """
     return load_config(path, overrides, check_engines=False)
+
+
+def grpo_sections() -> list[SectionDoc]:
+    """The GRPO app's config reference (``--help``, docs/config.md): :class:`GRPOConfig`'s
+    sections, ``trainer:`` as the engine's fields, ``critic:`` as :class:`CriticConfig`'s
+    and ``task:`` as each source's."""
+    # torchtitan's config dataclasses (torch, seconds): only when the reference is rendered.
+    from forge_ext.engine.config import EngineConfig
+
+    # reference: takes the trainer's fields (its field docstring says so), not listed twice;
+    # critic: lists its own fields (CriticConfig's), the engine's being the trainer's.
+    return sections(GRPOConfig, {"trainer": EngineConfig, "critic": CriticConfig,
+                                 "task": task_section_variants()})
+
+
+def grpo_help() -> str:
+    """What ``python -m apps.grpo.main --help`` prints after the usage."""
+    return help_text(grpo_sections())

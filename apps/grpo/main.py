@@ -37,7 +37,7 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
-from apps.grpo.config import GRPOConfig, load_config
+from apps.grpo.config import GRPOConfig, grpo_help, load_config
 from apps.grpo.console import RunConsole, failure_message
 from apps.grpo.outputs import RunOutputs
 from apps.grpo.prepare import (
@@ -338,14 +338,12 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         return {**held_out, **as_logged(sets)}
 
 
-
 def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None = None, *,
          module: str = "apps.grpo.main", description: str = __doc__.splitlines()[0]) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
     ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done;
     ``module``: the app's module, which ``--help`` and the resume command name
     (``apps.ppo.main`` runs this app too), ``description``: its ``--help`` line."""
-    from apps.config_reference import grpo_help
 
     path, overrides = parse_cli(argv, description, reference=grpo_help,
                                 prog=f"python -m {module}")

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge_ext.config import from_mapping, load_yaml
-from forge_ext.engine.schema import (
-    check_checkpoint_limits, check_lora, engine_view, num_microbatches, world_size_of,
-)
+from forge_ext.config_doc import SectionDoc, help_text, sections
+from forge_ext.engine.schema import check_engine_view, engine_view, world_size_of
 from forge_ext.runtime.metrics import MetricsConfig
-from forge_ext.tasks import PromptConfig, RewardConfig, Rubric, Task, build_task, task_config
+from forge_ext.tasks import (
+    PromptConfig, RewardConfig, Rubric, Task, build_task, task_config, task_section_variants,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,12 +109,7 @@ def check_single_process(trainer: dict[str, Any]) -> None:
             f"trainer.parallelism degrees multiply to {processes} processes, but the "
             "SFT app trains in this one process; set them to 1 (or leave them out)"
         )
-    try:
-        num_microbatches(view.training)
-        check_lora(view.lora, view.parallelism)
-        check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
-    except ValueError as e:
-        raise ValueError(f"trainer: {e}") from None
+    check_engine_view(view, "trainer")
 
 
 def functions_only(rubric: Rubric) -> Rubric:
@@ -162,3 +158,17 @@ def check_run(path: str, overrides: list[str]) -> tuple[SFTConfig, Task | None]:
     if config.skip_if_exists and os.path.isdir(out) and os.listdir(out):
         return config, None
     return config, check_data(config)
+
+
+def sft_sections() -> list[SectionDoc]:
+    """The SFT app's config reference (``--help``, docs/config.md): :class:`SFTConfig`'s
+    sections, ``trainer:`` as the engine's fields and ``task:`` as each source's."""
+    # torchtitan's config dataclasses (torch, seconds): only when the reference is rendered.
+    from forge_ext.engine.config import EngineConfig
+
+    return sections(SFTConfig, {"trainer": EngineConfig, "task": task_section_variants()})
+
+
+def sft_help() -> str:
+    """What ``python -m apps.sft.main --help`` prints after the usage."""
+    return help_text(sft_sections())

@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,26 +38,20 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
     _checked = exit_on_config_error("apps.sft.config:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
-from apps.sft.config import (  # noqa: F401  (imported from here too)
-    MAY_CHANGE_ON_SKIP, EvalConfig, InitConfig, SFTConfig, check_config, check_single_process,
-    check_data, functions_only,
+from apps.sft.config import (
+    MAY_CHANGE_ON_SKIP, SFTConfig, check_config, check_data, functions_only, sft_help,
 )
-from forge_ext.rl.episode import Episode, pack_episodes
-from forge_ext.tasks import (
-    PromptConfig, PromptRenderer, RewardConfig, Row, Rubric, Sample, Task, build_task,
-    resolved_task, task_config,
-)
-from forge_ext.tasks.prompts import prompt_characters, render_splits
-from forge_ext.tasks.rubric import RewardFailure, failures_of
-from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
-from forge_ext.config import (
-    RUN_CONFIG_FILE, apply_env, from_mapping, load_yaml, parse_cli, record_run_config,
-)
-from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.config import RUN_CONFIG_FILE, apply_env, parse_cli, record_run_config
 from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME, is_hf_checkpoint
 from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, save_hf_checkpoint
-from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
-
+from forge_ext.rl.episode import Episode, pack_episodes
+from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.runtime.metrics import MetricLogger
+from forge_ext.tasks import PromptRenderer, Row, Rubric, Sample, Task, build_task, resolved_task
+from forge_ext.tasks.base import prompt_characters
+from forge_ext.tasks.prompts import render_splits
+from forge_ext.tasks.rubric import RewardFailure, failures_of
+from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
 
 def kept_checkpoint(config: SFTConfig) -> bool:
     """True if ``skip_if_exists`` keeps a checkpoint already in ``output_dir``.
@@ -149,24 +143,35 @@ def greedy_accuracy(
     return sum(scores.correct) / len(scores.correct)
 
 
-def run(config: SFTConfig, task: Task | None = None) -> float | None:
-    """Train (until ``trainer.training.steps`` or ``eval.stop_at_accuracy``), save and
-    evaluate on the held-out problems (see the module docstring).
+@dataclass
+class SFTRun:
+    """What a warm-start holds while it trains, saves and evaluates (:func:`run`)."""
 
-    Returns:
-        The saved checkpoint's held-out accuracy, or None when skipped.
+    config: SFTConfig
+    engine: Any
+    """The engine (:func:`forge_ext.engine.build_engine`) in this process."""
+    engine_config: Any
+    rubric: Rubric
+    train_rows: list[Row]
+    eval_rows: list[Row]
+    tok: CheckpointTokenizer
+    render: PromptRenderer
+    sampler: HFSampler
+    """Greedy decoding of the weights under training (validation) or of the saved ones."""
+    max_new_tokens: int
+    logger: MetricLogger | None
+
+
+def start(config: SFTConfig, task: Task) -> SFTRun:
+    """Read the task's rows, write the random init if needed, say what the run will do and
+    build the engine, the sampler and the metric logger.
+
+    Raises:
+        ValueError: the task has no held-out rows, or a config the engine refuses.
     """
-    from tqdm import tqdm
-
-    from forge_ext.engine import build_engine, cross_entropy_loss, engine_config_from_mapping, valid_tokens
+    from forge_ext.engine import build_engine, engine_config_from_mapping
     from forge_ext.engine.distributed import init_single_process_env
 
-    out = Path(config.output_dir)
-    if kept_checkpoint(config):
-        print(f"warm-start: checkpoint {out} exists, skipping (skip_if_exists=false retrains)")
-        return None
-    apply_env(config.env)
-    task = task or build_task(config.task)
     rubric = functions_only(Rubric(config.reward, task))
     train_rows, eval_rows = list(task.train_rows()), list(task.eval_rows())
     if not eval_rows:
@@ -180,7 +185,7 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
         f"{engine_config.training.local_batch_size} rows from {config.init.hf_path} "
         f"({model.name}); task "
         f"{task.name}: {len(train_rows)} training rows, {len(eval_rows)} held-out; "
-        f"output_dir {out}", flush=True,
+        f"output_dir {config.output_dir}", flush=True,
     )
     tok = CheckpointTokenizer(config.init.hf_path)
     render = PromptRenderer(tok, config.prompt)
@@ -195,41 +200,65 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     logger = MetricLogger(config.metrics) if config.metrics else None
     if logger:
         logger.open()
+    return SFTRun(config=config, engine=engine, engine_config=engine_config, rubric=rubric,
+                  train_rows=train_rows, eval_rows=eval_rows, tok=tok, render=render,
+                  sampler=sampler, max_new_tokens=max_new_tokens, logger=logger)
 
-    validation = train_rows[: config.eval.num_validation]
 
-    def validate(step: int) -> float:
-        sampler.load_hf_state_dict(_full(engine.merged_hf_state_dict()))
-        accuracy = greedy_accuracy(sampler, rubric, validation, render, tok, max_new_tokens)
-        if logger:
-            logger.log(step, {"validation/accuracy": accuracy})
-        return accuracy
+def validate(sft: SFTRun, step: int) -> float:
+    """Greedy accuracy of the weights under training on the validation rows (the first
+    ``eval.num_validation`` training rows), logged as ``validation/accuracy``."""
+    sft.sampler.load_hf_state_dict(_full(sft.engine.merged_hf_state_dict()))
+    validation = sft.train_rows[: sft.config.eval.num_validation]
+    accuracy = greedy_accuracy(sft.sampler, sft.rubric, validation, sft.render, sft.tok,
+                               sft.max_new_tokens)
+    if sft.logger:
+        sft.logger.log(step, {"validation/accuracy": accuracy})
+    return accuracy
 
+
+def train(sft: SFTRun) -> int:
+    """Train until ``trainer.training.steps`` or ``eval.stop_at_accuracy``; returns the last
+    step."""
+    from tqdm import tqdm
+
+    from forge_ext.engine import cross_entropy_loss, valid_tokens
+
+    config, engine_config = sft.config, sft.engine_config
     rng = random.Random(config.seed)
     steps, batch_size = engine_config.training.steps, engine_config.training.local_batch_size
-    start = time.perf_counter()
     step = 0
     # No bar when stdout is not a terminal (disable=None): a redirected log would hold its
     # every carriage-return update.
     bar = tqdm(range(1, steps + 1), desc="warm-start (SFT)", unit="step", file=sys.stdout,
                disable=None)
     for step in bar:
-        batch = sft_batch([rng.choice(train_rows) for _ in range(batch_size)], render, tok)
-        metrics = engine.train_batch(batch, cross_entropy_loss, valid_tokens)
+        batch = sft_batch([rng.choice(sft.train_rows) for _ in range(batch_size)],
+                          sft.render, sft.tok)
+        metrics = sft.engine.train_batch(batch, cross_entropy_loss, valid_tokens)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if logger:
-            logger.log(step, {"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]})
+        if sft.logger:
+            sft.logger.log(step, {"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]})
         if config.eval.every and step % config.eval.every == 0 and step < steps:
-            accuracy = validate(step)
+            accuracy = validate(sft, step)
             bar.write(f"step {step}: validation accuracy {accuracy:.1%}")
             target = config.eval.stop_at_accuracy
             if target is not None and accuracy >= target:
                 bar.write(f"step {step}: reached eval.stop_at_accuracy={target}, stopping")
                 break
     bar.close()
+    return step
 
+
+def save(sft: SFTRun) -> HFSampler:
+    """Write the checkpoint (and with ``trainer.lora`` the PEFT adapter) and the run record
+    to ``output_dir``; returns a sampler of the checkpoint as written, loaded through the
+    path the GRPO app loads it by (a LoRA adapter alone: the base with the exported adapter
+    merged)."""
+    config, engine, tok = sft.config, sft.engine, sft.tok
+    out = Path(config.output_dir)
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
-    lora = engine_config.lora
+    lora = sft.engine_config.lora
     if lora is None:
         save_hf_checkpoint(out, engine.hf_state_dict(), hf_config,
                            tokenizer_from=config.init.hf_path)
@@ -239,28 +268,44 @@ def run(config: SFTConfig, task: Task | None = None) -> float | None:
     if lora is not None:  # the adapter in PEFT's format, base: init.hf_path
         engine.export_lora(out / "adapter")
     record_run_config(out, run_record(config), check=False)  # what wrote this checkpoint
-    # Evaluate the checkpoint as written, through the path the GRPO app loads it by (a
-    # LoRA adapter alone: the base with the exported adapter merged).
     if lora is None or lora.export_merged:
-        saved = HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
-    else:
-        from forge_ext.engine.lora import merge_into, read_peft_folder
+        return HFSampler(str(out), stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)
+    from forge_ext.engine.lora import merge_into, read_peft_folder
 
-        tensors, adapter_config = read_peft_folder(out / "adapter")
-        saved = sampler
-        saved.load_hf_state_dict(merge_into(_full(engine.hf_state_dict()), tensors,
-                                            adapter_config))
-    accuracy = greedy_accuracy(saved, rubric, eval_rows, render, tok, max_new_tokens)
-    if logger:
-        logger.log(step, {"eval/accuracy": accuracy})
-        logger.close(plot_keys=["validation/accuracy", "eval/accuracy"], title="warm-start")
-    engine.close()
-    rubric.close()  # its reward worker processes
+    tensors, adapter_config = read_peft_folder(out / "adapter")
+    sft.sampler.load_hf_state_dict(merge_into(_full(engine.hf_state_dict()), tensors,
+                                              adapter_config))
+    return sft.sampler
+
+
+def run(config: SFTConfig, task: Task | None = None) -> float | None:
+    """Train (until ``trainer.training.steps`` or ``eval.stop_at_accuracy``), save and
+    evaluate on the held-out problems (see the module docstring).
+
+    Returns:
+        The saved checkpoint's held-out accuracy, or None when skipped.
+    """
+    out = Path(config.output_dir)
+    if kept_checkpoint(config):
+        print(f"warm-start: checkpoint {out} exists, skipping (skip_if_exists=false retrains)")
+        return None
+    apply_env(config.env)
+    sft = start(config, task or build_task(config.task))
+    began = time.perf_counter()
+    step = train(sft)
+    saved = save(sft)
+    accuracy = greedy_accuracy(saved, sft.rubric, sft.eval_rows, sft.render, sft.tok,
+                               sft.max_new_tokens)
+    if sft.logger:
+        sft.logger.log(step, {"eval/accuracy": accuracy})
+        sft.logger.close(plot_keys=["validation/accuracy", "eval/accuracy"], title="warm-start")
+    sft.engine.close()
+    sft.rubric.close()  # its reward worker processes
     print(
-        f"warm-start: {step} steps in {time.perf_counter() - start:.0f}s; held-out accuracy "
-        f"{accuracy:.1%} on {len(eval_rows)} prompts (greedy); written to {out}: checkpoint, "
-        f"run config {out / RUN_CONFIG_FILE}"
-        + (f", metrics {logger.jsonl_path}" if logger else "")
+        f"warm-start: {step} steps in {time.perf_counter() - began:.0f}s; held-out accuracy "
+        f"{accuracy:.1%} on {len(sft.eval_rows)} prompts (greedy); written to {out}: "
+        f"checkpoint, run config {out / RUN_CONFIG_FILE}"
+        + (f", metrics {sft.logger.jsonl_path}" if sft.logger else "")
     )
     return accuracy
 
@@ -272,8 +317,6 @@ def _full(state_dict: dict) -> dict:
 def main(argv: list[str] | None = None, task: Task | None = None) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
     ``task``: the task :func:`apps.sft.config.check_run` built from it, if already done."""
-    from apps.config_reference import sft_help
-
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=sft_help,
                                 prog="python -m apps.sft.main")
     try:

@@ -256,6 +256,22 @@ def check_checkpoint_limits(view: SimpleNamespace) -> None:
         )
 
 
+def check_engine_view(view: SimpleNamespace, section: str = "trainer") -> None:
+    """The light checks of one engine section (:func:`engine_view`), without torch: its batch
+    splits into microbatches (:func:`num_microbatches`), its LoRA suits its parallelism
+    (:func:`check_lora`), its model's checkpoint admits it (:func:`check_checkpoint_limits`).
+
+    Raises:
+        ValueError: the first that fails, prefixed ``<section>: ``.
+    """
+    try:
+        num_microbatches(view.training)
+        check_lora(view.lora, view.parallelism)
+        check_checkpoint_limits(view)  # seq_len, TP vs heads, LoRA rank: config.json
+    except ValueError as e:
+        raise ValueError(f"{section}: {e}") from None
+
+
 def checkpoint_config(hf_path: str) -> dict[str, Any]:
     """The checkpoint's ``config.json`` as a dict, without torch; empty if it is missing, not
     JSON or not an object (the full check, which loads it, says what is wrong)."""

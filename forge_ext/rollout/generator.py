@@ -29,97 +29,29 @@ Controller usage::
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.util
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint, this_host
 
+from forge_ext.rollout.config import GeneratorConfig
 from forge_ext.rollout.engines import (
-    WEIGHT_UPDATE_MODES,
     Completion,
     HFEngine,
     SamplingConfig,
     WeightUpdateMode,
-    as_stop_ids,
 )
+from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
+from forge_ext.tasks.tokenizer import as_stop_ids
 from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
 SHUTDOWN_SECONDS = 60.0
-
-
-from forge_ext.rollout.config import GeneratorConfig  # noqa: E402, F401  (imported from here too)
-
-
-@functools.cache
-def _vllm_architectures() -> frozenset[str]:
-    from vllm import ModelRegistry
-
-    return frozenset(ModelRegistry.get_supported_archs())
-
-
-@functools.cache
-def _vllm_cpu_head_sizes() -> tuple[int, ...]:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return tuple(CPUAttentionBackend.get_supported_head_sizes())
-
-
-def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, hf_path: str):
-    """Refuse, before vLLM starts, a checkpoint that vLLM cannot load or shard here.
-
-    Args:
-        hf_config: the checkpoint's ``config.json``.
-        tensor_parallel_size: ``generator.vllm.tensor_parallel_size``.
-        hf_path: ``generator.hf_path`` (for the message).
-
-    Raises:
-        ValueError: an architecture vLLM does not have; on a machine without CUDA, a head
-            size vLLM's CPU attention lacks (``vllm/v1/attention/backends/cpu_attn.py``);
-            a ``tensor_parallel_size`` that does not divide the model
-            (:func:`forge_ext.weights.convert.check_tensor_parallel`).
-    """
-    import torch
-
-    from forge_ext.weights.convert import check_tensor_parallel
-
-    architectures = hf_config.get("architectures") or []
-    if not architectures:
-        raise ValueError(
-            f"generator.hf_path={hf_path!r}: config.json lists no architectures, which vLLM "
-            "needs to pick its model class; add e.g. \"architectures\": "
-            "[\"Qwen3ForCausalLM\"] (save_pretrained writes it) or set generator.backend=hf"
-        )
-    unknown = [a for a in architectures if a not in _vllm_architectures()]
-    if unknown:
-        raise ValueError(
-            f"generator.hf_path={hf_path!r}: vLLM cannot load architectures="
-            f"{architectures!r}; use a checkpoint of an architecture vLLM supports or set "
-            "generator.backend=hf"
-        )
-    heads = hf_config.get("num_attention_heads")
-    head_dim = hf_config.get("head_dim") or (heads and hf_config.get("hidden_size", 0) // heads)
-    if not torch.cuda.is_available() and head_dim not in _vllm_cpu_head_sizes():
-        raise ValueError(
-            f"generator.hf_path={hf_path!r} has head_dim={head_dim}, which vLLM's CPU "
-            f"attention does not support (supported: {list(_vllm_cpu_head_sizes())}); set "
-            "generator.backend=hf on this machine"
-        )
-    if hf_config.get("model_type") in ("qwen3", "qwen2", "llama"):
-        try:
-            check_tensor_parallel(hf_config, tensor_parallel_size)
-        except ValueError as error:
-            raise ValueError(
-                f"generator.vllm.tensor_parallel_size={tensor_parallel_size}: {error}"
-            ) from None
 
 
 async def load_version(engine: Any, weights: Any, policy_version: int) -> None:
@@ -172,7 +104,7 @@ class Generator(Actor):
     Args:
         config: :class:`GeneratorConfig` as a mapping.
         stop_token_ids: every id that ends a response
-            (:func:`forge_ext.rollout.engines.stop_token_ids`).
+            (:func:`forge_ext.tasks.tokenizer.stop_token_ids`).
         pad_token_id: the id that pads prompts (``hf`` engine).
         key_prefix: torchstore prefix the trainer publishes under.
         replica: this replica's index among those on its host, and ``replicas_on_host`` their
@@ -210,8 +142,6 @@ class Generator(Actor):
         c = self.config
         if c.backend == "vllm":
             import torch
-
-            from forge_ext.rollout.engines.vllm import VLLMEngine
 
             tp = int(c.vllm.get("tensor_parallel_size", 1))
             cores = None
@@ -533,7 +463,7 @@ class GeneratorHandle:
     async def stop(self) -> None:
         """Stop the engine's processes, then the proc; kill whatever survived both (on
         this machine; on another host the engine's own watchdog does it, see
-        :mod:`forge_ext.rollout.engines._reaper`)."""
+        :mod:`forge_ext.runtime.reaper`)."""
         if self.stream is not None:
             self.stream.close(ReplicaGone(f"generator replica {self.name} was stopped"))
         try:

@@ -279,7 +279,7 @@ async def spawn_replicas(
     """Spawn ``config.replicas`` generator replicas concurrently (module docstring).
 
     Args:
-        config: the ``generator:`` section (:class:`forge_ext.rollout.generator
+        config: the ``generator:`` section (:class:`forge_ext.rollout.config
             .GeneratorConfig`).
         hosts: the generator's hosts; ``config.replicas`` must be a multiple.
         spawn_procs: ``(host index, name) -> one-proc mesh`` (e.g.

@@ -1,6 +1,9 @@
 """Where a run's processes run and what a run writes.
 
-- :mod:`~forge_ext.runtime.placement`: hosts and proc meshes per role (``hosts:``);
+- :mod:`~forge_ext.runtime.hosts`: the ``hosts:`` section (launcher, hosts per role);
+- :mod:`~forge_ext.runtime.placement`: the host meshes and proc meshes per role it names;
+- :mod:`~forge_ext.runtime.reaper`: the watchdog that kills helper processes their owner
+  leaves behind;
 - :mod:`~forge_ext.runtime.roles`: a run's roles as a declarative list, spawned, timed, stopped;
 - :mod:`~forge_ext.runtime.supervision`: a dead process or host as one error;
 - :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;

@@ -46,6 +46,16 @@ SOURCES: dict[str, type] = {
 """``task.source`` -> the source's ``Config`` (whose ``build()`` returns the task)."""
 
 
+def task_section_variants() -> dict[str, type]:
+    """The shapes of a ``task:`` section for an app's config reference
+    (:func:`forge_ext.config_doc.sections`' ``expand``): one per ``task.source``
+    (:data:`SOURCES`, the default marked), then the multi-turn fields every source takes
+    (:class:`EpisodeConfig`)."""
+    variants = {f"task.source: {name}" + (" (default)" if name == "addition" else ""): cls
+                for name, cls in SOURCES.items()}
+    return {**variants, "every source: multi-turn episodes": EpisodeConfig}
+
+
 def task_config(mapping: Mapping[str, Any] | None, section: str = "task") -> Any:
     """The typed config of a ``task:`` section: the source's ``Config`` built strictly from
     the other fields, or for an import path a :class:`PluginTask` holding them. Reads no
@@ -233,5 +243,5 @@ __all__ = [
     "Message", "PluginTask", "episode_config",
     "PromptConfig", "PromptRenderer", "PromptStream", "ReasoningGymTask", "RewardConfig",
     "RewardFn", "RewardFunctionConfig", "Row", "Rubric", "Sample", "Scores", "Task",
-    "as_task", "build_task", "resolved_task", "task_config",
+    "as_task", "build_task", "resolved_task", "task_config", "task_section_variants",
 ]

@@ -5,7 +5,8 @@ Every source of :mod:`forge_ext.tasks` (the embedded addition task, local datase
 reasoning-gym's generators, a user's own ``"package.module:factory"``) returns a :class:`Task`;
 the apps read prompts only through :meth:`Task.train_rows` / :meth:`Task.eval_rows` and score
 completions only through a :class:`~forge_ext.tasks.rubric.Rubric`, so no app knows which
-source it trains on.
+source it trains on. :func:`format_prompt` fills ``prompt.template`` with a row (the renderer
+of :mod:`forge_ext.tasks.prompts` and the SFT app's alphabet both start from it).
 """
 
 from __future__ import annotations
@@ -91,6 +92,44 @@ class Row(Mapping):
 _ROW_FIELDS = ("prompt", "answer")
 
 
+def format_prompt(row: Row, template: str = "{prompt}") -> list[dict[str, str]] | str:
+    """The row's prompt after ``prompt.template``: text, or messages whose last user message
+    is formatted.
+
+    Raises:
+        ValueError: the template names a field the row lacks.
+    """
+    def fill(text: str) -> str:
+        if template == "{prompt}":
+            return text
+        try:
+            return template.format(**{**row.metadata, "prompt": text})
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError(
+                f"prompt.template={template!r} does not format with the row "
+                f"(prompt and fields {sorted(row.metadata)}): {e!r}"
+            ) from None
+
+    if isinstance(row.prompt, str):
+        return fill(row.prompt)
+    messages = [dict(m) for m in row.prompt]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if users:
+        messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
+    return messages
+
+
+def prompt_characters(rows, template: str = "{prompt}") -> set[str]:
+    """Every character of the rows' formatted prompts and answers (a character tokenizer's
+    alphabet must cover what the template adds, e.g. the ``=`` of ``"{word}="``)."""
+    chars: set[str] = set()
+    for row in rows:
+        prompt = format_prompt(row, template)
+        chars.update(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt))
+        chars.update(row.answer)
+    return chars
+
+
 RewardFn = Callable[..., Any]
 """A reward function: called with keyword arguments ``completion`` (str: the decoded response
 up to its end token), ``prompt`` (the row's prompt, str or messages), ``answer`` (str),
@@ -134,6 +173,4 @@ class Task:
     def characters(self) -> str:
         """The alphabet of a character-level tokenizer for this task (the SFT app's random
         init uses it): every character of every row's prompt and answer, sorted."""
-        from forge_ext.tasks.prompts import prompt_characters  # (prompts imports this module)
-
         return "".join(sorted(prompt_characters([*self.train_rows(), *self.eval_rows()])))

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_ext.tasks.base import Row
+from forge_ext.tasks.base import Row, format_prompt
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
 
 
@@ -50,44 +50,6 @@ class PromptConfig:
     )
     """Extra arguments of ``apply_chat_template`` (Qwen3's ``enable_thinking``; templates
     ignore names they do not use)."""
-
-
-def format_prompt(row: Row, template: str = "{prompt}") -> list[dict[str, str]] | str:
-    """The row's prompt after ``prompt.template``: text, or messages whose last user message
-    is formatted.
-
-    Raises:
-        ValueError: the template names a field the row lacks.
-    """
-    def fill(text: str) -> str:
-        if template == "{prompt}":
-            return text
-        try:
-            return template.format(**{**row.metadata, "prompt": text})
-        except (KeyError, IndexError, ValueError, AttributeError) as e:
-            raise ValueError(
-                f"prompt.template={template!r} does not format with the row "
-                f"(prompt and fields {sorted(row.metadata)}): {e!r}"
-            ) from None
-
-    if isinstance(row.prompt, str):
-        return fill(row.prompt)
-    messages = [dict(m) for m in row.prompt]
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if users:
-        messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
-    return messages
-
-
-def prompt_characters(rows, template: str = "{prompt}") -> set[str]:
-    """Every character of the rows' formatted prompts and answers (a character tokenizer's
-    alphabet must cover what the template adds, e.g. the ``=`` of ``"{word}="``)."""
-    chars: set[str] = set()
-    for row in rows:
-        prompt = format_prompt(row, template)
-        chars.update(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt))
-        chars.update(row.answer)
-    return chars
 
 
 class PromptRenderer:

@@ -59,7 +59,6 @@ import asyncio
 import contextlib
 import inspect
 import math
-import numbers
 import os
 import pickle
 import sys
@@ -71,7 +70,7 @@ from typing import Any
 
 from forge_ext.tasks.base import RewardFn, Row, Task
 from forge_ext.tasks.rewards import check_reward_model, resolve_reward
-from forge_ext.tasks.workers import DaemonPool, ProcessPool, default_workers
+from forge_ext.tasks.workers import DaemonPool, ProcessPool, as_reward, default_workers
 
 ModelScorer = Callable[[list[Any], list[str]], Awaitable[Sequence[float | None]]]
 """A reward model's scoring call: ``(prompts, completions) -> scores`` (None: no score)."""
@@ -599,30 +598,6 @@ class Rubric:
         self._unprinted[name] = (
             f"{kind} {name!r} failed; {cost} reward.on_error={self.config.on_error}, and "
             f"later failures are only counted (reward/errors/{name}):\n{detail}")
-
-
-def as_reward(value: Any) -> float:
-    """``value`` as a finite float (what a reward function must return).
-
-    Raises:
-        TypeError: not a real number (a string, None, a list, a tensor of several values).
-        ValueError: NaN or infinite.
-    """
-    if isinstance(value, (str, bytes)) or value is None:
-        raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
-    if not isinstance(value, numbers.Real):  # a one-element tensor or numpy array
-        item = getattr(value, "item", None)
-        try:
-            scalar = item() if callable(item) else None
-        except (ValueError, RuntimeError):  # more than one element
-            scalar = None
-        if not isinstance(scalar, numbers.Real):
-            raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
-        value = scalar
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"a reward must be finite, got {value}")
-    return value
 
 
 def columns(task: Task) -> set[str] | None:

@@ -16,16 +16,20 @@ post-processor), decoding concatenates characters (``Fuse`` decoder)::
 and ``tokenizer_config.json`` naming the special tokens, so
 ``transformers.AutoTokenizer.from_pretrained(directory)`` also knows ``eos_token_id`` and
 ``pad_token_id``.
+
+A response ends at the first of the checkpoint's *stop ids* (:func:`stop_token_ids`: every id
+its ``generation_config.json`` lists as ``eos_token_id``, plus the tokenizer's ``eos_token``);
+the sampling engines take them as :func:`as_stop_ids` normalises them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-from forge_ext.rollout.engines import stop_token_ids
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -80,6 +84,47 @@ def save_tokenizer(directory: str | Path, characters: str = CHARACTERS) -> Path:
         unk_token=UNK_TOKEN,
     ).save_pretrained(directory)
     return directory / "tokenizer.json"
+
+
+def as_stop_ids(stop_token_ids: int | Sequence[int]) -> tuple[int, ...]:
+    """``stop_token_ids`` as a non-empty tuple of distinct ints, in order.
+
+    Raises:
+        ValueError: when empty or not ints.
+    """
+    ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be one or more token ids")
+    return tuple(dict.fromkeys(ids))
+
+
+def stop_token_ids(hf_path: str | os.PathLike, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """Every id that ends a response of the checkpoint in ``hf_path``: the
+    ``eos_token_id`` of its ``generation_config.json`` (an int or a list; Qwen3 lists
+    ``<|im_end|>`` and ``<|endoftext|>``), else of its ``config.json``, then the tokenizer's
+    ``eos_token_id``.
+
+    Raises:
+        ValueError: the checkpoint declares no end id and the tokenizer has none.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(hf_path, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            declared = json.load(f).get("eos_token_id")
+        if declared is not None:
+            ids.extend([declared] if isinstance(declared, int) else declared)
+            break
+    if tokenizer_eos_id is not None:
+        ids.append(tokenizer_eos_id)
+    if not ids:
+        raise ValueError(
+            f"{os.fspath(hf_path)!r} declares no eos_token_id (generation_config.json, "
+            "config.json) and its tokenizer has no eos_token: a response could never end"
+        )
+    return as_stop_ids(ids)
 
 
 # Files one of which AutoTokenizer needs (fast tokenizer, or the slow ones' vocabularies).

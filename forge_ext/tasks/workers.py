@@ -42,6 +42,8 @@ import asyncio
 import importlib.machinery
 import importlib.util
 import inspect
+import math
+import numbers
 import os
 import pickle
 import queue
@@ -368,6 +370,30 @@ class _Worker:
 
 
 # ------------------------------------------------------------------ the worker process
+def as_reward(value: Any) -> float:
+    """``value`` as a finite float (what a reward function must return).
+
+    Raises:
+        TypeError: not a real number (a string, None, a list, a tensor of several values).
+        ValueError: NaN or infinite.
+    """
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
+    if not isinstance(value, numbers.Real):  # a one-element tensor or numpy array
+        item = getattr(value, "item", None)
+        try:
+            scalar = item() if callable(item) else None
+        except (ValueError, RuntimeError):  # more than one element
+            scalar = None
+        if not isinstance(scalar, numbers.Real):
+            raise TypeError(f"a reward must be a number, got {type(value).__name__} {value!r:.80}")
+        value = scalar
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be finite, got {value}")
+    return value
+
+
 def _worker_main(fd: int, controller_pid: int) -> None:
     """A worker's life: load the functions the controller sends, then answer calls until its
     socket closes. Answers ``("ok", float)`` or ``("error", traceback text)``."""
@@ -387,8 +413,6 @@ def _worker_main(fd: int, controller_pid: int) -> None:
             loaded[name] = fn
         except BaseException:  # noqa: BLE001  (reported with each call of it)
             not_loaded[name] = traceback.format_exc().rstrip()
-    from forge_ext.tasks.rubric import as_reward
-
     conn.send(("ready", not_loaded))
     while True:
         try:

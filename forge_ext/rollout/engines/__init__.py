@@ -1,7 +1,7 @@
 """The sampling engines behind the ``Generator`` actor.
 
-- :mod:`~forge_ext.rollout.engines.base`: :class:`SamplingConfig`, :class:`Completion`, seeds,
-  stop ids and the :class:`Engine` interface (requests one at a time, weights by version);
+- :mod:`~forge_ext.rollout.engines.base`: :class:`SamplingConfig`, :class:`Completion`, seeds
+  and the :class:`Engine` interface (requests one at a time, weights by version);
 - :mod:`~forge_ext.rollout.engines.hf`: the transformers engine (:class:`HFEngine` over the
   batch sampler :class:`HFSampler`);
 - :mod:`~forge_ext.rollout.engines.vllm`: vLLM's async engine (``VLLMEngine``; imports vLLM
@@ -15,11 +15,9 @@ from forge_ext.rollout.engines.base import (
     Engine,
     SamplingConfig,
     WeightUpdateMode,
-    as_stop_ids,
     derive_seed,
     make_completion,
     request_seeds,
-    stop_token_ids,
 )
 
 
@@ -41,9 +39,7 @@ __all__ = [
     "HFSampler",
     "SamplingConfig",
     "WeightUpdateMode",
-    "as_stop_ids",
     "derive_seed",
     "make_completion",
     "request_seeds",
-    "stop_token_ids",
 ]

@@ -18,21 +18,20 @@ response can span versions.
 
 A response ends at the first of the checkpoint's *stop ids*: every id its
 ``generation_config.json`` lists as ``eos_token_id`` (Qwen3 declares two) plus the
-tokenizer's ``eos_token`` (see :func:`stop_token_ids`).
+tokenizer's ``eos_token`` (see :func:`forge_ext.tasks.tokenizer.stop_token_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from forge_ext.runtime.clock import BusyClock
+from forge_ext.tasks.tokenizer import as_stop_ids
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -113,47 +112,6 @@ def request_seeds(seed: int | Sequence[int] | None, count: int) -> list[int | No
     return seeds
 
 
-def as_stop_ids(stop_token_ids: int | Sequence[int]) -> tuple[int, ...]:
-    """``stop_token_ids`` as a non-empty tuple of distinct ints, in order.
-
-    Raises:
-        ValueError: when empty or not ints.
-    """
-    ids = (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be one or more token ids")
-    return tuple(dict.fromkeys(ids))
-
-
-def stop_token_ids(hf_path: str | os.PathLike, tokenizer_eos_id: int | None) -> tuple[int, ...]:
-    """Every id that ends a response of the checkpoint in ``hf_path``: the
-    ``eos_token_id`` of its ``generation_config.json`` (an int or a list; Qwen3 lists
-    ``<|im_end|>`` and ``<|endoftext|>``), else of its ``config.json``, then the tokenizer's
-    ``eos_token_id``.
-
-    Raises:
-        ValueError: the checkpoint declares no end id and the tokenizer has none.
-    """
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(hf_path, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            declared = json.load(f).get("eos_token_id")
-        if declared is not None:
-            ids.extend([declared] if isinstance(declared, int) else declared)
-            break
-    if tokenizer_eos_id is not None:
-        ids.append(tokenizer_eos_id)
-    if not ids:
-        raise ValueError(
-            f"{os.fspath(hf_path)!r} declares no eos_token_id (generation_config.json, "
-            "config.json) and its tokenizer has no eos_token: a response could never end"
-        )
-    return as_stop_ids(ids)
-
-
 def make_completion(
     prompt: Sequence[int], ids: Sequence[int], logprobs: Sequence[float],
     stop_ids: tuple[int, ...], policy_version: int, versions: Sequence[int] | None = None,
@@ -227,6 +185,16 @@ class Engine(ABC):
         self.policy_version = 0
         self.stats = EngineStats()
         self.busy = BusyClock()
+
+    @classmethod
+    def validate_config(cls, config: Any) -> None:
+        """Check a ``generator:`` section (:class:`~forge_ext.rollout.config.GeneratorConfig`)
+        for this backend, before anything is spawned (what every backend shares is checked
+        already); nothing by default.
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
 
     @abstractmethod
     async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,

