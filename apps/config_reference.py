@@ -66,7 +66,7 @@ def render() -> str:
     return markdown("Config reference", INTRO, {app: build() for app, build in APPS.items()})
 
 
-HELP_PATHS = {app: ROOT / "apps" / app / "help.txt" for app in ("grpo", "sft", "eval")}
+HELP_PATHS = {app: ROOT / "apps" / app / "help.txt" for app in ("grpo", "ppo", "sft", "eval")}
 """Each app's ``--help`` output, saved: ``python -m apps.<app>.main --help`` (``python -m
 apps.eval --help``) prints it without importing the app (torch, torchtitan, Monarch: 10 s and more on a small machine)."""
 

@@ -56,3 +56,21 @@ def exit_on_config_error(check: str, argv: list[str] | None = None) -> Any:
         return getattr(importlib.import_module(module), function)(path, overrides)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
+
+
+def check_command_line(app: str, check: str, argv: list[str] | None = None) -> Any:
+    """``python -m apps.<app>.main``'s first step, before its heavy imports: the saved
+    ``--help`` (:func:`print_saved_help`), then ``check`` of the command line
+    (:func:`exit_on_config_error`). A check that finds nothing to do returns what says so:
+    an object whose ``finished`` is true (:class:`apps.grpo.prepare.FinishedRun`); its
+    ``message()`` is printed and the process exits 0, before torch and Monarch are imported.
+
+    Returns:
+        what the check returned (None if the command line names no config).
+    """
+    print_saved_help(app, argv)
+    checked = exit_on_config_error(check, argv)
+    if getattr(checked, "finished", False):  # nothing to train: no torch, no Monarch
+        print(checked.message())
+        sys.exit(0)
+    return checked

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "configs" / "grpo_cpu_demo.yaml"
@@ -53,7 +53,7 @@ CONFIGURATIONS = [  # (label, config file, max_policy_age)
 ]
 
 
-class QuietApp(GRPOApp):
+class QuietApp(RLApp):
     """The app without its progress bar and console lines (the table is the output)."""
 
     def fast_forward(self, step: int) -> None:

@@ -274,9 +274,9 @@ def chat_checkpoint(root, end_prone: float = 0.0) -> str:
 
 
 def _grpo_app():
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
-    return GRPOApp
+    return RLApp
 
 
 class Recording(_grpo_app()):

@@ -91,7 +91,7 @@ async def placement_main(out: str, hosts_json: str, output_dir: str) -> None:
 def grpo_main(out: str, argv: list[str]) -> None:
     import apps.grpo.main as app_module
 
-    class ProbedApp(app_module.GRPOApp):
+    class ProbedApp(app_module.RLApp):
         async def build_rollouts(self, step):
             rollouts = await super().build_rollouts(step)
             if step == 1:
@@ -103,7 +103,7 @@ def grpo_main(out: str, argv: list[str]) -> None:
             return rollouts
 
     # main() builds the app it names: this one, with the probe.
-    app_module.GRPOApp = ProbedApp
+    app_module.RLApp = ProbedApp
     try:
         app_module.main(argv)
     finally:

@@ -561,28 +561,28 @@ def test_grpo_resumes_from_the_newest_complete_checkpoint(demo_checkpoint, tmp_p
 def test_a_resume_is_announced_before_anything_is_spawned(demo_checkpoint, tmp_path):
     """The plan printed before spawning says the run resumes (it came after the spawn, 54 s
     later, issue 38)."""
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     out = tmp_path / "run"
     overrides = [f"model.hf_path={demo_checkpoint}", f"output_dir={out}", "loop.steps=8",
                  "task.num_train=16", "task.num_eval=2"]
     config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
-    assert not any("resuming" in line for line in GRPOApp(config).plan_lines(["generator"], None))
+    assert not any("resuming" in line for line in RLApp(config).plan_lines(["generator"], None))
     (out / "checkpoints" / "step-5").mkdir(parents=True)
     (out / "checkpoints" / "step-5" / ".metadata").write_text("")
     config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides)
-    lines = GRPOApp(config).plan_lines(["generator"], None)
+    lines = RLApp(config).plan_lines(["generator"], None)
     assert f"resuming from the checkpoint of step 5 in {out}" in lines
 
 
 def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_checkpoint,
                                                                          tmp_path):
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [
         f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path}", "task.num_train=16",
         "task.num_eval=2"])
-    spec = GRPOApp(config).plot_spec()
+    spec = RLApp(config).plot_spec()
     plotted = {key for panel in spec["panels"] for key in panel.keys}
     assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
 
@@ -590,20 +590,20 @@ def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_ch
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
     import shutil
 
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     out, weights = tmp_path / "run", tmp_path / "weights"
     shutil.copytree(demo_checkpoint, weights)
     overrides = [f"model.hf_path={weights}", f"output_dir={out}", "loop.steps=8", "procs.env={}"]
-    GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))  # records the run
+    RLApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))  # records the run
     (out / "checkpoints" / "step-6").mkdir(parents=True)
     (out / "checkpoints" / "step-6" / ".metadata").write_text("")
     with pytest.raises(ValueError, match="checkpoint of step 6 > loop.steps=5"):
-        GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*overrides, "loop.steps=5"]))
+        RLApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*overrides, "loop.steps=5"]))
     safetensors = weights / "model.safetensors"
     safetensors.write_bytes(safetensors.read_bytes())  # rewritten in place: a new mtime
     with pytest.raises(ValueError, match=r"model_files\.model\.safetensors: "):
-        GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))
+        RLApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), overrides))
 
 
 def test_a_resume_may_change_how_batches_are_split_and_a_model_name_config_json_gives():

@@ -32,7 +32,7 @@ SLOW = [
     (r"make (demo|test|install|bench)\b", "minutes: installs, trains or runs the whole suite"),
     (r"make docs\b", "needs make install's .venv; its command, python -m apps.config_reference "
      "--write, is checked by tests/test_config_doc.py"),
-    (r"python -m apps\.(grpo|sft)\.main .*--config", "a training run (minutes); its config and "
+    (r"python -m apps\.(grpo|ppo|sft)\.main .*--config", "a training run (minutes); its config and "
      "overrides are validated instead"),
     (r"python -m apps\.eval\b.*--config", "an evaluation (spawns generators: a minute or "
      "more); its config and overrides are validated instead"),
@@ -46,7 +46,7 @@ SLOW = [
 ]
 #: Commands run as written, in this process or a shell, under a minute.
 QUICK = [
-    r"python -m apps\.(grpo|sft)\.main --help$",
+    r"python -m apps\.(grpo|ppo|sft)\.main --help$",
     r"python -m apps\.config_reference --check$",
     r"cat > \S+ <<",
     r"(ls|cat|head|tail|wc|mkdir|echo)\b",
@@ -146,7 +146,7 @@ def _validate_app_command(argv: list[str]) -> None:
         from apps.eval.config import load_eval_config
 
         load_eval_config(path, overrides)
-    elif module == "apps.grpo.main":
+    elif module in ("apps.grpo.main", "apps.ppo.main"):
         from apps.grpo.config import load_config
 
         load_config(path, overrides, check_model=False)
@@ -168,7 +168,7 @@ def test_each_command_runs_as_written_or_its_config_validates(block, tmp_path, m
         kind, reason = rule_of(command)
         env, argv = _env_and_argv(command) if "<<" not in command else ({}, [])
         is_app = len(argv) > 2 and argv[:2] == ["python", "-m"] and argv[2] in (
-            "apps.grpo.main", "apps.sft.main", "apps.eval")
+            "apps.grpo.main", "apps.ppo.main", "apps.sft.main", "apps.eval")
         if kind == "slow":
             if is_app and "--config" in argv:
                 for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):

@@ -14,7 +14,7 @@ import pytest
 from grpo_reference import parity_reward, reference_advantages
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.yaml")
 PROMPTS, GROUP = 3, 2
@@ -40,7 +40,7 @@ class InProcessGenerator:
 
 
 def app_for(config, generator=None):
-    app = GRPOApp(config)
+    app = RLApp(config)
     app.generator = generator or InProcessGenerator(config, app.tok)
     return app
 
@@ -71,7 +71,7 @@ async def test_dynamic_sampling_trains_groups_with_spread_and_resume_consumes_ea
     built = {}
     for step in range(4):
         if step == 2:
-            first._save_stream_position(2)  # what save_checkpoint(2) records before saving
+            first.stream.save_position(2)  # what save_checkpoint(2) records before saving
         built[step] = await first.build_rollouts(step)
 
     dropped = 0
@@ -90,7 +90,7 @@ async def test_dynamic_sampling_trains_groups_with_spread_and_resume_consumes_ea
     assert dropped > 0  # the reward made all-equal groups, and they were counted
 
     # Steps consume contiguous, non-overlapping ranges of the stream from position 0.
-    ranges = [first._stream_ranges[s] for s in range(4)]
+    ranges = [first.stream.ranges[s] for s in range(4)]
     assert ranges[0][0] == 0
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert sum(b - a for a, b in ranges) == sum(built[s].stats["rollout/prompts_consumed"]
@@ -102,8 +102,8 @@ async def test_dynamic_sampling_trains_groups_with_spread_and_resume_consumes_ea
     resumed = app_for(config, first.generator)
     resumed.fast_forward(2)
     again = {step: await resumed.build_rollouts(step) for step in (2, 3)}
-    consumed = [p for s in (0, 1) for p in range(*first._stream_ranges[s])]
-    consumed += [p for s in (2, 3) for p in range(*resumed._stream_ranges[s])]
+    consumed = [p for s in (0, 1) for p in range(*first.stream.ranges[s])]
+    consumed += [p for s in (2, 3) for p in range(*resumed.stream.ranges[s])]
     assert consumed == list(range(ranges[-1][1]))
     for step in (2, 3):
         assert [r.prompt for r in again[step].rows] == [r.prompt for r in built[step].rows]

@@ -21,7 +21,7 @@ import torch
 from conftest import history, task_checkpoint
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,7 +33,7 @@ SET = ("{name: sums, task: {source: addition, num_train: 1, num_eval: 6, seed: 3
 IDS = torch.randint(0, 16, (8, 12), generator=torch.Generator().manual_seed(5))
 
 
-class ExportRecording(GRPOApp):
+class ExportRecording(RLApp):
     """The app as shipped, plus the trainer's logits of ``IDS`` right after each export."""
 
     async def export_model(self, step):

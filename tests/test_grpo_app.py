@@ -28,7 +28,7 @@ from listening import is_loopback, listening_sockets, run_processes
 from monarch.actor import Actor, endpoint
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 from forge_ext.tasks.tokenizer import save_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,7 +45,7 @@ class Probe(Actor):
         return os.getpid()
 
 
-class RecordingApp(GRPOApp):
+class RecordingApp(RLApp):
     """The app as shipped, plus a record of each step's rollouts (built and trained), of
     every actor's pid (and of the generator's helper processes), and of how far the
     generator's log-probs are from the trainer's for the same tokens."""

@@ -330,7 +330,7 @@ def test_presets_set_their_papers_fields_and_each_field_stays_overridable(tmp_pa
     paper = PAPER_FIELDS[preset]
     path = demo_without_loss_section(tmp_path)
     config = load_config(path, [f"loss.preset={preset}"], check_model=False)
-    record = asdict(config)  # what GRPOApp writes to run_config.yaml (resolved values)
+    record = asdict(config)  # what RLApp writes to run_config.yaml (resolved values)
     assert {name: resolved(record, name) for name in paper} == paper
     # Every field the paper fixes is one the preset sets, even where the paper's value is
     # today's default (a field left to its default would follow it wherever it moves).

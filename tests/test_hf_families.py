@@ -35,7 +35,7 @@ from conftest import generator_logprob_gap, history, random_state_dict
 from safetensors.torch import load_file
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -83,7 +83,7 @@ def family_checkpoint(root: Path, model_type: str) -> str:
     return str(path)
 
 
-class RecordingApp(GRPOApp):
+class RecordingApp(RLApp):
     """The app as shipped, plus, at each step, how far vLLM's log-probs of the tokens it
     sampled are from the trainer's (which holds the version vLLM sampled with:
     ``max_policy_age`` 0), and which version that was."""
@@ -163,7 +163,7 @@ async def test_every_tensor_trains_so_a_stale_one_in_vllm_would_show(run):
     assert still == [], f"tensors that never trained: {still}"
 
 
-class RolloutRecording(GRPOApp):
+class RolloutRecording(RLApp):
     """The app as shipped, plus each step's sampled tokens and their generator log-probs."""
 
     def __init__(self, config):

@@ -96,13 +96,13 @@ async def test_the_grpo_app_exports_the_adapter_and_takes_the_reference_from_the
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     config, fsdp, engine = lora["config"], lora["fsdp"], lora["engine"]
     assert config.reference_is_trainer_base
     batch = make_lm_batch(8, 32, 16, seed=1, ignore_prefix=PREFIX)
     await fsdp.train_step(*split(batch, 2))  # adapters away from their zero start
-    app = GRPOApp(config)
+    app = RLApp(config)
     app.trainer, app.reference = fsdp, base_of_trainer(fsdp)
     with engine.adapters_disabled():  # the base: this engine's adapters differ, not its base
         want = engine.forward_batch(batch, post_hook=lambda logits, mb: torch.log_softmax(

@@ -423,12 +423,12 @@ def tiny_checkpoint(tmp_path_factory):
 def test_hosts_config_errors_come_before_any_process_starts(tiny_checkpoint, tmp_path,
                                                             overrides, message):
     from apps.grpo.config import load_config
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     jobs = set(glob.glob("/tmp/monarch_process_job_*"))
     with pytest.raises(ValueError) as error:
-        GRPOApp(load_config(DEMO, [f"model.hf_path={tiny_checkpoint}",
+        RLApp(load_config(DEMO, [f"model.hf_path={tiny_checkpoint}",
                                    f"output_dir={tmp_path}", *overrides]))
     assert message in str(error.value)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children

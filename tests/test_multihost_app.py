@@ -24,7 +24,8 @@ from conftest import task_checkpoint
 from test_grpo_app import Probe, history, overrides, still_running
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp, failure_message
+from apps.grpo.console import failure_message
+from apps.grpo.main import RLApp
 from forge_ext.runtime.supervision import RoleFailure
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -34,7 +35,7 @@ DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "grpo_cpu_demo.y
 HOSTS = ["hosts.launcher=processes"]  # one host per role: 3 hosts
 
 
-class HostKillingApp(GRPOApp):
+class HostKillingApp(RLApp):
     """The app as shipped, plus a record of each step's rollouts and of every process of the
     run; with ``kill_at`` it SIGKILLs the trainer's host (its worker process) once that
     step's rollouts are done, before the trainer's step."""

@@ -613,29 +613,28 @@ def test_environment_text_the_tokenizer_cannot_read_is_warned_once_and_counted(
 
 
 def test_the_step_line_names_the_limit_that_cut_episodes():
-    """The console's step line (GRPOApp.log_line) shows truncation by cause, with the
-    field to raise, and the replies holding <unk>; a single-turn run only when any was cut."""
-    from types import SimpleNamespace
+    """The console's step line (forge_ext.rl.report.step_line) shows truncation by cause,
+    with the field to raise, and the replies holding <unk>; a single-turn run only when any
+    was cut."""
+    import functools
 
-    from apps.grpo.main import FlatGroupsWatch, GRPOApp
+    from forge_ext.rl.report import FlatGroupsWatch, step_line
 
-    app = SimpleNamespace(bar=None, loop=SimpleNamespace(steps=10), reference=None,
-                          eval_sets=[], flat_groups=FlatGroupsWatch(4), config=SimpleNamespace(
-                              grpo=SimpleNamespace(group_size=4),
-                              generator=SimpleNamespace(replicas=1)))
+    log_line = functools.partial(step_line, steps=10, group_size=4, replicas=1, kl=False,
+                                 eval_sets=[], flat_groups=FlatGroupsWatch(4))
     step = {"reward/mean": 0.5, "rollout/accuracy": 0.5, "rollout/groups_without_spread": 0.0,
             "loss": 0.1, "policy_version": 1, "generator_version": 0,
             "rollout/policy_age_mean": 0.0, "rollout/policy_age_max": 0,
             "rollout/dropped_samples": 0, "time/generator_idle": 0.0,
             "time/trainer_idle": 0.0, "throughput/samples_per_s": 1.0,
             "rollout/truncated/max_new_tokens": 0.0}
-    assert "truncated" not in GRPOApp.log_line(app, 1, step)
-    line = GRPOApp.log_line(app, 1, {**step, "rollout/truncated/max_new_tokens": 0.25})
+    assert "truncated" not in log_line(1, step)
+    line = log_line(1, {**step, "rollout/truncated/max_new_tokens": 0.25})
     assert " | truncated max_new_tokens 25% | " in line, line
     multi = {**step, "episode/turns_mean": 2.5, "episode/turns_max": 3, "episode/truncated": 0.75,
              "episode/env_errors": 0, "episode/env_timeouts": 0, "episode/env_unk_replies": 5,
              "rollout/truncated/max_turns": 0.5, "rollout/truncated/max_episode_tokens": 0.25}
-    line = GRPOApp.log_line(app, 1, multi)
+    line = log_line(1, multi)
     assert ("turns 2.50 (max 3, truncated 75%: max_episode_tokens 25% max_turns 50%, env "
             "replies with <unk> 5)") in line, line
 
@@ -643,7 +642,7 @@ def test_the_step_line_names_the_limit_that_cut_episodes():
 def test_a_streak_of_steps_with_only_flat_groups_is_warned_once():
     """Three steps in a row whose every group scored alike: one warning, on the third;
     a step with spread restarts the count; groups of one (PPO) never warn."""
-    from apps.grpo.main import FlatGroupsWatch
+    from forge_ext.rl.report import FlatGroupsWatch
 
     watch = FlatGroupsWatch(group_size=4)
     flat, spread = {"rollout/groups_without_spread": 1.0}, {"rollout/groups_without_spread": 0.5}

@@ -84,7 +84,7 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
 
     config = SimpleNamespace(loop=SimpleNamespace(steps=4), output_dir=str(tmp_path))
     monkeypatch.setattr(app_main, "load_config", lambda path, overrides: config)
-    monkeypatch.setattr(app_main, "GRPOApp", App)
+    monkeypatch.setattr(app_main, "RLApp", App)
     with pytest.raises(SystemExit) as exited:
         app_main.main(["--config", str(tmp_path / "c.yaml")])
     assert exited.value.code == f"error: {line}"

@@ -13,7 +13,7 @@ import pytest_asyncio
 from conftest import history
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -23,7 +23,7 @@ CRITIC_KEYS = ("critic/loss", "critic/grad_norm", "critic/clip_fraction", "criti
                "advantage/mean", "advantage/std")
 
 
-class CriticRecording(GRPOApp):
+class CriticRecording(RLApp):
     """The app as shipped, plus each step's critic metrics (recorded before the policy's
     update, so the crashing step's are kept) and the policy's own update count."""
 

@@ -403,11 +403,11 @@ async def test_grpo_runs_a_step_with_trainer_reference_and_generator_agreeing(
     """The GRPO app from the checkpoint for one step: the generator's log-probs of what it
     sampled are the trainer's, and the reference (same starting weights) gives KL 0."""
     from apps.grpo.config import load_config
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     gaps = []
 
-    class App(GRPOApp):
+    class App(RLApp):
         async def build_rollouts(self, step):
             rollouts = await super().build_rollouts(step)
             gaps.append(await generator_logprob_gap(

@@ -30,7 +30,7 @@ import pytest
 from conftest import history, small
 
 from apps.grpo.config import load_config
-from apps.grpo.main import GRPOApp
+from apps.grpo.main import RLApp
 from forge_ext.rollout.generator import alive_processes
 from forge_ext.rollout.replicas import GeneratorReplicas, ReplicasLost
 from forge_ext.runtime.supervision import SIGNAL_CAUSES, UNANSWERED, FailureWatch
@@ -156,7 +156,7 @@ async def test_a_dead_replica_costs_its_request_or_update_and_is_skipped_from_th
 
 # ---- the app, with replicas killed or interrupted ------------------------------------------
 
-class FaultyRun(GRPOApp):
+class FaultyRun(RLApp):
     """The app as shipped, plus: SIGKILLs the procs of replicas ``victims`` just before the
     first request of step ``kill_step`` is sent (so it is in flight on a dead replica);
     sends SIGTERM then SIGINT to this process while the update to ``interrupt_version`` is

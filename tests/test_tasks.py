@@ -660,7 +660,7 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
     """Each refused by the app's constructor (nothing spawned, nothing written), in one line
     that names the field; all of them within 20 s."""
     from apps.grpo.config import load_config
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     data = write_jsonl(tmp_path / "d.jsonl", records(20))
     holes = write_jsonl(tmp_path / "holes.jsonl", [
@@ -720,7 +720,7 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
     start = time.perf_counter()
     for extra, pattern in cases:
         with pytest.raises((ValueError, FileNotFoundError)) as error:
-            GRPOApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*base, *extra]))
+            RLApp(load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [*base, *extra]))
         message = str(error.value)
         assert "\n" not in message, (extra, message)
         import re
@@ -768,7 +768,7 @@ def test_a_user_task_factory_by_import_path(tmp_path):
 def test_an_episode_longer_than_vllms_context_is_refused_before_any_spawn(tmp_path,
                                                                          demo_checkpoint):
     from apps.grpo.config import load_config
-    from apps.grpo.main import GRPOApp
+    from apps.grpo.main import RLApp
 
     config = load_config(str(CONFIGS / "grpo_cpu_vllm.yaml"), [
         f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / 'run'}",
@@ -778,7 +778,7 @@ def test_an_episode_longer_than_vllms_context_is_refused_before_any_spawn(tmp_pa
     ])
     with pytest.raises(ValueError, match=r"generator.vllm.max_model_len=48 < 57 tokens "
                                          r"\(longest prompt \+ task.max_episode_tokens\)"):
-        GRPOApp(config)
+        RLApp(config)
 
 
 # ------------------------------------------------------------- the row's columns (issue 38)

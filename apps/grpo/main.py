@@ -1,138 +1,71 @@
 """GRPO on real Monarch actors: ``python -m apps.grpo.main --config configs/<name>.yaml [k=v ...]``.
 
-The job is :class:`forge_ext.rl.loop.RLLoop`'s template; :class:`GRPOApp` fills its hooks:
+The RL app (GRPO, RLOO, or PPO with a critic role: ``algorithm.advantage``; ``python -m
+apps.ppo.main`` runs it under PPO's name) as config -> roles -> loop: the config and what
+the run reads, checked before anything is spawned (:mod:`apps.grpo.config`,
+:mod:`apps.grpo.prepare`); the roles (:mod:`apps.grpo.roles`); :class:`RLApp` fills the hooks
+of :class:`forge_ext.rl.loop.RLLoop`'s template: ``build_rollouts`` (the step's prompts by
+stream position, ``grpo.group_size`` samples each, rewards from the rubric, advantages,
+reference log-probs), ``train_step`` (the rollouts through the replay buffer, which drops any
+older than ``loop.max_policy_age``, into the trainer), ``push_weights`` / ``fetch_weights``
+(``RLTrainer.push_weights(N)`` then ``Generator.update_weights(N)``), ``evaluate`` (held-out
+accuracy and ``eval.sets``), and the checkpoints and exports (:mod:`apps.grpo.outputs`).
 
-- ``setup``: the hosts (``hosts:``, :mod:`forge_ext.runtime.placement`) and a watch that turns a
-  dead process or host into one error (:mod:`forge_ext.runtime.supervision`), torchstore, then the
-  ``RLTrainer`` (GRPO loss, ``push_weights``), the ``ReferenceModel`` (unless ``reference:
-  null``), the critic (PPO), each reward model of ``reward.functions`` (attached to the
-  rubric, :mod:`forge_ext.actors.reward_model`) and the ``Generator``, spawned concurrently
-  on their host meshes; teardown stops them (concurrently), then torchstore, then the hosts.
-- ``build_rollouts``: the ``grpo.prompts_per_step`` task rows of the step (by stream
-  position, :class:`forge_ext.tasks.PromptStream`), ``grpo.group_size`` samples each (seeded
-  by the step), rewards from the rubric (``reward:``, :mod:`forge_ext.tasks.rubric`),
-  group-normalised advantages, reference log-probs. In ``loop.mode: async`` the loop's
-  rollout task calls it for the next steps while the trainer trains.
-- ``policy_versions``: the version each episode was sampled with (the loop bounds and logs
-  their policy ages).
-- ``train_step``: the rollouts go through the replay buffer (which drops any older than
-  ``loop.max_policy_age``) into the trainer's ``train_step``.
-- ``push_weights`` / ``fetch_weights``: ``RLTrainer.push_weights(N)`` then
-  ``Generator.update_weights(N)`` (torchstore).
-- ``evaluate``: held-out accuracy (greedy by default) through the generator: the rate at
-  which the rubric's accuracy function (``reward.accuracy``, default the first) scores 1;
-  and the evaluation sets of ``eval.sets`` (pass@k, mean@k, maj@k, greedy accuracy per set,
-  :mod:`forge_ext.evaluation`), logged as ``eval/<set>/<metric>``.
-- ``export_model``: the policy as an HF checkpoint folder ``<output_dir>/hf/step-N`` at the
-  last step and every ``loop.export_every`` steps (``export:``; LoRA runs write their
-  adapter at the last step, ``<output_dir>/adapter``).
-
-Output: a progress bar, one console line per step, TensorBoard events and ``metrics.jsonl``
-in ``metrics.log_dir``, a PNG of reward and held-out accuracy per step, and a final line with
-held-out accuracy before and after GRPO. ``<output_dir>/run_config.yaml`` records the
-resolved config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must
-match it except for :data:`apps.grpo.prepare.MAY_CHANGE_ON_RESUME`.
+Output (:mod:`apps.grpo.console`): a progress bar, one console line per step, TensorBoard
+events and ``metrics.jsonl`` in ``metrics.log_dir``, a PNG of the run, and a final line with
+held-out accuracy before and after. ``<output_dir>/run_config.yaml`` records the resolved
+config; a rerun in the same ``output_dir`` resumes from its last checkpoint and must match it
+except for :data:`apps.grpo.prepare.MAY_CHANGE_ON_RESUME`. docs/grpo.md says more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import math
-import os
-import shlex
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
-    from apps.fast_help import exit_on_config_error, print_saved_help
+    from apps.fast_help import check_command_line
 
-    print_saved_help("grpo")
     # The config, the data, the rewards and every prompt, checked before torchtitan and
     # Monarch are imported; the app takes them as they are (main's inputs).
-    _checked_inputs = exit_on_config_error("apps.grpo.prepare:check_run")
-    from apps.grpo.prepare import FinishedRun as _Finished
-
-    if isinstance(_checked_inputs, _Finished):  # nothing to train: no torch, no Monarch
-        print(_checked_inputs.message())
-        raise SystemExit(0)
+    _checked_inputs = check_command_line("grpo", "apps.grpo.prepare:check_run")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 import torch
 
-from apps.grpo.config import GRPOConfig, load_config
+from apps.grpo.config import GRPOConfig, grpo_help, load_config
+from apps.grpo.console import RunConsole, failure_message
+from apps.grpo.outputs import RunOutputs
 from apps.grpo.prepare import (
-    MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, resume_step_of,
-    run_record,
+    MAY_CHANGE_ON_RESUME, FinishedRun, RunInputs, prepare, resume_point, run_record,
+    warn_if_task_differs_from_warm_start,
 )
+from apps.grpo.roles import RunRoles
+from forge_ext.config import parse_cli, record_run_config
+from forge_ext.evaluation import as_logged, evaluate_held_out, evaluate_sets
+from forge_ext.rl.advantages import build_estimator
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
-from forge_ext.rl.rollouts import Rollouts, shaped_rewards
-from forge_ext.rollout import EpisodeBatch
-from forge_ext.tasks import EPISODE_FIELDS, PromptStream, resolved_task
-from forge_ext.tasks.rubric import RewardFailure, failures_of
-from forge_ext.config import (
-    RUN_CONFIG_FILE, apply_env, config_changes, load_run_record, parse_cli, record_run_config,
-    scoped_env,
-)
-from forge_ext.runtime.disk import find_output_write_error
-from forge_ext.evaluation import as_logged, close_sets, evaluate_sets
-from forge_ext.rollout.engines import Completion, derive_seed
-from forge_ext.rl.advantages import build_estimator, groups_with_spread
 from forge_ext.rl.loop import RLLoop
+from forge_ext.rl.replay_buffer import ReplayBuffer
+from forge_ext.rl.report import FlatGroupsWatch
+from forge_ext.rl.rollouts import Rollouts
+from forge_ext.rl.sampling import DynamicSampling, check_training_rows
+from forge_ext.rollout.engines import Completion, derive_seed
+from forge_ext.rollout.replicas import ReplicasLost
+from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
-from forge_ext.rl.replay_buffer import ReplayBuffer
-from forge_ext.rollout.replicas import ReplicasLost, replica_name
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
+from forge_ext.tasks import PromptStream
+from forge_ext.tasks.rubric import RewardFailure, failures_of
 
 
-PROMPT_STREAM_FILE = "prompt_stream.json"
-"""In ``output_dir`` with ``grpo.dynamic_sampling``: ``{"positions": {step: position}}``, the
-prompt stream position where each checkpointed step's prompts begin."""
-
-
-def reward_model_role(name: str) -> str:
-    """The proc mesh and actor name of reward model ``name`` (Monarch's failure reports
-    name it)."""
-    import re
-
-    return "reward_model." + re.sub(r"[^\w.-]", "_", name)
-
-
-ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
-
-
-class FlatGroupsWatch:
-    """Warns once per streak of ``steps`` consecutive steps whose every group scored alike
-    (``rollout/groups_without_spread`` = 1): GRPO's advantages are then all 0 and the run
-    trains nothing while looking healthy (a reward that never varies, a task the model
-    cannot start, prompts the tokenizer maps to ``<unk>``)."""
-
-    def __init__(self, group_size: int, steps: int = 3):
-        self.group_size, self.steps, self.streak = group_size, steps, 0
-
-    def update(self, metrics: dict[str, float]) -> str | None:
-        """The warning line, on the step that completes a streak; else None."""
-        flat = metrics.get("rollout/groups_without_spread")
-        if self.group_size < 2 or flat is None:  # a group of one (PPO) is always flat
-            return None
-        self.streak = self.streak + 1 if flat >= 1.0 else 0
-        if self.streak != self.steps:
-            return None
-        return (f"warning: every group of the last {self.steps} steps scored alike (flat "
-                "groups 100%): their advantages are 0 and nothing trains. Check that the "
-                "rewards vary between a prompt's samples (samples.jsonl holds each function's "
-                "score), that the model can start the task (an <unk> warning above?), and "
-                "that generator.sampling.temperature > 0")
-"""How the run calls itself on the console, by ``algorithm.advantage``."""
-
-
-class GRPOApp(RLLoop):
-    """The GRPO job on actors (module docstring)."""
+class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
+    """The RL job on actors, GRPO, RLOO or PPO by ``algorithm.advantage`` (module
+    docstring)."""
 
     def __init__(self, config: GRPOConfig, inputs: RunInputs | None = None) -> None:
         """Check ``config`` and what the run reads (``inputs``: :func:`apps.grpo.prepare
@@ -157,15 +90,17 @@ class GRPOApp(RLLoop):
         record_run_config(config.output_dir, run_record(config),
                           may_change=MAY_CHANGE_ON_RESUME,
                           check=resume_step > 0)  # with nothing to resume, start over
-        _warn_if_task_differs_from_warm_start(config)
+        warn_if_task_differs_from_warm_start(config)
         self.config = config
         self.resume_step = resume_step
         """The checkpoint step the run resumes from (0: it starts over)."""
         self.task, self.rubric = inputs.task, inputs.rubric
         self.prompts = PromptStream(inputs.train_rows, config.seed)
         # Dynamic sampling: where each step's prompts begin and the range it consumed.
-        self._stream_starts: dict[int, int] = {0: 0}
-        self._stream_ranges: dict[int, tuple[int, int]] = {}
+        self.stream = DynamicSampling(
+            self.prompts, prompts_per_step=config.grpo.prompts_per_step,
+            group_size=config.grpo.group_size, max_rollout_batches=config.grpo.max_rollout_batches,
+            seed=config.seed, output_dir=config.output_dir, overlong=config.reward.overlong)
         self.buffer: ReplayBuffer[Episode] = ReplayBuffer(
             ReplayBuffer.Config(max_policy_age=config.loop.max_policy_age, seed=config.seed)
         )
@@ -186,363 +121,12 @@ class GRPOApp(RLLoop):
             return await self.generator.sample(prompt_ids, n, greedy=greedy, seed=seed,
                                                session=session, sampling=sampling)
 
-    # ---- setup and state -----------------------------------------------------------------
-    async def setup(self) -> None:
-        from forge_ext.actors import spawn_trainer
-        from forge_ext.actors.critic import spawn_critic
-        from forge_ext.actors.reference import spawn_reference
-        from forge_ext.actors.reward_model import spawn_reward_model
-        from forge_ext.compat.torchstore_monarch import RunStore
-        from forge_ext.runtime.placement import Placement
-        from forge_ext.rollout.replicas import spawn_replicas
-        from forge_ext.runtime.supervision import watch_run
-
-        from forge_ext.runtime import run_logs
-
-        c = self.config
-        apply_env(c.procs.env)
-        began = time.perf_counter()
-        # Monarch's log in <output_dir>/logs, before Monarch starts (procs inherit the name).
-        run_logs.start(c.output_dir)
-
-        async def keep_monarch_log() -> None:
-            run_logs.finish(c.output_dir)
-
-        self.track("monarch log", keep_monarch_log)
-        self.startup: dict[str, float] = {}
-        """Seconds each part of the start-up took (``start-up:`` lines before step 0)."""
-
-        def timed(name: str, spawn):
-            async def run() -> None:
-                start = time.perf_counter()
-                await spawn()
-                self.startup[name] = time.perf_counter() - start
-            return run
-
-        roles = ["trainer", *(["reference"] if c.reference else []),
-                 *(["critic"] if c.critic is not None else []), "generator"]
-        placement = Placement(c.hosts, c.processes(), output_dir=c.output_dir)
-        self.placement = placement
-        # Before anything starts: a process or host that dies is one error naming it; a
-        # generator replica that dies is one warning, the others serve its requests.
-        n = c.generator.replicas
-        self.watch = watch_run(
-            self, placement, replicas=[replica_name(r, n) for r in range(n)] if n > 1 else (),
-            on_replica_death=self.replica_died,
-        )
-        # What the run will do, before anything starts: model, steps, task, roles, output.
-        for line in self.plan_lines(roles, placement):
-            self.write(line)
-        # The reward worker processes start now, while the roles spawn (each imports its
-        # functions' modules: a second or more), and end with the run.
-        self.rubric.start()
-
-        async def stop_rewards() -> None:
-            self.rubric.close()
-            close_sets(self.eval_sets)
-
-        self.track("reward workers", stop_rewards)
-
-        async def stop_hosts() -> None:
-            placement.stop()
-
-        self.track("hosts", stop_hosts)
-        start = time.perf_counter()
-        # A Slurm job waits in the queue here (Ctrl-C cancels it); Monarch's context starts
-        # once its transport is set, its console line in <output_dir>/logs.
-        await placement.start()
-        self.startup["hosts"] = time.perf_counter() - start
-        # torchstore's storage volume in a proc of the run's own, stopped with it, unless a
-        # role's process or host died (RunStore says why).
-        store = RunStore()
-
-        async def stop_store() -> None:
-            await store.stop(peer_died=isinstance(self.failure, RoleFailure))
-
-        self.track("torchstore", stop_store)
-        start = time.perf_counter()
-        await store.start()
-        self.startup["torchstore"] = time.perf_counter() - start
-
-        stops: dict[str, Any] = {}  # each role's stop, once it is spawned
-
-        async def stop_roles() -> None:
-            if self.failure is not None and placement.owns_workers:
-                # A host died: stopping the roles' procs one mesh at a time would wait on it
-                # (~30 s per mesh); placement.stop() below kills every proc at once.
-                return
-            # The roles do not depend on each other: stop them all at once.
-            results = await asyncio.gather(*(stop() for stop in stops.values()),
-                                           return_exceptions=True)
-            for role, result in zip(stops, results):
-                if isinstance(result, BaseException):
-                    self.write(f"stopping the {role} failed: {result!r}")
-
-        self.track("actors", stop_roles)
-
-        def procs_of(role: str):
-            # Procs on other hosts start from their worker's environment: give them the
-            # run's and the role's (on this machine they inherit it, see below).
-            env = None if c.hosts.launcher == "local" else {
-                **c.procs.env, **getattr(c.procs, role).env
-            }
-            return functools.partial(placement.spawn_procs, role, env)
-
-        async def trainer():
-            # A restarted run may replace the DCP weight folders its crashed process left.
-            run_id = c.weights.run_id or os.path.abspath(c.output_dir)
-            weights = {**asdict(c.weights), "run_id": run_id}
-            if not placement.same_host("trainer", ["generator"]):
-                weights["same_host"] = "off"  # no same-host shortcut between hosts
-            self.trainer_weights = weights
-            self.trainer = await spawn_trainer(
-                c.trainer, loss=c.loss_spec(), num_procs=placement.num_procs("trainer"),
-                weights=weights, spawn_procs=procs_of("trainer"),
-                master_addr=placement.master_addr,
-            )
-            stops["trainer"] = self.trainer.stop
-
-        async def reference():
-            self.reference = await spawn_reference(
-                c.reference, num_procs=placement.num_procs("reference"),
-                spawn_procs=procs_of("reference"), master_addr=placement.master_addr,
-            )
-            stops["reference"] = self.reference.stop
-
-        async def generator():
-            env = None if c.hosts.launcher == "local" else {**c.procs.env, **c.procs.generator.env}
-            self.generator = await spawn_replicas(
-                c.generator, stop_token_ids=self.tok.stop_ids, pad_token_id=self.tok.pad_id,
-                key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
-                spawn_procs=functools.partial(placement.spawn_replica_procs, "generator",
-                                              env=env),
-            )
-            stops["generator"] = self.generator.stop
-
-        async def critic():
-            self.critic = await spawn_critic(
-                c.critic, policy_hf_path=c.model.hf_path, trainer=c.trainer,
-                loss=asdict(c.loss), num_procs=placement.num_procs("critic"),
-                spawn_procs=procs_of("critic"), master_addr=placement.master_addr,
-            )
-            stops["critic"] = self.critic.stop
-
-        def reward_model(index: int, entry: Any):
-            async def spawn() -> None:
-                # On this machine (GRPOConfig.validate refuses the launchers of other hosts).
-                name = entry.metric_name
-                model = await spawn_reward_model(
-                    entry, f"reward.functions[{index}]", name=reward_model_role(name))
-                stops[f"reward model {name}"] = model.stop
-                self.reward_models[name] = model
-                for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
-                    if name in rubric.models:  # the evaluation sets' scored by it too
-                        rubric.attach_model(name, model.score)
-            return spawn
-
-        spawns = {"trainer": timed("trainer", trainer), "reference": timed("reference", reference),
-                  "critic": timed("critic", critic), "generator": timed("generator", generator)}
-        # Reward models (reward.functions[i].model): frozen classifiers the rubric calls once
-        # per batch; spawned beside the roles (those with their own env after them, one at
-        # a time), stopped with them.
-        entries = [(i, e) for i, e in enumerate(c.reward.functions) if e.model is not None]
-        models = {reward_model_role(e.metric_name): timed(reward_model_role(e.metric_name),
-                                                            reward_model(i, e))
-                  for i, e in entries if not e.env}
-        spawns.update(models)
-        if c.hosts.launcher == "local" and any(getattr(c.procs, r).env for r in roles):
-            # Procs read the environment when they start, after the spawning call returns:
-            # roles with their own environment are spawned one at a time.
-            for role in roles:
-                with scoped_env(getattr(c.procs, role).env):
-                    await spawns[role]()
-            for spawn in models.values():
-                await spawn()
-        else:
-            results = await asyncio.gather(*(spawns[r]() for r in [*roles, *models]),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-        for i, entry in entries:
-            if entry.env:
-                with scoped_env(entry.env):
-                    await reward_model(i, entry)()
-        if self.runner.config.agent is not None:
-            await self.start_agent_endpoint()
-        if c.reference_is_trainer_base:
-            from forge_ext.actors.reference import base_of_trainer
-
-            # A LoRA policy's reference: its own frozen base, adapters disabled (docs/lora.md).
-            self.reference = base_of_trainer(self.trainer)
-        # Every port of the run that other machines may reach (all unauthenticated), once.
-        roles_procs = {"trainer": [self.trainer.procs],
-                       "generator": [h.procs for h in self.generator.handles]}
-        if c.reference and not c.reference_is_trainer_base:
-            roles_procs["reference"] = [self.reference.trainer.procs]
-        if self.critic is not None:
-            roles_procs["critic"] = [self.critic.trainer.procs]
-        for name, model in self.reward_models.items():
-            roles_procs[f"reward model {name}"] = [model.trainer.procs]
-        exposed = await placement.exposed_ports(roles_procs)
-        if exposed:
-            self.write(exposed)
-        # What the start-up spent, one line per part (issue 38): each role's from the call
-        # that spawns its procs to its actor ready (the procs' imports of torch, torchtitan or
-        # vLLM, the model built and loaded, vLLM's engine started); the roles start at once.
-        # Each role's processes time their setup (model and engine built, checkpoint or
-        # weights loaded); the rest is their start and imports.
-        phases = {"trainer": self.trainer.startup,
-                  "generator": {"setup": max(h.startup.get("setup", 0.0)
-                                             for h in self.generator.handles)}}
-        if c.reference and not c.reference_is_trainer_base:
-            phases["reference"] = self.reference.trainer.startup
-        if self.critic is not None:
-            phases["critic"] = self.critic.trainer.startup
-        for name, model in self.reward_models.items():
-            phases[reward_model_role(name)] = model.trainer.startup
-        spawned = [r for r in (*roles, *(reward_model_role(e.metric_name) for _, e in entries))
-                   if r in self.startup]
-        for part in ("hosts", "torchstore", *spawned):
-            setup, total = phases.get(part, {}).get("setup"), self.startup[part]
-            self.write(f"start-up: {part} {total:.1f}s" + (
-                f" (processes and imports {max(total - setup, 0.0):.1f}s, setup {setup:.1f}s)"
-                if setup else ""))
-        self.write(f"start-up: all roles ready {time.perf_counter() - began:.1f}s after setup "
-                   "began")
-
-    async def start_agent_endpoint(self) -> None:
-        """``task.agent``: the OpenAI-compatible endpoint over the replicas
-        (:mod:`forge_ext.rollout.agents`), on 127.0.0.1; its address and the run's key go to
-        ``<output_dir>/agent_endpoint.json`` (readable by this user only) for external agents."""
-        from forge_ext.rollout.agents import AgentEndpoint
-
-        c, episodes = self.config, self.runner.config
-        parser = episodes.agent_tool_parser
-        if parser == "auto":
-            family = self.model_name()
-            parser = {"qwen3": "hermes", "qwen2": "hermes", "llama3": "llama3_json"}.get(family)
-        endpoint = AgentEndpoint(
-            self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
-            max_tokens=episodes.agent_max_tokens or self.context or 1 << 30,
-            max_new_tokens=c.generator.sampling.max_new_tokens, tool_parser=parser,
-            chat_template_kwargs=c.prompt.chat_template_kwargs, port=episodes.agent_port,
-        )
-        await endpoint.start()
-        self.track("agent endpoint", endpoint.stop)
-        self.runner.endpoint = endpoint
-        path = Path(c.output_dir) / "agent_endpoint.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_name(path.name + ".tmp")
-        with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"base_url": endpoint.base_url, "api_key": endpoint.key}, f)
-        staged.replace(path)
-        self.write(f"agent endpoint {endpoint.base_url} ({episodes.agent}; address and key in "
-                   f"{path})")
-
-    def model_name(self) -> str:
-        """The policy's ``model.name``: as given, else the one the engine reads from
-        config.json (``trainer.engine: hf``: its ``model_type``, any family; ``titan``:
-        :func:`forge_ext.engine.models.model_name_of`)."""
-        from forge_ext.engine.models import model_name_of, read_hf_config
-
-        model = self.config.trainer.get("model", {})
-        if model.get("name"):
-            return model["name"]
-        if self.config.trainer.get("engine") == "hf" and model.get("hf_path"):
-            return read_hf_config(model["hf_path"]).get("model_type") or "?"
-        return model_name_of(model.get("hf_path"))
-
-    def plan_lines(self, roles: list[str], placement: Any) -> list[str]:
-        """The run's first console lines: model, steps and batch, task, roles and where
-        they run, output_dir."""
-        c = self.config
-        name = self.model_name()
-        replicas = c.generator.replicas
-        procs = ", ".join(
-            f"{r} ({c.generator.backend}, {replicas} replica{'s' * (replicas > 1)}, "
-            f"weight_update {c.generator.weight_update})" if r == "generator"
-            else f"{r} ({placement.num_procs(r)} proc{'s' * (placement.num_procs(r) > 1)}, "
-                 f"{(getattr(c, r) or {}).get('engine', 'titan')} engine)"
-            for r in roles
-        ) + "".join(
-            f", reward model {rm} ({entry.procs or 1} proc{'s' * ((entry.procs or 1) > 1)})"
-            for rm, (entry, _) in self.rubric.models.items()
-        )
-        where = "this machine" if c.hosts.launcher == "local" else ", ".join(
-            f"{r} {placement.layout[r][0]}x{placement.layout[r][1]}" for r in roles
-        ) + f" (hosts x procs, launcher {c.hosts.launcher})"
-        rewards = ", ".join(self.rubric.names) or "the environment's"
-        return [
-            f"{ALGORITHM_NAMES[c.algorithm.advantage]}: {c.loop.steps} steps ({c.loop.mode}) "
-            f"of {c.grpo.prompts_per_step} prompts x "
-            f"{c.grpo.group_size} samples from {c.model.hf_path} ({name}); output_dir "
-            f"{c.output_dir}",
-            f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
-            f"{len(self.eval_rows)} held-out; rewards {rewards}",
-            c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
-            *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"]
-              if self.resume_step else []),
-            f"spawning {procs} on {where}" + (
-                "; KL reference: the trainer's base (its LoRA adapters disabled)"
-                if c.reference_is_trainer_base else ""),
-        ]
-
-    def replica_died(self, name: str, cause: str, hint: str) -> None:
-        """The failure watch's report of a dead generator replica (``generator.replicas >
-        1``): it serves no more requests; with none left the run stops naming each."""
-        if self.generator is None:  # while spawning: spawn_replicas fails with its error
-            return
-        self.generator.lose(self.generator.index(name), cause, hint)
-        if not self.generator.live:
-            self.fail(self.generator.all_lost())
-
-    def explain_error(self, error: BaseException) -> BaseException | None:
-        watch = getattr(self, "watch", None)
-        return watch.explain(error) if watch is not None else None
-
-    async def load_checkpoint(self) -> int:
-        if not self.config.trainer.get("checkpoint", {}).get("enable"):
-            return 0
-        # The step both the policy and the critic have (a crash between their saves leaves
-        # the policy one ahead); the folder's step is the loop's, whatever the policy's own
-        # count of updates (it does not move during critic.warmup_steps).
-        step = resume_step_of(self.config)
-        if step == 0:
-            return 0
-        await self.trainer.load_checkpoint(step)
-        if self.critic is not None:
-            await self.critic.load_checkpoint(step)
-        return step
-
     def fast_forward(self, step: int) -> None:
-        from tqdm import tqdm
-
         # Without dynamic sampling build_rollouts addresses the prompt stream by step; with
         # it, the position of the resumed step is the one recorded with its checkpoint.
         if self.config.grpo.dynamic_sampling and step > 0:
-            path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
-            positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
-            if str(step) not in positions:
-                raise ValueError(
-                    f"{path} has no prompt stream position for step {step} (the checkpoint "
-                    "resumed); without it the resumed run cannot know which prompts the "
-                    "dropped groups consumed. Use a new output_dir"
-                )
-            self._stream_starts[step] = positions[str(step)]
-        # No bar when stdout is not a terminal (disable=None): a redirected log would hold
-        # its every carriage-return update; the per-step lines say the same.
-        self.bar = tqdm(
-            total=self.loop.steps, initial=step, unit="step", file=sys.stdout,
-            desc=ALGORITHM_NAMES[self.config.algorithm.advantage], dynamic_ncols=True,
-            disable=None,
-        )
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+            self.stream.resume(step)
+        self.start_bar(step)
 
     # ---- one step ------------------------------------------------------------------------
     async def build_rollouts(self, step: int) -> Rollouts:
@@ -580,97 +164,18 @@ class GRPOApp(RLLoop):
         return rollouts
 
     def _check_rows(self, rows: int) -> None:
-        """An agent's calls may make more rows than episodes (:mod:`forge_ext.rollout.agents`):
-        fixed-row microbatches need exactly ``grpo.batch_size``.
-
-        Raises:
-            ValueError: naming the token budget that trains any number of rows.
-        """
-        if rows == self.config.grpo.batch_size:
-            return
-        for role in ("trainer", "reference", "critic"):
-            section = getattr(self.config, role)
-            if section is not None and not section.get("training", {}).get(
-                    "max_tokens_per_microbatch"):
-                raise ValueError(
-                    f"this step made {rows} training rows from grpo.batch_size="
-                    f"{self.config.grpo.batch_size} episodes (an agent whose calls do not "
-                    "extend one another makes a row per call, docs/agents.md), but "
-                    f"{role}.training has fixed-row microbatches; set "
-                    f"{role}.training.max_tokens_per_microbatch (a token budget trains any "
-                    "number of rows)")
+        """:func:`forge_ext.rl.sampling.check_training_rows` of a step's ``rows``."""
+        check_training_rows(rows, self.config.grpo.batch_size, {
+            role: getattr(self.config, role) for role in ("trainer", "reference", "critic")})
 
     async def _dynamic_rollouts(self, step: int):
-        """DAPO's dynamic sampling (``grpo.dynamic_sampling``, arXiv:2503.14476, section
-        3.2): roll out the next prompts of the stream, keep the groups whose (shaped)
-        rewards are not all equal, and roll out as many more prompts as groups are missing,
-        up to ``grpo.max_rollout_batches`` rollouts. Every prompt rolled out is consumed
-        (the next step starts after it), kept or dropped.
+        """DAPO's dynamic sampling (``grpo.dynamic_sampling``): :meth:`forge_ext.rl.sampling
+        .DynamicSampling.rollouts` of ``step``, on the generator at the trainer's version."""
+        async def rollout(rows, seed):
+            return await self.runner.run(rows, self.config.grpo.group_size, self.sample,
+                                         seed=seed, version=self.trainer_version)
 
-        A step built again (async mode drops stale rollouts) rolls out the same prompts,
-        so the stream stays what the first build consumed.
-
-        Returns:
-            ``(batches, chosen, fillers, stats)``: the rollouts made; the ``(batch, group)``
-            indices of the groups trained on, then of the dropped groups that fill the step
-            when too few had spread (masked out of the loss); and metrics:
-            ``rollout/dropped_groups`` (groups without spread), ``rollout/short_groups``
-            (fillers), ``rollout/rollout_batches``, ``rollout/prompts_consumed``.
-        """
-        c = self.config
-        wanted, group = c.grpo.prompts_per_step, c.grpo.group_size
-        first = self._stream_start(step)
-        again = self._stream_ranges.get(step)  # a rebuild: the same prompts as before
-        position, batches, chosen, dropped = first, [], [], []
-        for k in range(c.grpo.max_rollout_batches):
-            count = again[1] - position if again else wanted - len(chosen)
-            if count <= 0:
-                break
-            rows = self.prompts.slice(position, count)
-            # The first rollout has the seed of a step without dynamic sampling.
-            batch = await self.runner.run(rows, group, self.sample,
-                                          seed=c.seed * 1_000_003 + step + k * 10_000_019,
-                                          version=self.trainer_version)
-            shaped = shaped_rewards(batch, c.reward.overlong)
-            spread = groups_with_spread(torch.tensor(shaped), group)
-            for g, keep in enumerate(spread.tolist()):
-                (chosen if keep and len(chosen) < wanted else dropped).append((len(batches), g))
-            batches.append(batch)
-            position += count
-            if again:
-                break
-        self._stream_ranges[step] = (first, position)
-        self._stream_starts[step + 1] = position
-        fillers = dropped[: wanted - len(chosen)]
-        stats = {
-            "rollout/dropped_groups": float(len(dropped)),
-            "rollout/short_groups": float(len(fillers)),
-            "rollout/rollout_batches": float(len(batches)),
-            "rollout/prompts_consumed": float(position - first),
-        }
-        return batches, chosen, fillers, stats
-
-    def _stream_start(self, step: int) -> int:
-        """The prompt stream position where ``step``'s prompts begin (dynamic sampling: the
-        steps before consumed a varying number)."""
-        if step not in self._stream_starts:
-            raise RuntimeError(
-                f"the prompt stream position of step {step} is unknown: steps are built in "
-                "order, and a resumed run reads it from "
-                f"{Path(self.config.output_dir) / PROMPT_STREAM_FILE}"
-            )
-        return self._stream_starts[step]
-
-    def _save_stream_position(self, step: int) -> None:
-        """Record where step ``step``'s prompts begin in ``<output_dir>/prompt_stream.json``
-        (before the checkpoint of ``step`` is written, so a committed checkpoint always has
-        its position); every saved step's position is kept."""
-        path = Path(self.config.output_dir) / PROMPT_STREAM_FILE
-        positions = json.loads(path.read_text())["positions"] if path.is_file() else {}
-        positions[str(step)] = self._stream_start(step)
-        staged = path.with_name(path.name + ".tmp")
-        staged.write_text(json.dumps({"positions": positions}, indent=1, sort_keys=True))
-        staged.replace(path)
+        return await self.stream.rollouts(step, rollout)
 
     def overlapping_rollouts(self) -> bool:
         # Dynamic sampling's steps begin where the previous step's prompts ended.
@@ -754,18 +259,6 @@ class GRPOApp(RLLoop):
             packed, rewards, self.estimator, kl)
         return metrics
 
-    def _write_samples(self, step: int, rollouts: Rollouts) -> None:
-        """``metrics.samples_per_step`` of the step's episodes (the first of each group), as
-        the rubric scored them, to ``samples.jsonl`` and TensorBoard's text
-        (:meth:`forge_ext.runtime.metrics.MetricLogger.log_samples`)."""
-        count = self.metrics.config.samples_per_step
-        if not count:
-            return
-        group = self.config.grpo.group_size
-        batch = rollouts.batch
-        indices = list(range(0, len(batch.trajectories), group))[:count]
-        self.metrics.log_samples(step, batch.samples(self.tok, indices))
-
     async def push_weights(self, version: int) -> None:
         await self.trainer.push_weights(version)
 
@@ -777,343 +270,30 @@ class GRPOApp(RLLoop):
 
     async def evaluate(self, step: int) -> dict[str, float]:
         c = self.config
-        batches = []
-        size = c.eval.batch_size
-        for lo in range(0, len(self.eval_rows), size):
-            with failures_of(f"the held-out evaluation at step {step}"):
-                batches.append(await self.runner.run(
-                    self.eval_rows[lo : lo + size], 1, self.sample, greedy=c.eval.greedy,
-                    seed=None if c.eval.greedy else c.seed * 1_000_003 + 999_983 + step,
-                    version=self.trainer_version,
-                ))
-        batch = EpisodeBatch.concat(batches)
-        n = len(batch.rewards)
+        held_out = await evaluate_held_out(
+            self.runner, self.eval_rows, self.sample, batch_size=c.eval.batch_size,
+            greedy=c.eval.greedy, seed=c.seed * 1_000_003 + 999_983 + step,
+            version=self.trainer_version, step=step)
         # The evaluation sets, each seeded from the run's seed, the step and its name.
         sets = await evaluate_sets(self.eval_sets, self.sample, batch_size=c.eval.batch_size,
                                    seed=derive_seed(c.seed, step))
-        return {
-            "eval/accuracy": sum(batch.scores.correct) / n,
-            "eval/reward": sum(batch.rewards) / n,
-            "eval/num_prompts": n,
-            **{"eval/" + k: v for k, v in batch.metrics().items()},
-            **as_logged(sets),
-        }
-
-    async def export_model(self, step: int) -> None:
-        """The policy of ``step`` as an HF checkpoint folder ``<output_dir>/hf/step-N``
-        (``RLTrainer.export_hf``: gathered a tensor at a time, written atomically); not for
-        LoRA runs, whose adapter :meth:`export_lora` writes at the last step."""
-        c = self.config
-        if self.config.trainer.get("lora") or not c.export.enable:
-            return
-        folder = Path(c.output_dir) / "hf" / f"step-{step}"
-        info = await self.trainer.export_hf(folder, c.export.dtype,
-                                            int(c.export.max_shard_mb * 10**6))
-        self.write(f"HF checkpoint of step {step} written in {info['seconds']:.1f}s: {folder}")
-
-    async def save_checkpoint(self, step: int) -> None:
-        if step == self.loop.steps and self.config.trainer.get("lora"):
-            await self.export_lora()
-        if not self.config.trainer.get("checkpoint", {}).get("enable"):
-            return  # checkpoints off (loop.save_every must then be 0): nothing to keep
-        if self.config.grpo.dynamic_sampling:
-            self._save_stream_position(step)
-        start = time.perf_counter()
-        await self.trainer.save_checkpoint(step)
-        if self.critic is not None:  # after the policy's: a resume takes the step both have
-            await self.critic.save_checkpoint(step)
-        self.write(f"checkpoint of step {step} saved in {time.perf_counter() - start:.1f}s: "
-                   f"{self.checkpoint_folder() / f'step-{step}'}")
-
-    async def export_lora(self) -> None:
-        """The final policy of a LoRA run: a PEFT adapter folder ``<output_dir>/adapter``
-        (``peft.PeftModel.from_pretrained(base, folder)``, vLLM ``LoRARequest``) and, with
-        ``trainer.lora.export_merged``, a merged HF checkpoint ``<output_dir>/merged``."""
-        out = Path(self.config.output_dir)
-        merged = out / "merged" if self.config.trainer["lora"].get("export_merged") else None
-        start = time.perf_counter()
-        await self.trainer.export_lora(out / "adapter", merged)
-        self.write(f"LoRA adapter of step {self.loop.steps} written in "
-                   f"{time.perf_counter() - start:.1f}s: {out / 'adapter'}"
-                   + (f", merged HF checkpoint {merged}" if merged else ""))
-
-    def checkpoint_folder(self) -> Path:
-        """``<trainer.dump_folder>/<trainer.checkpoint.folder>``."""
-        from forge_ext.engine import engine_config_from_mapping
-
-        if getattr(self, "_checkpoint_folder", None) is None:
-            engine = engine_config_from_mapping(self.config.trainer)
-            self._checkpoint_folder = Path(engine.dump_folder) / engine.checkpoint.folder
-        return self._checkpoint_folder
-
-    # ---- output --------------------------------------------------------------------------
-    def log_line(self, step: int, m: dict[str, float]) -> str | None:
-        if self.bar is not None and "loss" in m:
-            self.bar.update(1)
-        parts = [f"step {step:>3}/{self.loop.steps}"]
-        if "reward/mean" in m:
-            parts += [
-                f"reward {m['reward/mean']:.3f}",
-                f"acc {m['rollout/accuracy']:.3f}",
-                # A group of one (PPO) is always flat: nothing to say.
-                *([f"flat groups {m['rollout/groups_without_spread']:.0%}"]
-                  if self.config.grpo.group_size > 1 else []),
-                f"loss {m['loss']:+.4f}",
-            ]
-            failed = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items()
-                      if k.startswith("reward/errors/") and v}
-            if failed:  # a user's reward function raised, hung or returned garbage
-                parts.append("reward errors " + ", ".join(f"{k} {v}" for k, v in failed.items()))
-            from forge_ext.rollout.episodes import TRUNCATION_CAUSES
-
-            # Truncated episodes by the limit that cut them (the field to raise), if any.
-            cut = {c: m[f"rollout/truncated/{c}"] for c in TRUNCATION_CAUSES
-                   if m.get(f"rollout/truncated/{c}")}
-            causes = " ".join(f"{c} {v:.0%}" for c, v in cut.items())
-            if "episode/turns_mean" in m:  # multi-turn episodes
-                env_failed = int(m["episode/env_errors"] + m["episode/env_timeouts"])
-                unknown = int(m.get("episode/env_unk_replies", 0))
-                parts.append(
-                    f"turns {m['episode/turns_mean']:.2f} (max {int(m['episode/turns_max'])}, "
-                    f"truncated {m['episode/truncated']:.0%}" + (f": {causes}" if cut else "")
-                    + (f", env errors {int(m['episode/env_errors'])} timeouts "
-                       f"{int(m['episode/env_timeouts'])}" if env_failed else "")
-                    + (f", env replies with <unk> {unknown}" if unknown else "") + ")"
-                )
-            elif cut:  # one turn: a response cut at generator.sampling.max_new_tokens
-                parts.append(f"truncated {causes}")
-            if "agent/calls_mean" in m:  # task.agent
-                failed = int(m["agent/errors"] + m["agent/timeouts"])
-                parts.append(
-                    f"agent calls {m['agent/calls_mean']:.2f} rows {m['agent/rows_mean']:.2f}"
-                    + (f" (errors {int(m['agent/errors'])} timeouts "
-                       f"{int(m['agent/timeouts'])})" if failed else "")
-                    + (f" refused {int(m['agent/rejected_calls'])}"
-                       if m.get("agent/rejected_calls") else "")
-                )
-            if "rollout/dropped_groups" in m:  # grpo.dynamic_sampling
-                parts.append(
-                    f"groups dropped {int(m['rollout/dropped_groups'])} short "
-                    f"{int(m['rollout/short_groups'])} ({int(m['rollout/rollout_batches'])} "
-                    "rollouts)"
-                )
-            if self.reference is not None and "loss/kl" in m:
-                parts.append(f"kl {max(m['loss/kl'], 0.0):.4f}")  # k3 >= 0; no "-0.0000"
-            if "critic/loss" in m:  # PPO
-                parts.append(
-                    f"critic loss {m['critic/loss']:.4f} explained var "
-                    f"{m['critic/explained_variance']:+.3f}"
-                    + (" (warm-up: policy frozen)" if math.isnan(m["loss"]) else ""))
-            if "loss/tis_weight_mean" in m:
-                parts.append(
-                    f"is weight {m['loss/tis_weight_mean']:.3f} "
-                    f"(capped {m['loss/tis_capped_fraction']:.1%})"
-                )
-            if self.config.generator.replicas > 1 or m.get("generator/resubmitted"):
-                parts.append(
-                    f"replicas {int(m['generator/live_replicas'])}/"
-                    f"{self.config.generator.replicas} (resubmitted "
-                    f"{int(m['generator/resubmitted'])}, versions per response max "
-                    f"{int(m.get('rollout/versions_per_response_max', 1))})"
-                )
-            parts.append(
-                f"policy v{int(m['policy_version'])} (sampled v{int(m['generator_version'])}, "
-                f"age {m['rollout/policy_age_mean']:.2f} max {int(m['rollout/policy_age_max'])}, "
-                f"dropped {int(m['rollout/dropped_samples'])})"
-            )
-            times = " ".join(
-                f"{k} {m['time/' + k]:.2f}s"
-                for k in ("generate", "env", "reward", "reference", "critic", "train", "push",
-                          "fetch")
-                if f"time/{k}" in m
-            )
-            parts.append(times)
-            parts.append(
-                f"idle generator {m['time/generator_idle']:.2f}s "
-                f"trainer {m['time/trainer_idle']:.2f}s | "
-                f"{m['throughput/samples_per_s']:.0f} samples/s"
-            )
-        if "eval/accuracy" in m:
-            parts.append(
-                f"held-out acc {m['eval/accuracy']:.1%} ({int(m['eval/num_prompts'])} prompts)"
-            )
-        for s in self.eval_sets:  # each set's own metrics, e.g. "gsm8k pass@1 12.5% ..."
-            shown = [f"{name} {m[f'eval/{s.name}/{name}']:.1%}" for name in s.metrics
-                     if f"eval/{s.name}/{name}" in m]
-            if shown:
-                parts.append(f"{s.name} " + " ".join(shown))
-        warning = self.flat_groups.update(m) if "loss" in m else None
-        return " | ".join(parts) + (f"\n{warning}" if warning else "")
-
-    def plot_spec(self) -> dict[str, Any]:
-        from forge_ext.runtime.metrics import PlotPanel
-        from forge_ext.rollout.episodes import TRUNCATION_CAUSES
-
-        from forge_ext.rollout.replicas import replica_name
-
-        how = "greedy" if self.config.eval.greedy else "sampled"
-        count = self.config.generator.replicas
-        replicas = [replica_name(r, count) for r in range(count)]
-        return {
-            "plot_keys": ["reward/mean", "eval/accuracy"],
-            "labels": {
-                "reward/mean": "reward (training rollouts, sampled)",
-                "eval/accuracy": f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
-            },
-            "panels": [
-                # How training went (issue 38): the loss and the KL to the reference, each
-                # reward function's mean, the response length.
-                PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
-                          labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
-                PlotPanel(keys=[f"reward/{name}" for name in self.rubric.names],
-                          ylabel="mean score",
-                          labels={f"reward/{name}": name for name in self.rubric.names}),
-                PlotPanel(keys=["rollout/response_tokens"], ylabel="tokens",
-                          labels={"rollout/response_tokens": "response length (mean)"}),
-                # Why episodes were cut (rollout/truncated/<cause>: the limit to raise), how
-                # often the clip bound, and how many groups carried no signal.
-                PlotPanel(keys=[f"rollout/truncated/{c}" for c in TRUNCATION_CAUSES],
-                          ylabel="truncated (fraction)", ylim=(-0.02, 1.02),
-                          labels={f"rollout/truncated/{c}": f"cut by {c}"
-                                  for c in TRUNCATION_CAUSES}),
-                PlotPanel(keys=["loss/clip_fraction", "rollout/groups_without_spread"],
-                          ylabel="fraction", ylim=(-0.02, 1.02),
-                          labels={"loss/clip_fraction": "clip fraction (tokens)",
-                                  "rollout/groups_without_spread":
-                                      "groups without reward spread (no signal)"}),
-                PlotPanel(keys=["rollout/dropped_groups"], ylabel="groups",
-                          labels={"rollout/dropped_groups": "groups dropped (dynamic sampling)"}),
-                PlotPanel(
-                    keys=["time/step", "time/generator_idle", "time/trainer_idle"],
-                    ylabel="seconds per step",
-                    labels={"time/step": "step (wall)", "time/generator_idle": "generator idle",
-                            "time/trainer_idle": "trainer idle"},
-                ),
-                *([PlotPanel(
-                    keys=["episode/turns_mean", "episode/turns_max"],
-                    ylabel="turns",
-                    labels={"episode/turns_mean": "turns per episode (mean)",
-                            "episode/turns_max": "turns per episode (max)"},
-                )] if self.runner.multi_turn else []),
-                *([PlotPanel(
-                    keys=[f"eval/{s.name}/{name}" for s in self.eval_sets for name in s.metrics],
-                    ylabel="evaluation sets", ylim=(-0.02, 1.02),
-                    labels={f"eval/{s.name}/{name}": f"{s.name} {name}"
-                            for s in self.eval_sets for name in s.metrics},
-                )] if self.eval_sets else []),
-                *([PlotPanel(  # PPO: how much of the returns the critic explains
-                    keys=["critic/explained_variance", "critic/loss"],
-                    ylabel="explained variance / value loss",
-                    labels={"critic/explained_variance": "critic explained variance",
-                            "critic/loss": "critic value loss"},
-                )] if self.critic is not None else []),
-                PlotPanel(keys=["throughput/samples_per_s"], ylabel="samples/s",
-                          labels={"throughput/samples_per_s": "samples trained per second"}),
-                PlotPanel(  # each replica's sampling rate
-                    keys=[f"generator/{n}/tokens_per_s" for n in replicas],
-                    ylabel="sampled tokens/s",
-                    labels={f"generator/{n}/tokens_per_s": n for n in replicas},
-                ),
-                PlotPanel(  # ... and the time it had nothing to run, or held requests
-                    keys=[f"generator/{n}/{k}" for n in replicas
-                          for k in ("idle_seconds", "paused_seconds")],
-                    ylabel="seconds per step",
-                    labels={f"generator/{n}/{k}": f"{n} {what}" for n in replicas
-                            for k, what in (("idle_seconds", "idle"),
-                                            ("paused_seconds", "paused for updates"))},
-                ),
-                PlotPanel(
-                    keys=["rollout/policy_age_mean", "rollout/policy_age_max",
-                          "rollout/dropped_samples"],
-                    ylabel="policy versions / samples",
-                    labels={"rollout/policy_age_mean": "sample policy age (mean)",
-                            "rollout/policy_age_max": "sample policy age (max)",
-                            "rollout/dropped_samples": "dropped samples (stale)"},
-                ),
-            ],
-            "title": f"{ALGORITHM_NAMES[self.config.algorithm.advantage]} ({self.loop.mode}, "
-                     f"max_policy_age {self.loop.max_policy_age})",
-        }
-
-    def on_finish(self, completed: bool) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        evals = self.metrics.series("eval/accuracy")
-        if not completed or not evals:
-            return
-        (first_step, before), (last_step, after) = evals[0], evals[-1]
-        # "warm-start": a checkpoint an SFT run wrote (it records its config beside it).
-        warm = (Path(self.config.model.hf_path) / RUN_CONFIG_FILE).is_file()
-        start = f"step {first_step}" if first_step or not warm else "warm-start"
-        how = "greedy" if self.config.eval.greedy else "sampled"
-        print(
-            f"held-out accuracy ({len(self.eval_rows)} prompts, {how}): {start} "
-            f"{before:.1%} | after {ALGORITHM_NAMES[self.config.algorithm.advantage]} "
-            f"(step {last_step}) {after:.1%} | "
-            f"{100 * (after - before):+.1f} points"
-        )
-        failed = {name: n for name, n in self.rubric.error_counts.items() if n}
-        if failed:
-            print("reward calls that failed and scored reward.on_error: " + ", ".join(
-                f"{name} {n}" for name, n in failed.items()) + " (reward/errors/<name> per step)")
-        log_dir = self.metrics.log_dir
-        if self.metrics.config.plot:
-            print(f"plot: {log_dir / self.metrics.config.plot}")
-        if self.metrics.config.tensorboard:
-            print(f"tensorboard --logdir {log_dir / 'tensorboard'}")
-        print(self.outputs_line())
-
-    def outputs_line(self) -> str:
-        """The run's last console line: where everything was written."""
-        out = Path(self.config.output_dir)
-        parts = [f"run config {out / RUN_CONFIG_FILE}",
-                 f"metrics {self.metrics.jsonl_path}"]
-        if self.config.trainer.get("checkpoint", {}).get("enable"):
-            parts.append(f"checkpoints {self.checkpoint_folder()}")
-        if self.config.export.enable and not self.config.trainer.get("lora"):
-            parts.append(f"HF checkpoints {out / 'hf'}")
-        return f"written to {out}: " + ", ".join(parts)
+        return {**held_out, **as_logged(sets)}
 
 
-def _warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
-    """A warm-start written by apps.sft records its config; GRPO on another task (more
-    digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
-    record = Path(config.model.hf_path) / RUN_CONFIG_FILE
-    try:
-        warm_task = load_run_record(record).get("task") if record.is_file() else None
-    except ValueError:  # an unreadable record: this warning is best effort
-        return
-    if warm_task is None:
-        return
-    try:
-        warm_task = resolved_task(warm_task)
-    except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
-        return
-    # The warm-start is single-turn: GRPO may add an environment and its limits.
-    changes = config_changes(warm_task, resolved_task(config.task),
-                             may_change=("num_eval", "partial_credit", *EPISODE_FIELDS))
-    if changes:
-        print(
-            f"warning: task differs from the task model.hf_path={config.model.hf_path} was "
-            f"trained on ({'; '.join('task.' + c for c in changes)})",
-            file=sys.stderr,
-        )
-
-
-def main(argv: list[str] | None = None,
-         inputs: RunInputs | FinishedRun | None = None) -> None:
+def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None = None, *,
+         module: str = "apps.grpo.main", description: str = __doc__.splitlines()[0]) -> None:
     """The command line: ``--config PATH [key=value ...]`` (``argv``, default ``sys.argv``);
-    ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done."""
-    from apps.grpo.config import grpo_help
+    ``inputs``: :func:`apps.grpo.prepare.check_run` of that command line, if already done;
+    ``module``: the app's module, which ``--help`` and the resume command name
+    (``apps.ppo.main`` runs this app too), ``description``: its ``--help`` line."""
 
-    path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=grpo_help,
-                                prog="python -m apps.grpo.main")
+    path, overrides = parse_cli(argv, description, reference=grpo_help,
+                                prog=f"python -m {module}")
     if isinstance(inputs, FinishedRun):  # found before the imports: nothing to train
         print(inputs.message())
         return
     try:
-        app = GRPOApp(load_config(path, overrides), inputs)
+        app = RLApp(load_config(path, overrides), inputs)
     except (ValueError, FileNotFoundError) as e:  # bad config: the message says the fix
         sys.exit(f"config error: {e}")
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
@@ -1126,7 +306,7 @@ def main(argv: list[str] | None = None,
               "resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)
     except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
-        sys.exit(failure_message(failure, app.config, argv))
+        sys.exit(failure_message(failure, app.config, argv, module))
     except PlacementError as error:  # the hosts did not start: the message says the fix
         sys.exit(f"error: {error}")
     except RewardFailure as failure:  # every call of a batch failed: count and traceback
@@ -1138,25 +318,6 @@ def main(argv: list[str] | None = None,
         # A full disk, a read-only folder, a quota: the line names what, where, the space
         # and the last complete checkpoint.
         sys.exit(f"error: {write_error}")
-
-
-def failure_message(failure: Exception, config: GRPOConfig, argv: list[str] | None) -> str:
-    """What the console shows when a role's process or host died: what died and its likely
-    cause, that everything else was stopped, the last checkpoint and the command that
-    resumes from it."""
-    step = resume_step_of(config)
-    if step:
-        from forge_ext.engine import engine_config_from_mapping
-
-        engine = engine_config_from_mapping(config.trainer)
-        folder = Path(engine.dump_folder) / engine.checkpoint.folder / f"step-{step}"
-        last = f"last checkpoint: step {step} ({folder})"
-    else:
-        last = "no checkpoint yet: a rerun starts over"
-    command = shlex.join([os.path.basename(sys.executable), "-m", "apps.grpo.main",
-                          *(sys.argv[1:] if argv is None else argv)])
-    return (f"error: {failure}.\nEvery other process of the run was stopped; {last}.\n"
-            f"resume with: {command}")
 
 
 if __name__ == "__main__":

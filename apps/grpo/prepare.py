@@ -6,7 +6,7 @@ prompt's ids, the evaluation sets and where an episode must fit (issue 38).
 a rerun of a finished run says so and exits, a rerun with another config is refused, a bad
 data file, column, reward module or a prompt longer than ``trainer.training.seq_len`` is a
 ``config error`` in seconds; the app then takes the :class:`RunInputs` as they are
-(:class:`apps.grpo.main.GRPOApp`).
+(:class:`apps.grpo.main.RLApp`).
 
 Light imports only: the task sources, the rubric, the tokenizer wrapper, the checkpoint
 folders' scan. The resume and data checks come first (a missing column or reward module in
@@ -24,14 +24,16 @@ from typing import Any
 
 from apps.grpo.config import GRPOConfig, check_config
 from forge_ext.actors.critic_config import critic_sections
-from forge_ext.config import RUN_CONFIG_FILE, load_run_record, record_run_config
+from forge_ext.config import (
+    RUN_CONFIG_FILE, config_changes, load_run_record, record_run_config,
+)
 from forge_ext.engine.checkpoint_files import complete_checkpoint_steps
 from forge_ext.engine.schema import checkpoint_config, engine_view
 from forge_ext.evaluation import build_sets, close_sets
 from forge_ext.evaluation.sets import EvalSet, check_context, check_reward_models
 from forge_ext.rollout import EpisodeRunner
 from forge_ext.tasks import (
-    PromptRenderer, Row, Rubric, Task, build_task, episode_config, resolved_task,
+    EPISODE_FIELDS, PromptRenderer, Row, Rubric, Task, build_task, episode_config, resolved_task,
 )
 from forge_ext.tasks.prompts import render_splits
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
@@ -167,6 +169,8 @@ class FinishedRun:
 
     config: GRPOConfig
     step: int
+    finished = True
+    """Nothing to do (:func:`apps.fast_help.check_command_line` prints :meth:`message`)."""
 
     def message(self) -> str:
         """The one line the app prints: the run is finished, and what to do instead."""
@@ -266,3 +270,28 @@ def check_run(path: str, overrides: list[str]) -> RunInputs | FinishedRun:
     if step >= config.loop.steps > 0:
         return FinishedRun(config, step)
     return prepare(config)
+
+
+def warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
+    """A warm-start written by apps.sft records its config; GRPO on another task (more
+    digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
+    record = Path(config.model.hf_path) / RUN_CONFIG_FILE
+    try:
+        warm_task = load_run_record(record).get("task") if record.is_file() else None
+    except ValueError:  # an unreadable record: this warning is best effort
+        return
+    if warm_task is None:
+        return
+    try:
+        warm_task = resolved_task(warm_task)
+    except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
+        return
+    # The warm-start is single-turn: GRPO may add an environment and its limits.
+    changes = config_changes(warm_task, resolved_task(config.task),
+                             may_change=("num_eval", "partial_credit", *EPISODE_FIELDS))
+    if changes:
+        print(
+            f"warning: task differs from the task model.hf_path={config.model.hf_path} was "
+            f"trained on ({'; '.join('task.' + c for c in changes)})",
+            file=sys.stderr,
+        )

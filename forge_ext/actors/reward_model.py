@@ -27,6 +27,7 @@ the step's scores of this model, never the run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -144,6 +145,13 @@ class RewardModel:
 
     async def stop(self) -> None:
         await self.trainer.stop()
+
+
+def reward_model_role(name: str) -> str:
+    """The proc mesh and actor name of reward model ``name`` (Monarch's failure reports
+    name it): ``reward_model.<name>``, each character other than a word character, ``.``
+    and ``-`` replaced by ``_``."""
+    return "reward_model." + re.sub(r"[^\w.-]", "_", name)
 
 
 async def spawn_reward_model(

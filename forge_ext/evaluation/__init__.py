@@ -12,11 +12,11 @@ maj@k and greedy accuracy, for the GRPO app's periodic evaluation and for ``apps
 from forge_ext.evaluation.metrics import maj_at_k, mean_at_k, parse_metric, pass_at_k
 from forge_ext.evaluation.sets import (
     EvalConfig, EvalSet, EvalSetConfig, SetResult, as_logged, build_sets, check_sets,
-    close_sets, default_set, evaluate_sets, overall,
+    close_sets, default_set, evaluate_held_out, evaluate_sets, overall,
 )
 
 __all__ = [
     "EvalConfig", "EvalSet", "EvalSetConfig", "SetResult", "as_logged", "build_sets",
-    "check_sets", "close_sets", "default_set", "evaluate_sets", "maj_at_k", "mean_at_k",
-    "overall", "parse_metric", "pass_at_k",
+    "check_sets", "close_sets", "default_set", "evaluate_held_out", "evaluate_sets",
+    "maj_at_k", "mean_at_k", "overall", "parse_metric", "pass_at_k",
 ]

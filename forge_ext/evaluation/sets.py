@@ -25,7 +25,9 @@ from forge_ext.evaluation.metrics import (
     final_answer, maj_at_k, mean_at_k, parse_metric, pass_at_k,
 )
 from forge_ext.rollout.engines import SamplingConfig, derive_seed
+from forge_ext.rollout.episodes import EpisodeBatch
 from forge_ext.tasks import PromptConfig, RewardConfig
+from forge_ext.tasks.rubric import failures_of
 
 
 RESERVED_NAMES = ("accuracy", "reward", "num_prompts", "episode", "rollout", "agent")
@@ -403,3 +405,35 @@ def overall(results: list[SetResult]) -> dict[str, float]:
 def as_logged(results: list[SetResult], prefix: str = "eval") -> dict[str, float]:
     """``{"<prefix>/<set>/<metric>": value}`` for metric logging."""
     return {f"{prefix}/{r.name}/{m}": v for r in results for m, v in r.metrics.items()}
+
+
+async def evaluate_held_out(runner: Any, rows: list[Any], sample: Any, *, batch_size: int,
+                            greedy: bool, seed: int, version: int,
+                            step: int) -> dict[str, float]:
+    """An RL run's held-out evaluation at ``step``: one episode of each of ``rows`` through
+    ``runner`` (:class:`forge_ext.rollout.EpisodeRunner`) and ``sample``, ``batch_size`` rows
+    at a time, greedy or sampled with ``seed``, by the policy of ``version``.
+
+    Returns:
+        ``eval/accuracy`` (the rate at which the rubric's accuracy function scores 1),
+        ``eval/reward`` (the mean reward), ``eval/num_prompts``, and the episodes' metrics
+        (``eval/episode/...``, ``eval/reward/<function>``, ...).
+
+    Raises:
+        RewardFailure: every call of a batch failed (:func:`forge_ext.tasks.rubric
+            .failures_of`, naming the step).
+    """
+    batches = []
+    for lo in range(0, len(rows), batch_size):
+        with failures_of(f"the held-out evaluation at step {step}"):
+            batches.append(await runner.run(rows[lo : lo + batch_size], 1, sample,
+                                            greedy=greedy, seed=None if greedy else seed,
+                                            version=version))
+    batch = EpisodeBatch.concat(batches)
+    n = len(batch.rewards)
+    return {
+        "eval/accuracy": sum(batch.scores.correct) / n,
+        "eval/reward": sum(batch.rewards) / n,
+        "eval/num_prompts": n,
+        **{"eval/" + k: v for k, v in batch.metrics().items()},
+    }

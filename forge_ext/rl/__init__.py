@@ -6,5 +6,7 @@
 - :mod:`~forge_ext.rl.episode`: an episode as tensors and its packing into the engine's batch;
 - :mod:`~forge_ext.rl.rollouts`: a step's scored batches as the episodes it trains on;
 - :mod:`~forge_ext.rl.replay_buffer`: episodes by policy version, stale ones dropped;
-- :mod:`~forge_ext.rl.loop`: the RL loop template (sync and async) with its staleness gate.
+- :mod:`~forge_ext.rl.loop`: the RL loop template (sync and async) with its staleness gate;
+- :mod:`~forge_ext.rl.sampling`: DAPO's dynamic sampling and overlong reward shaping;
+- :mod:`~forge_ext.rl.report`: the step line, the plot's panels and the closing line.
 """

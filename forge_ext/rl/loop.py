@@ -73,6 +73,7 @@ call was seen to be swallowed, and the run went on.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -230,9 +231,9 @@ class RLLoop(ABC):
         return None
 
     # ---- helpers for hooks -------------------------------------------------------------
-    def track(self, name: str, stop: Callable[[], Awaitable[Any]]) -> None:
-        """Register ``stop`` (e.g. ``handle.stop``) to be awaited at teardown, in reverse
-        order of registration."""
+    def track(self, name: str, stop: Callable[[], Awaitable[Any] | Any]) -> None:
+        """Register ``stop`` (e.g. ``handle.stop``) to be called at teardown, in reverse
+        order of registration, and awaited if it returns an awaitable."""
         self._stop.append((name, stop))
 
     @property
@@ -514,7 +515,9 @@ class RLLoop(ABC):
         while self._stop:
             name, stop = self._stop.pop()
             try:
-                await stop()
+                stopped = stop()
+                if inspect.isawaitable(stopped):
+                    await stopped
             except BaseException:  # noqa: BLE001 - stop the rest regardless
                 logger.exception("stopping %s failed", name)
 

@@ -5,9 +5,10 @@ The app rolls out task rows (:class:`forge_ext.rollout.episodes.EpisodeRunner`),
 or several under dynamic sampling (DAPO, arXiv:2503.14476, section 3.2), and picks the groups
 the step trains on; :meth:`Rollouts.of` then makes the step's data, in order:
 
-1. the chosen groups' trajectories and their shaped rewards (:func:`shaped_rewards`: DAPO's
-   soft overlong punishment, ``reward.overlong``), then the filler groups' (too few groups
-   with spread: they keep the step's batch shape and carry no loss);
+1. the chosen groups' trajectories and their shaped rewards
+   (:func:`forge_ext.rl.sampling.shaped_rewards`: DAPO's soft overlong punishment,
+   ``reward.overlong``), then the filler groups' (too few groups with spread: they keep the
+   step's batch shape and carry no loss);
 2. the chosen groups' per-episode advantages (``algorithm.advantage``: ``grpo``, ``rloo``;
    ``gae``'s are per token, from the critic at train time);
 3. the episodes, their token data as tensors (:func:`episodes_from_trajectories`).
@@ -26,6 +27,7 @@ import torch
 
 from forge_ext.rl.advantages import AdvantageEstimator, groups_with_spread
 from forge_ext.rl.episode import Episode
+from forge_ext.rl.sampling import shaped_rewards
 from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
 from forge_ext.tasks.rubric import OverlongConfig
@@ -87,15 +89,6 @@ class Rollouts:
             batch=batch, generator_version=min(ep.policy_version for ep in episodes),
             seconds={}, stats=stats,
         )
-
-
-def shaped_rewards(batch: EpisodeBatch, overlong: OverlongConfig) -> list[float]:
-    """Per episode of ``batch``: the rubric's reward plus ``overlong``'s length penalty
-    (DAPO's soft overlong punishment, :meth:`~forge_ext.tasks.rubric.OverlongConfig.penalty`;
-    0 when not enabled). What the step trains on; the logged ``reward/mean`` stays the
-    rubric's, comparable across variants."""
-    return [r + overlong.penalty(len(t.response_ids))
-            for r, t in zip(batch.rewards, batch.trajectories)]
 
 
 def episodes_from_trajectories(

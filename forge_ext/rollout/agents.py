@@ -47,11 +47,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import secrets
 import socket
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request  # at module level: the routes' annotations are resolved here
@@ -521,3 +523,19 @@ def _jsonable(value: Any) -> Any:
         return value
     except (TypeError, ValueError):
         return json.loads(json.dumps(value, default=str))
+
+
+TOOL_PARSERS = {"qwen3": "hermes", "qwen2": "hermes", "llama3": "llama3_json"}
+"""vLLM's tool parser of each model family's tool-call format (``task.agent_tool_parser:
+auto``); a family not listed: none (tool calls stay in ``content``)."""
+
+
+def write_address(endpoint: AgentEndpoint, path: str | os.PathLike) -> None:
+    """``{"base_url": ..., "api_key": ...}`` of ``endpoint`` to ``path`` (JSON, readable by
+    this user only, replaced atomically), for the agents that run outside the run."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(path.name + ".tmp")
+    with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump({"base_url": endpoint.base_url, "api_key": endpoint.key}, f)
+    staged.replace(path)

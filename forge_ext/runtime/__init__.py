@@ -4,6 +4,7 @@
 - :mod:`~forge_ext.runtime.placement`: the host meshes and proc meshes per role it names;
 - :mod:`~forge_ext.runtime.reaper`: the watchdog that kills helper processes their owner
   leaves behind;
+- :mod:`~forge_ext.runtime.roles`: a run's roles as a declarative list, spawned, timed, stopped;
 - :mod:`~forge_ext.runtime.supervision`: a dead process or host as one error;
 - :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;
 - :mod:`~forge_ext.runtime.run_logs`: Monarch's log and each role's log in ``output_dir``;
