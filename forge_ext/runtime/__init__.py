@@ -9,5 +9,6 @@
 - :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;
 - :mod:`~forge_ext.runtime.run_logs`: Monarch's log and each role's log in ``output_dir``;
 - :mod:`~forge_ext.runtime.metrics`: TensorBoard, ``metrics.jsonl`` and the plot;
-- :mod:`~forge_ext.runtime.disk`: writes that fail (a full disk) as one line.
+- :mod:`~forge_ext.runtime.disk`: writes that fail (a full disk) as one line;
+- :mod:`~forge_ext.runtime.clock`: busy and idle seconds of a role (the loop's, an engine's).
 """
