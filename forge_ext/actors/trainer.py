@@ -32,7 +32,8 @@ from forge_ext.rl.losses.grpo import token_logprobs
 from forge_ext.rl.losses.registry import build_loss
 from forge_ext.rl.losses.value import value_predictions
 from forge_ext.runtime.run_logs import log_role, startup_phases
-from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.publish import WeightsPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from forge_ext.rollout.engines import (
     as_stop_ids,
 )
 from forge_ext.runtime.run_logs import log_role, startup_phases
-from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
+from forge_ext.weights.config import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
 SHUTDOWN_SECONDS = 60.0
