@@ -434,7 +434,7 @@ async def test_direct_chunks_tile_the_stream_and_go_as_bytes_over_rpc(store, tmp
     count = len(await (await ts.client()).keys(f"{prefix}.v0.r0"))
     chunks = [await ts.get(weights_store.chunk_key(prefix, 0, 0, i)) for i in range(count)]
     # Over Monarch RPC (no RDMA here) each chunk is an immutable bytes object: Monarch sends
-    # it without the copies a tensor's storage takes (see weights.publish._pack_chunk).
+    # it without the copies a tensor's storage takes (see weights.transports.direct.pack_chunk).
     assert all(isinstance(chunk, bytes) for chunk in chunks)
     assert all(len(chunk) == record["chunk_bytes"] for chunk in chunks[:-1])
     # The chunks concatenate to the stream: each tensor's bytes at its recorded offset.

@@ -49,7 +49,7 @@ class RLTrainer(Actor):
         trainer: the YAML ``trainer:`` mapping (see :mod:`forge_ext.engine.config`).
         loss: ``{"name": <registered loss>, **kwargs}`` (see
             :func:`forge_ext.rl.losses.registry.build_loss`); default token-level cross entropy.
-        weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.publish.WeightsConfig`)
+        weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.config.WeightsConfig`)
             for :meth:`push_weights`; torchstore must be initialised by the controller.
     """
 
@@ -213,7 +213,7 @@ class RLTrainer(Actor):
         Raises:
             Under pipeline parallelism each stage publishes its own tensors, which needs
             ``weights.transport: dcp`` (checked by :func:`spawn_trainer` before spawning).
-            forge_ext.weights.publish.WeightsPublishError: the push failed on some rank; the
+            forge_ext.weights.errors.WeightsPublishError: the push failed on some rank; the
                 version stays absent and earlier ones are untouched.
         """
         if self.publisher is None:

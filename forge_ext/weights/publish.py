@@ -476,8 +476,9 @@ class WeightsPublisher:
     async def _retire(self, old: _Published) -> None:
         """Rank 0: delete what this publisher created for ``old``: the commit record first
         (readers then see the version as missing, never a partial dict), then its data keys,
-        then the transport frees the rest (its DCP folder, its same-host slot). Never raises but for an interruption (deletion is best effort; what is
-        already gone is skipped, so it may run again)."""
+        then the transport frees the rest (its DCP folder, its same-host slot). Never raises
+        but for an interruption (deletion is best effort; what is already gone is skipped, so
+        it may run again)."""
         await self._delete_keys(old.keys[:1])
         await self._delete_keys(old.keys[1:])
         self._transport.release(old.version)

@@ -3,7 +3,7 @@
 Two users:
 
 - the trainer's publisher writes each policy version into one of a few reused slot files
-  (:mod:`forge_ext.weights.same_host`) that generators on the same host read;
+  (:mod:`forge_ext.weights.transports.slots`) that generators on the same host read;
 - a generator that fetched a version over torchstore (a trainer on another host) puts it in a
   :class:`SharedTensorBuffer` and hands its :meth:`~SharedTensorBuffer.handle` (a small dict
   of plain values) to the vLLM workers it started.
@@ -103,7 +103,7 @@ class MappedFile:
         path: the file.
         fd: descriptor opened read-write; -1 once closed (a cached mapping is closed when
             its file is unlinked or mapped again). Readers' ``flock`` leases never use it:
-            they open their own (:func:`forge_ext.weights.same_host.lease`).
+            they open their own (:func:`forge_ext.weights.transports.slots.lease`).
         bytes: ``uint8`` tensor over the whole mapping (``[size]``).
         inode: ``(st_dev, st_ino)`` of the file when it was mapped.
     """
@@ -281,7 +281,7 @@ def shared_handle(path: str, size: int, entries) -> dict[str, Any]:
 
 def open_shared_tensors(handle: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Map a :meth:`SharedTensorBuffer.handle` (or a policy version's slot handle,
-    :mod:`forge_ext.weights.same_host`) on the reader's side.
+    :mod:`forge_ext.weights.transports.slots`) on the reader's side.
 
     Returns:
         ``{name: tensor}``, views of the shared file (CPU, read them, do not write). Pages are

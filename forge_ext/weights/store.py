@@ -43,8 +43,8 @@ def chunk_key(key_prefix: str, version: int, rank: int, index: int) -> str:
 
 def missing_key(error: BaseException) -> bool:
     """Whether a torchstore ``get`` or ``delete`` failed because the key is not there:
-    torchstore raises KeyError for a key its controller does not index; a key deleted between the controller's
-    lookup and the storage volume's read (a version retired while a reader fetches it) comes
+    torchstore raises KeyError for a key its controller does not index; a key deleted between
+    the controller's lookup and the storage volume's read (a version retired while a reader fetches it) comes
     back as Monarch's ``ActorError`` wrapping the volume's KeyError."""
     return isinstance(error, KeyError) or isinstance(getattr(error, "exception", None), KeyError)
 

@@ -451,7 +451,7 @@ class VLLMEngine(Engine):
             state_dict: the tensors. Those that are already the buffer's (from
                 :meth:`allocate`) are not copied again.
             shared_handle: the handle of a shared-memory file on this host that holds
-                ``state_dict`` (``forge_ext.weights.fetch.OpenedWeights.shared_handle``): the
+                ``state_dict`` (``forge_ext.weights.transports.base.OpenedWeights.shared_handle``): the
                 workers load from it, nothing is copied here. The caller keeps the file
                 leased until this returns.
 

@@ -148,7 +148,8 @@ class SameHostTransport(Transport):
         if key not in self._records:
             self._records[key] = SameHostRecord(
                 version=version, names=list(tensors),
-                tensors={name: {"dtype": d, "shape": shape} for name, (d, shape) in tensors.items()},
+                tensors={name: {"dtype": dtype, "shape": shape}
+                         for name, (dtype, shape) in tensors.items()},
                 segment=slots.slot_record(self._slot, self._layout[1]),
             )
         return dataclasses.replace(self._records[key], version=version)
@@ -278,4 +279,5 @@ def _copy_into(destinations: list[torch.Tensor], sources: list[torch.Tensor]) ->
 
 def _digest(tensors: Tensors) -> str:
     """A fingerprint of the published names, dtypes and shapes, in order (the slot layout)."""
-    return hashlib.sha256(repr([(n, str(d), s) for n, (d, s) in tensors.items()]).encode()).hexdigest()
+    names = repr([(name, str(dtype), shape) for name, (dtype, shape) in tensors.items()])
+    return hashlib.sha256(names.encode()).hexdigest()
