@@ -18,7 +18,6 @@ import torch
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
 from forge_ext.weights import fetch as weights_fetch
-from forge_ext.weights import publish as weights_publish
 from forge_ext.weights.errors import (
     WeightsFetchError, WeightsPublishError, WeightsVersionNotFoundError,
 )

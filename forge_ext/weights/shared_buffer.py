@@ -23,8 +23,8 @@ reused files exist to avoid. A cached mapping of a file that was since unlinked 
 the next :func:`map_file` call (its memory is freed once no tensor views it).
 
 Lifetime: the writer owns each file and unlinks it when it closes (also at interpreter exit).
-File names: :func:`forge_ext.weights.shm_files.new_name`; :func:`remove_orphans` deletes
-files of dead writers.
+File names: :func:`forge_ext.weights.shm_files.new_name`;
+:func:`~forge_ext.weights.shm_files.remove_orphans` deletes files of dead writers.
 """
 
 from __future__ import annotations
@@ -40,17 +40,15 @@ from typing import Any
 import torch
 
 from forge_ext.weights.shm_files import (
-    PREFIX,
     SHM_DIR,
     check_free_space,
     check_tag,
     new_name,
-    remove_orphans,
 )
 
 __all__ = [
-    "ALIGN", "PREFIX", "SHM_DIR", "MappedFile", "SharedTensorBuffer", "create_file", "layout",
-    "forget", "map_file", "open_shared_tensors", "remove_orphans", "shared_handle", "views_of",
+    "ALIGN", "MappedFile", "SharedTensorBuffer", "create_file", "layout", "forget", "map_file",
+    "open_shared_tensors", "shared_handle", "views_of",
 ]
 
 # Every tensor starts at a multiple of this many bytes, so any slice can be viewed as its dtype.

@@ -48,8 +48,8 @@ from forge_ext.rollout.engines.base import (
     derive_seed,
     make_completion,
 )
-from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
-from forge_ext.weights.shm_files import new_name
+from forge_ext.weights.shared_buffer import SharedTensorBuffer
+from forge_ext.weights.shm_files import PREFIX, SHM_DIR, new_name
 
 WORKER_EXTENSION = "forge_ext.rollout.engines.vllm_worker.WeightSyncExtension"
 

@@ -88,15 +88,25 @@ class CommitRecord(ABC):
     """
 
     transport: ClassVar[str]
+    # The stored key of a transport's own field where it is not the field's name.
+    stored_as: ClassVar[Mapping[str, str]] = {}
     version: int
     names: list[str]
     metadata: dict[str, Any] | None = None
+
+    @classmethod
+    def _own_fields(cls) -> dict[str, str]:
+        """``{field name: stored key}`` of the transport's own fields."""
+        common = {field.name for field in dataclasses.fields(CommitRecord)}
+        return {field.name: cls.stored_as.get(field.name, field.name)
+                for field in dataclasses.fields(cls) if field.name not in common}
 
     def to_stored(self) -> dict[str, Any]:
         """The record as torchstore holds it (``format``, ``version``, ``transport``,
         ``names``, the transport's fields, and the metadata under ``version_metadata``)."""
         stored = {"format": FORMAT, "version": self.version, "transport": self.transport,
-                  "names": list(self.names), **self._stored_fields()}
+                  "names": list(self.names)}
+        stored.update({key: getattr(self, name) for name, key in self._own_fields().items()})
         if self.metadata is not None:
             stored[METADATA_KEY] = dict(self.metadata)
         return stored
@@ -104,20 +114,12 @@ class CommitRecord(ABC):
     @classmethod
     def from_stored(cls, stored: Mapping[str, Any]) -> CommitRecord:
         """The typed record of :meth:`to_stored`'s output."""
+        own = {name: stored[key] for name, key in cls._own_fields().items()}
         return cls(version=stored["version"], names=list(stored["names"]),
-                   metadata=stored.get(METADATA_KEY), **cls._typed_fields(stored))
+                   metadata=stored.get(METADATA_KEY), **own)
 
     def with_metadata(self, metadata: Mapping[str, Any] | None) -> CommitRecord:
         return self if metadata is None else dataclasses.replace(self, metadata=dict(metadata))
-
-    @abstractmethod
-    def _stored_fields(self) -> dict[str, Any]:
-        """The transport's own fields, as stored."""
-
-    @classmethod
-    @abstractmethod
-    def _typed_fields(cls, stored: Mapping[str, Any]) -> dict[str, Any]:
-        """The transport's own fields, read back from :meth:`_stored_fields`' output."""
 
     @abstractmethod
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:

@@ -46,15 +46,9 @@ class DcpRecord(CommitRecord):
     ``checkpoint_id`` and ``metadata``)."""
 
     transport = "dcp"
+    stored_as = {"dcp_metadata": "metadata"}
     checkpoint_id: str
     dcp_metadata: Any  # torch.distributed.checkpoint.metadata.Metadata
-
-    def _stored_fields(self) -> dict[str, Any]:
-        return {"checkpoint_id": self.checkpoint_id, "metadata": self.dcp_metadata}
-
-    @classmethod
-    def _typed_fields(cls, stored: Mapping[str, Any]) -> dict[str, Any]:
-        return {"checkpoint_id": stored["checkpoint_id"], "dcp_metadata": stored["metadata"]}
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         meta = self.dcp_metadata.state_dict_metadata[name]

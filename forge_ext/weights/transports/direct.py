@@ -61,13 +61,6 @@ class DirectRecord(CommitRecord):
     chunk_bytes: int
     tensors: dict[str, dict[str, Any]]
 
-    def _stored_fields(self) -> dict[str, Any]:
-        return {"chunk_bytes": self.chunk_bytes, "tensors": self.tensors}
-
-    @classmethod
-    def _typed_fields(cls, stored: Mapping[str, Any]) -> dict[str, Any]:
-        return {"chunk_bytes": stored["chunk_bytes"], "tensors": stored["tensors"]}
-
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         meta = self.tensors[name]
         return tuple(meta["shape"]), meta["dtype"]

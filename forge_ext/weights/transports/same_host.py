@@ -44,13 +44,6 @@ class SameHostRecord(CommitRecord):
     tensors: dict[str, dict[str, Any]]
     segment: dict[str, Any]
 
-    def _stored_fields(self) -> dict[str, Any]:
-        return {"tensors": self.tensors, "segment": self.segment}
-
-    @classmethod
-    def _typed_fields(cls, stored: Mapping[str, Any]) -> dict[str, Any]:
-        return {"tensors": stored["tensors"], "segment": stored["segment"]}
-
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         meta = self.tensors[name]
         return tuple(meta["shape"]), meta["dtype"]
