@@ -129,7 +129,7 @@ def _maxrss_bytes() -> int:
 def _config():
     from transformers import Qwen3Config
 
-    from forge_ext.weights.convert import ModelConfig
+    from forge_ext.weights.model_config import ModelConfig
 
     return ModelConfig.from_hf(Qwen3Config(**QWEN3_0_6B))
 

@@ -170,7 +170,8 @@ async def update_latencies(hiddens: list[int], reps: int) -> list[str]:
 
 async def update_latency(hidden: int, reps: int) -> str:
     from forge_ext.weights.fetch import open_weights
-    from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+    from forge_ext.weights.config import WeightsConfig
+    from forge_ext.weights.publish import WeightsPublisher
 
     prefix = f"bench_h{hidden}"
     with tempfile.TemporaryDirectory() as root:

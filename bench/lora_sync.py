@@ -88,7 +88,8 @@ async def run(args) -> list[str]:
     from forge_ext.rollout.engines import SamplingConfig
     from forge_ext.rollout.engines.vllm import VLLMEngine
     from forge_ext.weights.fetch import open_weights
-    from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+    from forge_ext.weights.config import WeightsConfig
+    from forge_ext.weights.publish import WeightsPublisher
 
     fields = {**QWEN3_0_6B, "num_hidden_layers": args.layers}
     targets = check_targets(args.targets, field="--targets")

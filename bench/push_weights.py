@@ -67,6 +67,8 @@ from torchstore.transport.buffers import rdma_available
 from forge_ext.compat import torchstore_rdma
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import publish as weights_publish
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.transports.direct import MAX_INFLIGHT_PUTS
 from forge_ext.weights.fetch import fetch_weights
 
 LAYERS, VOCAB, HEAD_DIM = 28, 32000, 128
@@ -173,7 +175,7 @@ class Bench:
     def _publisher(
         self, transport: str, prefix: str, same_host: str = "off"
     ) -> weights_publish.WeightsPublisher:
-        config = weights_publish.WeightsConfig(
+        config = WeightsConfig(
             transport=transport,
             dcp_path=os.path.join(self.dcp_dir, prefix),
             key_prefix=prefix,
@@ -277,7 +279,7 @@ async def measure(
     by up to 2x from one minute to the next (measured 3.6 to 7.6 GB/s)."""
     timers: dict[str, list[Timer]] = {m: [] for m in methods}
     paired: dict[str, list[Timer]] = {"same-host": []}
-    slots = weights_publish.WeightsConfig().keep_versions + 1
+    slots = WeightsConfig().keep_versions + 1
     for name, push in methods.items():
         async with bench.fresh_store(name):
             for rep in range(-(slots if name == "same-host" else 1), reps):
@@ -403,7 +405,7 @@ def main(args: argparse.Namespace) -> None:
         return
     print(
         f"torchstore transport: {'RDMA' if rdma_available() else 'Monarch RPC'}; "
-        f"direct chunk_mb={args.chunk_mb}, {weights_publish.MAX_INFLIGHT_PUTS} puts in flight; "
+        f"direct chunk_mb={args.chunk_mb}, {MAX_INFLIGHT_PUTS} puts in flight; "
         f"{args.reps} reps (median); {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}; each model size in a process of its own",
         flush=True,
@@ -445,7 +447,7 @@ def parse_args() -> argparse.Namespace:
         "1024: 2.0 GB, 1536: 4.4 GB)",
     )
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk-mb", type=int, default=weights_publish.WeightsConfig().chunk_mb)
+    parser.add_argument("--chunk-mb", type=int, default=WeightsConfig().chunk_mb)
     parser.add_argument("--dcp-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--no-fetch", action="store_true", help="skip the read-side table")
     parser.add_argument("--rows-to", default=None, help=argparse.SUPPRESS)  # child runs

@@ -91,7 +91,7 @@ def _class_field_docs(cls: type) -> dict[str, str]:
 
 def _attributes_section(cls: type) -> dict[str, str]:
     """``{name: text}`` of a Google-style ``Attributes:`` block in the class docstring (the
-    other place a field is documented, e.g. :class:`forge_ext.weights.publish.WeightsConfig`)."""
+    other place a field is documented, e.g. :class:`forge_ext.weights.config.WeightsConfig`)."""
     doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
     match = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)+)", doc, re.MULTILINE)
     if not match:

@@ -20,14 +20,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from forge_ext.weights.convert import (
-    ModelConfig,
     hf_to_vllm,
     iter_hf_to_vllm,
     iter_vllm_to_hf,
     merge_vllm_shards,
-    padded_vocab_size,
     vllm_to_hf,
 )
+from forge_ext.weights.model_config import ModelConfig, padded_vocab_size
 
 VOCAB = 100  # not a multiple of 64: vLLM pads it to 128
 HEADS = 8
@@ -551,7 +550,8 @@ def test_rank_holding_only_vocab_padding_gets_zero_rows():
     """Vocab 16 padded to 64 over TP=2: rank 1's 32 embedding rows are all padding."""
     from transformers import Qwen3Config
 
-    from forge_ext.weights.convert import ModelConfig, hf_to_vllm
+    from forge_ext.weights.convert import hf_to_vllm
+    from forge_ext.weights.model_config import ModelConfig
 
     hf = Qwen3Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=2, head_dim=16,

@@ -19,6 +19,9 @@ from forge_ext.engine.models import SMALL_FLAVORS, build_model_spec
 from forge_ext.rl.advantages import compute_group_advantages
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.errors import WeightsPublishError
+from forge_ext.weights.store import committed_versions
 
 
 # ---- 4. group advantages ------------------------------------------------------------------
@@ -78,7 +81,7 @@ async def test_a_failure_inside_the_transport_is_a_publish_error_and_leaves_noth
     # same_host=off: the chunk packing of direct over torchstore (the same-host transport's
     # own failures: tests/test_weights_publish.py, test_push_failing_half_way...).
     publisher = weights_publish.WeightsPublisher(
-        weights_publish.WeightsConfig(
+        WeightsConfig(
             transport=transport, dcp_path=str(dcp_path), key_prefix=prefix, chunk_mb=1,
             same_host="off",
         )
@@ -88,7 +91,7 @@ async def test_a_failure_inside_the_transport_is_a_publish_error_and_leaves_noth
     bad = state_dict(seed=2)
     name = "model.layers.0.self_attn.q_proj.weight"
     bad[name] = bad[name].as_subclass(FailsToSerialise)
-    with pytest.raises(weights_publish.WeightsPublishError, match="policy_version=2") as info:
+    with pytest.raises(WeightsPublishError, match="policy_version=2") as info:
         await publisher.publish(bad, 2)
     causes = []
     cause = info.value.__cause__
@@ -100,7 +103,7 @@ async def test_a_failure_inside_the_transport_is_a_publish_error_and_leaves_noth
     assert not (dcp_path / "2").exists()  # what was written is removed
     client = await ts.client()
     assert await client.keys(f"{prefix}.v2") == []
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert await committed_versions(key_prefix=prefix) == [1]
     got = await weights_fetch.fetch_weights(1, key_prefix=prefix)  # earlier version intact
     for key, value in state_dict(seed=1).items():
         assert torch.equal(got[key], value), key

@@ -35,8 +35,9 @@ from forge_ext.rollout.engines.vllm import check_vllm_checkpoint
 from forge_ext.rollout.generator import alive_processes, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.rollout.engines import SamplingConfig
-from forge_ext.weights import same_host
-from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+from forge_ext.weights.transports import slots
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.publish import WeightsPublisher
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -237,8 +238,8 @@ async def test_a_version_whose_slot_is_being_overwritten_is_refused_and_keeps_se
     v = next(_versions)
     await publisher.publish(random_state_dict(await trainer.get_hf_state_dict(), seed=v), v)
     served = await generator.get_policy_version()
-    (slot,) = [s for s in publisher._slots.slots if s.version == v]
-    same_host.write_stamp(slot.file, same_host.WRITING)  # as the next writer does
+    (slot,) = [s for s in publisher._transport._ring.slots if s.version == v]
+    slots.write_stamp(slot.file, slots.WRITING)  # as the next writer does
     with pytest.raises(Exception, match=f"WeightsVersionNotFoundError: policy_version={v} is "
                                         "not committed"):
         await generator.update_weights(v)  # the actor's error, in Monarch's ActorError

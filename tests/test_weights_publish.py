@@ -28,7 +28,13 @@ from forge_ext.compat import torchstore_rdma
 from forge_ext.compat.torchstore_monarch import initialize_store
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
-from forge_ext.weights import same_host, shm_files
+from forge_ext.weights import shm_files
+from forge_ext.weights import store as weights_store
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.errors import (
+    WeightsFetchError, WeightsPublishError, WeightsVersionNotFoundError,
+)
+from forge_ext.weights.transports import slots
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -160,7 +166,7 @@ class WeightsReader(Actor):
                     await asyncio.sleep(hold_s)
                     ok = all(torch.equal(weights.tensors[k], t) for k, t in want.items())
                 (held if ok else wrong).append(version)
-            except weights_fetch.WeightsVersionNotFoundError:
+            except WeightsVersionNotFoundError:
                 missing += 1  # retired meanwhile: fine, the next one is newer
         return {"copied": copied, "held": held, "missing": [missing], "wrong": wrong}
 
@@ -177,7 +183,7 @@ class Publisher(Actor):
         """Publish version 1, then stall half-way through version 2 after touching
         ``marker``."""
         publisher = weights_publish.WeightsPublisher(
-            weights_publish.WeightsConfig(key_prefix=key_prefix, keep_versions=1)
+            WeightsConfig(key_prefix=key_prefix, keep_versions=1)
         )
         await publisher.publish(decoder_state_dict(seed=1), 1)
 
@@ -219,7 +225,7 @@ class ShardedTrainer(Actor):
         state_dict["lm_head.bias"] = full["lm_head.bias"]
         if key_prefix not in self.publishers:
             transport, same_host_, _ = VARIANTS[variant]
-            config = weights_publish.WeightsConfig(
+            config = WeightsConfig(
                 transport=transport, dcp_path=dcp_path, key_prefix=key_prefix, chunk_mb=CHUNK_MB,
                 same_host=same_host_,
             )
@@ -230,15 +236,15 @@ class ShardedTrainer(Actor):
 
         rank = torch.distributed.get_rank()
         hook = fail_here if rank == fail_on_rank else None
-        real_host_id = same_host.host_id
+        real_host_id = slots.host_id
         if rank1_host is not None and rank == 1:
-            same_host.host_id = lambda: rank1_host
+            slots.host_id = lambda: rank1_host
         try:
             result = await self.publishers[key_prefix].publish(state_dict, version, on_progress=hook)
-        except weights_publish.WeightsPublishError as e:
+        except WeightsPublishError as e:
             return str(e)
         finally:
-            same_host.host_id = real_host_id
+            slots.host_id = real_host_id
         return {"bytes": result.bytes_written, "same_host": result.same_host}
 
 
@@ -262,7 +268,7 @@ async def trainer(store):
 def make_publisher(variant: str, tmp_path, key_prefix: str, **overrides):
     """A publisher of one of :data:`VARIANTS` in the test process."""
     transport, same_host_, _ = VARIANTS[variant]
-    config = weights_publish.WeightsConfig(
+    config = WeightsConfig(
         transport=transport,
         dcp_path=str(tmp_path / "weights"),
         key_prefix=key_prefix,
@@ -291,15 +297,15 @@ def make_publisher(variant: str, tmp_path, key_prefix: str, **overrides):
 )
 async def test_config_errors_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        weights_publish.WeightsConfig(**{field: value})
+        WeightsConfig(**{field: value})
 
 
 async def test_same_host_off_read_by_yaml_as_false_means_off():
-    assert weights_publish.WeightsConfig(same_host=False).same_host == "off"
+    assert WeightsConfig(same_host=False).same_host == "off"
 
 
 async def test_a_torch_dtype_and_a_path_object_are_taken_from_python(tmp_path):
-    config = weights_publish.WeightsConfig(dtype=torch.bfloat16, dcp_path=tmp_path)
+    config = WeightsConfig(dtype=torch.bfloat16, dcp_path=tmp_path)
     assert (config.dtype, config.torch_dtype, config.dcp_path) == (
         "bfloat16", torch.bfloat16, str(tmp_path)
     )
@@ -318,19 +324,19 @@ async def test_any_key_prefix_makes_valid_slot_file_names(store, tmp_path):
     publisher = make_publisher("same_host", tmp_path, prefix)
     try:
         await publisher.publish(decoder_state_dict(), 0)
-        names = [os.path.basename(s.path) for s in publisher._slots.slots]
+        names = [os.path.basename(s.path) for s in publisher._transport._ring.slots]
         assert names and all(n.isascii() and len(n.encode()) < 200 for n in names), names
         assert_same_tensors(
             await weights_fetch.fetch_weights(0, key_prefix=prefix), decoder_state_dict()
         )
     finally:
         publisher.close()
-    assert same_host.slot_tag("policy_weights") == "weights.policy_weights"
+    assert slots.slot_tag("policy_weights") == "weights.policy_weights"
 
 
 async def test_dcp_transport_requires_dcp_path():
     with pytest.raises(ValueError, match="weights.dcp_path must be set"):
-        weights_publish.WeightsConfig(transport="dcp")
+        WeightsConfig(transport="dcp")
 
 
 @pytest.mark.parametrize("transport", WITH_RDMA)
@@ -346,7 +352,7 @@ async def test_reader_on_another_proc_gets_exactly_the_published_tensors(
     if transport == "same_host":  # torchstore holds the commit record only
         assert await client.keys(f"{prefix}.v5") == [f"{prefix}.v5.commit"]
     if rdma:  # the chunks went through torchstore's RDMA branch: stored as uint8 tensors
-        chunk = await ts.get(weights_fetch.chunk_key(prefix, 5, 0, 0))
+        chunk = await ts.get(weights_store.chunk_key(prefix, 5, 0, 0))
         assert isinstance(chunk, torch.Tensor) and chunk.dtype == torch.uint8
 
 
@@ -400,7 +406,7 @@ async def test_a_damaged_dcp_folder_is_a_fetch_error(store, tmp_path):
         if name.endswith(".distcp"):
             with open(folder / name, "r+b") as f:
                 f.truncate(8)
-    with pytest.raises(weights_fetch.WeightsFetchError, match=r"policy_version=3.*weights/3"):
+    with pytest.raises(WeightsFetchError, match=r"policy_version=3.*weights/3"):
         await weights_fetch.fetch_weights(3, key_prefix=prefix)
 
 
@@ -426,9 +432,9 @@ async def test_direct_chunks_tile_the_stream_and_go_as_bytes_over_rpc(store, tmp
         0, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME
     )
     count = len(await (await ts.client()).keys(f"{prefix}.v0.r0"))
-    chunks = [await ts.get(weights_fetch.chunk_key(prefix, 0, 0, i)) for i in range(count)]
+    chunks = [await ts.get(weights_store.chunk_key(prefix, 0, 0, i)) for i in range(count)]
     # Over Monarch RPC (no RDMA here) each chunk is an immutable bytes object: Monarch sends
-    # it without the copies a tensor's storage takes (see weights.publish._pack_chunk).
+    # it without the copies a tensor's storage takes (see weights.transports.direct.pack_chunk).
     assert all(isinstance(chunk, bytes) for chunk in chunks)
     assert all(len(chunk) == record["chunk_bytes"] for chunk in chunks[:-1])
     # The chunks concatenate to the stream: each tensor's bytes at its recorded offset.
@@ -485,7 +491,7 @@ async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_o
         if stored_bytes >= total_bytes // 2:
             raise RuntimeError("injected failure")
 
-    with pytest.raises(weights_publish.WeightsPublishError, match="policy_version=2"):
+    with pytest.raises(WeightsPublishError, match="policy_version=2"):
         await publisher.publish(decoder_state_dict(seed=2), 2, on_progress=fail_after_half)
     if transport != "dcp":
         assert len(calls) >= 2  # the failure came after some chunks (or tensors) were stored
@@ -493,16 +499,16 @@ async def test_push_failing_half_way_leaves_previous_version_and_hides_the_new_o
     assert_same_tensors(
         await weights_fetch.fetch_weights(1, key_prefix=prefix), decoder_state_dict(seed=1)
     )
-    with pytest.raises(weights_fetch.WeightsVersionNotFoundError, match="committed versions: \\[1\\]"):
+    with pytest.raises(WeightsVersionNotFoundError, match="committed versions: \\[1\\]"):
         await weights_fetch.fetch_weights(2, key_prefix=prefix)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1]
     client = await ts.client()
     assert await client.keys(f"{prefix}.v2") == []  # the partial push was cleaned up
     assert not os.path.exists(tmp_path / "weights" / "2")
 
     # The publisher is still usable: the next version goes through.
     await publisher.publish(decoder_state_dict(seed=3), 3)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 3]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1, 3]
 
 
 async def keys_outside(prefix: str, versions: list[int]) -> list[str]:
@@ -529,7 +535,7 @@ async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
     real_put, task = ts.put, None
 
     async def put(key, value, **kwargs):
-        if key == weights_fetch.commit_key(prefix, 3):
+        if key == weights_store.commit_key(prefix, 3):
             if what == "a failing":
                 raise RuntimeError("injected commit failure")
             task.cancel()
@@ -538,14 +544,14 @@ async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
     monkeypatch.setattr(ts, "put", put)
     task = asyncio.ensure_future(publisher.publish(versioned_state_dict(3), 3))
     if what == "a failing":
-        with pytest.raises(weights_publish.WeightsPublishError, match="injected commit failure"):
+        with pytest.raises(WeightsPublishError, match="injected commit failure"):
             await task
     else:
         with pytest.raises(asyncio.CancelledError):
             await task
     monkeypatch.setattr(ts, "put", real_put)
 
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [2]
     assert publisher.published_versions == [2]
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
@@ -553,7 +559,7 @@ async def test_a_commit_that_fails_or_is_cancelled_leaves_the_earlier_version(
     assert await keys_outside(prefix, [2]) == []
     for version in (3, 4, 5):  # every slot is used again (same host)
         await publisher.publish(versioned_state_dict(version), version)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [5]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [5]
     assert await keys_outside(prefix, [5]) == []
     publisher.close()
 
@@ -570,7 +576,7 @@ def lose_the_commit_reply(monkeypatch, client, prefix: str, version: int) -> lis
 
     async def put(key, value, *args, **kwargs):
         result = await real_put(key, value, *args, **kwargs)
-        if key == weights_fetch.commit_key(prefix, version):
+        if key == weights_store.commit_key(prefix, version):
             lost.append(key)
             raise ReplyLost(f"no reply to the put of {key}")
         return result
@@ -595,22 +601,22 @@ async def test_a_commit_whose_reply_is_lost_is_reported_as_readers_see_it(
     try:
         await publisher.publish(versioned_state_dict(2), 2)
         failed = False
-    except weights_publish.WeightsPublishError:
+    except WeightsPublishError:
         failed = True
     monkeypatch.undo()
 
     if failed:
-        assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+        assert await weights_store.committed_versions(key_prefix=prefix) == [1]
         assert await client.keys(f"{prefix}.v2") == []
         await publisher.publish(versioned_state_dict(2), 2)  # may be published again
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 2]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1, 2]
     assert publisher.published_versions == [1, 2]
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
     )
     # The publisher goes on publishing and retiring (keep_versions=2).
     await publisher.publish(versioned_state_dict(3), 3)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2, 3]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [2, 3]
     assert await keys_outside(prefix, [2, 3]) == []
     if transport == "dcp":
         assert sorted(os.listdir(tmp_path / "weights")) == ["2", "3"]
@@ -638,11 +644,11 @@ async def test_a_commit_whose_outcome_cannot_be_checked_keeps_its_data_and_can_b
         return await real_keys(*args, **kwargs)
 
     monkeypatch.setattr(client, "keys", keys)
-    with pytest.raises(weights_publish.WeightsPublishError, match="outcome is unknown"):
+    with pytest.raises(WeightsPublishError, match="outcome is unknown"):
         await publisher.publish(versioned_state_dict(2), 2)
     monkeypatch.undo()
 
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1, 2]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1, 2]
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
     )
@@ -651,7 +657,7 @@ async def test_a_commit_whose_outcome_cannot_be_checked_keeps_its_data_and_can_b
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(12)
     )
     await publisher.publish(versioned_state_dict(3), 3)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2, 3]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [2, 3]
     assert await keys_outside(prefix, [2, 3]) == []
     publisher.close()
 
@@ -680,7 +686,7 @@ async def test_a_publish_cancelled_while_its_chunks_are_put_leaves_none_of_them(
     assert len(started) >= 3
     await asyncio.sleep(0.5)  # time for puts that nobody waited for to land
     assert await keys_outside(prefix, [1]) == []
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1]
     await publisher.publish(versioned_state_dict(2), 2)
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), versioned_state_dict(2)
@@ -719,9 +725,9 @@ async def test_retention_deletes_only_old_versions_this_publisher_created(
     for version in (1, 2, 3):
         await publisher.publish(decoder_state_dict(seed=version), version)
 
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [2, 3]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [2, 3]
     assert publisher.published_versions == [2, 3]
-    with pytest.raises(weights_fetch.WeightsVersionNotFoundError):
+    with pytest.raises(WeightsVersionNotFoundError):
         await weights_fetch.fetch_weights(1, key_prefix=prefix)
     assert_same_tensors(
         await weights_fetch.fetch_weights(2, key_prefix=prefix), decoder_state_dict(seed=2)
@@ -758,7 +764,7 @@ async def test_a_restarted_dcp_publisher_replaces_only_the_folders_its_run_left(
     prefix, weights_dir = "restarted", str(tmp_path / "weights")
 
     def publisher(run_id, store_name, key_prefix=prefix):
-        config = weights_publish.WeightsConfig(
+        config = WeightsConfig(
             transport="dcp", dcp_path=weights_dir, key_prefix=key_prefix, run_id=run_id
         )
         return weights_publish.WeightsPublisher(config, store_name=store_name)
@@ -773,10 +779,10 @@ async def test_a_restarted_dcp_publisher_replaces_only_the_folders_its_run_left(
             publisher("run-b", restarted_store), publisher(None, restarted_store),
             publisher("run-a", restarted_store, key_prefix="someone_else"),
         ):
-            with pytest.raises(weights_publish.WeightsPublishError, match="3 already exists"):
+            with pytest.raises(WeightsPublishError, match="3 already exists"):
                 await other.publish(decoder_state_dict(), 3)
         (tmp_path / "weights" / "4").mkdir()
-        with pytest.raises(weights_publish.WeightsPublishError, match="4 already exists"):
+        with pytest.raises(WeightsPublishError, match="4 already exists"):
             await publisher("run-a", restarted_store).publish(decoder_state_dict(), 4)
         assert_same_tensors(  # the first run's version 3 is intact
             await weights_fetch.fetch_weights(3, key_prefix=prefix), decoder_state_dict(seed=1)
@@ -800,20 +806,20 @@ async def test_a_restarted_dcp_publisher_replaces_only_the_folders_its_run_left(
 )
 async def test_bad_state_dicts_are_rejected_naming_the_tensor(store, tmp_path, state_dict, message):
     publisher = make_publisher("direct", tmp_path, "bad_input")
-    with pytest.raises(weights_publish.WeightsPublishError, match=message):
+    with pytest.raises(WeightsPublishError, match=message):
         await publisher.publish(state_dict, 0)
-    assert await weights_fetch.committed_versions(key_prefix="bad_input") == []
+    assert await weights_store.committed_versions(key_prefix="bad_input") == []
 
 
 async def test_publishing_a_version_twice_is_rejected(store, tmp_path):
     publisher = make_publisher("direct", tmp_path, "twice")
     await publisher.publish(decoder_state_dict(), 4)
-    with pytest.raises(weights_publish.WeightsPublishError, match="must be greater than"):
+    with pytest.raises(WeightsPublishError, match="must be greater than"):
         await publisher.publish(decoder_state_dict(), 4)
     other = make_publisher("direct", tmp_path, "twice")
-    with pytest.raises(weights_publish.WeightsPublishError, match="already committed"):
+    with pytest.raises(WeightsPublishError, match="already committed"):
         await other.publish(decoder_state_dict(), 4)
-    assert await weights_fetch.committed_versions(key_prefix="twice") == [4]
+    assert await weights_store.committed_versions(key_prefix="twice") == [4]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -842,7 +848,7 @@ async def test_a_failure_on_one_rank_fails_the_push_on_every_rank(
     await trainer.publish.call(1, transport, dcp_path, prefix)
     outcomes = [o for _, o in (await trainer.publish.call(2, transport, dcp_path, prefix, 1)).items()]
     assert all(isinstance(o, str) and "failed on rank(s) {1:" in o for o in outcomes), outcomes
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1]
     assert await (await ts.client()).keys(f"{prefix}.v2") == []
     assert_same_tensors(
         await weights_fetch.fetch_weights(1, key_prefix=prefix), sharded_state_dict()
@@ -925,7 +931,7 @@ async def test_a_version_whose_slot_was_reused_reads_as_not_committed(
 
         monkeypatch.setattr(weights_fetch, "fetch_commit_record", stale_record)
         for read in (weights_fetch.fetch_weights, weights_fetch.open_weights):
-            with pytest.raises(weights_fetch.WeightsVersionNotFoundError,
+            with pytest.raises(WeightsVersionNotFoundError,
                                match=r"policy_version=1 .*committed versions: \[3\]"):
                 result = read(1, key_prefix=prefix)
                 if read is weights_fetch.open_weights:
@@ -944,8 +950,8 @@ async def test_a_reader_on_another_host_is_told_to_set_same_host_off(
     publisher = make_publisher("same_host", tmp_path, prefix)
     try:
         await publisher.publish(decoder_state_dict(), 1)
-        monkeypatch.setattr(same_host, "host_id", lambda: "elsewhere/boot")
-        with pytest.raises(weights_fetch.WeightsFetchError,
+        monkeypatch.setattr(slots, "host_id", lambda: "elsewhere/boot")
+        with pytest.raises(WeightsFetchError,
                            match=r"policy_version=1 was published into shared memory on host "
                                  r".*set weights.same_host=off"):
             await weights_fetch.fetch_weights(1, key_prefix=prefix)
@@ -962,13 +968,13 @@ async def test_too_little_shared_memory_is_refused_naming_the_fields_and_the_byt
         shm_files.shutil, "disk_usage", lambda directory: usage._replace(free=1 << 20)
     )
     publisher = make_publisher("same_host", tmp_path, prefix)
-    with pytest.raises(weights_publish.WeightsPublishError,
+    with pytest.raises(WeightsPublishError,
                        match=r"weights.transport=direct with weights.same_host=auto \(keeps "
                              r"weights.keep_versions \+ 1 = 3 copies.*\) needs [\d,]+ MiB in "
                              r"/dev/shm, which has 1 MiB free.*weights.same_host=off"):
         await publisher.publish(decoder_state_dict(), 1)
     assert slot_files(os.getpid(), prefix) == []
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == []
+    assert await weights_store.committed_versions(key_prefix=prefix) == []
 
 
 @pytest.mark.parametrize("transport", ["direct", "dcp"])
@@ -1019,7 +1025,7 @@ async def test_a_killed_publisher_leaves_no_slot_once_the_next_one_starts(
     try:
         await restarted.publish(decoder_state_dict(), 3)
         assert slot_files(pid, prefix) == []
-        with pytest.raises(weights_fetch.WeightsFetchError, match="its publisher stopped"):
+        with pytest.raises(WeightsFetchError, match="its publisher stopped"):
             await weights_fetch.fetch_weights(1, key_prefix=prefix)  # committed, slot gone
     finally:
         restarted.close()
@@ -1045,7 +1051,7 @@ async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folde
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
-    with pytest.raises(weights_publish.WeightsPublishError) as raised:
+    with pytest.raises(WeightsPublishError) as raised:
         await publisher.publish(versioned_state_dict(2), 2)
     monkeypatch.undo()
     error = raised.value
@@ -1054,7 +1060,7 @@ async def test_a_dcp_publish_that_runs_out_of_space_is_one_line_naming_the_folde
     assert "\n" not in str(error)
     assert f"writing the DCP weights to {folder} failed: ENOSPC" in str(error)
     assert " MiB free" in str(error)
-    assert await weights_fetch.committed_versions(key_prefix=prefix) == [1]
+    assert await weights_store.committed_versions(key_prefix=prefix) == [1]
     assert not os.path.exists(folder)
     await publisher.publish(versioned_state_dict(2), 2)
     assert_same_tensors(

@@ -18,8 +18,11 @@ import torch
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
 from forge_ext.weights import fetch as weights_fetch
-from forge_ext.weights import publish as weights_publish
-from forge_ext.weights import same_host
+from forge_ext.weights.errors import (
+    WeightsFetchError, WeightsPublishError, WeightsVersionNotFoundError,
+)
+from forge_ext.weights.transports import slots
+from forge_ext.weights.transports.same_host import SameHostRecord
 from forge_ext.weights.shared_buffer import open_shared_tensors, views_of
 from test_weights_publish import (
     TRANSPORTS,
@@ -134,8 +137,8 @@ def reuse_slot_if_free(record, new_tensors) -> bool:
         if new_tensors is not None:
             with mmap.mmap(fd, segment["size"]) as mapped:
                 data = torch.frombuffer(mapped, dtype=torch.uint8)
-                data[8:16].view(torch.int64)[0] = same_host.WRITING
-                entries = same_host.record_entries(record, new_tensors)
+                data[8:16].view(torch.int64)[0] = slots.WRITING
+                entries = SameHostRecord.from_stored(record).entries(new_tensors)
                 for name, view in views_of(data, entries).items():
                     view.copy_(new_tensors[name])
                 del data, view
@@ -222,13 +225,13 @@ async def test_a_version_whose_slot_is_gone_reads_as_retired_unless_still_commit
         )
         if slot == "publisher_stopped":
             publisher.close()
-            error = pytest.raises(weights_fetch.WeightsFetchError,
+            error = pytest.raises(WeightsFetchError,
                                   match=r"policy_version=1: .* its publisher stopped")
         else:
             make = grown_state_dict if slot == "replaced" else versioned_state_dict
             for version in (2, 3):  # 3 goes into version 1's slot
                 await publisher.publish(make(version), version)
-            error = pytest.raises(weights_fetch.WeightsVersionNotFoundError,
+            error = pytest.raises(WeightsVersionNotFoundError,
                                   match=r"policy_version=1 .*committed versions: \[3\]")
 
         async def stale_record(version, **kwargs):
@@ -288,14 +291,14 @@ async def test_a_writer_kept_waiting_by_a_reader_says_who_and_what_to_do(
     store, tmp_path, monkeypatch
 ):
     prefix = "lease_timeout"
-    monkeypatch.setattr(same_host, "LEASE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(slots, "LEASE_TIMEOUT_S", 1.0)
     publisher = make_publisher("same_host", tmp_path, prefix, keep_versions=1)
     try:
         await publisher.publish(versioned_state_dict(1), 1)
         async with weights_fetch.open_weights(1, key_prefix=prefix):
             await publisher.publish(versioned_state_dict(2), 2)
             with pytest.raises(
-                weights_publish.WeightsPublishError,
+                WeightsPublishError,
                 match=rf"TimeoutError: waited 1 s for readers of the retired policy_version=1 "
                       rf"to leave its shared-memory slot /dev/shm/\S+ \(held by pid "
                       rf"{os.getpid()} \(this process\)\): .*inside open_weights\(1\).* or "

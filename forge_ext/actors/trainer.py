@@ -32,7 +32,8 @@ from forge_ext.rl.losses.grpo import token_logprobs
 from forge_ext.rl.losses.registry import build_loss
 from forge_ext.rl.losses.value import value_predictions
 from forge_ext.runtime.run_logs import log_role, startup_phases
-from forge_ext.weights.publish import WeightsConfig, WeightsPublisher
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.publish import WeightsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class RLTrainer(Actor):
         trainer: the YAML ``trainer:`` mapping (see :mod:`forge_ext.engine.config`).
         loss: ``{"name": <registered loss>, **kwargs}`` (see
             :func:`forge_ext.rl.losses.registry.build_loss`); default token-level cross entropy.
-        weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.publish.WeightsConfig`)
+        weights: the YAML ``weights:`` mapping (:class:`forge_ext.weights.config.WeightsConfig`)
             for :meth:`push_weights`; torchstore must be initialised by the controller.
     """
 
@@ -212,7 +213,7 @@ class RLTrainer(Actor):
         Raises:
             Under pipeline parallelism each stage publishes its own tensors, which needs
             ``weights.transport: dcp`` (checked by :func:`spawn_trainer` before spawning).
-            forge_ext.weights.publish.WeightsPublishError: the push failed on some rank; the
+            forge_ext.weights.errors.WeightsPublishError: the push failed on some rank; the
                 version stays absent and earlier ones are untouched.
         """
         if self.publisher is None:

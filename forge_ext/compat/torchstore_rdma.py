@@ -7,8 +7,8 @@ But Monarch 0.7 has a second RDMA backend, a TCP fallback (``monarch.rdma.get_rd
 == "tcp"``, on unless ``monarch.configure(rdma_allow_tcp_fallback=False)``), with which
 ``RDMABuffer`` works on any machine. So torchstore's RDMA branch (``RDMATransportBuffer``)
 and ours (``weights.transport=direct`` chunks as ``uint8`` tensors,
-``forge_ext.weights.publish._pack_chunk``) only ever ran on InfiniBand/EFA clusters, never in
-CI. With the switch on they run here, over TCP: the code a GPU cluster runs is tested. On one
+``forge_ext.weights.transports.direct.pack_chunk``) only ever ran on InfiniBand/EFA
+clusters, never in CI. With the switch on they run here, over TCP: the code a GPU cluster runs is tested. On one
 host it is slower than Monarch RPC (docs/benchmarks.md), so it is off unless asked for.
 
 Switch it on in every process that puts or gets (spawned procs inherit the environment):

@@ -48,7 +48,7 @@ from forge_ext.rollout.engines import (
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.tasks.tokenizer import as_stop_ids
-from forge_ext.weights.fetch import DEFAULT_KEY_PREFIX
+from forge_ext.weights.config import DEFAULT_KEY_PREFIX
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
 SHUTDOWN_SECONDS = 60.0
@@ -56,7 +56,7 @@ SHUTDOWN_SECONDS = 60.0
 
 async def load_version(engine: Any, weights: Any, policy_version: int) -> None:
     """Have ``engine`` (:class:`~forge_ext.rollout.engines.Engine`) serve the version
-    ``weights`` (:class:`forge_ext.weights.fetch.OpenedWeights`) holds: a LoRA adapter when
+    ``weights`` (:class:`forge_ext.weights.transports.base.OpenedWeights`) holds: a LoRA adapter when
     its metadata has an ``adapter_config`` (``RLTrainer.push_weights`` with ``trainer.lora``;
     the engine's ``load_adapter``), full HF weights otherwise (``load_hf_state_dict``)."""
     adapter_config = weights.metadata.get("adapter_config")
@@ -232,9 +232,9 @@ class Generator(Actor):
             ``{"policy_version", "fetch_seconds", "load_seconds", "paused_seconds"}``.
 
         Raises:
-            forge_ext.weights.fetch.WeightsVersionNotFoundError: the version is not committed,
+            forge_ext.weights.errors.WeightsVersionNotFoundError: the version is not committed,
                 or was retired meanwhile (the served version is unchanged).
-            forge_ext.weights.fetch.WeightsFetchError: the version cannot be read from here
+            forge_ext.weights.errors.WeightsFetchError: the version cannot be read from here
                 (e.g. published into another host's shared memory: ``weights.same_host=off``).
         """
         from forge_ext.weights.fetch import open_weights

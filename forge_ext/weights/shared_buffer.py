@@ -3,7 +3,7 @@
 Two users:
 
 - the trainer's publisher writes each policy version into one of a few reused slot files
-  (:mod:`forge_ext.weights.same_host`) that generators on the same host read;
+  (:mod:`forge_ext.weights.transports.slots`) that generators on the same host read;
 - a generator that fetched a version over torchstore (a trainer on another host) puts it in a
   :class:`SharedTensorBuffer` and hands its :meth:`~SharedTensorBuffer.handle` (a small dict
   of plain values) to the vLLM workers it started.
@@ -23,8 +23,8 @@ reused files exist to avoid. A cached mapping of a file that was since unlinked 
 the next :func:`map_file` call (its memory is freed once no tensor views it).
 
 Lifetime: the writer owns each file and unlinks it when it closes (also at interpreter exit).
-File names: :func:`forge_ext.weights.shm_files.new_name`; :func:`remove_orphans` deletes
-files of dead writers.
+File names: :func:`forge_ext.weights.shm_files.new_name`;
+:func:`~forge_ext.weights.shm_files.remove_orphans` deletes files of dead writers.
 """
 
 from __future__ import annotations
@@ -40,17 +40,15 @@ from typing import Any
 import torch
 
 from forge_ext.weights.shm_files import (
-    PREFIX,
     SHM_DIR,
     check_free_space,
     check_tag,
     new_name,
-    remove_orphans,
 )
 
 __all__ = [
-    "ALIGN", "PREFIX", "SHM_DIR", "MappedFile", "SharedTensorBuffer", "create_file", "layout",
-    "forget", "map_file", "open_shared_tensors", "remove_orphans", "shared_handle", "views_of",
+    "ALIGN", "MappedFile", "SharedTensorBuffer", "create_file", "layout", "forget", "map_file",
+    "open_shared_tensors", "shared_handle", "views_of",
 ]
 
 # Every tensor starts at a multiple of this many bytes, so any slice can be viewed as its dtype.
@@ -103,7 +101,7 @@ class MappedFile:
         path: the file.
         fd: descriptor opened read-write; -1 once closed (a cached mapping is closed when
             its file is unlinked or mapped again). Readers' ``flock`` leases never use it:
-            they open their own (:func:`forge_ext.weights.same_host.lease`).
+            they open their own (:func:`forge_ext.weights.transports.slots.lease`).
         bytes: ``uint8`` tensor over the whole mapping (``[size]``).
         inode: ``(st_dev, st_ino)`` of the file when it was mapped.
     """
@@ -281,7 +279,7 @@ def shared_handle(path: str, size: int, entries) -> dict[str, Any]:
 
 def open_shared_tensors(handle: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Map a :meth:`SharedTensorBuffer.handle` (or a policy version's slot handle,
-    :mod:`forge_ext.weights.same_host`) on the reader's side.
+    :mod:`forge_ext.weights.transports.slots`) on the reader's side.
 
     Returns:
         ``{name: tensor}``, views of the shared file (CPU, read them, do not write). Pages are

@@ -2,7 +2,7 @@
 only, so that ``make clean`` runs it as a file without the project's environment).
 
 Every shared-memory file forge_ext creates (the trainer's weight slots,
-:mod:`forge_ext.weights.same_host`; the generator's buffer,
+:mod:`forge_ext.weights.transports.slots`; the generator's buffer,
 :mod:`forge_ext.weights.shared_buffer`) is named
 ``forge_ext-<tag>-<pid>-<n>-p<pid namespace>`` in ``/dev/shm``: ``pid`` is the creating
 process, ``n`` a counter, and the pid namespace (the inode of ``/proc/self/ns/pid``) tells

@@ -225,7 +225,7 @@ class HFSampler:
     ) -> None:
         """Copy HF-layout weights into the model (strict: every parameter, no extras;
         a tied model may omit ``lm_head.weight``). ``shared_handle`` (where the tensors live
-        in shared memory, see ``forge_ext.weights.fetch.OpenedWeights``) is not needed: the
+        in shared memory, see ``forge_ext.weights.transports.base.OpenedWeights``) is not needed: the
         model is in this process and copies from the tensors themselves."""
         params = dict(self.model.state_dict())
         missing = sorted(set(params) - set(state_dict))

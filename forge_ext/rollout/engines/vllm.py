@@ -52,8 +52,8 @@ from forge_ext.rollout.engines.base import (
 from forge_ext.rollout.engines.registry import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_LORA_RANKS
 from forge_ext.runtime.reaper import start_reaper
 from forge_ext.weights.convert import check_tensor_parallel
-from forge_ext.weights.shared_buffer import PREFIX, SHM_DIR, SharedTensorBuffer
-from forge_ext.weights.shm_files import new_name
+from forge_ext.weights.shared_buffer import SharedTensorBuffer
+from forge_ext.weights.shm_files import PREFIX, SHM_DIR, new_name
 
 WORKER_EXTENSION = "forge_ext.rollout.engines.vllm_worker.WeightSyncExtension"
 
@@ -510,7 +510,7 @@ class VLLMEngine(Engine):
             state_dict: the tensors. Those that are already the buffer's (from
                 :meth:`allocate`) are not copied again.
             shared_handle: the handle of a shared-memory file on this host that holds
-                ``state_dict`` (``forge_ext.weights.fetch.OpenedWeights.shared_handle``): the
+                ``state_dict`` (``forge_ext.weights.transports.base.OpenedWeights.shared_handle``): the
                 workers load from it, nothing is copied here. The caller keeps the file
                 leased until this returns.
 

@@ -1,10 +1,5 @@
-"""Same-host weight transport: policy versions in reused shared-memory slots.
-
-Used by :class:`forge_ext.weights.publish.WeightsPublisher` when ``weights.transport=direct``,
-``weights.same_host=auto`` and every rank of the publishing group runs on one host (same
-:func:`host_id`). torchstore then carries only the commit record, which names the slot file
-and every tensor's offset in it; readers on the same host map the file and copy (or load)
-straight out of it (:func:`forge_ext.weights.fetch.fetch_weights`, ``open_weights``).
+"""Same-host shared-memory slots: the files a same-host publisher writes each policy version
+into, and the leases its readers take (:mod:`forge_ext.weights.transports.same_host`).
 
 Slots (one file each, ``/dev/shm/forge_ext-weights.<key_prefix>-<pid>-<n>-p<ns>``, created by
 rank 0 of the group, at most ``keep_versions + 1`` of them, reused version after version so
@@ -57,7 +52,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +63,6 @@ from forge_ext.weights.shared_buffer import (
     create_file,
     layout,
     map_file,
-    shared_handle,
-    views_of,
 )
 from forge_ext.weights.shm_files import (
     SHM_DIR,
@@ -357,20 +350,19 @@ def slot_record(slot: Slot, entries) -> dict[str, Any]:
     }
 
 
-def _check_host(record: Mapping[str, Any]) -> None:
-    segment = record["segment"]
+def _check_host(version: int, segment: Mapping[str, Any]) -> None:
     if segment["host"] != host_id():
         raise SegmentUnavailableError(
-            f"policy_version={record['version']} was published into shared memory on host "
+            f"policy_version={version} was published into shared memory on host "
             f"{segment['host']!r} (weights.same_host=auto: the trainer's ranks share a host), "
             f"but this process runs on {host_id()!r}; set weights.same_host=off when the "
             "trainer and its readers are on different hosts"
         )
 
 
-def _gone(record: Mapping[str, Any]) -> SlotGoneError:
+def _gone(version: int, segment: Mapping[str, Any]) -> SlotGoneError:
     return SlotGoneError(
-        f"policy_version={record['version']}: its shared-memory slot {record['segment']['path']} "
+        f"policy_version={version}: its shared-memory slot {segment['path']} "
         "is not in this process's /dev/shm: its publisher stopped (the slots go with it), or "
         "this process sees another /dev/shm (a container without --ipc=host); in that case "
         "set weights.same_host=off"
@@ -378,9 +370,10 @@ def _gone(record: Mapping[str, Any]) -> SlotGoneError:
 
 
 @contextlib.asynccontextmanager
-async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
-    """Hold the slot of a same-host commit record: while inside, no writer overwrites it
-    and its file stays linked (its path, handed to other processes, stays valid).
+async def lease(version: int, segment: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
+    """Hold the slot that holds ``version`` (``segment``: :func:`slot_record`'s output):
+    while inside, no writer overwrites it and its file stays linked (its path, handed to
+    other processes, stays valid).
 
     Each lease takes its ``LOCK_SH`` on a descriptor of its own: ``flock`` locks belong to
     an open file description, so leases sharing one (e.g. the descriptor of the cached
@@ -397,27 +390,26 @@ async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
         SegmentUnavailableError: the slot cannot be mapped from this process (another host,
             see :func:`host_id`; or not a forge_ext slot).
         SlotGoneError: the slot file is gone, or another file has its path now.
-        SlotReusedError: the slot no longer holds ``record["version"]``.
+        SlotReusedError: the slot no longer holds ``version``.
     """
-    _check_host(record)
-    version, segment = record["version"], record["segment"]
+    _check_host(version, segment)
     path = segment["path"]
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise _gone(record) from None
+        raise _gone(version, segment) from None
     try:
         stat = os.fstat(fd)
         inode = (stat.st_dev, stat.st_ino)
         if list(inode) != list(segment["inode"]):
-            raise _gone(record)
+            raise _gone(version, segment)
         await _flock(fd, fcntl.LOCK_SH, LEASE_TIMEOUT_S, lambda: f"the writer of {path}")
         try:
             mapped = map_file(path, segment["size"])
         except FileNotFoundError:
-            raise _gone(record) from None
+            raise _gone(version, segment) from None
         if mapped.inode != inode:  # replaced between our open and the lock
-            raise _gone(record)
+            raise _gone(version, segment)
         if int(_stamp_view(mapped)[0]) != MAGIC:
             raise SegmentUnavailableError(f"{path} is not a forge_ext weights slot")
         stamp = read_stamp(mapped)
@@ -429,25 +421,3 @@ async def lease(record: Mapping[str, Any]) -> AsyncIterator[MappedFile]:
         yield mapped
     finally:
         os.close(fd)  # drops this lease's lock, and only this one's
-
-
-def record_entries(record: Mapping[str, Any], names: Iterable[str]):
-    """:func:`layout`-style entries of ``names`` in a same-host record's slot."""
-    offsets = record["segment"]["tensors"]
-    return [
-        (name, tuple(record["tensors"][name]["shape"]), record["tensors"][name]["dtype"],
-         offsets[name])
-        for name in names
-    ]
-
-
-def slot_views(mapped: MappedFile, entries) -> dict[str, torch.Tensor]:
-    """Views of the slot's tensors (read them; never write)."""
-    return views_of(mapped.bytes, entries)
-
-
-def slot_handle(record: Mapping[str, Any], entries) -> dict[str, Any]:
-    """A :func:`forge_ext.weights.shared_buffer.open_shared_tensors` handle of the slot's
-    tensors, for processes on this host (vLLM's workers)."""
-    segment = record["segment"]
-    return shared_handle(segment["path"], segment["size"], entries)
