@@ -48,7 +48,8 @@ import time
 import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
-from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFSampler
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.rollout.engines.vllm_worker import WeightSyncExtension
 from forge_ext.weights.shared_buffer import open_shared_tensors

@@ -85,7 +85,7 @@ async def run(args) -> list[str]:
 
     from forge_ext.rollout.generator import load_version
     from forge_ext.compat.torchstore_monarch import initialize_store
-    from forge_ext.rollout.engines import SamplingConfig
+    from forge_ext.rollout.engines.base import SamplingConfig
     from forge_ext.rollout.engines.vllm import VLLMEngine
     from forge_ext.weights.fetch import open_weights
     from forge_ext.weights.config import WeightsConfig

@@ -63,7 +63,7 @@ import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
 from forge_ext.rollout import EpisodeRunner, Trajectory
-from forge_ext.rollout.engines import SamplingConfig, derive_seed
+from forge_ext.rollout.engines.base import SamplingConfig, derive_seed
 from forge_ext.rollout.router import Router
 from forge_ext.tasks import (EpisodeConfig, PromptConfig, PromptRenderer, RewardConfig,
                              RewardFunctionConfig, Row, Rubric, Task)

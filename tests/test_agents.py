@@ -24,7 +24,8 @@ from conftest import Recording, chat_checkpoint, history, small
 
 from apps.grpo.config import load_config
 from forge_ext.rollout.agents import AgentEndpoint, Call, merge_calls
-from forge_ext.rollout.engines import Completion, HFEngine, SamplingConfig
+from forge_ext.rollout.engines.base import Completion, SamplingConfig
+from forge_ext.rollout.engines.hf import HFEngine
 from forge_ext.tasks.base import Row
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

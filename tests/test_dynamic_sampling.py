@@ -25,7 +25,7 @@ class InProcessGenerator:
     actor's own engine (``HFEngine``), in-process."""
 
     def __init__(self, config, tok):
-        from forge_ext.rollout.engines import HFEngine
+        from forge_ext.rollout.engines.hf import HFEngine
 
         self.engine = HFEngine(config.generator.hf_path, sampling=config.generator.sampling,
                                stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id)

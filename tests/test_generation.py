@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from forge_ext.tasks.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer, stop_token_ids
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
-from forge_ext.rollout.engines import HFSampler, SamplingConfig, make_completion
+from forge_ext.rollout.engines.base import SamplingConfig, make_completion
+from forge_ext.rollout.engines.hf import HFSampler
 from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 ARCH = dict(

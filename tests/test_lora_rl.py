@@ -31,7 +31,7 @@ from forge_ext.actors import spawn_trainer
 from forge_ext.rollout.config import GeneratorConfig
 from forge_ext.rollout.generator import spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
-from forge_ext.rollout.engines import SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.weights.fetch import fetch_metadata, fetch_weights
 

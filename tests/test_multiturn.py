@@ -19,7 +19,8 @@ from conftest import assert_masked_tokens_carry_no_gradient, chat_checkpoint
 
 from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rollout import EpisodeRunner
-from forge_ext.rollout.engines import HFEngine, HFSampler, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFEngine, HFSampler
 from forge_ext.tasks import (
     EpisodeConfig, PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig, Row,
     Rubric, episode_config,
@@ -355,7 +356,8 @@ import asyncio, json, sys
 # gradio imports; the adapter never uses it): gradio's import is ~5 s of CPU here.
 sys.modules["gradio"] = None
 from forge_ext.rollout import EpisodeRunner
-from forge_ext.rollout.engines import HFEngine, HFSampler, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFEngine, HFSampler
 from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig,
                              Row, Rubric, episode_config)
 from forge_ext.tasks.tokenizer import CheckpointTokenizer
@@ -543,7 +545,7 @@ def scripted_runner(char_tok, **limits):
     """A runner of :class:`ScriptedReplies` whose every turn is ``12<eos>`` (3 tokens,
     finished), except in groups listed in the returned ``unfinished`` set: ``12`` without an
     end token (cut at max_new_tokens)."""
-    from forge_ext.rollout.engines import Completion
+    from forge_ext.rollout.engines.base import Completion
 
     rubric = Rubric(RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
                                  isolation="thread", max_error_rate=None), _NoTask())

@@ -21,7 +21,8 @@ import pytest_asyncio
 import torch
 from conftest import random_state_dict, vllm_environment_restored
 
-from forge_ext.rollout.engines import HFEngine, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFEngine
 from forge_ext.rollout.router import Router
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

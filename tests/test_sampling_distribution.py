@@ -23,7 +23,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFSampler
 from forge_ext.engine.hf_checkpoint import hf_config_dict, init_hf_checkpoint, save_hf_checkpoint
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 8 or 16).
@@ -229,7 +230,7 @@ async def test_vllm_on_cpu_serves_requests_over_its_batched_token_budget_exactly
     (``RuntimeError: CPU Generator does not use offset``, issue 32); with it off a prompt
     waits for the next step instead of being split, so each request draws what it draws
     alone with its seed."""
-    from forge_ext.rollout.engines import request_seeds
+    from forge_ext.rollout.engines.base import request_seeds
 
     config = vllm_engine.engine.vllm_config.scheduler_config
     assert DRAWS * len(PROMPT) > 8 * config.max_num_batched_tokens

@@ -149,7 +149,7 @@ def test_a_reward_function_failing_on_every_row_stops_the_accuracy_with_its_trac
     import reward_fns as fns
 
     from apps.sft.main import greedy_accuracy
-    from forge_ext.rollout.engines import HFSampler
+    from forge_ext.rollout.engines.hf import HFSampler
     from forge_ext.tasks import (
         PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig, Row, Rubric,
     )

@@ -34,7 +34,7 @@ from forge_ext.rollout.config import GeneratorConfig
 from forge_ext.rollout.engines.vllm import check_vllm_checkpoint
 from forge_ext.rollout.generator import alive_processes, spawn_generator
 from forge_ext.compat.torchstore_monarch import initialize_store
-from forge_ext.rollout.engines import SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.weights.transports import slots
 from forge_ext.weights.config import WeightsConfig
 from forge_ext.weights.publish import WeightsPublisher

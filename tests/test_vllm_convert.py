@@ -18,7 +18,7 @@ import torch
 from conftest import random_state_dict, vllm_environment_restored
 from safetensors.torch import load_file
 
-from forge_ext.rollout.engines import SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.weights.convert import hf_to_vllm, merge_vllm_shards
 

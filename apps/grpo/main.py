@@ -53,7 +53,7 @@ from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import FlatGroupsWatch
 from forge_ext.rl.rollouts import Rollouts
 from forge_ext.rl.sampling import DynamicSampling, check_training_rows
-from forge_ext.rollout.engines import Completion, derive_seed
+from forge_ext.rollout.engines.base import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig

@@ -45,7 +45,8 @@ from forge_ext.config import RUN_CONFIG_FILE, apply_env, parse_cli, record_run_c
 from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME, is_hf_checkpoint
 from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, save_hf_checkpoint
 from forge_ext.rl.episode import Episode, pack_episodes
-from forge_ext.rollout.engines import HFSampler, SamplingConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.engines.hf import HFSampler
 from forge_ext.runtime.metrics import MetricLogger
 from forge_ext.tasks import PromptRenderer, Row, Rubric, Sample, Task, build_task, resolved_task
 from forge_ext.tasks.base import prompt_characters

@@ -7,7 +7,7 @@ its rubric (its own ``reward:``, default the config's), and summarised by its ``
 (:mod:`forge_ext.evaluation.metrics`), plus the mean reward, response length and truncation
 rate of its samples. A set's samples are seeded from the evaluation's seed and the set's name
 (so adding a set changes no other set's samples); the same seed gives the same samples and
-numbers (the engines seed each request, :func:`forge_ext.rollout.engines.derive_seed`).
+numbers (the engines seed each request, :func:`forge_ext.rollout.engines.base.derive_seed`).
 
 Every field is checked before anything is spawned (:func:`check_sets`), naming the set:
 a set without a task, an unknown metric, ``k > n``, two sets of one name.
@@ -24,7 +24,7 @@ from typing import Any
 from forge_ext.evaluation.metrics import (
     final_answer, maj_at_k, mean_at_k, parse_metric, pass_at_k,
 )
-from forge_ext.rollout.engines import SamplingConfig, derive_seed
+from forge_ext.rollout.engines.base import SamplingConfig, derive_seed
 from forge_ext.rollout.episodes import EpisodeBatch
 from forge_ext.tasks import PromptConfig, RewardConfig
 from forge_ext.tasks.rubric import failures_of

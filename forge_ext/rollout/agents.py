@@ -58,7 +58,7 @@ from typing import Any
 
 from fastapi import Request  # at module level: the routes' annotations are resolved here
 
-from forge_ext.rollout.engines import Completion
+from forge_ext.rollout.engines.base import Completion
 
 LOCALHOST = "127.0.0.1"
 
@@ -303,7 +303,7 @@ class AgentEndpoint:
     async def _sample(self, session: AgentSession, prompt_ids: list[int], n: int,
                       max_new: int) -> list[Completion]:
         """``n`` completions of ``prompt_ids`` on the session's replica, recorded."""
-        from forge_ext.rollout.engines import derive_seed
+        from forge_ext.rollout.engines.base import derive_seed
 
         index = session.requests
         session.requests += 1

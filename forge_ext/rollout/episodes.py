@@ -56,7 +56,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from forge_ext.rollout.engines import Completion, SamplingConfig, derive_seed
+from forge_ext.rollout.engines.base import Completion, SamplingConfig, derive_seed
 from forge_ext.tasks import EpisodeConfig, PromptRenderer, Row, Rubric, Sample, Scores
 from forge_ext.tasks.rubric import check_failures, stops_the_run
 from forge_ext.tasks.workers import DaemonPool

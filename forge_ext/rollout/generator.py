@@ -8,8 +8,8 @@ engine is running; the actor serves any number at once (Monarch's ``concurrent_e
 
 After the trainer's ``push_weights(N)``, ``update_weights(N)`` opens version ``N`` with
 :func:`forge_ext.weights.fetch.open_weights` (HF layout) and loads it the way
-``generator.weight_update`` says (:data:`forge_ext.rollout.engines.WeightUpdateMode`). When
-the trainer published ``N`` into shared memory on this host, the engine loads straight from
+``generator.weight_update`` says (:data:`forge_ext.rollout.engines.base.WeightUpdateMode`).
+When the trainer published ``N`` into shared memory on this host, the engine loads straight from
 the trainer's slot (vLLM: its worker processes map the slot), so each byte is copied twice end
 to end (trainer -> slot -> model); otherwise the version is fetched over torchstore, for
 vLLM into a shared buffer its workers map (:mod:`forge_ext.rollout.engines.vllm`).
@@ -39,12 +39,8 @@ from typing import Any
 from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_ext.rollout.config import GeneratorConfig
-from forge_ext.rollout.engines import (
-    Completion,
-    HFEngine,
-    SamplingConfig,
-    WeightUpdateMode,
-)
+from forge_ext.rollout.engines.base import Completion, SamplingConfig, WeightUpdateMode
+from forge_ext.rollout.engines.hf import HFEngine
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.tasks.tokenizer import as_stop_ids
@@ -55,10 +51,11 @@ SHUTDOWN_SECONDS = 60.0
 
 
 async def load_version(engine: Any, weights: Any, policy_version: int) -> None:
-    """Have ``engine`` (:class:`~forge_ext.rollout.engines.Engine`) serve the version
-    ``weights`` (:class:`forge_ext.weights.transports.base.OpenedWeights`) holds: a LoRA adapter when
-    its metadata has an ``adapter_config`` (``RLTrainer.push_weights`` with ``trainer.lora``;
-    the engine's ``load_adapter``), full HF weights otherwise (``load_hf_state_dict``)."""
+    """Have ``engine`` (:class:`~forge_ext.rollout.engines.base.Engine`) serve the version
+    ``weights`` (:class:`forge_ext.weights.transports.base.OpenedWeights`) holds: a LoRA
+    adapter when its metadata has an ``adapter_config`` (``RLTrainer.push_weights`` with
+    ``trainer.lora``; the engine's ``load_adapter``), full HF weights otherwise
+    (``load_hf_state_dict``)."""
     adapter_config = weights.metadata.get("adapter_config")
     if adapter_config is not None:
         await engine.load_adapter(weights.tensors, adapter_config, policy_version)
@@ -172,7 +169,7 @@ class Generator(Actor):
                      seed: int | None = None, sampling: SamplingConfig | None = None
                      ) -> list[Completion]:
         """One request: ``n`` completions of ``prompt_ids``, each token stamped with the
-        version that sampled it (:meth:`forge_ext.rollout.engines.Engine.sample`);
+        version that sampled it (:meth:`forge_ext.rollout.engines.base.Engine.sample`);
         ``sampling`` overrides ``generator.sampling`` for it (an evaluation set's)."""
         return await self.engine.sample(prompt_ids, n, greedy=greedy, seed=seed,
                                         sampling=sampling)
@@ -213,7 +210,7 @@ class Generator(Actor):
     ) -> list[Completion]:
         """``n`` completions per prompt, prompt-major: a request per prompt, all at once;
         ``seed``: one int for the call or one per prompt
-        (:func:`forge_ext.rollout.engines.request_seeds`)."""
+        (:func:`forge_ext.rollout.engines.base.request_seeds`)."""
         return await self.engine.generate(prompts, n, greedy=greedy, seed=seed)
 
     @concurrent_endpoint

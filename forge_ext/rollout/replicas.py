@@ -28,8 +28,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forge_ext.rollout.engines import (
-    Completion, SamplingConfig, WeightUpdateMode, request_seeds,
+from forge_ext.rollout.engines.base import (
+    Completion,
+    SamplingConfig,
+    WeightUpdateMode,
+    request_seeds,
 )
 from forge_ext.rollout.router import NoReplicaError, Router
 from forge_ext.runtime.supervision import describe_death
@@ -125,7 +128,7 @@ class GeneratorReplicas:
                        greedy: bool = False, seed: int | Sequence[int] | None = None
                        ) -> list[Completion]:
         """``n`` completions per prompt, prompt-major: one routed request per prompt, all at
-        once, seeded by :func:`forge_ext.rollout.engines.request_seeds`."""
+        once, seeded by :func:`forge_ext.rollout.engines.base.request_seeds`."""
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {len(prompts)}, n={n}")
         seeds = request_seeds(seed, len(prompts))
