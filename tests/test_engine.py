@@ -978,7 +978,7 @@ def test_hf_engine_trains_a_family_torchtitan_lacks_and_refuses_what_it_cannot_d
         with pytest.raises(ValueError, match=f"trainer: {re.escape(message)}"):
             engine_config_from_mapping({**cfg, **change})
     # Data parallelism is FSDP over every process: num_procs sets the degree.
-    from forge_ext.actors.trainer import world_size_of
+    from forge_ext.engine.schema import world_size_of
 
     assert world_size_of(engine_config_from_mapping(cfg), None) == 1
     assert world_size_of(engine_config_from_mapping(cfg), 2) == 2

@@ -185,9 +185,8 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         return [ep.policy_version for ep in rollouts.episodes]
 
     async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
-        from forge_ext.actors.reference import (
-            data_parallel_rows, data_parallel_size, split_for_data_parallel,
-        )
+        from forge_ext.actors.reference import data_parallel_rows, split_for_data_parallel
+        from forge_ext.engine.schema import data_parallel_size
 
         c = self.config
         for episode in rollouts.episodes:

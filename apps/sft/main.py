@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> None:
     if kept:
         task = None
     else:
-        from forge_ext.actors.trainer import world_size_of
+        from forge_ext.engine.schema import world_size_of
         from forge_ext.engine import engine_config_from_mapping
 
         apply_env(config.env)

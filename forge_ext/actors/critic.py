@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from forge_ext.actors.critic_config import CriticConfig, critic_sections
-from forge_ext.actors.reference import (
-    data_parallel_rows, data_parallel_size, forward_rows, split_for_data_parallel,
-)
+from forge_ext.actors.reference import data_parallel_rows, forward_rows, split_for_data_parallel
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
 from forge_ext.engine import EngineConfig, engine_config_from_mapping
+from forge_ext.engine.schema import data_parallel_size
 from forge_ext.rl.advantages import AdvantageEstimator
 from forge_ext.rl.losses.value import value_loss_spec
 

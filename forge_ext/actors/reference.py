@@ -17,7 +17,7 @@ import torch
 from forge_ext.actors.trainer import TrainerHandle, spawn_trainer
 from forge_ext.engine import EngineConfig
 from forge_ext.engine.microbatch import balance_rows, row_lengths
-from forge_ext.engine.schema import data_parallel_size  # noqa: F401  (imported from here too)
+from forge_ext.engine.schema import data_parallel_size
 
 
 def data_parallel_rows(

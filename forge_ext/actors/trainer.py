@@ -27,7 +27,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_ext.engine import BaseEngine, EngineConfig, build_engine, engine_config_from_mapping
 from forge_ext.engine.distributed import free_port
-from forge_ext.engine.schema import check_weights_transport, world_size_of  # noqa: F401
+from forge_ext.engine.schema import check_weights_transport, world_size_of
 from forge_ext.rl.losses.grpo import token_logprobs
 from forge_ext.rl.losses.registry import build_loss
 from forge_ext.rl.losses.value import value_predictions

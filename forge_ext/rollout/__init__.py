@@ -14,15 +14,3 @@
 The ``Generator`` actor (:mod:`forge_ext.rollout.generator`) is the thin adapter that serves
 one engine as one replica.
 """
-
-__all__ = ["EpisodeBatch", "EpisodeRunner", "SampleFn", "Trajectory"]
-
-
-def __getattr__(name: str):
-    # Lazy: forge_ext.tasks imports the engines (stop ids), and the episodes import the
-    # tasks; importing this package must not import the episodes first.
-    if name in __all__:
-        from forge_ext.rollout import episodes
-
-        return getattr(episodes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -213,7 +213,7 @@ class HostsConfig:
 
         Args:
             processes: each role's process count (trainer/reference: the product of the
-                parallelism degrees, :func:`forge_ext.actors.trainer.world_size_of`;
+                parallelism degrees, :func:`forge_ext.engine.schema.world_size_of`;
                 generator: ``generator.replicas``, one process each).
 
         Raises:
