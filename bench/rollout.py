@@ -23,7 +23,7 @@ engine on every core): the environment (:class:`SlowEnv`) sleeps a lognormal tim
 depend only on the episode's prompt, turn and completion, and every turn's seed only on the
 episode and turn, so both drivers sample the same tokens and wait the same times:
 
-- ``independent``: :meth:`forge_ext.rollout.episodes.EpisodeRunner.run` (each episode sends its next
+- ``independent``: :meth:`forge_ext.rollout.runner.EpisodeRunner.run` (each episode sends its next
   turn when its own environment has answered);
 - ``lock-step``: :func:`lockstep_run`, the driver before issue 33 (every running episode's
   turn sent together and awaited together, then every environment step awaited together).
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 import forge_ext  # noqa: F401  (CPU device for torchtitan, before anything imports it)
-from forge_ext.rollout.episodes import EpisodeRunner, Trajectory
+from forge_ext.rollout.runner import EpisodeRunner, Trajectory
 from forge_ext.rollout.engines.base import SamplingConfig, derive_seed
 from forge_ext.rollout.router import Router
 from forge_ext.tasks import (EpisodeConfig, PromptConfig, PromptRenderer, RewardConfig,

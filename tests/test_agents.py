@@ -275,7 +275,7 @@ async def rogue_agent(client, row):
 async def test_a_failing_agent_costs_its_episode_counted_and_the_others_score(
     endpoint, agent, kind
 ):
-    from forge_ext.rollout.episodes import EpisodeRunner
+    from forge_ext.rollout.runner import EpisodeRunner
     from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig,
                                  RewardFunctionConfig, Rubric, episode_config)
     from test_multiturn import _NoTask

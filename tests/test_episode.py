@@ -12,7 +12,7 @@ from forge_ext.rl.advantages import GroupAdvantage
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
 from forge_ext.rl.rollouts import Rollouts, episodes_from_trajectories
 from forge_ext.rollout.agents import AgentRow
-from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
+from forge_ext.rollout.runner import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
 from forge_ext.tasks.rubric import OverlongConfig, Scores
 

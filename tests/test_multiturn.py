@@ -1,4 +1,4 @@
-"""Multi-turn episodes without actors: forge_ext.rollout.episodes.EpisodeRunner driving a real
+"""Multi-turn episodes without actors: forge_ext.rollout.runner.EpisodeRunner driving a real
 transformers sampler (HFSampler) and real environments, a chat tokenizer trained here.
 
 What must hold: every turn's prompt is exactly the episode's ids so far; the environment's
@@ -18,7 +18,7 @@ import torch
 from conftest import assert_masked_tokens_carry_no_gradient, chat_checkpoint
 
 from forge_ext.rl.episode import Episode, pack_episodes
-from forge_ext.rollout.episodes import EpisodeRunner
+from forge_ext.rollout.runner import EpisodeRunner
 from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.rollout.engines.hf import HFEngine, HFSampler
 from forge_ext.tasks import (
@@ -355,7 +355,7 @@ import asyncio, json, sys
 # Without OpenEnv's optional web UI (openenv/core/env_server/__init__.py imports it only when
 # gradio imports; the adapter never uses it): gradio's import is ~5 s of CPU here.
 sys.modules["gradio"] = None
-from forge_ext.rollout.episodes import EpisodeRunner
+from forge_ext.rollout.runner import EpisodeRunner
 from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.rollout.engines.hf import HFEngine, HFSampler
 from forge_ext.tasks import (PromptConfig, PromptRenderer, RewardConfig, RewardFunctionConfig,

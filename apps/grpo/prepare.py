@@ -31,7 +31,7 @@ from forge_ext.engine.checkpoint_files import complete_checkpoint_steps
 from forge_ext.engine.schema import checkpoint_config, engine_view
 from forge_ext.evaluation import build_sets, close_sets
 from forge_ext.evaluation.sets import EvalSet, check_context, check_reward_models
-from forge_ext.rollout.episodes import EpisodeRunner
+from forge_ext.rollout.runner import EpisodeRunner
 from forge_ext.tasks import (
     EPISODE_FIELDS, PromptRenderer, Row, Rubric, Task, build_task, episode_config, resolved_task,
 )

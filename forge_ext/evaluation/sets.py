@@ -2,8 +2,8 @@
 
 Each set is a task (any ``task:`` source, :mod:`forge_ext.tasks`: its held-out rows) sampled
 ``n`` times per prompt at its own temperature, top-p and length through the generator
-replicas (:class:`forge_ext.rollout.episodes.EpisodeRunner`, the path training samples take), scored by
-its rubric (its own ``reward:``, default the config's), and summarised by its ``metrics``
+replicas (:class:`forge_ext.rollout.runner.EpisodeRunner`, the path training samples take),
+scored by its rubric (its own ``reward:``, default the config's), and summarised by its ``metrics``
 (:mod:`forge_ext.evaluation.metrics`), plus the mean reward, response length and truncation
 rate of its samples. A set's samples are seeded from the evaluation's seed and the set's name
 (so adding a set changes no other set's samples); the same seed gives the same samples and
@@ -25,7 +25,7 @@ from forge_ext.evaluation.metrics import (
     final_answer, maj_at_k, mean_at_k, parse_metric, pass_at_k,
 )
 from forge_ext.rollout.engines.base import SamplingConfig, derive_seed
-from forge_ext.rollout.episodes import EpisodeBatch
+from forge_ext.rollout.runner import EpisodeBatch
 from forge_ext.tasks import PromptConfig, RewardConfig
 from forge_ext.tasks.rubric import failures_of
 
@@ -245,7 +245,7 @@ class EvalSet:
     async def evaluate(self, sample: Any, *, seed: int, batch_size: int,
                        keep_samples: bool = False) -> SetResult:
         """Sample, score and summarise the set (module docstring) through ``sample`` (a
-        :data:`forge_ext.rollout.episodes.SampleFn`, e.g. the replicas' ``sample``)."""
+        :data:`forge_ext.rollout.runner.SampleFn`, e.g. the replicas' ``sample``)."""
         start = time.perf_counter()
         set_seed = self.seed(seed)
         n = self.config.n
@@ -293,7 +293,7 @@ class EvalSet:
 
     async def _run(self, sample: Any, group: int, batch_size: int, *, greedy: bool,
                    seed: int | None):
-        from forge_ext.rollout.episodes import EpisodeBatch
+        from forge_ext.rollout.runner import EpisodeBatch
 
         batches = []
         for lo in range(0, len(self.rows), batch_size):
@@ -341,7 +341,7 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
         ValueError: a set with no held-out rows, or a row that does not render (naming the
             set and the row).
     """
-    from forge_ext.rollout.episodes import EpisodeRunner
+    from forge_ext.rollout.runner import EpisodeRunner
     from forge_ext.tasks import PromptRenderer, Rubric, build_task, episode_config, resolved_task
 
     loaded, built = [], []
@@ -411,7 +411,7 @@ async def evaluate_held_out(runner: Any, rows: list[Any], sample: Any, *, batch_
                             greedy: bool, seed: int, version: int,
                             step: int) -> dict[str, float]:
     """An RL run's held-out evaluation at ``step``: one episode of each of ``rows`` through
-    ``runner`` (:class:`forge_ext.rollout.episodes.EpisodeRunner`) and ``sample``, ``batch_size`` rows
+    ``runner`` (:class:`forge_ext.rollout.runner.EpisodeRunner`) and ``sample``, ``batch_size`` rows
     at a time, greedy or sampled with ``seed``, by the policy of ``version``.
 
     Returns:

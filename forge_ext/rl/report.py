@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from forge_ext.rollout.episodes import TRUNCATION_CAUSES
+from forge_ext.rollout.runner import TRUNCATION_CAUSES
 from forge_ext.rollout.replicas import replica_name
 from forge_ext.runtime.metrics import PlotPanel
 

@@ -1,7 +1,7 @@
 """One step's rollouts as training data: from the scored episode batches of a step to the
 episodes it trains on.
 
-The app rolls out task rows (:class:`forge_ext.rollout.episodes.EpisodeRunner`), one batch,
+The app rolls out task rows (:class:`forge_ext.rollout.runner.EpisodeRunner`), one batch,
 or several under dynamic sampling (DAPO, arXiv:2503.14476, section 3.2), and picks the groups
 the step trains on; :meth:`Rollouts.of` then makes the step's data, in order:
 
@@ -28,7 +28,7 @@ import torch
 from forge_ext.rl.advantages import AdvantageEstimator, groups_with_spread
 from forge_ext.rl.episode import Episode
 from forge_ext.rl.sampling import shaped_rewards
-from forge_ext.rollout.episodes import EpisodeBatch, Trajectory
+from forge_ext.rollout.runner import EpisodeBatch, Trajectory
 from forge_ext.tasks import Row
 from forge_ext.tasks.rubric import OverlongConfig
 
@@ -100,7 +100,7 @@ def episodes_from_trajectories(
 
     Args:
         trajectories: ``N`` scored trajectories; an agent's trajectory trains on several rows
-            (:meth:`~forge_ext.rollout.episodes.Trajectory.training_rows`), each an episode
+            (:meth:`~forge_ext.rollout.runner.Trajectory.training_rows`), each an episode
             with the trajectory's advantage, reward and policy version.
         rewards: ``[N]`` the (shaped) reward of each trajectory, kept for logging and PPO.
         advantages: ``[T]``, ``T <= N``: the advantage of each of the first ``T``

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from forge_ext.rl.advantages import groups_with_spread
-from forge_ext.rollout.episodes import EpisodeBatch
+from forge_ext.rollout.runner import EpisodeBatch
 from forge_ext.tasks import PromptStream, Row
 from forge_ext.tasks.rubric import OverlongConfig
 

@@ -1,6 +1,6 @@
 """The rollout side: from task rows to scored episodes, on engines that sample tokens.
 
-- :mod:`~forge_ext.rollout.episodes`: the episode runner (:class:`EpisodeRunner`), one turn or
+- :mod:`~forge_ext.rollout.runner`: the episode runner (:class:`EpisodeRunner`), one turn or
   many, with environments, the rubric and the loss mask;
 - :mod:`~forge_ext.rollout.engines`: the sampling engines behind the ``Generator`` actor
   (:class:`~forge_ext.rollout.engines.base.SamplingConfig`,

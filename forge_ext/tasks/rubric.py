@@ -10,7 +10,7 @@ stderr); the run goes on, unless a function's failed calls in one rollout batch 
 episodes, an evaluation chunk) reach ``reward.max_error_rate`` (default 1.0: every call
 failed): then the batch raises :class:`RewardFailure` with the count and that first traceback,
 and the run stops rather than train on ``on_error`` values
-(:meth:`forge_ext.rollout.episodes.EpisodeRunner.run` checks). Logged per batch:
+(:meth:`forge_ext.rollout.runner.EpisodeRunner.run` checks). Logged per batch:
 ``reward/<name>`` (the function's mean score), ``reward/errors/<name>``.
 
 A reward function is called with the keyword arguments its signature names (a function taking
