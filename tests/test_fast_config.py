@@ -356,3 +356,32 @@ def test_a_rerun_in_output_dir_is_judged_before_anything_heavy_is_imported(
     assert expected.format(out=out) in result.stdout + result.stderr, result.stderr[-3000:]
     assert "IMPORTED []" in result.stderr, result.stderr[-3000:]
     assert ("EXIT 0" if override is None else "EXIT config error") in result.stderr
+
+
+# PPO's own command, python -m apps.ppo.main (issue 46): the RL app of apps.grpo.main under
+# that name, with its saved --help, the same light checks and the same one-line errors.
+def test_ppo_help_is_the_saved_reference_and_imports_nothing_heavy():
+    result = _run("apps.ppo.main", ["--help"])
+    assert "EXIT 0 IMPORTED []" in result.stderr, result.stderr[-2000:]
+    assert result.stdout == (ROOT / "apps" / "ppo" / "help.txt").read_text()
+    assert result.stdout.startswith("usage: python -m apps.ppo.main [-h] --config CONFIG")
+    assert "\nPPO on real Monarch actors: python -m apps.ppo.main --config\n" in result.stdout
+    assert "  critic.warmup_steps: int = " in result.stdout  # the critic's own fields
+
+
+def test_the_ppo_config_validates_as_a_ppo_run(model_dir):
+    from apps.grpo.config import check_config
+
+    config = check_config(str(ROOT / "configs" / "ppo_cpu_demo.yaml"),
+                          [f"model.hf_path={model_dir}"])
+    assert config.algorithm.advantage == "gae" and config.critic is not None
+    assert config.grpo.group_size == 1
+
+
+def test_a_ppo_config_error_is_one_line_before_the_heavy_imports(model_dir):
+    result = _run("apps.ppo.main", ["--config", "configs/ppo_cpu_demo.yaml",
+                                    f"model.hf_path={model_dir}", "critic.warmup_steps=abc"])
+    assert "config error: " in result.stderr and "critic.warmup_steps" in result.stderr, (
+        result.stderr[-2000:])
+    assert "IMPORTED []" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
