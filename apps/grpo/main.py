@@ -24,7 +24,6 @@ import asyncio
 import math
 import sys
 import time
-from typing import Any
 
 if __name__ == "__main__":  # --help and config errors before the imports below (seconds)
     from apps.fast_help import check_command_line
@@ -52,14 +51,15 @@ from forge_ext.rl.loop import RLLoop
 from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import FlatGroupsWatch
 from forge_ext.rl.rollouts import Rollouts
-from forge_ext.rl.sampling import DynamicSampling, check_training_rows
+from forge_ext.rl.sampling import DynamicSampling, check_training_rows, rollout_seed
 from forge_ext.rollout.engines.base import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost
+from forge_ext.rollout.runner import EpisodeBatch
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
-from forge_ext.tasks import PromptStream
+from forge_ext.tasks import PromptStream, Row
 from forge_ext.tasks.rubric import RewardFailure, failures_of
 
 
@@ -108,8 +108,6 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.estimator = build_estimator(config.algorithm, group_size=config.grpo.group_size,
                                          scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
-        self.reward_models: dict[str, Any] = {}
-        """``{name: RewardModel}`` of ``reward.functions``' reward models, once spawned."""
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
 
@@ -134,13 +132,11 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         start = time.perf_counter()
         with failures_of(f"the rollouts of step {step + 1}"):
             if c.grpo.dynamic_sampling:
-                batches, chosen, fillers, stats = await self._dynamic_rollouts(step)
+                batches, chosen, fillers, stats = await self.stream.rollouts(step, self._rollout)
             else:
                 rows = self.prompts.slice(step * c.grpo.prompts_per_step,
                                           c.grpo.prompts_per_step)
-                batches = [await self.runner.run(rows, group, self.sample,
-                                                 seed=c.seed * 1_000_003 + step,
-                                                 version=self.trainer_version)]
+                batches = [await self._rollout(rows, rollout_seed(c.seed, step))]
                 chosen = [(0, g) for g in range(c.grpo.prompts_per_step)]
                 fillers, stats = [], {}
         rolled_out = time.perf_counter()
@@ -168,14 +164,11 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         check_training_rows(rows, self.config.grpo.batch_size, {
             role: getattr(self.config, role) for role in ("trainer", "reference", "critic")})
 
-    async def _dynamic_rollouts(self, step: int):
-        """DAPO's dynamic sampling (``grpo.dynamic_sampling``): :meth:`forge_ext.rl.sampling
-        .DynamicSampling.rollouts` of ``step``, on the generator at the trainer's version."""
-        async def rollout(rows, seed):
-            return await self.runner.run(rows, self.config.grpo.group_size, self.sample,
-                                         seed=seed, version=self.trainer_version)
-
-        return await self.stream.rollouts(step, rollout)
+    async def _rollout(self, rows: list[Row], seed: int) -> EpisodeBatch:
+        """``grpo.group_size`` episodes per row of ``rows``, sampled with ``seed`` on the
+        generator at the trainer's version (a step's rollout, or one of dynamic sampling's)."""
+        return await self.runner.run(rows, self.config.grpo.group_size, self.sample,
+                                     seed=seed, version=self.trainer_version)
 
     def overlapping_rollouts(self) -> bool:
         # Dynamic sampling's steps begin where the previous step's prompts ended.

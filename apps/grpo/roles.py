@@ -27,7 +27,7 @@ from forge_ext.runtime.supervision import RoleFailure, watch_run
 class RunRoles:
     """``setup`` and the failure hooks of :class:`forge_ext.rl.loop.RLLoop` for the RL app,
     which holds what they use: ``config``, ``tok``, ``runner``, ``rubric``, ``eval_sets``,
-    ``context``, ``sample``, ``reward_models``, and the console's ``write``, ``plan_lines`` and
+    ``context``, ``sample``, and the console's ``write``, ``plan_lines`` and
     ``model_name`` (:class:`apps.grpo.console.RunConsole`). Sets ``placement``, ``watch``,
     ``roles``, ``trainer_weights`` and each role's handle (``trainer``, ``reference``,
     ``critic``, ``generator``)."""
@@ -86,7 +86,6 @@ class RunRoles:
     def attach_reward_model(self, name: str, model: Any) -> None:
         """Reward model ``name`` scores for the rubric, and for the evaluation sets' rubrics
         that use it."""
-        self.reward_models[name] = model
         for rubric in (self.rubric, *(s.runner.rubric for s in self.eval_sets)):
             if name in rubric.models:
                 rubric.attach_model(name, model.score)

@@ -25,7 +25,7 @@ from forge_ext.evaluation.metrics import (
     final_answer, maj_at_k, mean_at_k, parse_metric, pass_at_k,
 )
 from forge_ext.rollout.engines.base import SamplingConfig, derive_seed
-from forge_ext.rollout.runner import EpisodeBatch
+from forge_ext.rollout.runner import EpisodeBatch, EpisodeRunner
 from forge_ext.tasks import PromptConfig, RewardConfig
 from forge_ext.tasks.rubric import failures_of
 
@@ -293,8 +293,6 @@ class EvalSet:
 
     async def _run(self, sample: Any, group: int, batch_size: int, *, greedy: bool,
                    seed: int | None):
-        from forge_ext.rollout.runner import EpisodeBatch
-
         batches = []
         for lo in range(0, len(self.rows), batch_size):
             batches.append(await self.runner.run(
@@ -341,7 +339,6 @@ def build_sets(configs: list[EvalSetConfig], tok: Any, *, prompt: PromptConfig,
         ValueError: a set with no held-out rows, or a row that does not render (naming the
             set and the row).
     """
-    from forge_ext.rollout.runner import EpisodeRunner
     from forge_ext.tasks import PromptRenderer, Rubric, build_task, episode_config, resolved_task
 
     loaded, built = [], []

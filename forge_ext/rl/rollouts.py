@@ -123,9 +123,10 @@ def episodes_from_trajectories(
             f"{len(trajectories)} trajectories need as many rewards and at most as many "
             f"advantages, got {len(rewards)} rewards and {trained} advantages"
         )
+    advantage_of = advantages.tolist()
     episodes = []
     for i, (t, reward) in enumerate(zip(trajectories, rewards)):
-        advantage = float(advantages[i]) if i < trained else 0.0
+        advantage = advantage_of[i] if i < trained else 0.0
         for prompt_ids, response_ids, mask, logprobs in t.training_rows():
             if i >= trained:
                 mask = torch.zeros(len(response_ids), dtype=torch.bool)

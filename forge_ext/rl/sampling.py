@@ -40,6 +40,13 @@ def shaped_rewards(batch: EpisodeBatch, overlong: OverlongConfig) -> list[float]
             for r, t in zip(batch.rewards, batch.trajectories)]
 
 
+def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
+    """The sampling seed of ``step``'s rollout number ``attempt`` (dynamic sampling rolls out
+    up to ``grpo.max_rollout_batches`` per step; the first has the seed of a step without
+    it), from the run's ``seed``."""
+    return seed * 1_000_003 + step + attempt * 10_000_019
+
+
 class DynamicSampling:
     """DAPO's dynamic sampling over a prompt stream (:meth:`rollouts`), and the stream
     position where each step's prompts begin (:meth:`start`, saved and read back in
@@ -90,8 +97,7 @@ class DynamicSampling:
             if count <= 0:
                 break
             rows = self.prompts.slice(position, count)
-            # The first rollout has the seed of a step without dynamic sampling.
-            batch = await rollout(rows, self.seed * 1_000_003 + step + k * 10_000_019)
+            batch = await rollout(rows, rollout_seed(self.seed, step, k))
             shaped = shaped_rewards(batch, self.overlong)
             spread = groups_with_spread(torch.tensor(shaped), self.group)
             for g, keep in enumerate(spread.tolist()):
