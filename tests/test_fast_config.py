@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def _env(pythonpath: Path | None) -> dict[str, str] | None:
 
 def _run(module: str, args: list[str], pythonpath: Path | None = None
          ) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in the checkout; a config without its own ``output_dir=``
+    gets an empty one, so that a run the user left in the config's (``make demo``'s
+    outputs/demo) is not judged as the one to resume."""
+    if "--config" in args and not any(a.startswith("output_dir=") for a in args):
+        args = [*args, f"output_dir={tempfile.mkdtemp(prefix='fast_config_')}"]
     code = PROBE.format(module=module, args=args, heavy=HEAVY)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=_env(pythonpath))

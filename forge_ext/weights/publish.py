@@ -287,9 +287,13 @@ class WeightsPublisher:
         except TRANSPORT_ERRORS as e:  # noqa: BLE001 - every rank must reach the exchange
             error = e
         except BaseException:
-            # Interrupted (Ctrl-C, task cancelled): no exchange, but leave nothing behind.
-            await self._delete_keys(stored)
-            self._transport.abort(version)
+            # Interrupted (Ctrl-C, task cancelled): no exchange, but leave nothing behind; the
+            # transport's own abort (a slot freed, a folder removed) even if the deletes are
+            # interrupted in turn.
+            try:
+                await self._delete_keys(stored)
+            finally:
+                self._transport.abort(version)
             raise
         return written, self._group.all_gather(_status(error, **manifest)), error
 
@@ -315,9 +319,11 @@ class WeightsPublisher:
             if self._last_version != version and self._kept_version != version:
                 # The record first (readers then see "missing"), then what it points at.
                 commit = commit_key(self.config.key_prefix, version)
-                await self._delete_keys([key for key in stored if key == commit])
-                await self._delete_keys([key for key in stored if key != commit])
-                transport.abort(version)
+                try:
+                    await self._delete_keys([key for key in stored if key == commit])
+                    await self._delete_keys([key for key in stored if key != commit])
+                finally:
+                    transport.abort(version)
             raise
 
     # -- steps --------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from forge_ext.engine.schema import checkpoint_config
 from forge_ext.rollout.engines.base import (
     Completion,
     Engine,
@@ -342,11 +342,10 @@ class VLLMEngine(Engine):
         if rank is not None and rank not in VLLM_LORA_RANKS:
             raise ValueError(f"generator.vllm.max_lora_rank={rank!r} must be one of "
                              f"{list(VLLM_LORA_RANKS)} (vLLM's MaxLoRARanks)")
-        path = os.path.join(config.hf_path, "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                check_vllm_checkpoint(json.load(f), int(config.vllm.get("tensor_parallel_size", 1)),
-                                      config.hf_path)
+        hf_config = checkpoint_config(config.hf_path)  # a bad file: the full check says so
+        if hf_config:
+            check_vllm_checkpoint(hf_config, int(config.vllm.get("tensor_parallel_size", 1)),
+                                  config.hf_path)
 
     def __init__(
         self, hf_path: str, *, sampling: SamplingConfig, stop_token_ids: int | Sequence[int],

@@ -92,10 +92,8 @@ class SameHostTransport(Transport):
     async def prepare(self, version: int, tensors: Tensors) -> dict[str, Any]:
         """Rank 0 takes a free slot once no reader holds it; every rank shares the digest
         of its layout (the ranks must lay the slot out alike)."""
-        self._slot = None
-        if self._ring is not None:
-            self._slot = await self._ring.acquire(self._slot_layout(tensors)[1])
-        digest = self._slot_layout(tensors)[2] if tensors else None
+        _, size, digest = self._slot_layout(tensors)  # the publisher refused an empty dict
+        self._slot = None if self._ring is None else await self._ring.acquire(size)
         slot = self._slot
         return {"layout": digest, "slot": slot and (slot.path, slot.file.size)}
 
