@@ -151,7 +151,6 @@ class SFTRun:
     config: SFTConfig
     engine: Any
     """The engine (:func:`forge_ext.engine.build_engine`) in this process."""
-    engine_config: Any
     rubric: Rubric
     train_rows: list[Row]
     eval_rows: list[Row]
@@ -201,7 +200,7 @@ def start(config: SFTConfig, task: Task) -> SFTRun:
     logger = MetricLogger(config.metrics) if config.metrics else None
     if logger:
         logger.open()
-    return SFTRun(config=config, engine=engine, engine_config=engine_config, rubric=rubric,
+    return SFTRun(config=config, engine=engine, rubric=rubric,
                   train_rows=train_rows, eval_rows=eval_rows, tok=tok, render=render,
                   sampler=sampler, max_new_tokens=max_new_tokens, logger=logger)
 
@@ -225,7 +224,7 @@ def train(sft: SFTRun) -> int:
 
     from forge_ext.engine import cross_entropy_loss, valid_tokens
 
-    config, engine_config = sft.config, sft.engine_config
+    config, engine_config = sft.config, sft.engine.config
     rng = random.Random(config.seed)
     steps, batch_size = engine_config.training.steps, engine_config.training.local_batch_size
     step = 0
@@ -259,7 +258,7 @@ def save(sft: SFTRun) -> HFSampler:
     config, engine, tok = sft.config, sft.engine, sft.tok
     out = Path(config.output_dir)
     hf_config = json.loads((Path(config.init.hf_path) / "config.json").read_text())
-    lora = sft.engine_config.lora
+    lora = sft.engine.config.lora
     if lora is None:
         save_hf_checkpoint(out, engine.hf_state_dict(), hf_config,
                            tokenizer_from=config.init.hf_path)

@@ -164,7 +164,6 @@ class HostsConfig:
                     f"hosts.slurm.time={self.slurm.time!r} must be a Slurm time limit such "
                     "as '04:00:00' or '1-00:00:00'"
                 )
-        if self.launcher == "slurm":
             for name in ("start_timeout_s", "heartbeat_timeout_s"):
                 value = getattr(self.slurm, name)
                 if value < 0:

@@ -192,7 +192,7 @@ class Placement:
             if launcher == "processes":
                 # Its workers run in sessions of their own: killed with the controller.
                 self.reaper = start_reaper(
-                    sessions=[state.pid for state in self.job._host_to_pid.values()],
+                    sessions=[worker.pid for worker in self.job._host_to_pid.values()],
                     rmtree=[self.job._tmpdir] if self.job._tmpdir else [])
         except BaseException:
             self.stop()
