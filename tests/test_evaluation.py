@@ -219,6 +219,56 @@ def test_a_set_whose_environment_gives_the_rewards_needs_no_reward_function(tmp_
         close_sets([built])
 
 
+def test_a_sets_metrics_group_the_samples_of_each_prompt(tmp_path):
+    """3 prompts x 4 samples, the first prompt's four right and the others' wrong, in two
+    batches of rows: every metric is 1/3 and each saved sample names its own prompt's row.
+    The fault: samples grouped with the wrong stride (``records[i::rows]``), which gives
+    each prompt one right sample: pass@4 1.0 (pass@1 and mean@4 do not depend on grouping)."""
+    import asyncio
+
+    from forge_ext.evaluation import EvalSetConfig, build_sets, close_sets
+    from forge_ext.rollout.engines.base import Completion
+    from forge_ext.tasks import PromptConfig, RewardConfig, RewardFunctionConfig
+    from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2)}) + "\n"
+                            for i in range(9)))
+    save_tokenizer(tmp_path / "tok")
+    tok = CheckpointTokenizer(str(tmp_path / "tok"))
+    metrics = ["greedy", "pass@1", "pass@2", "pass@4", "mean@4", "maj@2", "maj@4"]
+    (built,) = build_sets(
+        [EvalSetConfig(name="sums", n=4, metrics=metrics,
+                       task={"source": "dataset", "train_path": str(data), "num_eval": 3})],
+        tok, prompt=PromptConfig(), max_new_tokens=4,
+        reward=RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
+                            isolation="thread"))
+    prompts = [built.runner.render(row) for row in built.rows]
+    assert len(prompts) == 3 and len({tuple(p) for p in prompts}) == 3
+
+    async def sample(prompt_ids, n, *, greedy=False, seed=None, session=None, sampling=None):
+        row = built.rows[prompts.index(list(prompt_ids))]
+        right = prompts.index(list(prompt_ids)) == 0
+        text = row.answer if right else str(int(row.answer) + 1)
+        ids = tok.encode_answer(text) + [tok.eos_id]
+        return [Completion(prompt_ids=list(prompt_ids), response_ids=ids,
+                           logprobs=[-0.5] * len(ids), finished=True, policy_version=0)
+                for _ in range(n)]
+
+    try:
+        result = asyncio.run(built.evaluate(sample, seed=0, batch_size=2, keep_samples=True))
+    finally:
+        close_sets([built])
+    assert result.metrics["reward"] == pytest.approx(1 / 3)  # the samples are as scripted
+    assert result.metrics["pass@4"] == pytest.approx(1 / 3)  # 1.0 under the wrong stride
+    for name in metrics:
+        assert result.metrics[name] == pytest.approx(1 / 3), name
+    assert len(result.samples) == 3 + 12
+    for record in result.samples:
+        assert prompts[record["row"]] == record["prompt_ids"], record["row"]
+    assert [r["row"] for r in result.samples if not r["greedy"]] == [0] * 4 + [1] * 4 + [2] * 4
+
+
 # ---- bad input, before anything is spawned -----------------------------------------------------
 
 @pytest.fixture
