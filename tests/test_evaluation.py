@@ -319,6 +319,35 @@ def test_k_above_n_is_one_line(capsys, no_spawn, demo_checkpoint):
                        "samples per prompt but n=4; raise n to 8 or lower k"), message
 
 
+def test_a_folder_of_step_folders_is_evaluated_in_step_order(tmp_path, no_spawn,
+                                                              demo_checkpoint):
+    """``checkpoint=<folder>`` of ``step-N`` folders: every step, in the order of N (step-10
+    after step-2, not before it as names sort), which is the order of the results' JSON,
+    table and plot; folders of no checkpoint kind, and names other than ``step-N``, are not
+    steps."""
+    from apps.eval.config import load_eval_config
+    from apps.eval.main import EvalApp
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for step in (10, 2, 1, 100):
+        (folder / f"step-{step}").symlink_to(demo_checkpoint, target_is_directory=True)
+    (folder / "step-3").mkdir()  # a step still being written: no config.json yet
+    (folder / "step-4.incomplete").symlink_to(demo_checkpoint, target_is_directory=True)
+    (folder / "latest").symlink_to(demo_checkpoint, target_is_directory=True)
+    app = EvalApp(load_eval_config(EVAL, [f"checkpoint={folder}",
+                                          f"output_dir={tmp_path / 'out'}"]))
+    try:
+        steps = [1, 2, 10, 100]
+        assert [c.step for c in app.checkpoints] == steps
+        assert [c.path for c in app.checkpoints] == [str(folder / f"step-{s}") for s in steps]
+        assert {c.kind for c in app.checkpoints} == {"hf"}
+        assert app.plan()[0] == "eval: 4 checkpoint(s): " + "; ".join(
+            f"hf {folder}/step-{s}" for s in steps)
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize("sets, match", [
     ("[{name: a, n: 2}]", r"eval.sets\[0\] \(a\) has no task"),
     ("[{name: a, task: {source: addition}, n: 2, metrics: [pass@4]}]", r"pass@4 needs at least 4"),
