@@ -42,6 +42,9 @@ SLURM = ["hosts.launcher=slurm", "hosts.transport=localhost", "hosts.slurm.parti
          "hosts.slurm.heartbeat_timeout_s=10"]
 HOSTS = {"launcher": "slurm", "transport": "localhost",
          "slurm": {"partition": "all", "heartbeat_timeout_s": 10}}
+# Seconds a run may take beyond hosts.slurm.start_timeout_s to give up on a job that cannot
+# start: squeue's poll, scancel and the app's exit.
+START_TIMEOUT_SLACK_S = 15
 # Slurm's own processes in a job: srun listens on every interface for its step's I/O
 # (Slurm's SrunPortRange, authenticated by munge), not a port of the run.
 SLURM_OWN = ("srun", "slurmstepd")
@@ -315,17 +318,54 @@ def test_a_job_that_cannot_start_is_cancelled_naming_its_state_and_reason(
     app = start_app(slurm, demo_checkpoint_small, tmp_path, "hosts.slurm.partition=one",
                     "hosts.slurm.start_timeout_s=3")
     try:
-        out, err = app.communicate(timeout=120)
+        job = its_job(slurm, app)
+        submitted = time.monotonic()
+        try:
+            out, err = app.communicate(timeout=3 + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run still waits for job {job} {time.monotonic() - submitted:.0f} "
+                        "s after submitting it, with hosts.slurm.start_timeout_s=3")
+        seconds = time.monotonic() - submitted
     finally:
         app.kill()
-    job = its_job(slurm, app, 1)
+    print(f"submitted -> exit: {seconds:.1f} s")
     assert app.returncode == 1, err
+    # The wait, squeue's poll (0.5 s), scancel and the app's exit; not the test's own limit.
+    assert 3 - 1 < seconds < 3 + START_TIMEOUT_SLACK_S, (
+        f"the run stopped {seconds:.1f} s after submitting job {job}, with "
+        "hosts.slurm.start_timeout_s=3")
     assert err.strip().splitlines()[-1] == (
         f"error: Slurm job {job} did not start within hosts.slurm.start_timeout_s=3: PENDING "
         "(Reason=PartitionConfig: the job asks for more than its partition has (nodes, GPUs, "
         "time)); it was cancelled. Raise hosts.slurm.start_timeout_s to wait longer, or ask "
         "for fewer nodes or another partition (`sinfo`, `scontrol show partition`)")
     assert slurm.jobs()[job] == "CANCELLED"
+
+
+def test_a_cancelled_start_cancels_the_job_it_waits_for(slurm, tmp_path):
+    """Placement.start's own promise (the apps also stop their placement in a ``finally``,
+    which hid its loss): a start cancelled while it waits for a job that cannot start
+    (three nodes of the one-node partition, no start timeout) ends with CancelledError and
+    leaves no job: the job is CANCELLED while the process that submitted it still lives."""
+    out = tmp_path / "record.json"
+    hosts = {**HOSTS, "slurm": {**HOSTS["slurm"], "partition": "one", "start_timeout_s": 0},
+             "reference": {"hosts": 1}, "generator": {"hosts": 1}}
+    driver = subprocess.Popen([sys.executable, DRIVER, "cancel", str(out), json.dumps(hosts),
+                               str(tmp_path)], env=slurm.env, cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = driver.stdout.readline()  # once the cancelled start has returned
+        assert line == "cancelled\n", driver.communicate(timeout=30)[1][-3000:]
+        record = json.loads(out.read_text())
+        assert record["outcome"] == "CancelledError"
+        assert not record["job_left"]
+        job = record["job_id"]
+        wait_for(lambda: slurm.jobs().get(job) == "CANCELLED", 10,
+                 f"job {job} cancelled by its cancelled start")
+        driver.stdin.close()
+        assert driver.wait(timeout=60) == 0, driver.stderr.read()[-3000:]
+    finally:
+        driver.kill()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
