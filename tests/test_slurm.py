@@ -358,10 +358,10 @@ def test_a_cancelled_start_cancels_the_job_it_waits_for(slurm, tmp_path):
         assert line == "cancelled\n", driver.communicate(timeout=30)[1][-3000:]
         record = json.loads(out.read_text())
         assert record["outcome"] == "CancelledError"
-        assert not record["job_left"]
         job = record["job_id"]
         wait_for(lambda: slurm.jobs().get(job) == "CANCELLED", 10,
                  f"job {job} cancelled by its cancelled start")
+        assert not record["job_left"]  # the placement let go of it
         driver.stdin.close()
         assert driver.wait(timeout=60) == 0, driver.stderr.read()[-3000:]
     finally:
