@@ -12,8 +12,9 @@ nodes on this machine (the session's ``slurm_cluster``, tests/slurm_cluster.py; 
   reference and generator on the third: weights cross nodes) gives the held-out accuracy and
   losses of the same run on the ``processes`` launcher; neither run listens on every
   interface, the ``processes`` one only on loopback;
-- a job that cannot start is cancelled after hosts.slurm.start_timeout_s, with one line
-  naming it, its state and Slurm's reason; SIGTERM and Ctrl-C during the wait cancel it;
+- a job that cannot start is cancelled after hosts.slurm.start_timeout_s (timed: a few
+  seconds past it), with one line naming it, its state and Slurm's reason; SIGTERM and
+  Ctrl-C during the wait cancel it, and so does a cancelled ``Placement.start`` by itself;
 - a controller killed with SIGKILL leaves no job, worker or proc running beyond
   hosts.slurm.heartbeat_timeout_s (plus a poll and Slurm's kill).
 """
@@ -385,7 +386,7 @@ def test_sigterm_or_ctrl_c_while_the_job_waits_cancels_it(slurm, demo_checkpoint
     assert app.returncode == 130, err
     assert "stopping now (the run was still starting)" in out
     assert slurm.jobs()[job] == "CANCELLED"
-    assert seconds < 20
+    assert seconds < 20, f"the run exited {seconds:.1f} s after {signal.Signals(signum).name}"
 
 
 def test_a_controller_killed_with_sigkill_leaves_no_job_running(slurm, demo_checkpoint_small,
@@ -419,4 +420,7 @@ def test_a_controller_killed_with_sigkill_leaves_no_job_running(slurm, demo_chec
         app.kill()
     print(f"controller SIGKILL -> job {job} and its processes gone: {seconds:.1f} s")
     assert slurm.jobs()[job] == "CANCELLED"
-    assert seconds < 10 + 5 + 15  # timeout, a poll, Slurm's SIGTERM -> SIGKILL (KillWait 5)
+    # The heartbeat timeout, a poll, Slurm's SIGTERM -> SIGKILL (KillWait 5).
+    assert seconds < 10 + 5 + 15, (
+        f"job {job} and its processes outlived the controller by {seconds:.1f} s, with "
+        "hosts.slurm.heartbeat_timeout_s=10")

@@ -1,5 +1,6 @@
 """RLTrainer on real Monarch proc meshes with real torch.distributed (gloo): training lowers
-the loss, DP=2 equals DP=1, checkpoints round-trip, bad requests are rejected cleanly."""
+the loss, DP=2 equals DP=1, checkpoints round-trip, bad requests are rejected cleanly; the
+critic's gradients, checkpoints, and the targets a PPO step hands to its update."""
 
 import asyncio
 import copy
