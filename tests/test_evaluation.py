@@ -197,6 +197,33 @@ def test_results_are_a_json_a_table_and_a_plot_per_step(tmp_path):
         entry(2, 0.25, 0.5)]})] == ["eval_results.json", "eval_results.md"]
 
 
+def test_the_plot_draws_each_metric_over_the_steps_in_step_order(tmp_path, monkeypatch):
+    """Checkpoints of steps 10, 2 and 100 (in that order, labels ``hf/step-N`` that sort by
+    name as 10, 100, 2): each set's line goes through the steps in the order of N. What is
+    drawn is read where the plot is drawn (``plot_panels``, which then runs as shipped)."""
+    from forge_ext.evaluation.report import plot_steps
+    from forge_ext.runtime import metrics
+
+    drawn = []
+
+    def recording(panels, path, title=""):
+        drawn.extend(panels)
+        return real(panels, path, title)
+
+    real = metrics.plot_panels
+    monkeypatch.setattr(metrics, "plot_panels", recording)
+    settings = {"rows": 6, "n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 5,
+                "seed": 0}
+    checkpoints = [{"label": f"hf/step-{step}", "step": step, "kind": "hf",
+                    "sets": {"sums": {"metrics": {"pass@1": step / 100, "prompts": 6.0},
+                                      "settings": settings}},
+                    "overall": {"pass@1": step / 100}} for step in (10, 2, 100)]
+    assert plot_steps({"seed": 0, "checkpoints": checkpoints}, tmp_path / "plot.png")
+    ((panel, series),) = drawn
+    assert panel.ylabel == "pass@1"
+    assert series == {"sums": [(2, 0.02), (10, 0.1), (100, 1.0)]}
+
+
 def test_a_set_whose_environment_gives_the_rewards_needs_no_reward_function(tmp_path):
     """As in training, a multi-turn set's environment rewards may stand alone: no
     ``reward.functions`` and a task without default rewards (a dataset file) is a set."""
