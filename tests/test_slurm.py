@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -355,7 +356,9 @@ def test_a_cancelled_start_cancels_the_job_it_waits_for(slurm, tmp_path):
                                str(tmp_path)], env=slurm.env, cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = driver.stdout.readline()  # once the cancelled start has returned
+        # Once the cancelled start has returned (imports, sbatch and the wait: seconds).
+        assert select.select([driver.stdout], [], [], 120)[0], "no word from the driver in 120 s"
+        line = driver.stdout.readline()
         assert line == "cancelled\n", driver.communicate(timeout=30)[1][-3000:]
         record = json.loads(out.read_text())
         assert record["outcome"] == "CancelledError"
