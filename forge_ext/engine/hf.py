@@ -21,6 +21,9 @@ LoRA is forge_ext's own adapter (:class:`LoRALinear`, torchtitan's ``LoRALinear`
 transformers' ``nn.Linear``): the base weights keep their HF names and the adapters export in
 PEFT's names, the titan backend's contract (``docs/lora.md``).
 
+A checkpoint's dropout is turned off (:func:`turn_off_dropout`): RL trains the policy the
+generator samples from, and the on-policy ratio is exactly 1.
+
 What it does not do (tensor, pipeline, context or expert parallelism, replication, activation
 checkpointing, compile) is refused by :meth:`HFEngine.validate_config` when the config is
 read, before anything is spawned.
@@ -28,7 +31,9 @@ read, before anything is spawned.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import torch
 from torch import nn
@@ -46,6 +51,13 @@ from forge_ext.engine.lora import is_adapter_key
 from forge_ext.engine.models import read_hf_config
 from forge_ext.engine.registry import MODEL_TYPE, EngineRegistry, engine_config_from_mapping
 from forge_ext.engine.schema import check_model_limits, checkpoint_label
+
+logger = logging.getLogger(__name__)
+
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
+"""Names of dropout probabilities in transformers' configs and modules: ``attention_dropout``,
+``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ``activation_dropout``, ``layerdrop``,
+``hidden_dropout_prob``, ..."""
 
 
 class LoRALinear(nn.Linear):
@@ -102,6 +114,50 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ..
         raise ValueError(f"lora.target_modules={list(targets)} matches no nn.Linear in the "
                          f"decoder layers of {type(model).__name__}; name its linear layers")
     return adapted
+
+
+def turn_off_dropout(model: nn.Module) -> dict[str, float]:
+    """Set every dropout of ``model`` to 0, in place: each ``nn.Dropout`` (any
+    ``_DropoutNd``) module's ``p``, each float module attribute and each config field
+    (``model.config`` and its sub-configs) named like a dropout probability
+    (:data:`_DROPOUT_NAME`; transformers' attention passes ``self.attention_dropout`` to SDPA
+    in training mode, OPT's layers and LayerDrop read floats). An RL step's log-probs are
+    then the same in training and evaluation mode: trainer, reference and generator (vLLM
+    has no dropout) compute one policy, and the on-policy ratio is exactly 1 (TRL's
+    ``disable_dropout``, PR #3234, which zeroes the modules only).
+
+    Returns:
+        ``{name: p}`` of what was on: config fields by their name (``resid_pdrop``), modules
+        and attributes by their module's class (``GPT2Attention.attn_dropout``).
+    """
+    found: dict[str, float] = {}
+
+    def probability(name: str, value: object) -> bool:
+        return (bool(_DROPOUT_NAME.search(name)) and isinstance(value, (int, float))
+                and not isinstance(value, bool) and value > 0)
+
+    configs, seen = [getattr(model, "config", None)], set()
+    while configs:
+        config = configs.pop()
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for key, value in list(vars(config).items()):
+            if probability(key, value):
+                found[key] = float(value)
+                setattr(config, key, 0.0)
+            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                configs.append(value)  # a sub-config (text_config, ...)
+    for module in model.modules():
+        owner = type(module).__name__
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.setdefault(owner, float(module.p))
+            module.p = 0.0
+        for attr, value in list(vars(module).items()):
+            if probability(attr, value) and isinstance(value, float):
+                found.setdefault(f"{owner}.{attr}", value)
+                setattr(module, attr, 0.0)
+    return found
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -207,6 +263,10 @@ class HFEngine(BaseEngine):
         self.num_microbatches = config.num_microbatches()
         torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
         model = self._load_model()
+        dropout = turn_off_dropout(model)
+        if dropout:
+            logger.info("engine=hf: dropout off (RL trains the policy the generator samples "
+                        "from): %s", ", ".join(f"{k}={v:g}" for k, v in sorted(dropout.items())))
         # A tied weight's second name (``lm_head.weight`` of a tied head) and its first: one
         # tensor, published and exported once, as transformers' save_pretrained writes it.
         first: dict[int, str] = {}
