@@ -98,3 +98,58 @@ def test_train_steps_run_with_the_checkpoints_dropout_off(model_type, tmp_path, 
     for key in DROPOUT[model_type]:
         if key.endswith(("pdrop", "dropout", "layerdrop")):
             assert key in said[0], (key, said[0])
+
+
+WINDOW = 6
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+              max_position_embeddings=64)
+SLIDING = {
+    # Every layer slides (no layer_types: config.sliding_window alone).
+    "mistral": dict(sliding_window=WINDOW),
+    # Layers from max_window_layers on slide: layer 0 full, layer 1 sliding.
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    # layer_types alternate: sliding, full.
+    "gemma2": dict(sliding_window=WINDOW, query_pre_attn_scalar=32),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SLIDING))
+def test_packed_rows_keep_each_layers_sliding_window(model_type, tmp_path):
+    """Packed microbatches (``training.packing``, several rows per packed row) give each row's
+    log-probs as transformers gives them for the row alone, with rows four to five times the
+    window: every sliding layer keeps its window inside each packed document, every full
+    layer attends to the whole document."""
+    init_single_process_env()
+    path = save_random(tmp_path, model_type, {**COMMON, **SLIDING[model_type]})
+    batch = make_lm_batch(6, 32, VOCAB, seed=0, ignore_prefix=[0, 5, 9, 2, 14, 3])
+    batch["labels"][1, 24:] = -100  # rows of unequal length: 24 to 32 tokens
+    batch["labels"][4, 27:] = -100
+    engine = build_engine({"engine": "hf", "model": {"hf_path": path},
+                           "training": {"local_batch_size": 6, "seq_len": 64, "packing": True,
+                                        "max_tokens_per_microbatch": 96}})
+    got = engine.forward_batch(batch, post_hook=token_logprobs)
+    assert engine.microbatches(batch)[0]["input_ids"].shape[0] == 1  # packed
+    assert len(engine.microbatches(batch)[0].rows) >= 3
+    want = transformers_logprobs(path, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_refuses_a_layer_type_a_mask_cannot_express(tmp_path):
+    """A checkpoint with a layer type other than full or sliding-window attention (here
+    chunked attention) cannot be packed: refused when the config is read, naming the field
+    and the fix; unpacked it is accepted."""
+    from transformers import AutoConfig
+
+    from forge_ext.engine import engine_config_from_mapping
+
+    AutoConfig.for_model("qwen2", vocab_size=VOCAB, **COMMON,
+                         layer_types=["full_attention", "chunked_attention"]
+                         ).save_pretrained(tmp_path)
+    section = {"engine": "hf", "model": {"hf_path": str(tmp_path)},
+               "training": {"local_batch_size": 2, "seq_len": 64}}
+    engine_config_from_mapping(section)
+    section["training"].update(packing=True, max_tokens_per_microbatch=64)
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\].*"
+                                         r"training.packing=false"):
+        engine_config_from_mapping(section)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -160,6 +161,46 @@ def turn_off_dropout(model: nn.Module) -> dict[str, float]:
     return found
 
 
+def attention_windows(config: Any) -> dict[str | None, int | None]:
+    """The attention window (tokens; None: the whole document) of each kind of decoder layer
+    of a transformers config, as its model builds its masks: by ``layer_types`` where the
+    config has them (``full_attention``: None; ``sliding_attention``: ``sliding_window``;
+    Gemma-2, Qwen2/Qwen3 with ``use_sliding_window``), else one kind for every layer (key
+    None) with ``sliding_window`` (Mistral, Phi-3; None when the config has no window).
+
+    Raises:
+        ValueError: a layer type a 4-D mask cannot express (chunked, linear or sparse
+            attention, ...), naming ``layer_types`` and ``training.packing``.
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {None: window}
+    kinds = {"full_attention": None, "sliding_attention": window}
+    other = sorted(set(types) - set(kinds))
+    if other:
+        raise ValueError(
+            f"engine=hf packs rows only for full and sliding-window attention; "
+            f"{config.model_type}'s config.json has layer_types {other}: set "
+            "training.packing=false")
+    return {kind: kinds[kind] for kind in dict.fromkeys(types)}
+
+
+def packed_attention_mask(windows: dict[str | None, int | None], position_ids: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """transformers' ``attention_mask`` for a packed row: float ``0 / -inf`` ``[b, 1, T, T]``
+    block-causal masks (:func:`forge_ext.engine.microbatch.block_causal_mask`), each layer
+    kind's with its window (:func:`attention_windows`). One kind: one 4-D mask, which every
+    model uses as it is on every layer. Several: ``{layer type: mask}``, the mapping models
+    with ``layer_types`` (Gemma-2, Qwen2, ...) take in place of the masks they would build,
+    layer ``i`` reading ``mask[config.layer_types[i]]``."""
+    masks = {w: DocumentMask(token_budget.block_causal_mask(position_ids, w)).additive(dtype)
+             for w in set(windows.values())}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return {kind: masks[w] for kind, w in windows.items()}
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: the modules of the classes transformers lists in
     ``_no_split_modules`` (the unit verl's and AReaL's FSDP wrap policies shard)."""
@@ -209,7 +250,9 @@ class HFEngine(BaseEngine):
                 activation checkpointing or compile; a bad batch split or token budget
                 (:meth:`EngineConfig.validate`); a bad ``lora`` section; no
                 ``model.hf_path``; ``training.seq_len`` beyond the checkpoint's
-                ``max_position_embeddings``; ``model.value_head``.
+                ``max_position_embeddings``; ``model.value_head``; ``training.packing`` with
+                a layer type other than full or sliding-window attention
+                (:func:`attention_windows`).
             FileNotFoundError: ``model.hf_path`` without a config.json.
         """
         par = config.parallelism
@@ -240,6 +283,10 @@ class HFEngine(BaseEngine):
             config.lora.check()
         if not config.model.hf_path:
             raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
+        if config.training.packing:  # a layer kind a packed row's mask cannot express
+            from transformers import AutoConfig
+
+            attention_windows(AutoConfig.from_pretrained(config.model.hf_path))
         hf = read_hf_config(config.model.hf_path)
         heads = hf.get("num_attention_heads") or 1
         check_model_limits(config.training, config.parallelism,
@@ -263,6 +310,9 @@ class HFEngine(BaseEngine):
         self.num_microbatches = config.num_microbatches()
         torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
         model = self._load_model()
+        # Each layer kind's window, for the masks of packed rows, read at the first (unpacked
+        # rows take the model's own masks).
+        self._attention_windows: dict[str | None, int | None] | None = None
         dropout = turn_off_dropout(model)
         if dropout:
             logger.info("engine=hf: dropout off (RL trains the policy the generator samples "
@@ -309,17 +359,20 @@ class HFEngine(BaseEngine):
     def _model_forward(self, model: nn.Module, mb: Batch) -> torch.Tensor:
         """Logits ``[b, L, V]`` of transformers' model: causal, no padding mask (right
         padding never changes an earlier position). A packed microbatch (``position_ids``)
-        passes its positions and its block-causal mask as a 4-D float ``attention_mask``
-        (one for all layers, the titan backend's :class:`DocumentMask`), which transformers
-        hands to SDPA as it is. (transformers 5.19 also infers documents from
-        ``position_ids`` when no mask is given and no cache is used, splitting wherever a
-        position is not its predecessor + 1; the explicit mask keeps forge_ext's rule, a
-        document starts at position 0, whatever the transformers version.)"""
+        passes its positions and its block-causal masks as float ``attention_mask``
+        (the titan backend's :class:`DocumentMask`, one per layer kind with its sliding
+        window, :func:`packed_attention_mask`), which transformers hands to SDPA as it
+        is. (transformers 5.19 also infers documents from ``position_ids`` when no mask is
+        given and no cache is used, splitting wherever a position is not its predecessor +
+        1; the explicit masks keep forge_ext's rule, a document starts at position 0,
+        whatever the transformers version.)"""
         if "position_ids" not in mb:
             return model(input_ids=mb["input_ids"], use_cache=False).logits
         positions = mb["position_ids"]
-        dtype = TORCH_DTYPE_MAP[self.config.training.dtype]
-        mask = DocumentMask(token_budget.block_causal_mask(positions)).additive(dtype)
+        if self._attention_windows is None:
+            self._attention_windows = attention_windows(model.config)
+        mask = packed_attention_mask(self._attention_windows, positions,
+                                     TORCH_DTYPE_MAP[self.config.training.dtype])
         return model(input_ids=mb["input_ids"], position_ids=positions, attention_mask=mask,
                      use_cache=False).logits
 
