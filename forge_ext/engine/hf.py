@@ -59,6 +59,9 @@ _DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
 """Names of dropout probabilities in transformers' configs and modules: ``attention_dropout``,
 ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ``activation_dropout``, ``layerdrop``,
 ``hidden_dropout_prob``, ..."""
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                    nn.FeatureAlphaDropout)
+"""torch's dropout modules (their ``p``)."""
 
 
 class LoRALinear(nn.Linear):
@@ -118,14 +121,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ..
 
 
 def turn_off_dropout(model: nn.Module) -> dict[str, float]:
-    """Set every dropout of ``model`` to 0, in place: each ``nn.Dropout`` (any
-    ``_DropoutNd``) module's ``p``, each float module attribute and each config field
+    """Set every dropout of ``model`` to 0, in place: each dropout module's ``p``
+    (:data:`_DROPOUT_MODULES`), each float module attribute and each config field
     (``model.config`` and its sub-configs) named like a dropout probability
     (:data:`_DROPOUT_NAME`; transformers' attention passes ``self.attention_dropout`` to SDPA
     in training mode, OPT's layers and LayerDrop read floats). An RL step's log-probs are
     then the same in training and evaluation mode: trainer, reference and generator (vLLM
     has no dropout) compute one policy, and the on-policy ratio is exactly 1 (TRL's
-    ``disable_dropout``, PR #3234, which zeroes the modules only).
+    ``disable_dropout_in_model``, PR #3234, which zeroes the modules only).
 
     Returns:
         ``{name: p}`` of what was on: config fields by their name (``resid_pdrop``), modules
@@ -151,7 +154,7 @@ def turn_off_dropout(model: nn.Module) -> dict[str, float]:
                 configs.append(value)  # a sub-config (text_config, ...)
     for module in model.modules():
         owner = type(module).__name__
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
             found.setdefault(owner, float(module.p))
             module.p = 0.0
         for attr, value in list(vars(module).items()):
