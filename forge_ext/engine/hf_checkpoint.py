@@ -289,7 +289,8 @@ def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
         ``tokenizer_config.json``, ``tokenizer.json`` or ``tokenizer.model``).
 
     Raises:
-        ValueError: the copy loads as another tokenizer (naming what differs).
+        ValueError: the source's tokenizer does not load, or the copy loads as another
+            tokenizer (naming what differs).
         OSError: a copy failed.
     """
     source, target = Path(source), Path(target)
@@ -298,7 +299,11 @@ def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
         return []
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # transformers raises many kinds; the export names its source
+        raise ValueError(f"the tokenizer of {str(source)!r} does not load, so the export "
+                         f"cannot carry it: {type(e).__name__}: {e}") from e
     names = dict.fromkeys([*TOKENIZER_FILES, *tokenizer.vocab_files_names.values()])
     copied = []
     for name in names:
