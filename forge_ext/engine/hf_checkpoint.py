@@ -316,6 +316,14 @@ def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
             continue
         copied.append(name)
     copy = AutoTokenizer.from_pretrained(target)
+    if not (source / "config.json").is_file() and (target / "config.json").is_file():
+        # A tokenizer-only source (a from-scratch init's): transformers picks some classes by
+        # config.json's model_type (qwen2: Qwen2Tokenizer, whatever tokenizer_class says), so
+        # the source is compared as the checkpoint's model type reads it.
+        from transformers import AutoConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(source,
+                                                  config=AutoConfig.from_pretrained(target))
     problem = _tokenizer_difference(tokenizer, copy)
     if problem:
         raise ValueError(
