@@ -589,6 +589,31 @@ def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_ch
     assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
 
 
+def test_the_plot_leaves_out_what_is_zero_by_construction_in_the_runs_mode(demo_checkpoint,
+                                                                          tmp_path):
+    """Issue 50: on-policy (sync, ``loop.max_policy_age: 0``) every sample's policy age is 0,
+    none is dropped as stale and the clip never binds (one update per rollout: the ratio is
+    1); one-turn episodes are cut only at ``max_new_tokens``. Those panels and series were
+    drawn flat at 0; they are drawn where the mode makes them move."""
+    from apps.grpo.main import RLApp
+
+    def plotted(config: str, *overrides: str) -> set[str]:
+        spec = RLApp(load_config(str(CONFIGS / config), [
+            f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / config}",
+            "task.num_train=16", "task.num_eval=2", *overrides])).plot_spec()
+        return {key for panel in spec["panels"] for key in panel.keys}
+
+    on_policy = plotted("grpo_cpu_demo.yaml")
+    zero = {"rollout/policy_age_mean", "rollout/policy_age_max", "rollout/dropped_samples",
+            "loss/clip_fraction", "rollout/truncated/max_episode_tokens",
+            "rollout/truncated/max_turns"}
+    assert not zero & on_policy, zero & on_policy
+    assert {"rollout/truncated/max_new_tokens", "rollout/groups_without_spread"} <= on_policy
+    off_policy = plotted("grpo_cpu_async.yaml")
+    assert {"rollout/policy_age_mean", "rollout/policy_age_max", "rollout/dropped_samples",
+            "loss/clip_fraction"} <= off_policy
+
+
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
     import shutil
 

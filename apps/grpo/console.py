@@ -61,7 +61,24 @@ class RunConsole:
             eval_label=f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             reward_names=self.rubric.names, replicas=c.generator.replicas,
             multi_turn=self.runner.multi_turn, eval_sets=self.eval_sets,
-            critic=self.critic is not None)
+            critic=self.critic is not None, on_policy=self.on_policy(),
+            clip_can_bind=self.clip_can_bind(),
+            truncation_causes=self.runner.truncation_causes)
+
+    def on_policy(self) -> bool:
+        """Every sample is drawn by the weights it is trained at: ``loop.mode: sync`` with
+        ``loop.max_policy_age: 0`` (its policy ages are 0, none is dropped as stale)."""
+        return self.loop.mode == "sync" and self.loop.max_policy_age == 0
+
+    def clip_can_bind(self) -> bool:
+        """Whether the clipped ratio can leave ``[1 - eps_low, 1 + eps_high]``: not with
+        ``loss.off_policy_correction: token_tis`` (its ratio is against the trainer itself,
+        1 in value), nor on-policy with the ``hf`` generator (transformers computing in the
+        trainer's dtype: the ratio is 1 up to rounding); with vLLM's kernels it measures
+        the generator's and the trainer's disagreement."""
+        loss = self.config.loss
+        return loss.off_policy_correction != "token_tis" and not (
+            self.on_policy() and self.config.generator.backend == "hf")
 
     def model_name(self) -> str:
         """The policy's ``model.name``: as given, else the one the engine reads from

@@ -160,23 +160,34 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
 
 # ---- the plot ----------------------------------------------------------------------------
 def plot_spec(*, title: str, eval_label: str, reward_names: Sequence[str], replicas: int,
-              multi_turn: bool, eval_sets: Sequence[Any], critic: bool) -> dict[str, Any]:
+              multi_turn: bool, eval_sets: Sequence[Any], critic: bool,
+              on_policy: bool = False, clip_can_bind: bool = True,
+              truncation_causes: Sequence[str] = TRUNCATION_CAUSES) -> dict[str, Any]:
     """Keyword arguments of :meth:`forge_ext.runtime.metrics.MetricLogger.close`: reward and
     held-out accuracy (labelled ``eval_label``) on the main axes, then one panel per concern
-    (loss and KL, each of ``reward_names``, response length, truncation, the clip and flat
-    groups, dynamic sampling, idle time, turns if ``multi_turn``, ``eval_sets``, the critic
-    if ``critic``, throughput, each of the ``replicas``' rate and idle time, policy ages)."""
+    (loss and KL, each of ``reward_names``, response length, truncation by each of
+    ``truncation_causes``, the clip and flat groups, dynamic sampling, idle time, turns if
+    ``multi_turn``, ``eval_sets``, the critic if ``critic``, throughput, each of the
+    ``replicas``' rate and idle time, policy ages).
+
+    What is 0 by construction in the run's mode is left out (issue 50), not drawn flat:
+    policy ages and stale samples ``on_policy`` (every sample from the latest weights), the
+    clip fraction unless ``clip_can_bind`` (the clipped ratio is 1 but for the generator's
+    and the trainer's numerics: on-policy on a generator computing as the trainer does, or
+    ``token_tis``'s ratio against the trainer itself)."""
     return {
         "plot_keys": ["reward/mean", "eval/accuracy"],
         "labels": {"reward/mean": "reward (training rollouts, sampled)",
                    "eval/accuracy": eval_label},
-        "panels": [*_training_panels(reward_names, multi_turn),
-                   *_run_panels(replicas, eval_sets, critic)],
+        "panels": [*_training_panels(reward_names, multi_turn, clip_can_bind,
+                                     truncation_causes),
+                   *_run_panels(replicas, eval_sets, critic, on_policy)],
         "title": title,
     }
 
 
-def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[PlotPanel]:
+def _training_panels(reward_names: Sequence[str], multi_turn: bool, clip_can_bind: bool,
+                     causes: Sequence[str]) -> list[PlotPanel]:
     """How training went (issue 38): loss and KL, rewards, length, truncation, clip, flat
     and dropped groups, idle time, turns."""
     return [
@@ -188,10 +199,11 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[Plot
                   labels={"rollout/response_tokens": "response length (mean)"}),
         # Why episodes were cut (rollout/truncated/<cause>: the limit to raise), how often
         # the clip bound, and how many groups carried no signal.
-        PlotPanel(keys=[f"rollout/truncated/{c}" for c in TRUNCATION_CAUSES],
+        PlotPanel(keys=[f"rollout/truncated/{c}" for c in causes],
                   ylabel="truncated (fraction)", ylim=(-0.02, 1.02),
-                  labels={f"rollout/truncated/{c}": f"cut by {c}" for c in TRUNCATION_CAUSES}),
-        PlotPanel(keys=["loss/clip_fraction", "rollout/groups_without_spread"],
+                  labels={f"rollout/truncated/{c}": f"cut by {c}" for c in causes}),
+        PlotPanel(keys=[*(["loss/clip_fraction"] if clip_can_bind else []),
+                        "rollout/groups_without_spread"],
                   ylabel="fraction", ylim=(-0.02, 1.02),
                   labels={"loss/clip_fraction": "clip fraction (tokens)",
                           "rollout/groups_without_spread":
@@ -209,8 +221,10 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[Plot
     ]
 
 
-def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool) -> list[PlotPanel]:
-    """The evaluation sets, the critic, throughput, each replica, policy ages."""
+def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool,
+                on_policy: bool) -> list[PlotPanel]:
+    """The evaluation sets, the critic, throughput, each replica, policy ages (unless
+    ``on_policy``)."""
     names = [replica_name(r, replicas) for r in range(replicas)]
     return [
         *([PlotPanel(
@@ -239,14 +253,14 @@ def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool) -> list[P
                     for k, what in (("idle_seconds", "idle"),
                                     ("paused_seconds", "paused for updates"))},
         ),
-        PlotPanel(
+        *([] if on_policy else [PlotPanel(
             keys=["rollout/policy_age_mean", "rollout/policy_age_max",
                   "rollout/dropped_samples"],
             ylabel="policy versions / samples",
             labels={"rollout/policy_age_mean": "sample policy age (mean)",
                     "rollout/policy_age_max": "sample policy age (max)",
                     "rollout/dropped_samples": "dropped samples (stale)"},
-        ),
+        )]),
     ]
 
 
