@@ -121,3 +121,20 @@ def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback()
     assert "Traceback" not in output and "Fatal Python error" not in output, output
     summary = [i for i, line in enumerate(output.splitlines()) if " passed" in line]
     assert summary and output.splitlines()[summary[-1] + 1:] == [], output[-2000:]
+
+
+def test_importing_vllm_after_forge_ext_prints_nothing():
+    """Issue 50: the agent run printed ``Triton is installed, but doesn't include CPU backend``:
+    the controller imports vLLM's OpenAI protocol classes (the agents' endpoint) without
+    starting an engine, and vLLM 0.32 applies ``VLLM_LOGGING_LEVEL`` only when an engine
+    configures its logging, so its import-time warnings reached the console through Python's
+    last-resort handler. After ``import forge_ext`` they follow ``VLLM_LOGGING_LEVEL`` (ERROR
+    unless the user sets it)."""
+    code = ("import forge_ext\n"
+            "from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest\n"
+            "from vllm.entrypoints.openai.completion.protocol import CompletionRequest\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout + result.stderr == "", result.stdout + result.stderr
