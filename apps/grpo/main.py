@@ -145,12 +145,10 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         rollouts.stats = {**stats, **rollouts.stats}
         batch = rollouts.batch
         # Episodes run side by side: "generate" is the wall time until the last one ended
-        # (their environments' time included), "env" the mean seconds an episode waited for
-        # its environment.
+        # (their environments' or agents' time included), "env" / "agent" the mean seconds
+        # an episode waited for its environment / spent in its agent's run.
         rollouts.seconds = {"generate": rolled_out - start - batch.reward_seconds,
-                            "reward": batch.reward_seconds}
-        if batch.multi_turn:
-            rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
+                            "reward": batch.reward_seconds, **batch.waited_seconds()}
         self._check_rows(len(rollouts.episodes))
         if self.reference is not None:
             start = time.perf_counter()

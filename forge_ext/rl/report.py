@@ -19,7 +19,7 @@ from forge_ext.runtime.metrics import PlotPanel
 ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
 """How the run calls itself on the console, by ``algorithm.advantage``."""
 
-TIMED = ("generate", "env", "reward", "reference", "critic", "train", "push", "fetch")
+TIMED = ("generate", "env", "agent", "reward", "reference", "critic", "train", "push", "fetch")
 """The ``time/<part>`` seconds the step line shows, in its order."""
 
 

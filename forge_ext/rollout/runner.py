@@ -152,8 +152,8 @@ class EpisodeBatch:
     """Per episode: the rubric's weighted reward (``reward.on_error`` if the environment
     failed) plus the environment's rewards."""
     env_seconds: float
-    """Seconds the episodes waited for their environments, summed over episodes (they
-    overlap: this is environment load, not wall time)."""
+    """Seconds the episodes waited for their environments (an agent's episodes: spent in
+    its run), summed over episodes (they overlap: this is load, not wall time)."""
     reward_seconds: float
     multi_turn: bool
     agent: bool = False
@@ -195,6 +195,15 @@ class EpisodeBatch:
                 "response_tokens": len(t.response_ids), "turns": t.turns,
             })
         return records
+
+    def waited_seconds(self) -> dict[str, float]:
+        """The mean seconds an episode spent outside the generator, by what it waited for:
+        ``{"agent": s}`` for an agent's episodes (its own run: its code and its calls),
+        ``{"env": s}`` for an environment's, ``{}`` for one-turn episodes (the step's
+        ``time/<key>``)."""
+        if not self.multi_turn or not self.trajectories:
+            return {}
+        return {"agent" if self.agent else "env": self.env_seconds / len(self.trajectories)}
 
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
