@@ -85,10 +85,14 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert monarch_log.is_file() and not monarch_log.is_symlink(), list((out / "logs").iterdir())
     assert monarch_log.stat().st_size > 0
     # Each role's own Python log too: torchtitan's INFO lines (kept off the console above)
-    # are in the trainer's file; the generator has its file.
+    # are in the trainer's file; the generator's says what it served (issue 50: it was
+    # empty), off the console too.
     trainer_log = (out / "logs" / "trainer-0.log").read_text()
     assert "Saving the checkpoint" in trainer_log and "Saving the checkpoint" not in output
-    assert (out / "logs" / "generator-0.log").is_file()
+    generator_log = (out / "logs" / "generator-0.log").read_text()
+    for said in ("generator ready: hf engine", "serving policy version 1",
+                 "serving policy version 2"):
+        assert said in generator_log and said not in output, (said, generator_log)
     # Sample completions per step (issue 38): both prompts of each of the 2 steps.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
