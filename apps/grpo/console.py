@@ -24,7 +24,7 @@ class RunConsole:
     ``plot_spec``, ``on_finish``) and the run's first lines, for the RL app, which holds what
     they read: ``config``, ``loop``, ``metrics``, ``task``, ``prompts``, ``eval_rows``,
     ``eval_sets``, ``rubric``, ``runner``, ``resume_step``, ``reference``, ``critic``,
-    ``flat_groups`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
+    ``flat_groups``, ``kl_drift`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
 
     def start_bar(self, step: int) -> None:
         """The progress bar of the steps, at ``step``."""
@@ -50,7 +50,8 @@ class RunConsole:
         c = self.config
         return step_line(step, m, steps=self.loop.steps, group_size=c.grpo.group_size,
                          replicas=c.generator.replicas, kl=self.reference is not None,
-                         eval_sets=self.eval_sets, flat_groups=self.flat_groups)
+                         eval_sets=self.eval_sets, flat_groups=self.flat_groups,
+                         kl_drift=self.kl_drift)
 
     def plot_spec(self) -> dict[str, Any]:
         c = self.config

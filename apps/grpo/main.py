@@ -49,7 +49,7 @@ from forge_ext.rl.advantages import build_estimator
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
 from forge_ext.rl.loop import RLLoop
 from forge_ext.rl.replay_buffer import ReplayBuffer
-from forge_ext.rl.report import FlatGroupsWatch
+from forge_ext.rl.report import FlatGroupsWatch, KLDriftWatch
 from forge_ext.rl.rollouts import Rollouts
 from forge_ext.rl.sampling import DynamicSampling, check_training_rows, rollout_seed
 from forge_ext.rollout.engines.base import Completion, derive_seed
@@ -110,6 +110,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.trainer = self.reference = self.generator = self.critic = None
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
+        self.kl_drift = KLDriftWatch()
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
                      seed: int | None = None, session=None, sampling=None) -> list[Completion]:

@@ -47,16 +47,57 @@ class FlatGroupsWatch:
                 "that generator.sampling.temperature > 0")
 
 
+class KLDriftWatch:
+    """Warns when the KL to the reference passes ``threshold`` while the training accuracy
+    has not moved (issue 50: KL 2.2, accuracy flat, nothing said): the mean
+    ``rollout/accuracy`` of the last ``window`` steps within ``min_gain`` of the run's first
+    ``window`` steps. The policy then drifts away from the reference without learning the
+    task: a learning rate too high, a KL coefficient too low, or a reward the model games.
+    Once per crossing: a KL that falls below half the threshold and climbs again warns
+    again."""
+
+    def __init__(self, threshold: float = 1.0, window: int = 3, min_gain: float = 0.02):
+        self.threshold, self.window, self.min_gain = threshold, window, min_gain
+        self.first: list[float] = []
+        self.recent: list[float] = []
+        self.armed = True
+
+    def update(self, metrics: dict[str, float]) -> str | None:
+        """The warning line, on the step whose KL passes the threshold with the accuracy
+        flat; else None (also on a step without ``loss/kl`` or ``rollout/accuracy``)."""
+        kl, accuracy = metrics.get("loss/kl"), metrics.get("rollout/accuracy")
+        if kl is None or accuracy is None or math.isnan(kl) or math.isnan(accuracy):
+            return None
+        if len(self.first) < self.window:
+            self.first.append(accuracy)
+        self.recent = [*self.recent, accuracy][-self.window:]
+        if kl < self.threshold / 2:
+            self.armed = True
+        if not self.armed or kl <= self.threshold:
+            return None
+        start, now = sum(self.first) / len(self.first), sum(self.recent) / len(self.recent)
+        if now - start >= self.min_gain:
+            return None
+        self.armed = False
+        return (f"warning: KL to the reference {kl:.2f} > {self.threshold:g} while the training "
+                f"accuracy {now:.1%} (last {len(self.recent)} steps) is where it started "
+                f"({start:.1%}): the policy drifts from the reference without learning the "
+                "task. Lower trainer.optimizer.lr, raise loss.kl_coef, or check what the "
+                "rewards pay for (samples.jsonl)")
+
+
 # ---- the step line ---------------------------------------------------------------------
 def step_line(step: int, m: dict[str, float], *, steps: int, group_size: int, replicas: int,
               kl: bool, eval_sets: Sequence[Any] = (),
-              flat_groups: FlatGroupsWatch | None = None) -> str:
+              flat_groups: FlatGroupsWatch | None = None,
+              kl_drift: KLDriftWatch | None = None) -> str:
     """The console's line of ``step`` (of ``steps``) from its metrics ``m``, parts joined by
     ``" | "``: reward, accuracy, loss and what went wrong in the rollouts, then the trainer's
     and the generators' side and the timings (on a training step, which logs
     ``reward/mean``), then held-out accuracy and each evaluation set's metrics (those
     logged). ``kl``: the run has a KL reference (shows ``loss/kl``); ``replicas``:
-    ``generator.replicas``; ``flat_groups``: its warning follows on a line of its own."""
+    ``generator.replicas``; ``flat_groups``, ``kl_drift``: their warnings follow, each on a
+    line of its own."""
     parts = [f"step {step:>3}/{steps}"]
     if "reward/mean" in m:
         parts += _rollout_parts(m, group_size)
@@ -70,8 +111,9 @@ def step_line(step: int, m: dict[str, float], *, steps: int, group_size: int, re
                  if f"eval/{s.name}/{name}" in m]
         if shown:
             parts.append(f"{s.name} " + " ".join(shown))
-    warning = flat_groups.update(m) if flat_groups is not None and "loss" in m else None
-    return " | ".join(parts) + (f"\n{warning}" if warning else "")
+    watches = [w for w in (flat_groups, kl_drift) if w is not None] if "loss" in m else []
+    warnings = [line for line in (w.update(m) for w in watches) if line]
+    return "\n".join([" | ".join(parts), *warnings])
 
 
 def _rollout_parts(m: dict[str, float], group_size: int) -> list[str]:
