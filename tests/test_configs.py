@@ -690,6 +690,14 @@ def test_every_unknown_key_of_a_config_is_reported_in_one_error(tmp_path):
         assert repr(key) in message, (key, message)
         if guess:
             assert f"{key!r} (did you mean {guess!r}?)" in message, (key, message)
+    with pytest.raises(ValueError) as error:  # PPO's critic: its own fields and its engine's
+        load_config(str(CONFIGS / "ppo_cpu_demo.yaml"), ["critic.clip_valu=0.1",
+                                                         "critic.training.sequence_len=8",
+                                                         "loop.stpes=2"], check_model=False)
+    message = str(error.value)
+    for key, guess in [("critic.clip_valu", "critic.clip_value"), ("loop.stpes", "loop.steps"),
+                       ("critic.training.sequence_len", "critic.training.seq_len")]:
+        assert f"{key!r} (did you mean {guess!r}?)" in message, (key, message)
     with pytest.raises(ValueError) as error:
         check_sft_config(str(CONFIGS / "sft_cpu_demo.yaml"),
                          ["eval.evry=5", "trainer.optimizer.lrr=1"])

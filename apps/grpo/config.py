@@ -40,7 +40,7 @@ from typing import Any, Literal
 # Light modules only (standard library, OmegaConf, dacite): a config error shows in well
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
-from forge_ext.actors.critic_config import CriticConfig, critic_sections
+from forge_ext.actors.critic_config import CriticConfig, critic_key_problems, critic_sections
 from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.config_doc import SectionDoc, help_text, sections
@@ -597,7 +597,7 @@ class GRPOConfig:
 #: The sections of a GRPO config that a component checks (engines, the task), for
 #: :func:`forge_ext.config.from_mapping`: every unknown key of a config in one error.
 SECTION_CHECKS = {"trainer": engine_key_problems, "reference": engine_key_problems,
-                  "task": task_key_problems}
+                  "critic": critic_key_problems, "task": task_key_problems}
 
 
 def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True,

@@ -57,13 +57,15 @@ def check_engine_section(mapping: Any, section: str = "trainer") -> None:
 
 
 def engine_section_problems(mapping: Any, section: str = "trainer", *,
-                            types: bool = True) -> list[str]:
+                            types: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """The messages :func:`check_engine_section` raises, as a list (empty: none);
-    ``types=False`` leaves out the values' types (the unknown keys only)."""
+    ``types=False`` leaves out the values' types (the unknown keys only); ``extra``: keys
+    the section takes at its top beside the engine's (the critic's own, not checked here)."""
     tree, problems = engine_fields(), []
 
     def check(node: Any, name: str, path: str) -> None:
-        fields = tree[name]
+        fields = tree[name] if name or not extra else {
+            **{key: {"types": ["any"]} for key in extra}, **tree[name]}
         if not isinstance(node, Mapping):
             problems.append(f"{path} must be a mapping, got {type(node).__name__}")
             return
