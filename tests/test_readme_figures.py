@@ -8,8 +8,8 @@ import json
 import pytest
 
 from apps.readme_figures import (
-    DEMO_CONFIGS, README, RECORD, REGENERATE, config_digest, parse_demo_console, readme_block,
-    render, stale_configs,
+    DEMO_CONFIGS, EVAL_CONFIG, README, RECORD, REGENERATE, config_digest, parse_demo_console,
+    readme_block, rendered_blocks, stale_configs,
 )
 
 
@@ -19,16 +19,29 @@ def record():
     return json.loads(RECORD.read_text())
 
 
-def test_the_demo_configs_are_the_ones_its_figures_were_measured_on(record):
+def test_the_configs_are_the_ones_the_figures_were_measured_on(record):
+    assert set(record["demo"]["configs"]) == set(DEMO_CONFIGS)
+    assert set(record["eval"]["configs"]) == {EVAL_CONFIG}
     stale = stale_configs(record)
-    assert not stale, (f"a demo config changed after the README's figures were measured "
+    assert not stale, (f"a config changed after the README's figures were measured "
                        f"({'; '.join(stale)}); rerun the demo and record it: {REGENERATE}")
 
 
-def test_the_readme_block_is_the_records_rendering(record):
-    block = readme_block(README.read_text())
-    assert block is not None, "README.md has lost its generated figures block"
-    assert block == render(record), f"README.md's figures block was edited; {REGENERATE}"
+def test_the_readme_blocks_are_the_records_rendering(record):
+    readme = README.read_text()
+    blocks = rendered_blocks(record)
+    assert len(blocks) == 2
+    for (begin, end), text in blocks.items():
+        block = readme_block(readme, begin, end)
+        assert block is not None, f"README.md has lost its generated block {begin}"
+        assert block == text, f"README.md's block {begin} was edited; {REGENERATE}"
+
+
+def test_the_evaluation_is_of_the_demos_policies(record):
+    """Greedy held-out accuracy of the warm-start and the final policy, evaluated apart,
+    equals what the demo run logged for them (same prompts, greedy)."""
+    greedy = [round(100 * row["greedy"], 1) for row in record["eval"]["rows"]]
+    assert greedy == [record["demo"]["warm_start"], record["demo"]["after"]]
 
 
 def test_the_recorded_numbers_are_those_of_the_recorded_console_lines(record):
