@@ -66,3 +66,26 @@ def test_a_comment_leaves_the_digest_and_a_value_changes_it(tmp_path, monkeypatc
     config.write_text("loop: {steps: 101}\n")
     assert config_digest("configs/demo.yaml") != before
     assert len(DEMO_CONFIGS) == 2
+
+
+def test_write_rewrites_both_blocks_from_a_new_record(record, tmp_path, monkeypatch):
+    """What ``--write`` does after its runs: the record saved, each README block replaced
+    by its rendering, the text around them kept."""
+    import apps.readme_figures as figures
+
+    readme, saved = tmp_path / "README.md", tmp_path / "figures.json"
+    readme.write_text("before\n" + readme_block(README.read_text()) + "\nmiddle\n"
+                      + readme_block(README.read_text(), figures.EVAL_BEGIN, figures.EVAL_END)
+                      + "\nafter\n")
+    monkeypatch.setattr(figures, "README", readme)
+    monkeypatch.setattr(figures, "RECORD", saved)
+    results = {"checkpoints": [{"label": name, "sets": {"held-out": {"metrics": {
+        "greedy": g, "pass@1": 0.1, "pass@8": 0.5, "maj@8": 0.2, "reward": 0.1}}}}
+        for name, g in (("a", 0.3), ("b", 0.6))]}
+    new = {**record, "demo": {**record["demo"], "after": 60.0, "gain": 30.0},
+           "eval": {**record["eval"], "rows": figures.parse_eval_results(results)}}
+    figures.write(new)
+    text = readme.read_text()
+    assert json.loads(saved.read_text()) == new
+    assert text.startswith("before\n") and "\nmiddle\n" in text and text.endswith("\nafter\n")
+    assert "60.0%" in text and "| `b` | 60.0% | 10.0% | 50.0% | 20.0% |" in text, text
