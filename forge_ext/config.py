@@ -149,7 +149,20 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = ""
     try:
         return dacite.from_dict(cls, mapping, config=dacite.Config(strict=True, cast=[tuple]))
     except (dacite.WrongTypeError, dacite.MissingValueError) as e:
-        raise ValueError(f"{_join(path, e.field_path)}: {_describe(e)}") from None
+        where = _join(path, e.field_path)
+        raise ValueError(f"{where}: {_describe(e)}{_brace_hint(e, where)}") from None
+
+
+def _brace_hint(error: Exception, where: str) -> str:
+    """For text in braces that YAML read as a mapping (``prompt.template={prompt}`` on the
+    command line: ``{'prompt': None}``) where a string was due: how to quote it."""
+    value = getattr(error, "value", None)
+    if not (isinstance(error, dacite.WrongTypeError) and isinstance(value, Mapping) and value
+            and all(v is None for v in value.values())):
+        return ""
+    text = "{" + ",".join(str(k) for k in value) + "}"
+    return (f"; a value in braces reads as a YAML mapping: quote it, e.g. "
+            f"\"{where}='{text}'\"")
 
 
 def _describe(error: Exception) -> str:

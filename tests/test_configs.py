@@ -290,6 +290,16 @@ def test_unknown_engine_keys_are_named_with_their_section(demo_checkpoint):
         load_config(path, [f"model.hf_path={demo_checkpoint}", "reference.training.foo=1"])
 
 
+def test_a_brace_value_read_as_a_mapping_says_to_quote_it():
+    """``prompt.template={prompt}`` on the command line is YAML for a mapping: the error
+    says to quote it, as docs show (``"prompt.template='{prompt}'"``)."""
+    with pytest.raises(ValueError, match=re.escape(
+            "prompt.template: {'prompt': None} is not a valid str; a value in braces reads "
+            "as a YAML mapping: quote it, e.g. \"prompt.template='{prompt}'\"")):
+        load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), ["prompt.template={prompt}"],
+                    check_model=False)
+
+
 def test_wrong_types_and_values_name_the_field():
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match="loop.steps"):
