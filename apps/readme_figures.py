@@ -164,9 +164,9 @@ def render(record: dict[str, Any]) -> str:
     demo, suite = record["demo"], record.get("suite")
     text = [BEGIN, "```", demo["warm_start_line"], demo["last_step_line"], demo["summary_line"],
             "```", "",
-            f"({demo['date']}, {demo['machine']}, {_duration(demo['seconds'])} for both apps; "
-            f"warm-start {demo['warm_start']}% -> {demo['after']}% after {demo['steps']} GRPO "
-            f"steps, {demo['gain']:+.1f} points.)"]
+            (f"({demo['date']}, {demo['machine']}, {_duration(demo['seconds'])} for both apps; "
+             f"warm-start {demo['warm_start']}% -> {demo['after']}% after {demo['steps']} GRPO "
+             f"steps, {demo['gain']:+.1f} points.)")]
     if suite:
         text += ["", f"`make test` on {suite['date']} ({suite['machine']}): {suite['tests']:,} "
                  f"tests, {suite.get('passed', 0):,} passed, {suite.get('skipped', 0)} skipped"

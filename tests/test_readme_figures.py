@@ -8,8 +8,16 @@ import json
 import pytest
 
 from apps.readme_figures import (
-    DEMO_CONFIGS, EVAL_CONFIG, README, RECORD, REGENERATE, config_digest, parse_demo_console,
-    readme_block, rendered_blocks, stale_configs,
+    DEMO_CONFIGS,
+    EVAL_CONFIG,
+    README,
+    RECORD,
+    REGENERATE,
+    config_digest,
+    parse_demo_console,
+    readme_block,
+    rendered_blocks,
+    stale_configs,
 )
 
 
