@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -164,15 +165,21 @@ def render(record: dict[str, Any]) -> str:
     demo, suite = record["demo"], record.get("suite")
     text = [BEGIN, "```", demo["warm_start_line"], demo["last_step_line"], demo["summary_line"],
             "```", "",
-            (f"({demo['date']}, {demo['machine']}, {_duration(demo['seconds'])} for both apps; "
-             f"warm-start {demo['warm_start']}% -> {demo['after']}% after {demo['steps']} GRPO "
-             f"steps, {demo['gain']:+.1f} points.)")]
+            _wrap(f"({demo['date']}, {demo['machine']}, {_duration(demo['seconds'])} for both "
+                  f"apps; warm-start {demo['warm_start']}% -> {demo['after']}% after "
+                  f"{demo['steps']} GRPO steps, {demo['gain']:+.1f} points.)")]
     if suite:
-        text += ["", f"`make test` on {suite['date']} ({suite['machine']}): {suite['tests']:,} "
-                 f"tests, {suite.get('passed', 0):,} passed, {suite.get('skipped', 0)} skipped"
-                 + (f", {suite['failed']} failed" if suite.get("failed") else "")
-                 + f", in {_duration(suite['seconds'])}."]
+        text += ["", _wrap(
+            f"`make test` on {suite['date']} ({suite['machine']}): {suite['tests']:,} tests, "
+            f"{suite.get('passed', 0):,} passed, {suite.get('skipped', 0)} skipped"
+            + (f", {suite['failed']} failed" if suite.get("failed") else "")
+            + f", in {_duration(suite['seconds'])}.")]
     return "\n".join([*text, END])
+
+
+def _wrap(text: str) -> str:
+    """A paragraph of the README, wrapped as its prose is (95 columns)."""
+    return textwrap.fill(text, width=95, break_on_hyphens=False, break_long_words=False)
 
 
 def render_eval(record: dict[str, Any]) -> str:
@@ -184,10 +191,11 @@ def render_eval(record: dict[str, Any]) -> str:
             + " |" for row in run["rows"]]
     return "\n".join([
         EVAL_BEGIN, head, "| --- |" + " ---: |" * len(EVAL_METRICS), *rows, "",
-        f"({run['date']}, the policies of the `make demo` run above, {run['machine']}"
-        + (f"; {_duration(run['seconds'])} for both checkpoints" if run.get("seconds") else "")
-        + f". Greedy is the run's own held-out accuracy, {demo['warm_start']}% and "
-        f"{demo['after']}%.)", EVAL_END])
+        _wrap(f"({run['date']}, the policies of the `make demo` run above, {run['machine']}"
+              + (f"; {_duration(run['seconds'])} for both checkpoints" if run.get("seconds")
+                 else "")
+              + f". Greedy is the run's own held-out accuracy, {demo['warm_start']}% and "
+              f"{demo['after']}%.)"), EVAL_END])
 
 
 def readme_block(readme: str, begin: str = BEGIN, end: str = END) -> str | None:
