@@ -373,3 +373,29 @@ async def test_a_killed_agent_run_resumes_and_trains_every_prompt_of_the_stream_
     await resumed.run()
     assert sorted(crashed.trained) == [0, 1] and sorted(resumed.trained) == [2]
     assert_every_prompt_trained_once(crashed, resumed)
+
+
+def test_an_agents_time_is_labelled_agent_and_an_environments_env():
+    """Issue 50: the seconds an episode spent in an agent's own run (its code and its calls)
+    were shown as ``env``: they are ``agent`` (``time/agent``, the step line's ``agent
+    1.50s``); an environment's stay ``env``; one-turn episodes wait for neither."""
+    from forge_ext.rl.report import step_line
+    from forge_ext.rollout.runner import EpisodeBatch, Trajectory
+    from forge_ext.tasks.rubric import Scores
+
+    def batch(**kind) -> EpisodeBatch:
+        episodes = [Trajectory(Row("1+1=", "2"), [1], env_seconds=s) for s in (1.0, 2.0)]
+        return EpisodeBatch(episodes, Scores([0.0, 0.0], {}, {}, [False, False]), [0.0, 0.0],
+                            env_seconds=3.0, reward_seconds=0.0, **kind)
+
+    assert batch(multi_turn=True, agent=True).waited_seconds() == {"agent": 1.5}
+    assert batch(multi_turn=True).waited_seconds() == {"env": 1.5}
+    assert batch(multi_turn=False).waited_seconds() == {}
+    m = {"reward/mean": 0.5, "rollout/accuracy": 0.5, "rollout/groups_without_spread": 0.0,
+         "loss": 0.0, "policy_version": 1, "generator_version": 0,
+         "rollout/policy_age_mean": 0.0, "rollout/policy_age_max": 0,
+         "rollout/dropped_samples": 0, "time/generate": 2.0, "time/agent": 1.5,
+         "time/generator_idle": 0.0, "time/trainer_idle": 0.0,
+         "throughput/samples_per_s": 10.0}
+    line = step_line(1, m, steps=2, group_size=2, replicas=1, kl=False)
+    assert "generate 2.00s agent 1.50s" in line, line

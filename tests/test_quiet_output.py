@@ -85,10 +85,14 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert monarch_log.is_file() and not monarch_log.is_symlink(), list((out / "logs").iterdir())
     assert monarch_log.stat().st_size > 0
     # Each role's own Python log too: torchtitan's INFO lines (kept off the console above)
-    # are in the trainer's file; the generator has its file.
+    # are in the trainer's file; the generator's says what it served (issue 50: it was
+    # empty), off the console too.
     trainer_log = (out / "logs" / "trainer-0.log").read_text()
     assert "Saving the checkpoint" in trainer_log and "Saving the checkpoint" not in output
-    assert (out / "logs" / "generator-0.log").is_file()
+    generator_log = (out / "logs" / "generator-0.log").read_text()
+    for said in ("generator ready: hf engine", "serving policy version 1",
+                 "serving policy version 2"):
+        assert said in generator_log and said not in output, (said, generator_log)
     # Sample completions per step (issue 38): both prompts of each of the 2 steps.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
@@ -121,3 +125,20 @@ def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback()
     assert "Traceback" not in output and "Fatal Python error" not in output, output
     summary = [i for i, line in enumerate(output.splitlines()) if " passed" in line]
     assert summary and output.splitlines()[summary[-1] + 1:] == [], output[-2000:]
+
+
+def test_importing_vllm_after_forge_ext_prints_nothing():
+    """Issue 50: the agent run printed ``Triton is installed, but doesn't include CPU backend``:
+    the controller imports vLLM's OpenAI protocol classes (the agents' endpoint) without
+    starting an engine, and vLLM 0.32 applies ``VLLM_LOGGING_LEVEL`` only when an engine
+    configures its logging, so its import-time warnings reached the console through Python's
+    last-resort handler. After ``import forge_ext`` they follow ``VLLM_LOGGING_LEVEL`` (ERROR
+    unless the user sets it)."""
+    code = ("import forge_ext\n"
+            "from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest\n"
+            "from vllm.entrypoints.openai.completion.protocol import CompletionRequest\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout + result.stderr == "", result.stdout + result.stderr

@@ -40,12 +40,14 @@ from typing import Any, Literal
 # Light modules only (standard library, OmegaConf, dacite): a config error shows in well
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
-from forge_ext.actors.critic_config import CriticConfig, critic_sections
+from forge_ext.actors.critic_config import CriticConfig, critic_key_problems, critic_sections
 from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.config_doc import SectionDoc, help_text, sections
+from forge_ext.engine.checkpoint_files import not_hf_folder_message
 from forge_ext.engine.schema import (
-    check_engine_view, check_weights_transport, data_parallel_size, engine_view, world_size_of,
+    check_engine_view, check_weights_transport, data_parallel_size, engine_key_problems,
+    engine_view, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rl.losses.config import GRPOLossConfig
@@ -54,7 +56,9 @@ from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
-from forge_ext.tasks import PromptConfig, RewardConfig, task_config, task_section_variants
+from forge_ext.tasks import (
+    PromptConfig, RewardConfig, task_config, task_key_problems, task_section_variants,
+)
 from forge_ext.weights.config import WeightsConfig
 
 @dataclass(kw_only=True, slots=True)
@@ -354,12 +358,11 @@ class GRPOConfig:
             return
         hf_path = self.model.hf_path
         if hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
-            raise FileNotFoundError(
-                f"model.hf_path={hf_path!r} ({os.path.abspath(hf_path)}) has no config.json. For the demo, write the "
-                "warm-start first: python -m apps.sft.main --config configs/sft_cpu_demo.yaml "
-                "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
-                "directory"
-            )
+            raise FileNotFoundError(not_hf_folder_message(
+                "model.hf_path", hf_path,
+                "for the demo, write the warm-start first: python -m apps.sft.main --config "
+                "configs/sft_cpu_demo.yaml (make demo does both); otherwise point "
+                "model.hf_path at an HF checkpoint directory"))
         self._derive_sizes()
         views = self._engine_views()
         for role, view in views.items():
@@ -591,6 +594,12 @@ class GRPOConfig:
         return processes
 
 
+#: The sections of a GRPO config that a component checks (engines, the task), for
+#: :func:`forge_ext.config.from_mapping`: every unknown key of a config in one error.
+SECTION_CHECKS = {"trainer": engine_key_problems, "reference": engine_key_problems,
+                  "critic": critic_key_problems, "task": task_key_problems}
+
+
 def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True,
                 check_engines: bool = True) -> GRPOConfig:
     """Read, override, resolve and validate a GRPO YAML config (see the module docstring);
@@ -601,7 +610,7 @@ def load_config(path: str, overrides: list[str] = (), *, check_model: bool = Tru
         ValueError: unknown keys (named), wrong types, or a failed :meth:`GRPOConfig.validate`.
     """
     mapping, _ = apply_preset(load_yaml(path, overrides))  # loss.preset: fills unset fields
-    config = from_mapping(GRPOConfig, mapping)
+    config = from_mapping(GRPOConfig, mapping, sections=SECTION_CHECKS)
     config.validate(check_model=check_model, check_engines=check_engines)
     return config
 

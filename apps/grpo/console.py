@@ -24,7 +24,7 @@ class RunConsole:
     ``plot_spec``, ``on_finish``) and the run's first lines, for the RL app, which holds what
     they read: ``config``, ``loop``, ``metrics``, ``task``, ``prompts``, ``eval_rows``,
     ``eval_sets``, ``rubric``, ``runner``, ``resume_step``, ``reference``, ``critic``,
-    ``flat_groups`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
+    ``flat_groups``, ``kl_drift`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
 
     def start_bar(self, step: int) -> None:
         """The progress bar of the steps, at ``step``."""
@@ -50,7 +50,8 @@ class RunConsole:
         c = self.config
         return step_line(step, m, steps=self.loop.steps, group_size=c.grpo.group_size,
                          replicas=c.generator.replicas, kl=self.reference is not None,
-                         eval_sets=self.eval_sets, flat_groups=self.flat_groups)
+                         eval_sets=self.eval_sets, flat_groups=self.flat_groups,
+                         kl_drift=self.kl_drift)
 
     def plot_spec(self) -> dict[str, Any]:
         c = self.config
@@ -61,7 +62,24 @@ class RunConsole:
             eval_label=f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             reward_names=self.rubric.names, replicas=c.generator.replicas,
             multi_turn=self.runner.multi_turn, eval_sets=self.eval_sets,
-            critic=self.critic is not None)
+            critic=self.critic is not None, on_policy=self.on_policy(),
+            clip_can_bind=self.clip_can_bind(),
+            truncation_causes=self.runner.truncation_causes)
+
+    def on_policy(self) -> bool:
+        """Every sample is drawn by the weights it is trained at: ``loop.mode: sync`` with
+        ``loop.max_policy_age: 0`` (its policy ages are 0, none is dropped as stale)."""
+        return self.loop.mode == "sync" and self.loop.max_policy_age == 0
+
+    def clip_can_bind(self) -> bool:
+        """Whether the clipped ratio can leave ``[1 - eps_low, 1 + eps_high]``: not with
+        ``loss.off_policy_correction: token_tis`` (its ratio is against the trainer itself,
+        1 in value), nor on-policy with the ``hf`` generator (transformers computing in the
+        trainer's dtype: the ratio is 1 up to rounding); with vLLM's kernels it measures
+        the generator's and the trainer's disagreement."""
+        loss = self.config.loss
+        return loss.off_policy_correction != "token_tis" and not (
+            self.on_policy() and self.config.generator.backend == "hf")
 
     def model_name(self) -> str:
         """The policy's ``model.name``: as given, else the one the engine reads from

@@ -49,7 +49,7 @@ from forge_ext.rl.advantages import build_estimator
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
 from forge_ext.rl.loop import RLLoop
 from forge_ext.rl.replay_buffer import ReplayBuffer
-from forge_ext.rl.report import FlatGroupsWatch
+from forge_ext.rl.report import FlatGroupsWatch, KLDriftWatch
 from forge_ext.rl.rollouts import Rollouts
 from forge_ext.rl.sampling import DynamicSampling, check_training_rows, rollout_seed
 from forge_ext.rollout.engines.base import Completion, derive_seed
@@ -110,6 +110,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.trainer = self.reference = self.generator = self.critic = None
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
+        self.kl_drift = KLDriftWatch()
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
                      seed: int | None = None, session=None, sampling=None) -> list[Completion]:
@@ -145,12 +146,10 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         rollouts.stats = {**stats, **rollouts.stats}
         batch = rollouts.batch
         # Episodes run side by side: "generate" is the wall time until the last one ended
-        # (their environments' time included), "env" the mean seconds an episode waited for
-        # its environment.
+        # (their environments' or agents' time included), "env" / "agent" the mean seconds
+        # an episode waited for its environment / spent in its agent's run.
         rollouts.seconds = {"generate": rolled_out - start - batch.reward_seconds,
-                            "reward": batch.reward_seconds}
-        if batch.multi_turn:
-            rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
+                            "reward": batch.reward_seconds, **batch.waited_seconds()}
         self._check_rows(len(rollouts.episodes))
         if self.reference is not None:
             start = time.perf_counter()

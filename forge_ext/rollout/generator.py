@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +46,10 @@ from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.tasks.tokenizer import as_stop_ids
 from forge_ext.weights.config import DEFAULT_KEY_PREFIX
+
+# What a generator replica does, at INFO: its <output_dir>/logs/<replica>-0.log (log_role),
+# not the console. The engines' own lines (vLLM's) follow VLLM_LOGGING_LEVEL.
+logger = logging.getLogger(__name__)
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
 SHUTDOWN_SECONDS = 60.0
@@ -160,9 +165,12 @@ class Generator(Actor):
                 c.hf_path, sampling=c.sampling, stop_token_ids=self.stop_token_ids,
                 pad_token_id=self.pad_token_id, dtype=c.dtype, device=c.device,
             )
+        seconds = time.perf_counter() - began
+        logger.info("generator ready: %s engine on %s (dtype %s, weight_update %s, pid %d) in "
+                    "%.1fs", c.backend, c.hf_path, c.dtype, c.weight_update, os.getpid(),
+                    seconds)
         return {"policy_version": self.engine.policy_version, "pid": os.getpid(),
-                "pids": _child_pids(),
-                "setup_seconds": time.perf_counter() - began}
+                "pids": _child_pids(), "setup_seconds": seconds}
 
     @concurrent_endpoint
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
@@ -262,6 +270,8 @@ class Generator(Actor):
             done = time.perf_counter()
         engine.stats.updates += 1
         engine.stats.update_seconds += done - start
+        logger.info("serving policy version %d (%s: fetch %.3fs, load %.3fs, paused %.3fs)",
+                    policy_version, mode, fetched - start, done - fetched, done - paused)
         return {
             "policy_version": policy_version,
             "fetch_seconds": fetched - start,
@@ -282,6 +292,7 @@ class Generator(Actor):
             await self.engine.load_adapter(tensors, adapter_config, policy_version)
         finally:
             await self.engine.resume()
+        logger.info("serving the adapter %s as policy version %d", folder, policy_version)
 
     @endpoint
     async def get_policy_version(self) -> int:
@@ -298,7 +309,9 @@ class Generator(Actor):
         """Stop the engine's helper processes (vLLM's engine core and workers)."""
         engine, self.engine = self.engine, None
         if engine is not None:
+            served = engine.metrics()
             await engine.close()
+            logger.info("generator stopped: %s", served)
 
 
 def _child_pids() -> list[tuple[int, float]]:
