@@ -199,6 +199,7 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"{self.prefix}-{len(self.shards):05d}.safetensors"
         save_file(self._pending, str(self.folder / name), metadata={"format": "pt"})
+        disk.follow_umask(self.folder / name)  # safetensors writes 0600
         self.shards.append((name, list(self._pending), self._pending_bytes))
         self._pending, self._pending_bytes = {}, 0
 
@@ -249,7 +250,7 @@ def finish_hf_folder(
         for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
             source = Path(tokenizer_from) / name
             if source.is_file():
-                shutil.copy2(source, staging / name)
+                shutil.copyfile(source, staging / name)  # the umask's mode, not the source's
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():
         directory.rename(old)
