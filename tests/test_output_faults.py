@@ -88,6 +88,8 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
     with pytest.raises(SystemExit) as exited:
         app_main.main(["--config", str(tmp_path / "c.yaml")])
     assert exited.value.code == f"error: {line}"
+    # The console is kept in <output_dir>/logs/console.log, the final line included (issue 50).
+    assert (tmp_path / "logs" / "console.log").read_text() == f"error: {line}\n"
 
 
 def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
