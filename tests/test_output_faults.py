@@ -153,10 +153,12 @@ def test_weights_written_by_every_writer_follow_the_umask(tmp_path, mask):
     from forge_ext.engine.hf_checkpoint import save_hf_checkpoint
     from forge_ext.engine.lora import write_peft_folder
 
+    from forge_ext.tasks.tokenizer import save_tokenizer
+
     source = tmp_path / "source"
-    source.mkdir()
-    (source / "tokenizer.json").write_text("{}")
-    os.chmod(source / "tokenizer.json", 0o600)
+    save_tokenizer(source)
+    for path in source.iterdir():
+        os.chmod(path, 0o600)
     saved = os.umask(mask)
     try:
         hf = save_hf_checkpoint(tmp_path / "hf", {"w.weight": torch.ones(2, 2)},
