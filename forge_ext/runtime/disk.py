@@ -41,8 +41,12 @@ def umask() -> int:
 def follow_umask(path: str | os.PathLike) -> None:
     """Give the file ``path`` the mode a plain ``open(path, "w")`` would have given it:
     ``0o666 & ~umask``. safetensors 0.8's ``save_file`` writes through a temporary file and
-    leaves ``model.safetensors`` 0600 whatever the umask (seen 2026-12-07)."""
-    os.chmod(path, 0o666 & ~umask())
+    leaves ``model.safetensors`` 0600 whatever the umask (seen 2026-12-07). A filesystem
+    that refuses modes (some network and FAT mounts) keeps its own: the file is written."""
+    try:
+        os.chmod(path, 0o666 & ~umask())
+    except PermissionError:
+        pass
 
 
 class OutputWriteError(RuntimeError):
