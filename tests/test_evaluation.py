@@ -144,6 +144,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
         if written:  # the second shard finds the disk full
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(path)
+        Path(path).write_bytes(b"")  # a file, as save_file leaves (its mode is then set)
 
     monkeypatch.setattr(hf_checkpoint, "save_file", full_disk)
     with pytest.raises(OutputWriteError) as error:
