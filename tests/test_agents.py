@@ -320,9 +320,8 @@ def agent_argv(root, checkpoint, output_dir, *extra):
         "reward.functions=[{fn: exact_match}]", "reward.isolation=thread",
         "trainer.training.seq_len=256", "reference.training.seq_len=256",
         # Each call may be a row of its own (the template re-renders the assistant's decoded
-        # text): any number of rows a step, so a token budget.
-        "trainer.training.max_tokens_per_microbatch=2048",
-        "reference.training.max_tokens_per_microbatch=2048",
+        # text): any number of rows a step, and the run derives a token budget for the
+        # trainer and the reference (issue 50; none is given here).
         "generator.sampling.max_new_tokens=12", "generator.vllm.max_model_len=256", *extra,
     )
 
@@ -357,13 +356,19 @@ async def test_a_killed_agent_run_resumes_and_trains_every_prompt_of_the_stream_
     """Killed mid-step 3 (after the checkpoint of step 2) and run again: the rerun resumes
     at step 2, its agent episodes are the same calls and tokens as before the crash (every
     call seeded from the step, the episode and the call's index), and every prompt of the
-    stream is trained once."""
+    stream is trained once.
+
+    The agent is issue 50's: two text calls, the second prompt rebuilt from the first
+    answer's text (an episode of two rows where the first answer ended), on the demo
+    config as it is: a step's rows then exceed ``grpo.batch_size``, which fixed-row
+    microbatches refused at step 1 (``trainer.training has fixed-row microbatches``)."""
     from conftest import assert_every_prompt_trained_once
 
     root, checkpoint = agent_task
     demo = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_cpu_demo.yaml")
     extra = ["loop.steps=3", "loop.save_every=1", "trainer.checkpoint.enable=true",
-             "reference=null", "loss.kl_coef=0"]
+             "reference=null", "loss.kl_coef=0",
+             "task.agent=forge_ext.tasks.agents:answer_then_check"]
     output_dir = str(tmp_path / "run")
     crashed = Recording(load_config(demo, agent_argv(root, checkpoint, output_dir, *extra,
                                                      "debug.fail_at_step=3")))
@@ -373,6 +378,8 @@ async def test_a_killed_agent_run_resumes_and_trains_every_prompt_of_the_stream_
     await resumed.run()
     assert sorted(crashed.trained) == [0, 1] and sorted(resumed.trained) == [2]
     assert_every_prompt_trained_once(crashed, resumed)
+    rows = [len(r.episodes) for run in (crashed, resumed) for r in run.trained.values()]
+    assert max(rows) > crashed.config.grpo.batch_size, rows  # more rows than episodes
 
 
 def test_an_agents_time_is_labelled_agent_and_an_environments_env():

@@ -144,6 +144,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
         if written:  # the second shard finds the disk full
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(path)
+        Path(path).write_bytes(b"")  # a file, as save_file leaves (its mode is then set)
 
     monkeypatch.setattr(hf_checkpoint, "save_file", full_disk)
     with pytest.raises(OutputWriteError) as error:
@@ -389,3 +390,38 @@ def test_the_grpo_config_refuses_bad_sets_before_spawning(sets, match):
     with pytest.raises(ValueError, match=match):
         load_config(EVAL.replace("eval_cpu_demo", "grpo_cpu_demo"), [f"eval.sets={sets}"],
                     check_model=False)
+
+
+def test_the_eval_apps_console_is_kept_in_its_output_dir(monkeypatch, tmp_path, capsys):
+    """Issue 50: what ``apps.eval`` prints (its plan, the results table, where it wrote) is
+    kept in ``<output_dir>/logs/console.log`` as well as shown (the app's run replaced by one
+    that returns a result at once: the console is what is checked)."""
+    from types import SimpleNamespace
+
+    import apps.eval.main as eval_main
+
+    settings = {"rows": 2, "n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 4,
+                "seed": 0}
+    results = {"seed": 0, "checkpoints": [{"label": "step-2", "sets": {"sums": {
+        "metrics": {"greedy": 0.5}, "settings": settings}}}]}
+
+    class App:
+        paths = [tmp_path / "results.json"]
+
+        def __init__(self, config):
+            pass
+
+        def plan(self):
+            return ["evaluating 1 checkpoint on 1 set"]
+
+        async def run(self):
+            print("checkpoint step-2 done")
+            return results
+
+    config = SimpleNamespace(output_dir=str(tmp_path), env={})
+    monkeypatch.setattr(eval_main, "load_eval_config", lambda path, overrides: config)
+    monkeypatch.setattr(eval_main, "EvalApp", App)
+    assert eval_main.main(["--config", str(tmp_path / "c.yaml")]) == results
+    shown = capsys.readouterr().out
+    assert shown.startswith("evaluating 1 checkpoint") and "| step-2 | sums | 50.0% |" in shown
+    assert (tmp_path / "logs" / "console.log").read_text() == shown

@@ -104,13 +104,13 @@ def test_an_export_whose_tokenizer_loads_differently_is_refused(source, tmp_path
     what differs, with no folder left behind."""
     from transformers import AutoModelForCausalLM
 
-    copy = hf_checkpoint.shutil.copy2
+    copy = hf_checkpoint.shutil.copyfile
 
     def copy_but_the_vocabulary(src, dst, *args, **kwargs):
         if Path(src).name != "tokenizer.model":
             return copy(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(hf_checkpoint.shutil, "copy2", copy_but_the_vocabulary)
+    monkeypatch.setattr(hf_checkpoint.shutil, "copyfile", copy_but_the_vocabulary)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"does not load as .*size: 4 where the source has 341"):
         save_hf_checkpoint(tmp_path / "out", model.state_dict(), {"model_type": "llama"},

@@ -28,15 +28,15 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
         # Resized by grpo.prompts_per_step and group_size alone: the trainer's batch follows.
         "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
         "eval.batch_size=2",
-        # No reference (one proc fewer to start, mostly torchtitan's import), no plot.
-        "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
+        # No reference (one proc fewer to start, mostly torchtitan's import).
+        "reference=null", "loss.kl_coef=0", "metrics.tensorboard=false",
     ]
     # A user's shell: not this process's environment, which torchstore's import (here, in
     # the test process) gave the frame-limit variable that hides its logging setup.
     env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_CODEC_MAX_FRAME_LENGTH"}
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**env, "PYTHONPATH": str(ROOT)}, umask=0o022,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -97,6 +97,18 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     assert all(set(s["rewards"]) == {"addition"} and "completion" in s for s in samples)
+    # The console is kept (issue 50): every line the run printed, in order, the closing
+    # summary and the last line included, in <output_dir>/logs/console.log.
+    kept = iter((out / "logs" / "console.log").read_text().splitlines())
+    assert all(line in kept for line in result.stdout.splitlines()), result.stdout
+    # Every file of the run follows the umask (issue 50: model.safetensors was 0600): the
+    # checkpoint, the HF export, the plot, the logs, the metrics.
+    files = [p for p in out.rglob("*") if not p.is_symlink()]
+    assert {"model.safetensors", "progress.png", "console.log", "metrics.jsonl"} <= {
+        p.name for p in files}
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {"0o644", "0o755"}, modes
+    assert all(modes[str(p.relative_to(out))] == "0o755" for p in files if p.is_dir()), modes
     # The same command again: a finished run says so and spawns nothing (issue 38).
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env={**env, "PYTHONPATH": str(ROOT)})

@@ -47,7 +47,7 @@ from forge_ext.config_doc import SectionDoc, help_text, sections
 from forge_ext.engine.checkpoint_files import not_hf_folder_message
 from forge_ext.engine.schema import (
     check_engine_view, check_weights_transport, data_parallel_size, engine_key_problems,
-    engine_view, world_size_of,
+    engine_view, fixed_rows_token_budget, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rl.losses.config import GRPOLossConfig
@@ -57,7 +57,8 @@ from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
 from forge_ext.tasks import (
-    PromptConfig, RewardConfig, task_config, task_key_problems, task_section_variants,
+    PromptConfig, RewardConfig, episode_config, task_config, task_key_problems,
+    task_section_variants,
 )
 from forge_ext.weights.config import WeightsConfig
 
@@ -282,8 +283,6 @@ class GRPOConfig:
         """``(tokens, field)``: the longest response an episode can have after its first
         prompt: ``generator.sampling.max_new_tokens``, or ``task.max_episode_tokens`` for a
         multi-turn task (``task.environment``)."""
-        from forge_ext.tasks import episode_config
-
         episodes = episode_config(self.task)
         if episodes.environment is not None:
             return episodes.max_episode_tokens, "task.max_episode_tokens"
@@ -364,6 +363,7 @@ class GRPOConfig:
                 "configs/sft_cpu_demo.yaml (make demo does both); otherwise point "
                 "model.hf_path at an HF checkpoint directory"))
         self._derive_sizes()
+        self._derive_token_budgets()
         views = self._engine_views()
         for role, view in views.items():
             check_engine_view(view, role)
@@ -438,6 +438,51 @@ class GRPOConfig:
                 self.reference.setdefault("training", {})["seq_len"] = trainer_len
         if problems:
             raise ValueError("sizes that disagree: " + "; ".join(problems))
+
+    def row_sections(self) -> dict[str, dict[str, Any]]:
+        """``{role: its engine section}`` of the roles that train or score a step's rows
+        (trainer, reference, critic; a reward model always has a token budget). The
+        critic's is its YAML section, whose ``training`` its engine takes as it is."""
+        sections = {"trainer": self.trainer, "reference": self.reference,
+                    "critic": self.critic}
+        return {role: section for role, section in sections.items() if section is not None}
+
+    def _derive_token_budgets(self) -> None:
+        """Where a step's rows vary (an agent's episodes, ``task.agent``:
+        :attr:`forge_ext.tasks.environments.EpisodeConfig.rows_vary`), give every role that
+        trains or scores them a token budget in place of fixed-row microbatches (which
+        need exactly ``grpo.batch_size`` rows): ``training.max_tokens_per_microbatch`` =
+        ``training.seq_len`` x the rows a fixed microbatch holds
+        (:func:`forge_ext.engine.schema.fixed_rows_token_budget`: no microbatch grows).
+
+        Raises:
+            ValueError: one message naming every role where no budget can be derived.
+        """
+        episodes = episode_config(self.task)
+        if not episodes.rows_vary:
+            return
+        problems = []
+        for role, section in self.row_sections().items():
+            training = section.setdefault("training", {})
+            if training.get("max_tokens_per_microbatch"):
+                continue
+            mapping = (section if role != "critic" else critic_sections(
+                section, policy_hf_path=self.model.hf_path, trainer=self.trainer)[0])
+            try:
+                budget = fixed_rows_token_budget(engine_view(mapping, role))
+            except ValueError as e:
+                problems.append(f"{role}.{e}")
+                continue
+            for name in ("microbatch_size", "gradient_accumulation_steps"):
+                training.pop(name, None)
+            training["max_tokens_per_microbatch"] = budget
+        if problems:
+            raise ValueError(
+                f"task.agent={episodes.agent!r} makes a training row of each model call that "
+                "does not extend an earlier one (docs/agents.md), so a step's rows vary: "
+                "fixed-row microbatches take exactly grpo.batch_size rows, a token budget "
+                "(training.max_tokens_per_microbatch) any number, and none can be derived "
+                "for " + "; ".join(problems))
 
     def _validate_reward_models(self, *, check_model: bool) -> None:
         """Each reward model of ``reward.functions`` (:mod:`forge_ext.actors.reward_model`):

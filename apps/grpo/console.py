@@ -17,6 +17,7 @@ from apps.grpo.prepare import resume_step_of
 from forge_ext.config import RUN_CONFIG_FILE
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.rl.report import ALGORITHM_NAMES, accuracy_summary, plot_spec, step_line
+from forge_ext.tasks import episode_config
 
 
 class RunConsole:
@@ -122,12 +123,26 @@ class RunConsole:
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
+            *self.token_budget_lines(),
             *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"]
               if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
         ]
+
+    def token_budget_lines(self) -> list[str]:
+        """Where a step's rows vary (``task.agent``), the token budgets the roles that take
+        them train with (:meth:`apps.grpo.config.GRPOConfig._derive_token_budgets`)."""
+        c = self.config
+        if not episode_config(c.task).rows_vary:
+            return []
+        budgets = ", ".join(f"{role} {section['training']['max_tokens_per_microbatch']}"
+                            for role, section in c.row_sections().items())
+        return [f"rows per episode vary (task.agent: a call that does not extend an earlier "
+                f"one is a row of its own): token-budget microbatches of {budgets} tokens "
+                "(training.max_tokens_per_microbatch; where unset, training.seq_len x the rows "
+                "of a fixed microbatch)"]
 
     def on_finish(self, completed: bool) -> None:
         if self.bar is not None:

@@ -55,6 +55,7 @@ from forge_ext.rl.sampling import DynamicSampling, check_training_rows, rollout_
 from forge_ext.rollout.engines.base import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.rollout.runner import EpisodeBatch
+from forge_ext.runtime import run_logs
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
@@ -290,25 +291,26 @@ def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None =
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
         print(FinishedRun(app.config, app.resume_step).message())
         return
-    try:
-        asyncio.run(app.run())
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
-        print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
-              "resume from the last checkpoint", file=sys.stderr)
-        sys.exit(130)
-    except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
-        sys.exit(failure_message(failure, app.config, argv, module))
-    except PlacementError as error:  # the hosts did not start: the message says the fix
-        sys.exit(f"error: {error}")
-    except RewardFailure as failure:  # every call of a batch failed: count and traceback
-        sys.exit(f"error: {failure}")
-    except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
-        write_error = find_output_write_error(error)
-        if write_error is None:
-            raise
-        # A full disk, a read-only folder, a quota: the line names what, where, the space
-        # and the last complete checkpoint.
-        sys.exit(f"error: {write_error}")
+    with run_logs.keep_console(app.config.output_dir):  # the screen, in <output_dir>/logs
+        try:
+            asyncio.run(app.run())
+        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
+            print("interrupted: every actor and proc mesh was stopped; rerun the same command "
+                  "to resume from the last checkpoint", file=sys.stderr)
+            sys.exit(130)
+        except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
+            sys.exit(failure_message(failure, app.config, argv, module))
+        except PlacementError as error:  # the hosts did not start: the message says the fix
+            sys.exit(f"error: {error}")
+        except RewardFailure as failure:  # every call of a batch failed: count and traceback
+            sys.exit(f"error: {failure}")
+        except Exception as error:  # noqa: BLE001 - re-raised unless an output failed
+            write_error = find_output_write_error(error)
+            if write_error is None:
+                raise
+            # A full disk, a read-only folder, a quota: the line names what, where, the space
+            # and the last complete checkpoint.
+            sys.exit(f"error: {write_error}")
 
 
 if __name__ == "__main__":

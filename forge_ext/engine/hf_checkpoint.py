@@ -214,6 +214,7 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"{self.prefix}-{len(self.shards):05d}.safetensors"
         save_file(self._pending, str(self.folder / name), metadata={"format": "pt"})
+        disk.follow_umask(self.folder / name)  # safetensors writes 0600
         self.shards.append((name, list(self._pending), self._pending_bytes))
         self._pending, self._pending_bytes = {}, 0
 
@@ -263,7 +264,8 @@ def finish_hf_folder(
     if tokenizer_from is not None:
         copy_tokenizer(tokenizer_from, staging)
         if (Path(tokenizer_from) / GENERATION_CONFIG).is_file():
-            shutil.copy2(Path(tokenizer_from) / GENERATION_CONFIG, staging / GENERATION_CONFIG)
+            shutil.copyfile(Path(tokenizer_from) / GENERATION_CONFIG,  # the umask's mode
+                            staging / GENERATION_CONFIG)
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():
         directory.rename(old)
@@ -308,10 +310,13 @@ def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
     copied = []
     for name in names:
         path = source / name
+        # Contents only: the copies get the umask's mode, not the source's (a 0600 source
+        # would leave the export unreadable to others, issue 50).
         if path.is_dir():
-            shutil.copytree(path, target / name, dirs_exist_ok=True)
+            shutil.copytree(path, target / name, dirs_exist_ok=True,
+                            copy_function=shutil.copyfile)
         elif path.is_file():
-            shutil.copy2(path, target / name)
+            shutil.copyfile(path, target / name)
         else:
             continue
         copied.append(name)

@@ -214,6 +214,25 @@ def num_microbatches(training: Any) -> int:
     return 1
 
 
+def fixed_rows_token_budget(config: Any) -> int:
+    """The token budget (``training.max_tokens_per_microbatch``) that holds what one
+    fixed-row microbatch of ``config`` holds (an engine config or :func:`engine_view`):
+    ``training.seq_len`` x its rows (``local_batch_size`` / :func:`num_microbatches`), in
+    padded positions per data-parallel rank. A batch of any number of rows then splits into
+    microbatches none larger than the fixed one (:mod:`forge_ext.engine.microbatch`).
+
+    Raises:
+        ValueError: the split does not divide (:func:`num_microbatches`), or pipeline
+            parallelism, whose schedules fix the microbatch shapes (naming the field).
+    """
+    if config.pp_degree > 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree={config.pp_degree} (a pipeline schedule "
+            "fixes its microbatch shapes; a token budget needs it at 1)")
+    t = config.training
+    return t.seq_len * (t.local_batch_size // num_microbatches(t))
+
+
 def check_model_limits(training: Any, parallelism: Any, *, max_seq_len: int | None,
                        n_heads: int, n_kv_heads: int, model: str) -> None:
     """Raise ValueError if ``training.seq_len`` exceeds the model's longest sequence or
