@@ -22,9 +22,12 @@ comparison, the base the receivers hold).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import xxhash
 
@@ -32,6 +35,8 @@ from forge_ext.weights.errors import WeightsChecksumError
 
 Encoding = Literal["sparse", "dense"]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Elements :func:`encode` casts and compares at a time (1 MiB of fp32).
+SLICE = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,32 +75,67 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def encode(base: torch.Tensor, new: torch.Tensor) -> EncodedBlock:
-    """The delta that turns ``base`` into ``new``.
+def encode(base: torch.Tensor, source: torch.Tensor) -> EncodedBlock:
+    """The delta that turns ``base`` into ``source`` cast to ``base``'s dtype.
+
+    The cast, the comparison and the checksum go through ``source`` in slices of
+    :data:`SLICE` elements (each cast slice is compared while it is in the CPU's cache), so
+    the new block is never materialised whole in the published dtype unless the dense
+    encoding is chosen.
 
     Args:
-        base: flat contiguous CPU tensor, the block as the readers hold it.
-        new: flat contiguous CPU tensor of the same dtype and length, the block to publish.
+        base: flat contiguous CPU tensor, the block as the readers hold it (published dtype).
+        source: flat tensor of the same length, the block to publish, any floating dtype and
+            device (e.g. the trainer's fp32 parameter shard).
 
     Raises:
-        ValueError: the two differ in dtype or length.
+        ValueError: the two differ in length.
     """
-    if base.dtype != new.dtype or base.shape != new.shape:
+    if base.shape != source.shape:
         raise ValueError(
-            f"delta base {tuple(base.shape)} {base.dtype} does not match the new block "
-            f"{tuple(new.shape)} {new.dtype}"
+            f"delta base {tuple(base.shape)} does not match the new block {tuple(source.shape)}"
         )
-    numel, item = new.numel(), new.element_size()
-    changed = torch.nonzero(bits(new) != bits(base)).squeeze(1)
+    numel, item, dtype = base.numel(), base.element_size(), base.dtype
+    digest = xxhash.xxh3_64()
+    indices, values = [], []
+    base_bits = bits(base).numpy()
+    with _one_thread():
+        for lo in range(0, numel, SLICE):
+            new = source[lo : lo + SLICE].to(device="cpu", dtype=dtype).contiguous()
+            new_bits = bits(new).numpy()
+            digest.update(memoryview(new.view(torch.uint8).numpy()))
+            changed = np.flatnonzero(new_bits != base_bits[lo : lo + SLICE])
+            indices.append(changed + lo)
+            values.append(new_bits[changed])
+    count = sum(len(i) for i in indices)
+    if payload_nbytes("sparse", count, numel, dtype) >= numel * item:
+        new = source.to(device="cpu", dtype=dtype).contiguous()
+        return EncodedBlock("dense", numel, count, numel, new.view(torch.uint8),
+                            digest.intdigest())
+    split = _index_bytes(count, numel)
+    payload = torch.zeros(split + count * item, dtype=torch.uint8)
+    out = payload.numpy()
     idx = index_dtype(numel)
-    count = changed.numel()
-    if payload_nbytes("sparse", count, numel, new.dtype) < numel * item:
-        split = _index_bytes(count, numel)
-        payload = torch.zeros(split + count * item, dtype=torch.uint8)
-        payload[: count * idx.itemsize] = changed.to(idx).view(torch.uint8)
-        payload[split:] = new[changed].view(torch.uint8)
-        return EncodedBlock("sparse", count, count, numel, payload, checksum(new))
-    return EncodedBlock("dense", numel, count, numel, new.view(torch.uint8), checksum(new))
+    if count:
+        out[: count * idx.itemsize] = np.concatenate(indices).astype(
+            np.int32 if idx == torch.int32 else np.int64).view(np.uint8)
+        out[split:] = np.concatenate(values).view(np.uint8)
+    return EncodedBlock("sparse", count, count, numel, payload, digest.intdigest())
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads off for the block. Why: :func:`encode` casts slices of
+    :data:`SLICE` elements, and torch splits each cast across its OpenMP threads, which on a
+    host whose cores are shared (trainer ranks, generators, storage volumes) wait for each
+    other: measured on the project's 2-core host, a 155M-element fp32 block encoded in
+    0.16 s on one thread, 2.3 s on two (the whole-tensor cast alone takes 0.26 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def payload_nbytes(encoding: Encoding, count: int, numel: int, dtype: torch.dtype) -> int:

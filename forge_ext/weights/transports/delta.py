@@ -103,11 +103,15 @@ class DeltaTransport(DirectTransport):
         every owned block encoded against the snapshot, its payload put as ``direct`` puts
         blocks. The manifest adds ``codes`` ``[(name, (encoding, count, checksum))]``."""
         rank, prefix = self.group.rank, self.where.key_prefix
-        owned = _owned(state_dict, tensors, rank)
-        full_bytes = sum(new.numel() * new.element_size() for new, _, _ in owned.values())
+        owned = _owned(state_dict, rank)
+        full_bytes = sum(new.numel() * tensors[name][0].itemsize
+                         for name, (new, _, _) in owned.items())
         elements = sum(new.numel() for new, _, _ in owned.values())
         if self._base is None:
-            self._pending = {name: new.clone() for name, (new, _, _) in owned.items()}
+            self._pending = {
+                name: new.to(device="cpu", dtype=tensors[name][0], copy=True).contiguous()
+                for name, (new, _, _) in owned.items()
+            }
             self.last_stats = DeltaStats(None, elements, elements, full_bytes)
             return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
         blocks, codes, encoded = [], [], {}
@@ -209,17 +213,14 @@ class DeltaTransport(DirectTransport):
 
 
 def _owned(
-    state_dict: Mapping[str, torch.Tensor], tensors: Tensors, rank: int
+    state_dict: Mapping[str, torch.Tensor], rank: int
 ) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-    """``{name: (this rank's block, its local shape, its global offset)}``, the block flat,
-    contiguous, on the CPU, in the published dtype (:func:`~forge_ext.weights.transports
-    .shards.owned_block`)."""
+    """``{name: (this rank's block, its local shape, its global offset)}``, the block flat in
+    its own dtype and device (:func:`~forge_ext.weights.transports.shards.owned_block`)."""
     blocks = {}
     for name, value in state_dict.items():
         owned = owned_block(value, rank)
         if owned is not None:
             local, local_shape, global_offset = owned
-            flat = local.reshape(-1).to(device="cpu", dtype=tensors[name][0]).contiguous()
-            blocks[name] = (flat.resolve_conj().resolve_neg(), local_shape, global_offset)
+            blocks[name] = (local.reshape(-1), local_shape, global_offset)
     return blocks
-
