@@ -279,6 +279,15 @@ def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
         for _ in range(2):  # an overwrite encoding applied twice gives the same data
             codec.apply(target, code.encoding, code.count, code.payload, code.checksum, "w")
             assert torch.equal(target.view(torch.uint8), new.view(torch.uint8)), dtype
+        # 5% changed: offsets within 256-element segments are the smaller index.
+        spread = base.clone()
+        moved = torch.randperm(3001, generator=g)[:150]
+        spread[moved] = torch.randn(150, generator=g).to(dtype)
+        code = codec.encode(base, spread)
+        assert code.encoding == "sparse8", dtype
+        target = base.clone()
+        codec.apply(target, code.encoding, code.count, code.payload, code.checksum, "w")
+        assert torch.equal(target.view(torch.uint8), spread.view(torch.uint8)), dtype
         dense = codec.encode(base, torch.randn(3001, generator=g).to(dtype))
         assert dense.encoding == "dense"
         assert dense.payload.numel() == 3001 * base.element_size()

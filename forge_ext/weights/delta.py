@@ -7,9 +7,15 @@ delta compares the raw bits of the new and the base data (an integer view of the
 no tolerance, ``-0.0`` vs ``0.0`` and NaN payloads count as changes), and is encoded as one of:
 
 - ``sparse``: the changed elements' flat indices (``int32``, or ``int64`` for a block of
-  2**31 elements or more), padded to a multiple of 8 bytes, then their new values;
-- ``dense``: every element's new value, the block's bytes, when the sparse encoding would not
-  be smaller (a block whose every fourth bf16 element or more changed: ``6 * changed >= 2 * n``).
+  2**31 elements or more), then their new values: ``4 + itemsize`` bytes per changed element;
+- ``sparse8``: the block cut into segments of :data:`SEGMENT` (256) elements, a ``uint16``
+  count of changed elements per segment, then each changed element's ``uint8`` offset in its
+  segment, then the new values: ``1 + itemsize`` bytes per changed element and ``2 / 256``
+  bytes per element (0.4% of a bf16 block), the smaller one from about 0.1% changed on;
+- ``dense``: every element's new value, the block's bytes, when neither is smaller.
+
+Each part of a payload starts at a multiple of 8 bytes (so that it can be viewed as any
+dtype); :func:`encode` picks the smallest encoding (:func:`payload_nbytes`).
 
 Both are "overwrite" encodings (slime's term, ``docs/en/advanced/delta-weight-sync.md``): the
 new values, not an XOR with the old, so applying a delta twice gives the same result as
@@ -33,7 +39,10 @@ import xxhash
 
 from forge_ext.weights.errors import WeightsChecksumError
 
-Encoding = Literal["sparse", "dense"]
+Encoding = Literal["sparse", "sparse8", "dense"]
+ENCODINGS: tuple[Encoding, ...] = ("sparse", "sparse8", "dense")
+#: Elements per segment of the ``sparse8`` encoding (offsets fit a ``uint8``).
+SEGMENT = 256
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Elements :func:`encode` casts and compares at a time (1 MiB of fp32).
 SLICE = 1 << 18
@@ -107,20 +116,26 @@ def encode(base: torch.Tensor, source: torch.Tensor) -> EncodedBlock:
             changed = np.flatnonzero(new_bits != base_bits[lo : lo + SLICE])
             indices.append(changed + lo)
             values.append(new_bits[changed])
-    count = sum(len(i) for i in indices)
-    if payload_nbytes("sparse", count, numel, dtype) >= numel * item:
+    changed = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+    count = changed.size
+    encoding = min(ENCODINGS, key=lambda e: payload_nbytes(e, count, numel, dtype))
+    if encoding == "dense":
         new = source.to(device="cpu", dtype=dtype).contiguous()
         return EncodedBlock("dense", numel, count, numel, new.view(torch.uint8),
                             digest.intdigest())
-    split = _index_bytes(count, numel)
-    payload = torch.zeros(split + count * item, dtype=torch.uint8)
-    out = payload.numpy()
-    idx = index_dtype(numel)
-    if count:
-        out[: count * idx.itemsize] = np.concatenate(indices).astype(
-            np.int32 if idx == torch.int32 else np.int64).view(np.uint8)
-        out[split:] = np.concatenate(values).view(np.uint8)
-    return EncodedBlock("sparse", count, count, numel, payload, digest.intdigest())
+    if encoding == "sparse":
+        parts = [changed.astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)]
+    else:
+        segments = np.bincount(changed // SEGMENT, minlength=_segments(numel))
+        parts = [segments.astype(np.uint16), (changed % SEGMENT).astype(np.uint8)]
+    parts.append(np.concatenate(values) if values else np.zeros(0, dtype=np.uint8))
+    payload = torch.zeros(payload_nbytes(encoding, count, numel, dtype), dtype=torch.uint8)
+    out, at = payload.numpy(), 0
+    for part in parts:
+        data = part.view(np.uint8)
+        out[at : at + data.size] = data
+        at += _pad8(data.size)
+    return EncodedBlock(encoding, count, count, numel, payload, digest.intdigest())
 
 
 @contextlib.contextmanager
@@ -139,16 +154,37 @@ def _one_thread() -> Iterator[None]:
 
 
 def payload_nbytes(encoding: Encoding, count: int, numel: int, dtype: torch.dtype) -> int:
-    """Bytes of an encoded block's payload."""
+    """Bytes of the payload of a block of ``numel`` elements of ``dtype``, ``count`` of them
+    changed, in ``encoding``."""
+    values = _pad8(count * dtype.itemsize)
     if encoding == "dense":
         return numel * dtype.itemsize
-    return _index_bytes(count, numel) + count * dtype.itemsize
+    if encoding == "sparse":
+        return _pad8(count * index_dtype(numel).itemsize) + values
+    return _pad8(2 * _segments(numel)) + _pad8(count) + values
 
 
-def _index_bytes(count: int, numel: int) -> int:
-    """Bytes of a sparse payload's indices, padded to 8 (so that the values that follow can
-    be viewed as any dtype)."""
-    return -(-count * index_dtype(numel).itemsize // 8) * 8
+def _pad8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _segments(numel: int) -> int:
+    return -(-numel // SEGMENT)
+
+
+def _changed_indices(encoding: Encoding, count: int, numel: int,
+                     payload: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the changed elements' flat indices, int64; where the values start in ``payload``)."""
+    if encoding == "sparse":
+        idx = index_dtype(numel)
+        nbytes = count * idx.itemsize
+        return payload[:nbytes].view(idx).long(), _pad8(nbytes)
+    segments = _segments(numel)
+    counts = payload[: 2 * segments].numpy().view(np.uint16)
+    at = _pad8(2 * segments)
+    offsets = payload[at : at + count].numpy()
+    starts = np.repeat(np.arange(segments, dtype=np.int64) * SEGMENT, counts)
+    return torch.from_numpy(starts + offsets), at + _pad8(count)
 
 
 def apply(
@@ -165,10 +201,9 @@ def apply(
     numel, dtype = target.numel(), target.dtype
     if encoding == "dense":
         target.view(torch.uint8).copy_(payload)
-    else:
-        split = _index_bytes(count, numel)
-        indices = payload[: count * index_dtype(numel).itemsize].view(index_dtype(numel)).long()
-        target[indices] = payload[split:].view(dtype)
+    elif count:
+        indices, at = _changed_indices(encoding, count, numel, payload)
+        target[indices] = payload[at : at + count * dtype.itemsize].view(dtype)
     got = checksum(target)
     if got != expected:
         raise WeightsChecksumError(
