@@ -114,11 +114,12 @@ class DeltaTransport(DirectTransport):
             }
             self.last_stats = DeltaStats(None, elements, elements, full_bytes)
             return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
-        blocks, codes, encoded = [], [], {}
+        blocks, codes = [], []
         offset = 0
+        encoded = dict(zip(owned, delta.encode_blocks(
+            [(self._snapshot[name], new) for name, (new, _, _) in owned.items()])))
         for name, (new, local_shape, global_offset) in owned.items():
-            code = delta.encode(self._snapshot[name], new)
-            encoded[name] = code
+            code = encoded[name]
             blocks.append(StreamBlock(name, code.payload, torch.uint8, local_shape,
                                       global_offset, offset))
             codes.append((name, (code.encoding, code.count, code.checksum)))
