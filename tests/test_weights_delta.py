@@ -28,7 +28,7 @@ from forge_ext.weights.errors import (
     WeightsChecksumError, WeightsDeltaBaseError, WeightsVersionNotFoundError,
 )
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+module_loop = pytest.mark.asyncio(loop_scope="module")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CHUNK_MB = 1
@@ -178,6 +178,7 @@ def kinds(results: list[dict]) -> str:
     return "anchor" if bases == {None} else f"delta on {bases.pop()}"
 
 
+@module_loop
 async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
     store, trainer, reader
 ):
@@ -203,6 +204,7 @@ async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
     assert all(r["snapshot_bytes"] < 0.6 * total for r in results), results
 
 
+@module_loop
 async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
     store, trainer, reader
 ):
@@ -295,6 +297,31 @@ def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
         with pytest.raises(WeightsChecksumError, match="w: the weights after applying"):
             codec.apply(torch.zeros_like(base), code.encoding, code.count, code.payload,
                         code.checksum, "w")
+
+
+@pytest.mark.parametrize("encoding_share", [0.001, 0.05])
+def test_any_flipped_bit_of_a_payload_is_a_checksum_error(encoding_share):
+    """Every bit of a sparse or sparse8 payload (indices, segment counts, offsets, values)
+    flipped in turn: the reader gets WeightsChecksumError, never another exception or wrong
+    weights without one."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2000, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    moved = torch.randperm(2000, generator=g)[: int(2000 * encoding_share)]
+    new[moved] = torch.randn(moved.numel(), generator=g).to(torch.bfloat16)
+    code = codec.encode(base, new)
+    assert code.encoding == ("sparse" if encoding_share < 0.01 else "sparse8")
+    for byte in range(code.payload.numel()):
+        for bit in (0, 7):
+            payload = code.payload.clone()
+            payload[byte] ^= 1 << bit
+            target = base.clone()
+            try:
+                codec.apply(target, code.encoding, code.count, payload, code.checksum, "w")
+            except WeightsChecksumError:
+                continue
+            # Padding bytes carry nothing: the result must then be exactly the new block.
+            assert torch.equal(target.view(torch.int16), new.view(torch.int16)), (byte, bit)
 
 
 def test_minus_zero_and_nan_payloads_count_as_changes():

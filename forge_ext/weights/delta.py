@@ -171,19 +171,36 @@ def _segments(numel: int) -> int:
     return -(-numel // SEGMENT)
 
 
-def _changed_indices(encoding: Encoding, count: int, numel: int,
-                     payload: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the changed elements' flat indices, int64; where the values start in ``payload``)."""
+def _changed_indices(encoding: Encoding, count: int, numel: int, payload: torch.Tensor,
+                     name: str) -> tuple[torch.Tensor, int]:
+    """(the changed elements' flat indices, int64; where the values start in ``payload``).
+
+    Raises:
+        WeightsChecksumError: the indices cannot be those of a block of ``numel`` elements
+            with ``count`` changed (a corrupted payload).
+    """
     if encoding == "sparse":
         idx = index_dtype(numel)
         nbytes = count * idx.itemsize
-        return payload[:nbytes].view(idx).long(), _pad8(nbytes)
+        indices = payload[:nbytes].view(idx).long()
+        if count and not 0 <= int(indices.min()) <= int(indices.max()) < numel:
+            raise _corrupted(name, f"an index outside the block's {numel} elements")
+        return indices, _pad8(nbytes)
     segments = _segments(numel)
     counts = payload[: 2 * segments].numpy().view(np.uint16)
+    if int(counts.sum(dtype=np.int64)) != count:
+        raise _corrupted(name, f"segment counts that sum to {int(counts.sum())}, not {count}")
     at = _pad8(2 * segments)
     offsets = payload[at : at + count].numpy()
-    starts = np.repeat(np.arange(segments, dtype=np.int64) * SEGMENT, counts)
-    return torch.from_numpy(starts + offsets), at + _pad8(count)
+    indices = np.repeat(np.arange(segments, dtype=np.int64) * SEGMENT, counts) + offsets
+    if count and int(indices.max()) >= numel:
+        raise _corrupted(name, f"an index outside the block's {numel} elements")
+    return torch.from_numpy(indices), at + _pad8(count)
+
+
+def _corrupted(name: str, what: str) -> WeightsChecksumError:
+    return WeightsChecksumError(
+        f"{name}: the delta's payload holds {what}: it was corrupted; fetch a full version")
 
 
 def apply(
@@ -195,13 +212,14 @@ def apply(
 
     Raises:
         WeightsChecksumError: the result's checksum is not ``expected`` (``target`` then holds
-            neither the base nor the new data).
+            neither the base nor the new data), or the payload's indices are impossible
+            (``target`` untouched).
     """
     numel, dtype = target.numel(), target.dtype
     if encoding == "dense":
         target.view(torch.uint8).copy_(payload)
     elif count:
-        indices, at = _changed_indices(encoding, count, numel, payload)
+        indices, at = _changed_indices(encoding, count, numel, payload, name)
         target[indices] = payload[at : at + count * dtype.itemsize].view(dtype)
     got = checksum(target)
     if got != expected:
