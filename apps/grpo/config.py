@@ -346,6 +346,7 @@ class GRPOConfig:
                 "or loss.kl_coef=0"
             )
         self._validate_algorithm()
+        self._validate_delta()
         if self.loop.save_every and not self.trainer.get("checkpoint", {}).get("enable"):
             raise ValueError(
                 f"loop.save_every={self.loop.save_every} needs trainer.checkpoint.enable=true"
@@ -371,6 +372,23 @@ class GRPOConfig:
         layout = self.hosts.layout(self.processes(views))
         if check_engines:
             self.validate_engines(layout)
+
+    def _validate_delta(self) -> None:
+        """``weights.delta`` needs full versions to publish and a generator that keeps the
+        last one whole to apply a delta onto (vLLM's shared buffer)."""
+        if not self.weights.delta:
+            return
+        if self.trainer.get("lora"):
+            raise ValueError(
+                "weights.delta=true with trainer.lora: a LoRA version is the adapter alone, "
+                "already small; set weights.delta=false"
+            )
+        if self.generator.backend != "vllm":
+            raise ValueError(
+                f"weights.delta=true needs generator.backend='vllm' (got "
+                f"{self.generator.backend!r}): the transformers generator keeps no copy of the "
+                "weights to apply a delta onto; set weights.delta=false"
+            )
 
     def validate_engines(self, layout: dict[str, Any] | None = None) -> None:
         """The checks that need torch and the model's code (seconds to import): every engine

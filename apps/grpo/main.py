@@ -109,6 +109,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.estimator = build_estimator(config.algorithm, group_size=config.grpo.group_size,
                                          scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
+        self.push_metrics: dict[str, float] = {}  # the last push's, with weights.delta
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
         self.kl_drift = KLDriftWatch()
@@ -223,6 +224,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
             **rollouts.batch.metrics(),
             # Per replica: requests, tokens/s, idle, paused and update seconds (the replicas').
             **await self.generator.step_metrics(),
+            **self.push_metrics,
             **({"agent/rejected_calls": float(self.runner.endpoint.rejected)}
                if self.runner.endpoint is not None else {}),
             "generator_version": rollouts.generator_version,
@@ -252,7 +254,14 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         return metrics
 
     async def push_weights(self, version: int) -> None:
-        await self.trainer.push_weights(version)
+        info = await self.trainer.push_weights(version, self.generator.reader_base)
+        if "delta_base" in info:  # weights.delta: what this version sent (trainer rank 0's)
+            self.push_metrics = {
+                "weights/bytes": float(info["bytes"]),
+                "weights/full_bytes": float(info["full_bytes"]),
+                "weights/changed_fraction": info["changed"] / max(info["elements"], 1),
+                "weights/anchor": float(info["delta_base"] is None),
+            }
 
     async def fetch_weights(self, version: int) -> dict[str, float]:
         info = await self.generator.update_weights(version)
