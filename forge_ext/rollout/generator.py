@@ -282,8 +282,8 @@ class Generator(Actor):
             except (WeightsDeltaBaseError, WeightsChecksumError) as error:
                 if isinstance(error, WeightsDeltaBaseError):
                     self._holding = holding  # nothing was applied
-                print(f"generator: policy_version={policy_version} not loaded, the next push "
-                      f"is a full version: {error}", flush=True)
+                logger.warning("policy version %d not loaded (the next push is full): %s",
+                               policy_version, error)
                 return {"policy_version": engine.policy_version, "fetch_seconds": 0.0,
                         "load_seconds": 0.0, "paused_seconds": 0.0,
                         "holding": self._holding, "delta_refused": 1}
