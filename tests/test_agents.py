@@ -42,7 +42,8 @@ TOOLS_TEMPLATE = (
     "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
     "\n</tool_call>{% endfor %}<|im_end|>\n"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 # Short: the model made here has 256 positions, and its small tokenizer spends about a token
 # per byte of the rendered schema.
@@ -140,7 +141,8 @@ async def endpoint(tools_model):
                                finished=True, policy_version=0)] * n
         return await engine.sample(prompt_ids, n, greedy=greedy, seed=seed)
 
-    server = AgentEndpoint(sample, tok, model="policy", max_tokens=256, max_new_tokens=128,
+    server = AgentEndpoint(sample, tok, model="policy", max_tokens=256,
+                           sampling=SamplingConfig(max_new_tokens=128),
                            tool_parser="hermes")
     server.scripted = scripted
     await server.start()
@@ -232,6 +234,221 @@ async def test_an_external_process_takes_a_row_and_a_session_and_posts_its_resul
     assert await waiting == "7"
     (recorded,) = endpoint.close_session(session)
     assert recorded.completion_ids == reply["choices"][0]["token_ids"]
+
+
+# ---- every field of the request schemas: honoured as vLLM honours it, or refused (issue 49) --
+
+def scripted_session(endpoint, text, route):
+    """A session whose "model" answers ``text`` (its tokens, then the end token)."""
+    endpoint.scripted[route] = text
+    return endpoint.open_session(Row(prompt="q", answer="a"), seed=1, route=route)
+
+
+def scripted_ids(endpoint, text):
+    return endpoint.tok.tokenizer(text, add_special_tokens=False)["input_ids"] + [
+        endpoint.tok.eos_id]
+
+
+REACT = "Thought: add them\nObservation: 42\nThought: done"
+
+
+@module_loop
+@pytest.mark.parametrize("route", ["chat", "text"])
+@pytest.mark.parametrize(("stop", "include"), [("Observation:", False),
+                                               (["nothing", "Observation:"], False),
+                                               ("Observation:", True)])
+async def test_a_stop_string_cuts_the_text_and_the_trained_tokens_at_the_same_token(
+    endpoint, route, stop, include
+):
+    """vLLM's semantics: the tokens end with the one that completes the stop string (what
+    the engine sampled, and what is recorded for training), the text before it (or through
+    it with ``include_stop_str_in_output``), ``finish_reason`` "stop", ``stop_reason`` the
+    string."""
+    session = scripted_session(endpoint, REACT, f"stop-{route}")
+    client = endpoint.client(session, timeout=30)
+    extra = {"include_stop_str_in_output": True} if include else {}
+    if route == "chat":
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "q"}], stop=stop,
+            extra_body=extra)
+        text = reply.choices[0].message.content
+    else:
+        reply = await client.completions.create(model="policy", prompt="q", stop=stop,
+                                                extra_body=extra)
+        text = reply.choices[0].text
+    (recorded,) = endpoint.close_session(session)
+    choice = reply.choices[0]
+    assert text == ("Thought: add them\nObservation:" if include else "Thought: add them\n")
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", "Observation:")
+    everything = scripted_ids(endpoint, REACT)
+    kept = recorded.completion_ids
+    assert choice.token_ids == kept == everything[: len(kept)]  # a prefix of the sample
+    decode = endpoint.tok.tokenizer.decode
+    assert decode(kept).endswith("Observation:") or "Observation:" in decode(kept[-2:])
+    assert "Observation:" not in decode(kept[:-1])  # the last kept token completes it
+    assert recorded.finished and len(recorded.logprobs) == len(kept) == len(recorded.versions)
+
+
+@module_loop
+async def test_stop_token_ids_end_the_completion_at_that_token(endpoint):
+    session = scripted_session(endpoint, REACT, "stop-ids")
+    everything = scripted_ids(endpoint, REACT)
+    stop_id = everything[3]
+    reply = await endpoint.client(session, 30).completions.create(
+        model="policy", prompt="q", extra_body={"stop_token_ids": [stop_id]})
+    (recorded,) = endpoint.close_session(session)
+    choice = reply.choices[0]
+    assert choice.token_ids == recorded.completion_ids == everything[:4]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop_id)
+    assert choice.text == endpoint.tok.tokenizer.decode(everything[:3])  # not the stop token
+
+
+@module_loop
+async def test_a_prefilled_assistant_message_is_continued_not_closed(endpoint):
+    session = scripted_session(endpoint, " 42.", "prefill")
+    client = endpoint.client(session, timeout=30)
+    messages = [{"role": "user", "content": "What is 12 plus 30?"},
+                {"role": "assistant", "content": "The answer is"}]
+    reply = await client.chat.completions.create(
+        model="policy", messages=messages,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "echo": True})
+    rendered = endpoint.tok.tokenizer.decode(reply.prompt_token_ids)
+    assert rendered.endswith("<|im_start|>assistant\nThe answer is"), rendered
+    assert reply.choices[0].message.content == "The answer is 42."  # echo: the prefill first
+    plain = await client.chat.completions.create(
+        model="policy", messages=messages[:1], extra_body={"add_generation_prompt": False})
+    assert endpoint.tok.tokenizer.decode(plain.prompt_token_ids).endswith(
+        "What is 12 plus 30?<|im_end|>\n")
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        await client.chat.completions.create(
+            model="policy", messages=messages, extra_body={"continue_final_message": True})
+    endpoint.close_session(session)
+
+
+@module_loop
+@pytest.mark.parametrize("extra", [{"chat_template_kwargs": {"enable_thinking": True}},
+                                   {"reasoning_effort": "high"}])
+async def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(endpoint, extra):
+    session = scripted_session(endpoint, "ok", "kwargs")
+    client = endpoint.client(session, timeout=30)
+    messages = [{"role": "user", "content": "q"}]
+    thinking = await client.chat.completions.create(model="policy", messages=messages,
+                                                    extra_body=extra)
+    plain = await client.chat.completions.create(model="policy", messages=messages)
+    endpoint.close_session(session)
+    decode = endpoint.tok.tokenizer.decode
+    assert decode(thinking.prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n")
+    assert decode(plain.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+@module_loop
+async def test_completions_return_logprobs_and_echo_when_asked(endpoint):
+    session = scripted_session(endpoint, "Thought: x", "logprobs")
+    client = endpoint.client(session, timeout=30)
+    reply = await client.completions.create(model="policy", prompt="12+30=", logprobs=0)
+    echoed = await client.completions.create(model="policy", prompt="12+30=", echo=True)
+    batch = await client.completions.create(model="policy", prompt=["1", "2"], n=2)
+    recorded = endpoint.close_session(session)
+    choice = reply.choices[0]
+    assert choice.logprobs.token_logprobs == recorded[0].logprobs
+    decode = endpoint.tok.tokenizer.decode
+    assert choice.logprobs.tokens == [decode([t]) for t in recorded[0].completion_ids]
+    assert [list(top) for top in choice.logprobs.top_logprobs] == [
+        [t] for t in choice.logprobs.tokens]
+    assert choice.logprobs.text_offset[:2] == [0, len(choice.logprobs.tokens[0])]
+    assert echoed.choices[0].text == "12+30=Thought: x"
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]  # every prompt, n each
+    assert len(recorded) == 1 + 1 + 4
+
+
+@module_loop
+async def test_what_the_endpoint_cannot_serve_is_refused_naming_it_not_dropped(endpoint):
+    """An image part (dropped silently before), an unknown model name, echo with
+    log-probs (the prompt's are not computed): each a 4xx naming what to change."""
+    import openai
+
+    session = scripted_session(endpoint, "ok", "refused")
+    client = endpoint.client(session, timeout=30)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content has \['image_url'\]"):
+        await client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": [{"type": "text", "text": "q"}, image]}])
+    with pytest.raises(openai.NotFoundError, match="model='gpt-4o' does not exist"):
+        await client.completions.create(model="gpt-4o", prompt="q")
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        await client.completions.create(model="policy", prompt="q", echo=True, logprobs=0)
+    assert endpoint.close_session(session) == []
+
+
+# One request value per field that the endpoint refuses: each must get a 400 naming it.
+REFUSED_CHAT = {
+    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 10.0},
+    "seed": 7, "stream": True, "top_logprobs": 2, "response_format": {"type": "json_object"},
+    "tool_choice": "required", "use_beam_search": True, "length_penalty": 0.5,
+    "watermarking": True, "ignore_eos": True, "min_tokens": 2, "allowed_token_ids": [5],
+    "bad_words": ["x"], "logprob_token_ids": [5], "prompt_logprobs": 1,
+    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10,
+    "truncation_side": "left", "thinking_token_budget": 5, "include_reasoning": False,
+    "chat_template": "{{ messages }}", "media_io_kwargs": {"image": {}},
+    "mm_processor_kwargs": {"x": 1}, "structured_outputs": {"regex": "a+"}, "priority": 1,
+    "cache_salt": "salt", "kv_transfer_params": {"x": 1}, "ec_transfer_params": {"x": 1},
+    "vllm_xargs": {"x": 1}, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
+    "add_special_tokens": True, "functions": [{"name": "f"}],
+}
+REFUSED_TEXT = {
+    **{k: v for k, v in REFUSED_CHAT.items() if k not in (
+        "top_logprobs", "tool_choice", "include_reasoning", "chat_template",
+        "media_io_kwargs", "mm_processor_kwargs", "add_special_tokens")},
+    "logprobs": 2, "suffix": "x", "prompt_embeds": "AAAA", "best_of": 2,
+}
+
+
+@module_loop
+@pytest.mark.parametrize(("route", "field", "value"),
+                         [("chat", k, v) for k, v in REFUSED_CHAT.items()]
+                         + [("text", k, v) for k, v in REFUSED_TEXT.items()])
+async def test_a_field_the_endpoint_cannot_honour_is_refused_naming_it(
+    endpoint, route, field, value
+):
+    """Never silently ignored: an agent that asks for what the run cannot give (its own
+    sampling, streaming, grammars, top log-probs, ...) gets a 400 that names the field."""
+    import openai
+
+    session = scripted_session(endpoint, "ok", "refused")
+    client = endpoint.client(session, timeout=30)
+    body = {field: value}
+    if field == "logprob_token_ids":
+        body["logprobs"] = True if route == "chat" else 0
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    if field == "tool_choice":
+        body["tools"] = [CALCULATOR]
+    with pytest.raises(openai.BadRequestError) as refused:
+        if route == "chat":
+            await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "q"}], extra_body=body)
+        else:
+            await client.completions.create(model="policy", prompt="q", extra_body=body)
+    assert field in str(refused.value)
+    assert endpoint.close_session(session) == []  # nothing sampled
+
+
+def test_every_field_of_both_request_schemas_is_either_honoured_or_refused():
+    """The table (forge_ext/rollout/openai_fields.py) names every field of vLLM's
+    ChatCompletionRequest and CompletionRequest; the refused ones are each tried above."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from forge_ext.rollout.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refused
+
+    assert set(CHAT_FIELDS) == set(ChatCompletionRequest.model_fields)
+    assert set(COMPLETION_FIELDS) == set(CompletionRequest.model_fields)
+    assert refused(CHAT_FIELDS) == set(REFUSED_CHAT) - {"functions"}
+    assert refused(COMPLETION_FIELDS) == set(REFUSED_TEXT) - {"functions", "best_of"}
 
 
 # ---- faults, through the episode runner -------------------------------------------------------
