@@ -443,12 +443,16 @@ def test_every_field_of_both_request_schemas_is_either_honoured_or_refused():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from forge_ext.rollout.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refused
+    from forge_ext.rollout.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS,
+                                                 fields_markdown, refused)
 
     assert set(CHAT_FIELDS) == set(ChatCompletionRequest.model_fields)
     assert set(COMPLETION_FIELDS) == set(CompletionRequest.model_fields)
     assert refused(CHAT_FIELDS) == set(REFUSED_CHAT) - {"functions"}
     assert refused(COMPLETION_FIELDS) == set(REFUSED_TEXT) - {"functions", "best_of"}
+    docs = os.path.join(os.path.dirname(__file__), "..", "docs", "agents.md")
+    with open(docs) as f:
+        assert fields_markdown() in f.read(), "docs/agents.md: paste fields_markdown()"
 
 
 # ---- faults, through the episode runner -------------------------------------------------------

@@ -15,12 +15,15 @@ ids) and ``/v1/models``, over the generator replicas' router, on 127.0.0.1 at a 
 (``task.agent_port`` to choose one). Every route needs the run's key (``Authorization: Bearer
 <key>``, made per run); an episode's session is its URL: ``<base>/sessions/<id>/v1``. Each
 call of a session is sampled on the session's replica (the router keeps a session there)
-with the run's sampling (``generator.sampling``: an agent's ``temperature``/``top_p`` are not
-used, so the samples stay the policy's), and recorded: prompt token ids, completion token ids,
-the log-prob and policy version of each sampled token. A request whose prompt plus
-``max_tokens`` exceeds the context (``task.agent_max_tokens``, by default what the trainer
-and vLLM hold) gets a 400 saying so; a wrong key a 401; an unknown or finished session a
-404; each is counted (``agent/rejected_calls``).
+with the run's sampling (``generator.sampling``, so the samples stay the policy's), cut where
+the request's stops end it, and recorded as cut: prompt token ids, completion token ids, the
+log-prob and policy version of each sampled token. Every field of the request is honoured as
+vLLM's own server honours it, or refused with a 400 naming it
+(:mod:`forge_ext.rollout.openai_fields`: an agent's own ``temperature``, a ``seed``,
+``stream``, a grammar are refused). A request whose prompt plus ``max_tokens`` exceeds the
+context (``task.agent_max_tokens``, by default what the trainer and vLLM hold) gets a 400
+saying so; a wrong key a 401; an unknown or finished session a 404; each is counted
+(``agent/rejected_calls``).
 
 **From calls to training rows** (:func:`merge_calls`), token-exact: the trainer trains on the
 ids the engine saw and sampled, never a re-tokenization. A call whose prompt extends an earlier

@@ -54,6 +54,8 @@ class Refused:
     why: str
     run: str | None = None
     """A ``generator.sampling`` field whose value the request may also repeat."""
+    shown: str = ""
+    """The accepted values in words (docs), for a predicate."""
 
     def accepts(self, value: Any, run: dict[str, Any]) -> bool:
         if callable(self.allowed):
@@ -62,8 +64,7 @@ class Refused:
             self.run is not None and value in run.get(self.run, ()))
 
 
-SAMPLING = ("the run samples with generator.sampling, so that every trained token is the "
-            "policy's own sample")
+SAMPLING = "sampling is the run's (generator.sampling): every trained token stays the policy's"
 UNSET = (None,)
 
 COMMON: dict[str, Honoured | Inert | Refused] = {
@@ -106,7 +107,8 @@ COMMON: dict[str, Honoured | Inert | Refused] = {
     "thinking_token_budget": Refused((None, -1), SAMPLING),
     "structured_outputs": Refused(UNSET, SAMPLING + " (a grammar changes it)"),
     "response_format": Refused(lambda v: v is None or getattr(v, "type", v) == "text",
-                               SAMPLING + " (a grammar changes it); only type 'text'"),
+                               SAMPLING + " (a grammar changes it)",
+                               shown='null, {"type": "text"}'),
     "watermarking": Refused((None, False), SAMPLING),
     "use_beam_search": Refused((False,), SAMPLING + " (beam search is not sampling)"),
     "length_penalty": Refused((1.0,), "it only weighs beam search, which is refused"),
@@ -174,6 +176,38 @@ COMPLETION_FIELDS: dict[str, Honoured | Inert | Refused] = {
 def refused(table: dict[str, Honoured | Inert | Refused]) -> set[str]:
     """The fields of ``table`` refused for some values."""
     return {name for name, rule in table.items() if isinstance(rule, Refused)}
+
+
+def _rule_text(rule: Honoured | Inert | Refused) -> tuple[str, str]:
+    """``(kind, what happens)`` of a rule, as docs/agents.md prints it."""
+    import json
+
+    if isinstance(rule, Honoured):
+        return "honoured", rule.how
+    if isinstance(rule, Inert):
+        return "accepted, no effect", rule.why
+    allowed = rule.shown or ", ".join(json.dumps(v) for v in rule.allowed)
+    allowed += f", or generator.sampling.{rule.run}" if rule.run else ""
+    return "refused", f"unless {allowed}: {rule.why}"
+
+
+def fields_markdown() -> str:
+    """The table of every field and its rule (docs/agents.md holds it; tests/test_agents.py
+    checks that it is current)."""
+    rows = []
+    for name in dict.fromkeys([*CHAT_FIELDS, *COMPLETION_FIELDS]):
+        chat, text = CHAT_FIELDS.get(name), COMPLETION_FIELDS.get(name)
+        if chat == text:
+            rows.append((name, "both", *_rule_text(chat)))
+            continue
+        for route, rule in (("chat", chat), ("completions", text)):
+            if rule is not None:
+                rows.append((name, route, *_rule_text(rule)))
+    order = {"honoured": 0, "accepted, no effect": 1, "refused": 2}
+    rows.sort(key=lambda row: order[row[2]])
+    lines = ["| field | route | | what the endpoint does |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{n}` | {route} | {kind} | {how} |" for n, route, kind, how in rows]
+    return "\n".join(lines) + "\n"
 
 
 def check_fields(request: Any, table: dict[str, Honoured | Inert | Refused],
