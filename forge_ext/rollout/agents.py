@@ -332,8 +332,8 @@ class AgentEndpoint:
     def _ending(self, request):
         """The request's :func:`~forge_ext.rollout.openai_fields.ending` of sampled ids."""
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        return lambda ids: ending(
-            ids, self.tok.tokenizer, end_ids=self.tok.stop_ids, stop=stop,
+        return lambda prompt_ids, ids: ending(
+            prompt_ids, ids, self.tok.tokenizer, end_ids=self.tok.stop_ids, stop=stop,
             stop_token_ids=list(request.stop_token_ids or []),
             include_stop=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens)
@@ -352,7 +352,7 @@ class AgentEndpoint:
                                         session=session.route)
         out = []
         for c in completions:  # the run's max_new_tokens; a request may ask for fewer
-            done = end(c.response_ids[:max_new])
+            done = end(prompt_ids, c.response_ids[:max_new])
             ids, logprobs, versions = (c.response_ids[: done.kept], c.logprobs[: done.kept],
                                        c.versions[: done.kept])
             finished = done.finish_reason == "stop"

@@ -9,7 +9,7 @@ fails a test until it gets one). A field outside the schema is refused too (vLLM
 and drop it). Three kinds of rule:
 
 - :class:`Honoured`: the endpoint does what vLLM does with it (``stop`` cuts the completion
-  where vLLM's detokenizer would, :func:`ending`; ``continue_final_message`` reaches the chat
+  where vLLM's own detokenizer does, :func:`ending`; ``continue_final_message`` reaches the chat
   template; ``logprobs`` returns each sampled token's log-prob; ...);
 - :class:`Inert`: accepted with no effect, because vLLM's server gives it none on these
   routes either (``user``; ``stream_interval`` without streaming; render-only fields);
@@ -249,71 +249,45 @@ class Ending:
     """The stop string or the request's stop token that ended it (None: an end token)."""
 
 
-def ending(ids: Sequence[int], tokenizer: Any, *, end_ids: Sequence[int],
-           stop: Sequence[str], stop_token_ids: Sequence[int], include_stop: bool,
-           skip_special_tokens: bool) -> Ending:
-    """The completion a request gets from the sampled ``ids``, by the rules of vLLM's
-    ``check_stop`` and incremental detokenizer (``vllm/v1/core/sched/utils.py``,
-    ``vllm/v1/engine/detokenizer.py``), one token at a time: an end token (``end_ids``) or a
-    request's ``stop_token_ids`` ends it with that token kept and its text left out (kept
-    with ``include_stop``); else the first token whose text completes one of ``stop`` ends
-    it, that token kept, the text cut before the string (after it with ``include_stop``).
-    Sampling with a stop and cutting an unstopped sample there give the same distribution:
-    the tokens before the stop are sampled alike.
+def ending(prompt_ids: Sequence[int], ids: Sequence[int], tokenizer: Any, *,
+           end_ids: Sequence[int], stop: Sequence[str], stop_token_ids: Sequence[int],
+           include_stop: bool, skip_special_tokens: bool) -> Ending:
+    """The completion a request gets from the sampled ``ids``: what vLLM's server returns
+    for a request that sampled them, found by vLLM's own code one token at a time: its
+    scheduler's ``check_stop`` rule (an end token, ``end_ids``, or one of the request's
+    ``stop_token_ids`` ends it, that token kept) and its incremental detokenizer
+    (``vllm/v1/engine/detokenizer.py``: the text, left without the end or stop token unless
+    ``include_stop``; a stop string ends it at the token that completes it, the text cut
+    before the string, or after it with ``include_stop``). Sampling with a stop and cutting
+    an unstopped sample there give the same distribution: the tokens before the stop are
+    sampled alike.
 
     Args:
+        prompt_ids: the prompt (vLLM's detokenizer starts from it: a first token's leading
+            space decodes as it does after the prompt).
         ids: ``[n]`` sampled ids (ending with an end token, or cut at the length limit).
         tokenizer: the transformers tokenizer.
     """
-    from vllm.v1.engine.detokenizer import check_stop_strings
+    from types import SimpleNamespace
 
-    stops = set(stop_token_ids) | set(end_ids)
-    if not stop:
-        end = next((i for i, t in enumerate(ids) if t in stops), None)
-        if end is None:
-            return Ending(len(ids), _decode(tokenizer, ids, skip_special_tokens), "length")
-        shown = ids[: end + 1] if include_stop else ids[:end]
-        reason = ids[end] if ids[end] in stop_token_ids and ids[end] not in end_ids else None
-        return Ending(end + 1, _decode(tokenizer, shown, skip_special_tokens), "stop", reason)
-    step = _stepper(tokenizer, skip_special_tokens)
-    text = ""
-    for i, token in enumerate(ids):
-        if token in stops:
-            text += step(token) if include_stop else ""
-            reason = token if token in stop_token_ids and token not in end_ids else None
-            return Ending(i + 1, text, "stop", reason)
-        piece = step(token)
-        text += piece
-        found = check_stop_strings(text, len(piece), list(stop), include_stop)
-        if found is not None:
-            string, cut = found
-            return Ending(i + 1, text if cut == -1 else text[:cut], "stop", string)
-    return Ending(len(ids), text, "length")
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
-
-def _decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def _stepper(tokenizer: Any, skip_special_tokens: bool) -> Callable[[int], str]:
-    """``step(token) -> the text it adds``: tokenizers' ``DecodeStream`` (what vLLM's fast
-    detokenizer uses) for a fast tokenizer, else the difference of prefix decodes."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        from tokenizers.decoders import DecodeStream
-
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        return lambda token: stream.step(backend, token) or ""
-    seen: list[int] = []
-    done = [""]
-
-    def step(token: int) -> str:
-        seen.append(token)
-        text = _decode(tokenizer, seen, skip_special_tokens)
-        piece, done[0] = text[len(done[0]):], text
-        return piece
-
-    return step
+    params = SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
+                            include_stop_str_in_output=include_stop,
+                            skip_special_tokens=skip_special_tokens, max_tokens=max(len(ids), 1))
+    request = SimpleNamespace(request_id="agent", prompt_token_ids=list(prompt_ids),
+                              prompt_embeds=None, sampling_params=params)
+    detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    stops, requested = set(end_ids) | set(stop_token_ids), set(stop_token_ids) - set(end_ids)
+    for token in ids:
+        ended = token in stops
+        string = detokenizer.update([token], ended)
+        if ended or string is not None:
+            reason = string if string is not None else (token if token in requested else None)
+            return Ending(len(detokenizer.output_token_ids),
+                          detokenizer.get_next_output_text(True, False), "stop", reason)
+    return Ending(len(ids), detokenizer.get_next_output_text(True, False), "length")
 
 
 # ---- log-probs as vLLM's server formats them -----------------------------------------------
