@@ -290,6 +290,37 @@ async def test_a_stop_string_cuts_the_text_and_the_trained_tokens_at_the_same_to
 
 
 @module_loop
+async def test_a_stop_on_the_engine_trains_a_prefix_of_the_same_sample_with_its_log_probs(
+    endpoint
+):
+    """On the transformers engine: a call with a stop string that its sample completes at
+    the k-th token records and returns the first k tokens of what the engine sampled (the
+    engine asked directly, with the call's seed), with their log-probs and versions exactly:
+    no token past the stop, no re-tokenisation, no shifted log-prob."""
+    from forge_ext.rollout.engines.base import derive_seed
+
+    decode, prompt = endpoint.tok.tokenizer.decode, "What is 12 plus 30? The answer is"
+    prompt_ids = endpoint.tok.tokenizer(prompt)["input_ids"]
+    for seed in range(40):  # a sample long enough (the model made here often ends at once)
+        (raw,) = await endpoint.sample(prompt_ids, 1, greedy=False,
+                                       seed=derive_seed(seed, 0), session="plain")
+        ids = raw.response_ids
+        k = next((k for k in range(3, len(ids)) if decode(ids[k - 1 : k]).strip()
+                  and decode(ids[k - 1 : k]) not in decode(ids[: k - 1])), None)
+        if k is not None:
+            break
+    stop = decode(ids[k - 1 : k])
+    session = endpoint.open_session(Row(prompt="q", answer="a"), seed=seed, route="plain")
+    cut = (await endpoint.client(session, 30).completions.create(
+        model="policy", prompt=prompt, max_tokens=12, stop=[stop])).choices[0]
+    (stopped,) = endpoint.close_session(session)
+    assert cut.token_ids == stopped.completion_ids == ids[:k]
+    assert stopped.logprobs == raw.logprobs[:k] and stopped.versions == raw.versions[:k]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.text == decode(ids[: k - 1])
+
+
+@module_loop
 async def test_stop_token_ids_end_the_completion_at_that_token(endpoint):
     session = scripted_session(endpoint, REACT, "stop-ids")
     everything = scripted_ids(endpoint, REACT)
