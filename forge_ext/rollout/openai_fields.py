@@ -79,7 +79,6 @@ COMMON: dict[str, Honoured | Inert | Refused] = {
     "include_stop_str_in_output": Honoured("the text keeps the stop string / stop token"),
     "skip_special_tokens": Honoured("special tokens left out of the text (vLLM's default); "
                                     "the token ids keep them"),
-    "echo": Honoured("the prompt's text (chat: the final message's, same role) is prepended"),
     "return_token_ids": Honoured("token_ids and prompt_token_ids are always returned"),
     "return_tokens_as_token_ids": Honoured("log-prob tokens as 'token_id:<id>'"),
     "request_id": Honoured("the response's id"),
@@ -159,6 +158,9 @@ CHAT_FIELDS: dict[str, Honoured | Inert | Refused] = {
     "media_io_kwargs": Refused(UNSET, "text models only"),
     "mm_processor_kwargs": Refused(UNSET, "text models only"),
     "return_prompt_text": Honoured("prompt_text: the rendered prompt"),
+    "echo": Honoured("the final message's content is prepended when the reply continues its "
+                     "role (vLLM's server adds the prompt's log-probs too: not computed "
+                     "here, prompt_logprobs is left out)"),
 }
 
 COMPLETION_FIELDS: dict[str, Honoured | Inert | Refused] = {
@@ -168,6 +170,8 @@ COMPLETION_FIELDS: dict[str, Honoured | Inert | Refused] = {
                         "(logprobs=0 returns it)"),
     "add_special_tokens": Honoured("a text prompt is encoded with (default) or without the "
                                    "tokenizer's special tokens"),
+    "echo": Honoured("the prompt's text is prepended (not with logprobs: the prompt's "
+                     "log-probs are not computed, a 400)"),
     "suffix": Refused(UNSET, "no fill-in-the-middle (vLLM refuses it too)"),
     "prompt_embeds": Refused(UNSET, "prompts are tokens"),
 }
