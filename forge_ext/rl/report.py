@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from forge_ext.rl.mismatch import RATIO_BAND, SHOWN_ABOVE_KL
 from forge_ext.rollout.runner import TRUNCATION_CAUSES
 from forge_ext.rollout.replicas import replica_name
 from forge_ext.runtime.metrics import PlotPanel
@@ -138,6 +139,7 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
             f"is weight {m['loss/tis_weight_mean']:.3f} "
             f"(capped {m['loss/tis_capped_fraction']:.1%})"
         )
+    parts += _mismatch_parts(m, replicas)
     if replicas > 1 or m.get("generator/resubmitted"):
         parts.append(
             f"replicas {int(m['generator/live_replicas'])}/{replicas} (resubmitted "
@@ -155,6 +157,28 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
         f"trainer {m['time/trainer_idle']:.2f}s | "
         f"{m['throughput/samples_per_s']:.0f} samples/s"
     )
+    return parts
+
+
+def _mismatch_parts(m: dict[str, float], replicas: int) -> list[str]:
+    """The train-inference mismatch (:mod:`forge_ext.rl.mismatch`) when its k3 KL is above
+    :data:`~forge_ext.rl.mismatch.SHOWN_ABOVE_KL`: over the samples of the trainer's own
+    version (``mismatch``, with the worst replica when there are several), and over every
+    sample (``off-policy``: mismatch and staleness) when that differs."""
+    parts = []
+    kl = m.get("mismatch/k3_kl", math.nan)
+    if kl > SHOWN_ABOVE_KL:
+        worst = max(range(replicas), key=lambda i: m.get(f"mismatch/replica{i}/k3_kl", -1.0))
+        parts.append(
+            f"mismatch kl {kl:.2e} |dlogp| mean {m['mismatch/abs_diff_mean']:.3f} max "
+            f"{m['mismatch/abs_diff_max']:.3f} outside [1/{RATIO_BAND:g}, {RATIO_BAND:g}] "
+            f"{m['mismatch/ratio_outside_band']:.1%}"
+            + (f" (worst {replica_name(worst, replicas)} "
+               f"{m[f'mismatch/replica{worst}/k3_kl']:.2e})" if replicas > 1 else ""))
+    off = m.get("offpolicy/k3_kl", math.nan)
+    if off > SHOWN_ABOVE_KL and m.get("offpolicy/tokens") != m.get("mismatch/tokens"):
+        parts.append(f"off-policy kl {off:.2e} outside band "
+                     f"{m['offpolicy/ratio_outside_band']:.1%}")
     return parts
 
 
