@@ -170,6 +170,77 @@ async def test_the_generator_samples_with_the_pushed_weights(crashed_run):
     assert max(app.logprob_gap.values()) <= 1e-4, app.logprob_gap
 
 
+MISMATCH_FIGURES = ("k3_kl", "abs_diff_mean", "abs_diff_max", "log_ppl_diff",
+                    "ratio_outside_band")
+
+
+async def test_parity_fp32_both_sides_every_mismatch_figure_is_below_1e_5(crashed_run):
+    """Parity (issue 47): the trainer and the generator (transformers; vLLM with two replicas)
+    in fp32, ``max_policy_age: 0``: every train-inference mismatch figure the run logs each
+    step (the trainer's log-probs of its step forward, before the update, against the
+    generator's) is below 1e-5, on every sampled token and on each replica."""
+    app, output_dir, _ = crashed_run
+    rows = [r for r in history(output_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    replicas = app.config.generator.replicas
+    for r in rows:
+        # Every sample is of the trainer's own version: all of them are measured.
+        assert r["mismatch/tokens"] == r["offpolicy/tokens"] > 0
+        groups = ["mismatch"] + [f"mismatch/replica{i}" for i in range(replicas if replicas > 1
+                                                                        else 0)]
+        for group in groups:
+            for name in MISMATCH_FIGURES:
+                assert abs(r[f"{group}/{name}"]) < 1e-5, (r["step"], group, name, r[f"{group}/{name}"])
+        if replicas > 1:
+            assert sum(r[f"mismatch/replica{i}/tokens"] for i in range(replicas)) == r["mismatch/tokens"]
+
+
+class StaleWeight(Actor):
+    """Spawned in the trainer's process: from then on every push sends ``name`` with its
+    value of the first push, as a generator holds a weight it never loaded again."""
+
+    @endpoint
+    async def install(self, name: str) -> None:
+        from forge_ext.weights.publish import WeightsPublisher
+
+        original, first = WeightsPublisher.publish, {}
+
+        async def publish(publisher, state_dict, version, **kwargs):
+            state_dict = dict(state_dict)
+            first.setdefault(name, state_dict[name].detach().clone())
+            state_dict[name] = first[name]
+            return await original(publisher, state_dict, version, **kwargs)
+
+        WeightsPublisher.publish = publish
+
+
+class StaleWeightApp(RLApp):
+    async def setup(self):
+        await super().setup()
+        await self.trainer.procs.spawn("stale", StaleWeight).install.call(
+            "model.embed_tokens.weight")
+
+
+async def test_a_weight_left_out_of_the_push_makes_the_mismatch_gate_stop_the_run(
+        checkpoint, tmp_path):
+    from forge_ext.rl.loop import MismatchError
+
+    config = load_config(DEMO["hf"], overrides(
+        checkpoint, tmp_path, "loop.steps=3", "loop.eval_every=0", "loop.save_every=0",
+        "task.num_eval=2", "reference=null", "loss.kl_coef=0", "loop.max_mismatch_kl=1e-8",
+        "export.enable=false"))
+    app = StaleWeightApp(config)
+    with pytest.raises(MismatchError) as error:
+        await app.run()
+    message = str(error.value)
+    # Step 1 samples version 0, whose embedding the generator holds; step 2 samples version 1
+    # with version 0's embedding: the gate stops it before its weights go anywhere.
+    assert message.startswith("step 2: mismatch/k3_kl=") and "\n" not in message
+    assert "loop.max_mismatch_kl=1e-08" in message and "did not load" in message
+    (step1,) = [r for r in history(tmp_path) if "loss" in r]
+    assert step1["step"] == 1 and step1["mismatch/k3_kl"] < 1e-8
+
+
 async def test_a_run_on_this_machine_listens_on_loopback_only(crashed_run):
     """``hosts.launcher: local``: every TCP socket the run's processes listen on (the
     trainer's and reference's torch.distributed store and gloo, vLLM's workers, Monarch's) is
