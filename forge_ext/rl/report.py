@@ -139,6 +139,8 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
             f"is weight {m['loss/tis_weight_mean']:.3f} "
             f"(capped {m['loss/tis_capped_fraction']:.1%})"
         )
+    if "loss/rejected_fraction" in m:  # token_mask, sequence_mask
+        parts.append(f"rejected {m['loss/rejected_fraction']:.1%}")
     parts += _mismatch_parts(m, replicas)
     if replicas > 1 or m.get("generator/resubmitted"):
         parts.append(
@@ -202,7 +204,7 @@ def plot_spec(*, title: str, eval_label: str, reward_names: Sequence[str], repli
 
 def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[PlotPanel]:
     """How training went (issue 38): loss and KL, rewards, length, truncation, clip, flat
-    and dropped groups, idle time, turns."""
+    groups, the train-inference mismatch, dropped groups, idle time, turns."""
     return [
         PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
                   labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
@@ -220,6 +222,11 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[Plot
                   labels={"loss/clip_fraction": "clip fraction (tokens)",
                           "rollout/groups_without_spread":
                               "groups without reward spread (no signal)"}),
+        # The train-inference mismatch (forge_ext.rl.mismatch): numerics alone on the samples
+        # of the trainer's own version; with staleness on all of them.
+        PlotPanel(keys=["mismatch/k3_kl", "offpolicy/k3_kl"], ylabel="k3 KL",
+                  labels={"mismatch/k3_kl": "train-inference mismatch (own version)",
+                          "offpolicy/k3_kl": "trainer at step start vs generator (all)"}),
         PlotPanel(keys=["rollout/dropped_groups"], ylabel="groups",
                   labels={"rollout/dropped_groups": "groups dropped (dynamic sampling)"}),
         PlotPanel(keys=["time/step", "time/generator_idle", "time/trainer_idle"],
