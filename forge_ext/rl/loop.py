@@ -120,7 +120,8 @@ class LoopConfig:
     between the generator's and the trainer's log-probs of the tokens sampled by the
     trainer's own weights, :mod:`forge_ext.rl.mismatch`) is above this, with one line naming
     the figure, the step and the likely causes; unset: never. fp32 on both sides measures
-    below 1e-6 here; 1e-3 is a loose bound for a bf16 generator."""
+    about 1e-12 here and a bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a
+    broken fp32 run; for bf16 choose the bound from its first steps."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age"):

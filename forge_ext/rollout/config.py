@@ -29,8 +29,8 @@ class GeneratorConfig:
     without CUDA, vllm with it)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dtype: str = "float32"
-    """Model dtype: one of :data:`GENERATOR_DTYPES` (float32 on CPU: bf16 matmuls are slow
-    there); ``vllm.dtype`` overrides it for the vLLM backend. The trainer's pushes (fp32 unless
+    """Model dtype: ``float32``, ``bfloat16`` or ``float16`` (float32 on CPU: bf16 matmuls are
+    slow there); ``vllm.dtype`` overrides it for the vLLM backend. The trainer's pushes (fp32 unless
     ``weights.dtype``) are cast on load, so ``bfloat16`` with an fp32 trainer is the common
     train-inference gap (``mismatch/*``, docs/mismatch.md)."""
     device: str = "cpu"
