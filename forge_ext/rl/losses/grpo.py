@@ -98,6 +98,7 @@ from forge_ext.rl.losses.off_policy import (
     truncated_importance_weights,
 )
 
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label token under ``logits``.
 

@@ -21,8 +21,8 @@ log pi_prox(o_t) - log pi_gen(o_t)`` the trainer-generator gap of token ``t``:
   proximal policy, ``r_t = pi_theta / pi_prox``, weight by ``w_t = min(pi_prox / pi_gen,
   C)``. The proximal log-probs are ``mb["proximal_logprobs"]`` when the batch carries them
   (a trainer taking several optimizer steps on one batch must, as AReaL's recomputation
-  does), else the step's forward without gradient, where it equals ``token_tis`` (token
-  level) value for value and gradient for gradient.
+  does), else the step's forward without gradient, where it equals ``token_tis`` value for
+  value and gradient for gradient.
 - ``token_mask`` (token-level rejection sampling; verl ``rollout_rs: token``, prime-rl's
   masking by mismatch): PPO's ratio against the behaviour policy as ``none``, but a token
   whose gap ratio ``exp(g_t)`` leaves ``[1 / C_low, C_high]`` (``mask_imp_ratio_cap_low``,
