@@ -122,24 +122,47 @@ def parse_cli(
     return args.config, args.overrides
 
 
-def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:
+#: Checks the keys of a section that a dataclass types ``dict[str, Any]`` (a component
+#: validates it: an engine section, ``task:``): ``(mapping, dotted path) -> problems``.
+SectionCheck = Callable[[Mapping[str, Any], str], list[str]]
+
+
+def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "",
+                 sections: Mapping[str, SectionCheck] | None = None) -> T:
     """Build the dataclass ``cls`` from a nested mapping, strictly.
 
     Args:
         cls: a dataclass whose fields may be dataclasses themselves.
         mapping: e.g. the result of :func:`load_yaml`; None means all defaults.
         path: dotted prefix used in error messages for a nested section.
+        sections: ``{dotted path: check}`` for fields typed ``dict[str, Any]`` whose keys a
+            component knows (:data:`SectionCheck`), so that their unknown keys are reported
+            with the others (:func:`check_keys`).
 
     Raises:
-        ValueError: an unknown key (``unknown key 'loop.stpes'; accepted keys of loop: ...``),
-            a missing required field, a value of the wrong type, or a ``__post_init__`` check.
+        ValueError: every unknown key at once (``unknown key 'loop.stpes' (did you mean
+            'loop.steps'?); accepted keys of loop: ...``, one line per section), else a
+            missing required field, a value of the wrong type, or a ``__post_init__`` check.
     """
     mapping = dict(mapping or {})
-    check_keys(cls, mapping, path)
+    check_keys(cls, mapping, path, sections)
     try:
         return dacite.from_dict(cls, mapping, config=dacite.Config(strict=True, cast=[tuple]))
     except (dacite.WrongTypeError, dacite.MissingValueError) as e:
-        raise ValueError(f"{_join(path, e.field_path)}: {_describe(e)}") from None
+        where = _join(path, e.field_path)
+        raise ValueError(f"{where}: {_describe(e)}{_brace_hint(e, where)}") from None
+
+
+def _brace_hint(error: Exception, where: str) -> str:
+    """For text in braces that YAML read as a mapping (``prompt.template={prompt}`` on the
+    command line: ``{'prompt': None}``) where a string was due: how to quote it."""
+    value = getattr(error, "value", None)
+    if not (isinstance(error, dacite.WrongTypeError) and isinstance(value, Mapping) and value
+            and all(v is None for v in value.values())):
+        return ""
+    text = "{" + ",".join(str(k) for k in value) + "}"
+    return (f"; a value in braces reads as a YAML mapping: quote it, e.g. "
+            f"\"{where}='{text}'\"")
 
 
 def _describe(error: Exception) -> str:
@@ -162,33 +185,51 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def check_keys(cls: type, mapping: Any, path: str = "") -> None:
-    """Raise ValueError naming each key of ``mapping`` (recursively) that ``cls`` lacks."""
+def check_keys(cls: type, mapping: Any, path: str = "",
+               sections: Mapping[str, SectionCheck] | None = None) -> None:
+    """Raise one ValueError naming every key of ``mapping`` (recursively, and in the
+    ``sections`` a component checks) that ``cls`` lacks: a config with two typos is told
+    both in one run (issue 50), one line per section (:func:`key_problems`)."""
+    problems = key_problems(cls, mapping, path, sections)
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def key_problems(cls: type, mapping: Any, path: str = "",
+                 sections: Mapping[str, SectionCheck] | None = None) -> list[str]:
+    """The key errors of ``mapping`` against the dataclass ``cls``, recursively: one message
+    per section with unknown keys (:func:`unknown_keys_message`), a section that is not a
+    mapping, a list field given a scalar. ``sections``: see :func:`from_mapping`."""
     where = path or "the config"
     if not isinstance(mapping, Mapping):
-        raise ValueError(f"{where} must be a mapping, got {type(mapping).__name__}")
+        return [f"{where} must be a mapping, got {type(mapping).__name__}"]
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(mapping) - set(names))
-    if unknown:
-        raise ValueError(unknown_keys_message(path, unknown, names))
+    unknown = sorted(set(mapping) - set(names), key=str)
+    problems = [unknown_keys_message(path, unknown, names)] if unknown else []
     for key, value in mapping.items():
-        hint = hints[key]
+        if key not in hints:
+            continue
+        hint, where = hints[key], _join(path, key)
+        if sections and where in sections:
+            if isinstance(value, Mapping):
+                problems += sections[where](value, where)
+            continue
         is_list, item_cls = _list_of(hint)
         if is_list:
             if value is not None and not isinstance(value, (list, tuple)) and not (
                     isinstance(value, str) and _admits_str(hint)):
-                raise ValueError(
-                    f"{_join(path, key)}: {value!r} is not a list; write a YAML list, e.g. "
-                    f"{_join(path, key)}=[...]"
-                )
+                problems.append(f"{where}: {value!r} is not a list; write a YAML list, e.g. "
+                                f"{where}=[...]")
+                continue
             for i, item in enumerate(value or []):
                 if item_cls is not None and isinstance(item, Mapping):
-                    check_keys(item_cls, item, f"{_join(path, key)}[{i}]")
+                    problems += key_problems(item_cls, item, f"{where}[{i}]")
             continue
         field_cls = _dataclass_of(hint)
         if field_cls is not None and isinstance(value, Mapping):
-            check_keys(field_cls, value, _join(path, key))
+            problems += key_problems(field_cls, value, where, sections)
+    return problems
 
 
 def _admits_str(hint: Any) -> bool:
@@ -221,13 +262,67 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
+#: The names other trainers and libraries give a field (HF ``TrainingArguments``, TRL, verl,
+#: torchtitan), lowercase -> this project's names for it, in order of preference: a key
+#: written in another's vocabulary gets "did you mean" where difflib finds nothing close
+#: (``learning_rate`` -> ``lr``, issue 50). Only a name the section accepts is suggested.
+FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("learning_rate", "learningrate", "lr_rate", "actor_lr"), ("lr",)),
+    **dict.fromkeys(("max_seq_len", "max_seq_length", "max_length", "sequence_length",
+                     "seq_length", "max_len", "context_length", "max_position_embeddings"),
+                    ("seq_len",)),
+    **dict.fromkeys(("max_grad_norm", "grad_clip", "clip_grad_norm", "gradient_clipping",
+                     "grad_norm_clip", "clip_grad"), ("max_norm",)),
+    **dict.fromkeys(("num_generations", "n_samples", "num_samples", "samples_per_prompt",
+                     "rollout_n", "n", "num_samples_per_prompt"), ("group_size",)),
+    **dict.fromkeys(("beta", "kl_beta", "kl_coeff", "init_kl_coef", "kl_loss_coef",
+                     "kl_penalty_coef", "kl_weight"), ("kl_coef",)),
+    **dict.fromkeys(("model_name_or_path", "model_path", "model_name",
+                     "pretrained_model_name_or_path", "model_dir", "hf_model", "model_id"),
+                    ("hf_path",)),
+    **dict.fromkeys(("max_steps", "num_steps", "total_steps", "train_steps",
+                     "num_train_steps", "total_training_steps", "iterations"), ("steps",)),
+    **dict.fromkeys(("warmup", "num_warmup_steps", "lr_warmup_steps", "warmup_iters"),
+                    ("warmup_steps",)),
+    **dict.fromkeys(("micro_batch_size", "per_device_train_batch_size",
+                     "micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                    ("microbatch_size",)),
+    **dict.fromkeys(("batch_size", "train_batch_size", "per_device_batch_size"),
+                    ("local_batch_size", "prompts_per_step")),
+    **dict.fromkeys(("gradient_accumulation", "grad_accum_steps", "accumulation_steps",
+                     "grad_accum", "gradient_accumulation_step"),
+                    ("gradient_accumulation_steps",)),
+    **dict.fromkeys(("max_tokens", "max_completion_length", "max_response_length",
+                     "response_length", "max_new_token"), ("max_new_tokens",)),
+    **dict.fromkeys(("eval_steps", "eval_interval", "eval_freq", "evaluation_steps",
+                     "test_freq"), ("eval_every", "every")),
+    **dict.fromkeys(("save_steps", "save_interval", "save_freq", "checkpoint_interval"),
+                    ("save_every", "interval")),
+    **dict.fromkeys(("epsilon", "clip_range", "cliprange", "clip_eps", "clip_ratio"),
+                    ("clip_eps_low",)),
+    **dict.fromkeys(("temp",), ("temperature",)),
+    **dict.fromkeys(("wd",), ("weight_decay",)),
+    **dict.fromkeys(("output_directory", "out_dir", "save_dir", "output_path", "outdir"),
+                    ("output_dir",)),
+    **dict.fromkeys(("random_seed", "rng_seed"), ("seed",)),
+    **dict.fromkeys(("dataset", "data_path", "train_file", "train_data", "dataset_path",
+                     "data_files", "train_files"), ("train_path",)),
+    **dict.fromkeys(("prompt_key", "prompt_column", "input_field", "question_field"),
+                    ("prompt_field",)),
+    **dict.fromkeys(("answer_key", "answer_column", "label_field", "solution_field"),
+                    ("answer_field",)),
+}
+
+
 def unknown_keys_message(path: str, unknown: Sequence[str], accepted: Sequence[str]) -> str:
     """The error for keys of the section at ``path`` that it does not have: ``unknown key
-    'loop.stpes' (did you mean 'loop.steps'?); accepted keys of loop: [...]`` (the guess from
+    'loop.stpes' (did you mean 'loop.steps'?); accepted keys of loop: [...]`` (the guess: the
+    field's name here for a name other trainers use, :data:`FIELD_ALIASES`, else
     :func:`difflib.get_close_matches`, only where one is close)."""
-    names = []
+    names, accepted_names = [], [str(a) for a in accepted]
     for key in unknown:
-        close = difflib.get_close_matches(str(key), [str(a) for a in accepted], n=1)
+        close = [a for a in FIELD_ALIASES.get(str(key).lower(), ()) if a in accepted_names][:1]
+        close = close or difflib.get_close_matches(str(key), accepted_names, n=1)
         guess = f" (did you mean {_join(path, close[0])!r}?)" if close else ""
         names.append(f"{_join(path, str(key))!r}{guess}")
     return (f"unknown key {', '.join(names)}; accepted keys of {path or 'the config'}: "

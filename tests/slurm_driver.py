@@ -8,6 +8,13 @@ and the tests send them signals or ``kill -9`` as a user would.
     workers' addresses, the seconds from submission to the first answer and the sockets the
     run's processes listen on; then stop.
 
+``python tests/slurm_driver.py cancel OUT.json HOSTS_JSON OUTPUT_DIR``
+    Start the placement of ``HOSTS_JSON`` (a job that waits), cancel that start once the job
+    is submitted, and write to ``OUT.json`` the job's id and how the start ended; nothing
+    stops the placement after (the promise under test is :meth:`Placement.start`'s own).
+    Then print ``cancelled`` and wait for a line on stdin before exiting, so that the job's
+    state is read while this process lives.
+
 ``python tests/slurm_driver.py grpo OUT.json --config PATH [key=value ...]``
     ``python -m apps.grpo.main`` (the same exit codes and messages), with a probe that
     writes the same record for the GRPO app's roles once its second step's rollouts are
@@ -88,6 +95,35 @@ async def placement_main(out: str, hosts_json: str, output_dir: str) -> None:
         placement.stop()
 
 
+async def cancel_main(out: str, hosts_json: str, output_dir: str) -> None:
+    from forge_ext.config import from_mapping
+    from forge_ext.runtime.hosts import HostsConfig
+    from forge_ext.runtime.placement import Placement
+
+    hosts = from_mapping(HostsConfig, json.loads(hosts_json), "hosts")
+    roles = [r for r in ("trainer", "reference", "generator")
+             if r in json.loads(hosts_json) or r == "trainer"]
+    placement = Placement(hosts, {r: hosts.role(r).hosts for r in roles}, output_dir=output_dir)
+    start = asyncio.create_task(placement.start())
+    deadline = time.monotonic() + 60
+    while getattr(placement.job, "job_id", None) is None:  # not submitted yet
+        if start.done() or time.monotonic() > deadline:
+            raise RuntimeError(f"no job submitted: {start}")
+        await asyncio.sleep(0.1)
+    job_id = placement.job.job_id
+    await asyncio.sleep(1)  # the start is in its wait for the job (squeue)
+    start.cancel()
+    try:
+        await start
+        outcome = "returned"
+    except asyncio.CancelledError:
+        outcome = "CancelledError"
+    Path(out).write_text(json.dumps({"job_id": job_id, "outcome": outcome,
+                                     "job_left": placement.job is not None}))
+    print("cancelled", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+
+
 def grpo_main(out: str, argv: list[str]) -> None:
     import apps.grpo.main as app_module
 
@@ -114,5 +150,7 @@ if __name__ == "__main__":
     mode, out, *args = sys.argv[1:]
     if mode == "placement":
         asyncio.run(placement_main(out, *args))
+    elif mode == "cancel":
+        asyncio.run(cancel_main(out, *args))
     else:
         grpo_main(out, args)

@@ -3,6 +3,7 @@ as they validate on a GPU machine); config errors name the offending key."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from apps.grpo.config import GRPOConfig, load_config
 from apps.sft.config import SFTConfig
+from apps.sft.config import check_config as check_sft_config
 from forge_ext.config import from_mapping, load_yaml, record_run_config
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.rl.loop import LoopConfig
@@ -286,6 +288,16 @@ def test_unknown_engine_keys_are_named_with_their_section(demo_checkpoint):
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match=r"unknown key .reference\.training\.foo."):
         load_config(path, [f"model.hf_path={demo_checkpoint}", "reference.training.foo=1"])
+
+
+def test_a_brace_value_read_as_a_mapping_says_to_quote_it():
+    """``prompt.template={prompt}`` on the command line is YAML for a mapping: the error
+    says to quote it, as docs show (``"prompt.template='{prompt}'"``)."""
+    with pytest.raises(ValueError, match=re.escape(
+            "prompt.template: {'prompt': None} is not a valid str; a value in braces reads "
+            "as a YAML mapping: quote it, e.g. \"prompt.template='{prompt}'\"")):
+        load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), ["prompt.template={prompt}"],
+                    check_model=False)
 
 
 def test_wrong_types_and_values_name_the_field():
@@ -598,6 +610,31 @@ def test_the_plot_shows_loss_kl_each_reward_function_and_response_length(demo_ch
     assert {"loss", "loss/kl", "reward/addition", "rollout/response_tokens"} <= plotted
 
 
+def test_the_plot_leaves_out_what_is_zero_by_construction_in_the_runs_mode(demo_checkpoint,
+                                                                          tmp_path):
+    """Issue 50: on-policy (sync, ``loop.max_policy_age: 0``) every sample's policy age is 0,
+    none is dropped as stale and the clip never binds (one update per rollout: the ratio is
+    1); one-turn episodes are cut only at ``max_new_tokens``. Those panels and series were
+    drawn flat at 0; they are drawn where the mode makes them move."""
+    from apps.grpo.main import RLApp
+
+    def plotted(config: str, *overrides: str) -> set[str]:
+        spec = RLApp(load_config(str(CONFIGS / config), [
+            f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / config}",
+            "task.num_train=16", "task.num_eval=2", *overrides])).plot_spec()
+        return {key for panel in spec["panels"] for key in panel.keys}
+
+    on_policy = plotted("grpo_cpu_demo.yaml")
+    zero = {"rollout/policy_age_mean", "rollout/policy_age_max", "rollout/dropped_samples",
+            "loss/clip_fraction", "rollout/truncated/max_episode_tokens",
+            "rollout/truncated/max_turns"}
+    assert not zero & on_policy, zero & on_policy
+    assert {"rollout/truncated/max_new_tokens", "rollout/groups_without_spread"} <= on_policy
+    off_policy = plotted("grpo_cpu_async.yaml")
+    assert {"rollout/policy_age_mean", "rollout/policy_age_max", "rollout/dropped_samples",
+            "loss/clip_fraction"} <= off_policy
+
+
 def test_grpo_refuses_a_resume_past_loop_steps_and_changed_weights(demo_checkpoint, tmp_path):
     import shutil
 
@@ -653,3 +690,70 @@ def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_print
         spec.state_dict_adapter(spec.model, str(tmp_path))  # no model.safetensors.index.json
         logging.getLogger().warning("a warning of someone else")
     assert [r.getMessage() for r in caplog.records] == ["a warning of someone else"]
+
+
+def test_every_unknown_key_of_a_config_is_reported_in_one_error(tmp_path):
+    """Issue 50: two typos in one YAML file were reported one per run. Every unknown key,
+    in the app's own sections, the engine sections and the task section, comes in one
+    error, each with its guess."""
+    config = tmp_path / "typos.yaml"
+    config.write_text(f"base: {CONFIGS / 'grpo_cpu_demo.yaml'}\nloop: {{stpes: 3}}\n"
+                      "trainer: {training: {sequence_len: 64}}\n"
+                      "reference: {training: {foo: 1}}\ntask: {max_digit: 2}\n"
+                      "generator: {sampling: {temprature: 0.5}}\n")
+    with pytest.raises(ValueError) as error:
+        load_config(str(config), check_model=False)
+    message = str(error.value)
+    for key, guess in [("loop.stpes", "loop.steps"), ("trainer.training.sequence_len",
+                                                      "trainer.training.seq_len"),
+                       ("reference.training.foo", None), ("task.max_digit", "task.max_digits"),
+                       ("generator.sampling.temprature", "generator.sampling.temperature")]:
+        assert repr(key) in message, (key, message)
+        if guess:
+            assert f"{key!r} (did you mean {guess!r}?)" in message, (key, message)
+    with pytest.raises(ValueError) as error:  # PPO's critic: its own fields and its engine's
+        load_config(str(CONFIGS / "ppo_cpu_demo.yaml"), ["critic.clip_valu=0.1",
+                                                         "critic.training.sequence_len=8",
+                                                         "loop.stpes=2"], check_model=False)
+    message = str(error.value)
+    for key, guess in [("critic.clip_valu", "critic.clip_value"), ("loop.stpes", "loop.steps"),
+                       ("critic.training.sequence_len", "critic.training.seq_len")]:
+        assert f"{key!r} (did you mean {guess!r}?)" in message, (key, message)
+    with pytest.raises(ValueError) as error:
+        check_sft_config(str(CONFIGS / "sft_cpu_demo.yaml"),
+                         ["eval.evry=5", "trainer.optimizer.lrr=1"])
+    assert "'eval.evry'" in str(error.value) and "'trainer.optimizer.lrr'" in str(error.value)
+
+
+@pytest.mark.parametrize("key, guess", [
+    ("trainer.optimizer.learning_rate", "trainer.optimizer.lr"),
+    ("trainer.training.max_seq_len", "trainer.training.seq_len"),
+    ("trainer.training.max_grad_norm", "trainer.training.max_norm"),
+    ("grpo.num_generations", "grpo.group_size"),
+    ("loss.beta", "loss.kl_coef"),
+    ("model.model_name_or_path", "model.hf_path"),
+])
+def test_the_common_names_of_a_field_point_to_its_name_here(key, guess):
+    """Issue 50: ``learning_rate`` got no "did you mean 'lr'" (too far for difflib): the
+    names other trainers give a field (TRL, verl, HF TrainingArguments) point to ours."""
+    with pytest.raises(ValueError, match=re.escape(f"{key!r} (did you mean {guess!r}?)")):
+        load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"{key}=1"], check_model=False)
+
+
+def test_a_dcp_step_folder_as_model_hf_path_points_to_its_hf_folder_and_to_export(tmp_path):
+    """Issue 50: ``model.hf_path=<run>/checkpoints/step-N`` said "write the warm-start
+    first"; it is a training checkpoint: the message names ``<run>/hf/step-N`` where the
+    run wrote it, and ``python -m apps.export`` otherwise."""
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    path = str(CONFIGS / "grpo_cpu_demo.yaml")
+    with pytest.raises(FileNotFoundError) as error:
+        load_config(path, [f"model.hf_path={step}"])
+    message = str(error.value)
+    assert "DCP" in message and f"python -m apps.export {step} " in message, message
+    assert "warm-start" not in message, message
+    (run / "hf" / "step-4").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model.hf_path={run / 'hf' / 'step-4'}")):
+        load_config(path, [f"model.hf_path={step}"])

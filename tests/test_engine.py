@@ -624,6 +624,24 @@ def test_the_purge_counts_only_complete_checkpoints_by_itself(reference_weights,
     assert os.listdir(in_flight) == ["__0_0.distcp"]
 
 
+def test_checkpoint_steps_are_in_the_order_of_their_numbers_not_their_names(tmp_path):
+    """``step-10`` is newer than ``step-9`` (by name it sorts first): the newest complete
+    checkpoint (the one a run resumes from, the last one a full disk's message names) is the
+    highest N, and the oldest ones (which ``keep_latest_k`` removes,
+    forge_ext.engine.checkpoint) come first."""
+    from forge_ext.engine.checkpoint import last_complete_checkpoint
+    from forge_ext.engine.checkpoint_files import complete_checkpoint_steps
+
+    for step in (9, 10, 2, 100, 11):
+        (tmp_path / f"step-{step}").mkdir()
+        if step != 100:  # step-100's save has not finished
+            (tmp_path / f"step-{step}" / ".metadata").write_text("")
+    (tmp_path / "step-12.incomplete").mkdir()
+    (tmp_path / "step-12.incomplete" / ".metadata").write_text("")
+    assert complete_checkpoint_steps(tmp_path) == [2, 9, 10, 11]
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "step-11")
+
+
 @pytest.mark.parametrize(
     "mapping, message",
     [

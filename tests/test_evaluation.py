@@ -144,6 +144,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
         if written:  # the second shard finds the disk full
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(path)
+        Path(path).write_bytes(b"")  # a file, as save_file leaves (its mode is then set)
 
     monkeypatch.setattr(hf_checkpoint, "save_file", full_disk)
     with pytest.raises(OutputWriteError) as error:
@@ -197,6 +198,33 @@ def test_results_are_a_json_a_table_and_a_plot_per_step(tmp_path):
         entry(2, 0.25, 0.5)]})] == ["eval_results.json", "eval_results.md"]
 
 
+def test_the_plot_draws_each_metric_over_the_steps_in_step_order(tmp_path, monkeypatch):
+    """Checkpoints of steps 10, 2 and 100 (in that order, labels ``hf/step-N`` that sort by
+    name as 10, 100, 2): each set's line goes through the steps in the order of N. What is
+    drawn is read where the plot is drawn (``plot_panels``, which then runs as shipped)."""
+    from forge_ext.evaluation.report import plot_steps
+    from forge_ext.runtime import metrics
+
+    drawn = []
+
+    def recording(panels, path, title=""):
+        drawn.extend(panels)
+        return real(panels, path, title)
+
+    real = metrics.plot_panels
+    monkeypatch.setattr(metrics, "plot_panels", recording)
+    settings = {"rows": 6, "n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 5,
+                "seed": 0}
+    checkpoints = [{"label": f"hf/step-{step}", "step": step, "kind": "hf",
+                    "sets": {"sums": {"metrics": {"pass@1": step / 100, "prompts": 6.0},
+                                      "settings": settings}},
+                    "overall": {"pass@1": step / 100}} for step in (10, 2, 100)]
+    assert plot_steps({"seed": 0, "checkpoints": checkpoints}, tmp_path / "plot.png")
+    ((panel, series),) = drawn
+    assert panel.ylabel == "pass@1"
+    assert series == {"sums": [(2, 0.02), (10, 0.1), (100, 1.0)]}
+
+
 def test_a_set_whose_environment_gives_the_rewards_needs_no_reward_function(tmp_path):
     """As in training, a multi-turn set's environment rewards may stand alone: no
     ``reward.functions`` and a task without default rewards (a dataset file) is a set."""
@@ -217,6 +245,56 @@ def test_a_set_whose_environment_gives_the_rewards_needs_no_reward_function(tmp_
         assert built.runner.rubric.names == [] and len(built.rows) == 2
     finally:
         close_sets([built])
+
+
+def test_a_sets_metrics_group_the_samples_of_each_prompt(tmp_path):
+    """3 prompts x 4 samples, the first prompt's four right and the others' wrong, in two
+    batches of rows: every metric is 1/3 and each saved sample names its own prompt's row.
+    The fault: samples grouped with the wrong stride (``records[i::rows]``), which gives
+    each prompt one right sample: pass@4 1.0 (pass@1 and mean@4 do not depend on grouping)."""
+    import asyncio
+
+    from forge_ext.evaluation import EvalSetConfig, build_sets, close_sets
+    from forge_ext.rollout.engines.base import Completion
+    from forge_ext.tasks import PromptConfig, RewardConfig, RewardFunctionConfig
+    from forge_ext.tasks.tokenizer import CheckpointTokenizer, save_tokenizer
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2)}) + "\n"
+                            for i in range(9)))
+    save_tokenizer(tmp_path / "tok")
+    tok = CheckpointTokenizer(str(tmp_path / "tok"))
+    metrics = ["greedy", "pass@1", "pass@2", "pass@4", "mean@4", "maj@2", "maj@4"]
+    (built,) = build_sets(
+        [EvalSetConfig(name="sums", n=4, metrics=metrics,
+                       task={"source": "dataset", "train_path": str(data), "num_eval": 3})],
+        tok, prompt=PromptConfig(), max_new_tokens=4,
+        reward=RewardConfig(functions=[RewardFunctionConfig(fn="exact_match")],
+                            isolation="thread"))
+    prompts = [built.runner.render(row) for row in built.rows]
+    assert len(prompts) == 3 and len({tuple(p) for p in prompts}) == 3
+
+    async def sample(prompt_ids, n, *, greedy=False, seed=None, session=None, sampling=None):
+        row = built.rows[prompts.index(list(prompt_ids))]
+        right = prompts.index(list(prompt_ids)) == 0
+        text = row.answer if right else str(int(row.answer) + 1)
+        ids = tok.encode_answer(text) + [tok.eos_id]
+        return [Completion(prompt_ids=list(prompt_ids), response_ids=ids,
+                           logprobs=[-0.5] * len(ids), finished=True, policy_version=0)
+                for _ in range(n)]
+
+    try:
+        result = asyncio.run(built.evaluate(sample, seed=0, batch_size=2, keep_samples=True))
+    finally:
+        close_sets([built])
+    assert result.metrics["reward"] == pytest.approx(1 / 3)  # the samples are as scripted
+    assert result.metrics["pass@4"] == pytest.approx(1 / 3)  # 1.0 under the wrong stride
+    for name in metrics:
+        assert result.metrics[name] == pytest.approx(1 / 3), name
+    assert len(result.samples) == 3 + 12
+    for record in result.samples:
+        assert prompts[record["row"]] == record["prompt_ids"], record["row"]
+    assert [r["row"] for r in result.samples if not r["greedy"]] == [0] * 4 + [1] * 4 + [2] * 4
 
 
 # ---- bad input, before anything is spawned -----------------------------------------------------
@@ -269,6 +347,35 @@ def test_k_above_n_is_one_line(capsys, no_spawn, demo_checkpoint):
                        "samples per prompt but n=4; raise n to 8 or lower k"), message
 
 
+def test_a_folder_of_step_folders_is_evaluated_in_step_order(tmp_path, no_spawn,
+                                                              demo_checkpoint):
+    """``checkpoint=<folder>`` of ``step-N`` folders: every step, in the order of N (step-10
+    after step-2, not before it as names sort), which is the order of the results' JSON,
+    table and plot; folders of no checkpoint kind, and names other than ``step-N``, are not
+    steps."""
+    from apps.eval.config import load_eval_config
+    from apps.eval.main import EvalApp
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for step in (10, 2, 1, 100):
+        (folder / f"step-{step}").symlink_to(demo_checkpoint, target_is_directory=True)
+    (folder / "step-3").mkdir()  # a step still being written: no config.json yet
+    (folder / "step-4.incomplete").symlink_to(demo_checkpoint, target_is_directory=True)
+    (folder / "latest").symlink_to(demo_checkpoint, target_is_directory=True)
+    app = EvalApp(load_eval_config(EVAL, [f"checkpoint={folder}",
+                                          f"output_dir={tmp_path / 'out'}"]))
+    try:
+        steps = [1, 2, 10, 100]
+        assert [c.step for c in app.checkpoints] == steps
+        assert [c.path for c in app.checkpoints] == [str(folder / f"step-{s}") for s in steps]
+        assert {c.kind for c in app.checkpoints} == {"hf"}
+        assert app.plan()[0] == "eval: 4 checkpoint(s): " + "; ".join(
+            f"hf {folder}/step-{s}" for s in steps)
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize("sets, match", [
     ("[{name: a, n: 2}]", r"eval.sets\[0\] \(a\) has no task"),
     ("[{name: a, task: {source: addition}, n: 2, metrics: [pass@4]}]", r"pass@4 needs at least 4"),
@@ -283,3 +390,38 @@ def test_the_grpo_config_refuses_bad_sets_before_spawning(sets, match):
     with pytest.raises(ValueError, match=match):
         load_config(EVAL.replace("eval_cpu_demo", "grpo_cpu_demo"), [f"eval.sets={sets}"],
                     check_model=False)
+
+
+def test_the_eval_apps_console_is_kept_in_its_output_dir(monkeypatch, tmp_path, capsys):
+    """Issue 50: what ``apps.eval`` prints (its plan, the results table, where it wrote) is
+    kept in ``<output_dir>/logs/console.log`` as well as shown (the app's run replaced by one
+    that returns a result at once: the console is what is checked)."""
+    from types import SimpleNamespace
+
+    import apps.eval.main as eval_main
+
+    settings = {"rows": 2, "n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 4,
+                "seed": 0}
+    results = {"seed": 0, "checkpoints": [{"label": "step-2", "sets": {"sums": {
+        "metrics": {"greedy": 0.5}, "settings": settings}}}]}
+
+    class App:
+        paths = [tmp_path / "results.json"]
+
+        def __init__(self, config):
+            pass
+
+        def plan(self):
+            return ["evaluating 1 checkpoint on 1 set"]
+
+        async def run(self):
+            print("checkpoint step-2 done")
+            return results
+
+    config = SimpleNamespace(output_dir=str(tmp_path), env={})
+    monkeypatch.setattr(eval_main, "load_eval_config", lambda path, overrides: config)
+    monkeypatch.setattr(eval_main, "EvalApp", App)
+    assert eval_main.main(["--config", str(tmp_path / "c.yaml")]) == results
+    shown = capsys.readouterr().out
+    assert shown.startswith("evaluating 1 checkpoint") and "| step-2 | sums | 50.0% |" in shown
+    assert (tmp_path / "logs" / "console.log").read_text() == shown

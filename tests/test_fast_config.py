@@ -177,6 +177,20 @@ CASES = {
                            "task.source=dataset", "task.train_path={user}/rows.jsonl",
                            "task.prompt_field=q", "task.num_eval=1"],
         "config error: task.prompt_field='q' is not a column of task.train_path="),
+    # An agent's rows vary (issue 50): no token budget with pipeline parallelism, every role
+    # named in one line before anything is spawned (was: a traceback 86 s in, at step 1).
+    "grpo agent with pipeline parallelism": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
+                           "task.agent=forge_ext.tasks.agents:answer_then_check",
+                           "trainer.parallelism.pipeline_parallel_degree=2",
+                           "reference.parallelism.pipeline_parallel_degree=2"],
+        "config error: task.agent='forge_ext.tasks.agents:answer_then_check' makes a training "
+        "row of each model call that does not extend an earlier one (docs/agents.md), so a "
+        "step's rows vary: fixed-row microbatches take exactly grpo.batch_size rows, a token "
+        "budget (training.max_tokens_per_microbatch) any number, and none can be derived for "
+        "trainer.parallelism.pipeline_parallel_degree=2 (a pipeline schedule fixes its "
+        "microbatch shapes; a token budget needs it at 1); "
+        "reference.parallelism.pipeline_parallel_degree=2"),
     "grpo reward module": (
         "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
                            "task.source=dataset", "task.train_path={user}/rows.jsonl",
@@ -273,6 +287,53 @@ def test_a_good_config_passes_the_light_check_and_then_the_full_one(demo_checkpo
     full = load_config("configs/grpo_cpu_demo.yaml", overrides)
     assert light.trainer["training"]["local_batch_size"] == 4 * light.grpo.group_size
     assert light.trainer == full.trainer and light.reference == full.reference
+
+
+@pytest.mark.parametrize("config,roles", [
+    ("grpo_cpu_demo.yaml", {"trainer": 32 * 512, "reference": 32 * 512}),
+    # A fixed split's microbatch is the budget's measure: 32 tokens x 128 rows.
+    ("grpo_cpu_demo.yaml trainer.training.microbatch_size=128",
+     {"trainer": 32 * 128, "reference": 32 * 512}),
+    ("grpo_cpu_demo.yaml trainer.training.gradient_accumulation_steps=4",
+     {"trainer": 32 * 128, "reference": 32 * 512}),
+    ("ppo_cpu_demo.yaml", {"trainer": 32 * 512, "reference": 32 * 512, "critic": 32 * 512}),
+    # A budget given is kept.
+    ("grpo_cpu_demo.yaml trainer.training.max_tokens_per_microbatch=4096",
+     {"trainer": 4096, "reference": 32 * 512}),
+])
+def test_an_agent_with_the_default_configs_gets_a_token_budget_for_every_role_of_its_rows(
+        model_dir, config, roles):
+    """Issue 50: an agent's episodes may train as several rows each, and fixed-row
+    microbatches take exactly ``grpo.batch_size``: a 9-line agent of two text calls on the
+    demo config failed at step 1 (``trainer.training has fixed-row microbatches``), then
+    the same for the reference. Every role that takes the rows now trains with a token
+    budget of ``seq_len`` x the rows of its fixed microbatch, and the plan says so."""
+    from apps.grpo.config import check_config
+    from apps.grpo.console import RunConsole
+
+    path, *extra = config.split()
+    checked = check_config(str(ROOT / "configs" / path), [
+        f"model.hf_path={model_dir}", "task.agent=forge_ext.tasks.agents:answer_then_check",
+        *extra])
+    sections = {"trainer": checked.trainer, "reference": checked.reference,
+                "critic": checked.critic}
+    for role, budget in roles.items():
+        training = sections[role]["training"]
+        assert training["max_tokens_per_microbatch"] == budget, (role, training)
+        assert "microbatch_size" not in training and "gradient_accumulation_steps" not in training
+    console = RunConsole.__new__(RunConsole)
+    console.config = checked
+    budgets = ", ".join(f"{role} {budget}" for role, budget in roles.items())
+    assert console.token_budget_lines() == [
+        "rows per episode vary (task.agent: a call that does not extend an earlier one is a "
+        f"row of its own): token-budget microbatches of {budgets} tokens "
+        "(training.max_tokens_per_microbatch; where unset, training.seq_len x the rows of a "
+        "fixed microbatch)"]
+    # Without an agent (one row per episode) nothing changes, and the plan has no such line.
+    plain = check_config(str(ROOT / "configs" / path), [f"model.hf_path={model_dir}", *extra])
+    assert "max_tokens_per_microbatch" not in plain.reference["training"]
+    console.config = plain
+    assert console.token_budget_lines() == []
 
 
 def test_the_saved_engine_fields_are_the_engines_config():

@@ -115,8 +115,10 @@ class Runs:
         self.done = {}
 
     def overrides(self, output_dir, mode, backend, *extra):
-        # The vLLM runs have two replicas (tp=1 each) behind the router.
-        replicas = ["generator.replicas=2"] if backend == "vllm" else []
+        # The vLLM runs have two replicas (tp=1 each) behind the router, and take their
+        # weights as delta versions through torchstore (weights.delta, issue 48).
+        replicas = ["generator.replicas=2", "weights.delta=true", "weights.same_host=off"
+                    ] if backend == "vllm" else []
         return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", *replicas, *extra)
 
     async def crashed(self, backend, mode):
@@ -244,6 +246,22 @@ async def test_a_weight_left_out_of_the_push_makes_the_mismatch_gate_stop_the_ru
     assert "loop.max_mismatch_kl=1e-08" in message and "did not load" in message
     (step1,) = [r for r in history(tmp_path) if "loss" in r]
     assert step1["step"] == 1 and step1["mismatch/k3_kl"] < 1e-8
+
+
+async def test_vllm_replicas_take_delta_versions_between_anchors(crashed_run, resumed_run):
+    """weights.delta on the vLLM runs (two replicas, fp32 published at lr 1e-3, so nearly
+    every block goes dense): the first push of each process is an anchor (the crashed run's
+    version 0, logged at step 1; the resumed run's checkpoint version 3, at step 4), the
+    others deltas on the version both replicas hold; no replica refused one, and each
+    served the trainer's weights (the log-prob gap test above)."""
+    app, output_dir, _ = crashed_run
+    if app.config.generator.backend != "vllm":
+        pytest.skip("weights.delta needs the vLLM generator")
+    rows = [r for r in history(output_dir) if "weights/anchor" in r]
+    assert [r["weights/anchor"] for r in rows] == [1.0, 0.0, 0.0, 1.0], rows
+    assert all(r["generator/delta_refused"] == 0 for r in rows)
+    assert all(0 < r["weights/changed_fraction"] <= 1 for r in rows)
+    assert all(r["weights/bytes"] <= r["weights/full_bytes"] + 64 * 50 for r in rows)
 
 
 async def test_a_run_on_this_machine_listens_on_loopback_only(crashed_run):

@@ -244,6 +244,17 @@ def test_group_advantages_match_hand_computation():
     torch.testing.assert_close(adv, torch.tensor(expected))
 
 
+def test_groups_with_spread_reads_consecutive_completions_as_one_group():
+    # Groups of 2 (one prompt's completions side by side): equal, spread, equal. Read with
+    # the wrong stride (every third reward one group), the last group would have spread.
+    from forge_ext.rl.advantages import groups_with_spread
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0])
+    assert groups_with_spread(rewards, 2).tolist() == [False, True, False]
+    assert groups_with_spread(rewards, 3).tolist() == [True, True]
+    assert groups_with_spread(rewards, 1).tolist() == [False] * 6
+
+
 def test_group_advantages_reject_bad_shapes_and_allow_group_of_one():
     assert torch.equal(compute_group_advantages(torch.tensor([3.0, 5.0]), 1), torch.zeros(2))
     with pytest.raises(ValueError, match="group_size=4"):

@@ -654,3 +654,37 @@ def test_a_streak_of_steps_with_only_flat_groups_is_warned_once():
     assert "nothing trains" in said[5] and "samples.jsonl" in said[5]
     ppo = FlatGroupsWatch(group_size=1)
     assert [ppo.update(flat) for _ in range(4)] == [None] * 4
+
+
+def test_kl_climbing_while_accuracy_stays_flat_is_warned_once_on_the_step_line():
+    """Issue 50: KL to the reference climbed to 2.2 with training accuracy flat, and nothing
+    said so. Once the KL passes 1 while the accuracy of the last steps is within 2 points of
+    the run's first steps, the step line is followed by one warning naming both and the
+    fields to change; an accuracy that rose meanwhile, or a KL below 1, says nothing, and a
+    KL that falls back and climbs again warns again."""
+    import functools
+
+    from forge_ext.rl.report import KLDriftWatch, step_line
+
+    def step(kl: float, acc: float) -> dict[str, float]:
+        return {"reward/mean": acc, "rollout/accuracy": acc,
+                "rollout/groups_without_spread": 0.0, "loss": 0.0, "loss/kl": kl,
+                "policy_version": 1, "generator_version": 0, "rollout/policy_age_mean": 0.0,
+                "rollout/policy_age_max": 0, "rollout/dropped_samples": 0,
+                "time/generator_idle": 0.0, "time/trainer_idle": 0.0,
+                "throughput/samples_per_s": 1.0}
+
+    watch = KLDriftWatch()
+    line = functools.partial(step_line, steps=40, group_size=4, replicas=1, kl=True,
+                             kl_drift=watch)
+    flat = [line(i, step(kl, 0.12)) for i, kl in enumerate(
+        [0.01, 0.05, 0.1, 0.3, 0.6, 0.9, 1.3, 1.8, 2.2, 2.0, 0.2, 0.3, 1.5], start=1)]
+    warned = [i for i, text in enumerate(flat) if "\nwarning:" in text]
+    assert warned == [6, 12], flat
+    warning = flat[6].split("\n", 1)[1]
+    assert "KL to the reference 1.30" in warning and "accuracy 12.0%" in warning, warning
+    assert "trainer.optimizer.lr" in warning and "loss.kl_coef" in warning, warning
+    rising = KLDriftWatch()
+    said = [rising.update(step(kl, acc)) for kl, acc in
+            [(0.1, 0.10), (0.2, 0.12), (0.5, 0.2), (0.9, 0.3), (1.5, 0.4), (2.0, 0.45)]]
+    assert said == [None] * 6

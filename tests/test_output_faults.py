@@ -88,6 +88,8 @@ def test_a_write_error_behind_a_remote_call_ends_the_app_in_one_line(monkeypatch
     with pytest.raises(SystemExit) as exited:
         app_main.main(["--config", str(tmp_path / "c.yaml")])
     assert exited.value.code == f"error: {line}"
+    # The console is kept in <output_dir>/logs/console.log, the final line included (issue 50).
+    assert (tmp_path / "logs" / "console.log").read_text() == f"error: {line}\n"
 
 
 def test_every_rank_refuses_a_save_when_one_rank_is_short_of_space(tmp_path):
@@ -137,3 +139,42 @@ def test_a_save_is_refused_exactly_when_free_space_is_short_of_the_last_checkpoi
         assert not step2.exists()
     else:
         assert save() == 5
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_weights_written_by_every_writer_follow_the_umask(tmp_path, mask):
+    """Issue 50: ``model.safetensors`` was written 0600 (safetensors' ``save_file``) while
+    every other file of a run was 0644 under umask 022: a colleague on a shared filesystem
+    could not load the trained model. An HF checkpoint (the trainer's export, ``apps.export``
+    and the SFT warm-start write through it), a PEFT adapter folder, and tokenizer files
+    copied from a checkpoint whose own files are 0600: each file gets ``0o666 & ~umask``."""
+    import torch
+
+    from forge_ext.engine.hf_checkpoint import save_hf_checkpoint
+    from forge_ext.engine.lora import write_peft_folder
+
+    from forge_ext.tasks.tokenizer import save_tokenizer
+
+    source = tmp_path / "source"
+    save_tokenizer(source)
+    for path in source.iterdir():
+        os.chmod(path, 0o600)
+    saved = os.umask(mask)
+    try:
+        hf = save_hf_checkpoint(tmp_path / "hf", {"w.weight": torch.ones(2, 2)},
+                                {"model_type": "qwen3"}, tokenizer_from=source)
+        sharded = save_hf_checkpoint(tmp_path / "sharded", {"a": torch.ones(64),
+                                                            "b": torch.ones(64)},
+                                     {"model_type": "qwen3"}, max_shard_bytes=256)
+        adapter = write_peft_folder(tmp_path / "adapter", {
+            "base_model.model.layers.0.q_proj.lora_A.weight": torch.ones(2, 4),
+            "base_model.model.layers.0.q_proj.lora_B.weight": torch.ones(4, 2)},
+            {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    finally:
+        os.umask(saved)
+    files = [p for folder in (hf, sharded, adapter) for p in folder.iterdir()]
+    assert {p.name for p in files} >= {"model.safetensors", "tokenizer.json",
+                                       "model-00001-of-00002.safetensors",
+                                       "adapter_model.safetensors"}
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(0o666 & ~mask)}, modes

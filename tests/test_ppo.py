@@ -1,7 +1,8 @@
 """PPO's formulas against an independent float64 implementation (tests/ppo_reference.py):
 GAE at several gammas and lambdas over responses of 1 to 64 tokens with prompts, padding and
 multi-turn masks (environment tokens between turns), whitening over the valid tokens only,
-RLOO, and the clipped value loss with its gradient, in every aggregation."""
+RLOO, and the clipped value loss with its gradient, in every aggregation; what the app's PPO
+step hands to the critic (rewards in row order, the KL's sign)."""
 
 import math
 
@@ -210,3 +211,45 @@ def test_value_loss_weight_is_the_aggregation_unit_and_refuses_an_lm_head():
         value_loss_and_metrics(torch.zeros(*mb["labels"].shape, 16), mb)
     with pytest.raises(ValueError, match="critic.clip_value=0 must be > 0"):
         ValueLoss.Config(clip_value=0)
+
+
+def test_the_ppo_step_hands_the_critic_each_rows_reward_and_kl_in_batch_order(
+        demo_checkpoint, tmp_path):
+    """``RLApp.critic_step`` (the app's side of a PPO step): the rewards it hands to the
+    critic are the batch's episodes' in their row order, and the KL in the reward is
+    ``log pi_gen - log pi_ref`` (not its negative: a KL bonus), with the run's estimator.
+    The critic here records what it is handed (its own side: tests/test_trainer_actor.py)."""
+    import asyncio
+    from pathlib import Path
+
+    from apps.grpo.config import load_config
+    from apps.grpo.main import RLApp
+    from forge_ext.rl.episode import Episode, pack_episodes
+
+    config = load_config(
+        str(Path(__file__).resolve().parent.parent / "configs" / "ppo_cpu_demo.yaml"),
+        [f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path}", "task.num_train=16",
+         "task.num_eval=2", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05"])
+    app = RLApp(config)
+    g = torch.Generator().manual_seed(3)
+    episodes = [Episode(prompt_ids=[1, 5, 6][: 1 + i], response_ids=[7, 8, 2][: 3 - i],
+                        generator_logprobs=-torch.rand(3 - i, generator=g),
+                        ref_logprobs=-torch.rand(3 - i, generator=g), advantage=0.0,
+                        policy_version=0, reward=float(i) - 0.5) for i in range(3)]
+    packed = pack_episodes(episodes, pad_id=0)
+
+    class RecordingCritic:
+        async def advantages_and_update(self, batch, rewards, estimator, kl):
+            self.handed = rewards, estimator, kl
+            out = estimator.token_advantages(rewards, batch["labels"],
+                                             torch.zeros(batch["labels"].shape), kl)
+            return out.advantages, {}
+
+    app.critic = RecordingCritic()
+    asyncio.run(app.critic_step(packed, episodes))
+    rewards, estimator, kl = app.critic.handed
+    assert rewards.tolist() == [-0.5, 0.5, 1.5]
+    assert estimator is app.estimator and estimator.kl_coef == 0.05
+    valid = packed["labels"] != -100
+    expected = packed["generator_logprobs"] - packed["ref_logprobs"]
+    assert torch.equal(kl[valid], expected[valid]) and (kl[valid] != 0).all()

@@ -28,15 +28,15 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
         # Resized by grpo.prompts_per_step and group_size alone: the trainer's batch follows.
         "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
         "eval.batch_size=2",
-        # No reference (one proc fewer to start, mostly torchtitan's import), no plot.
-        "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
+        # No reference (one proc fewer to start, mostly torchtitan's import).
+        "reference=null", "loss.kl_coef=0", "metrics.tensorboard=false",
     ]
     # A user's shell: not this process's environment, which torchstore's import (here, in
     # the test process) gave the frame-limit variable that hides its logging setup.
     env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_CODEC_MAX_FRAME_LENGTH"}
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**env, "PYTHONPATH": str(ROOT)}, umask=0o022,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -85,14 +85,30 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     assert monarch_log.is_file() and not monarch_log.is_symlink(), list((out / "logs").iterdir())
     assert monarch_log.stat().st_size > 0
     # Each role's own Python log too: torchtitan's INFO lines (kept off the console above)
-    # are in the trainer's file; the generator has its file.
+    # are in the trainer's file; the generator's says what it served (issue 50: it was
+    # empty), off the console too.
     trainer_log = (out / "logs" / "trainer-0.log").read_text()
     assert "Saving the checkpoint" in trainer_log and "Saving the checkpoint" not in output
-    assert (out / "logs" / "generator-0.log").is_file()
+    generator_log = (out / "logs" / "generator-0.log").read_text()
+    for said in ("generator ready: hf engine", "serving policy version 1",
+                 "serving policy version 2"):
+        assert said in generator_log and said not in output, (said, generator_log)
     # Sample completions per step (issue 38): both prompts of each of the 2 steps.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     assert all(set(s["rewards"]) == {"addition"} and "completion" in s for s in samples)
+    # The console is kept (issue 50): every line the run printed, in order, the closing
+    # summary and the last line included, in <output_dir>/logs/console.log.
+    kept = iter((out / "logs" / "console.log").read_text().splitlines())
+    assert all(line in kept for line in result.stdout.splitlines()), result.stdout
+    # Every file of the run follows the umask (issue 50: model.safetensors was 0600): the
+    # checkpoint, the HF export, the plot, the logs, the metrics.
+    files = [p for p in out.rglob("*") if not p.is_symlink()]
+    assert {"model.safetensors", "progress.png", "console.log", "metrics.jsonl"} <= {
+        p.name for p in files}
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {"0o644", "0o755"}, modes
+    assert all(modes[str(p.relative_to(out))] == "0o755" for p in files if p.is_dir()), modes
     # The same command again: a finished run says so and spawns nothing (issue 38).
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env={**env, "PYTHONPATH": str(ROOT)})
@@ -121,3 +137,20 @@ def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback()
     assert "Traceback" not in output and "Fatal Python error" not in output, output
     summary = [i for i, line in enumerate(output.splitlines()) if " passed" in line]
     assert summary and output.splitlines()[summary[-1] + 1:] == [], output[-2000:]
+
+
+def test_importing_vllm_after_forge_ext_prints_nothing():
+    """Issue 50: the agent run printed ``Triton is installed, but doesn't include CPU backend``:
+    the controller imports vLLM's OpenAI protocol classes (the agents' endpoint) without
+    starting an engine, and vLLM 0.32 applies ``VLLM_LOGGING_LEVEL`` only when an engine
+    configures its logging, so its import-time warnings reached the console through Python's
+    last-resort handler. After ``import forge_ext`` they follow ``VLLM_LOGGING_LEVEL`` (ERROR
+    unless the user sets it)."""
+    code = ("import forge_ext\n"
+            "from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest\n"
+            "from vllm.entrypoints.openai.completion.protocol import CompletionRequest\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout + result.stderr == "", result.stdout + result.stderr

@@ -95,6 +95,75 @@ async def test_scores_equal_transformers_sequence_classifier_with_dp2(checkpoint
     assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
+def position_values(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, T]``: the classifier's score head on every position's hidden state (what its
+    pooling picks one of)."""
+    with torch.no_grad():
+        return model.score(model.model(input_ids=ids).last_hidden_state)[..., 0]
+
+
+def test_pooling_picks_transformers_position_in_every_padding_case(checkpoint):
+    """:func:`score_position` picks the position ``AutoModelForSequenceClassification`` pools:
+    right and left padding, pad == eos (the Llama recipe: a row ending in its end token
+    scores the token before it), a row of pads only, and no pad token; ``last_token``
+    (OpenRLHF's convention) the row's last token whatever it is."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from forge_ext.actors.reward_model import score_position
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        checkpoint, torch_dtype=torch.float32).eval()
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    rows = [tok(t)["input_ids"] for t in ("The answer is 42.", "42", "It is 41 or 7.")]
+    width = max(map(len, rows)) + 2
+
+    def check(batch, pad_token_id, position_of=None):
+        model.config.pad_token_id = pad_token_id
+        ids = torch.tensor(batch)
+        want = model(input_ids=ids).logits[:, 0]
+        values = position_values(model, ids)
+        at = [score_position(row, pad_token_id) for row in batch]
+        assert values[torch.arange(len(batch)), torch.tensor(at)].tolist() == pytest.approx(
+            want.tolist(), rel=1e-5, abs=1e-5), (pad_token_id, batch, at)
+        last = [score_position(row, pad_token_id, "last_token") for row in batch]
+        assert last == [len(row) - 1 for row in batch]
+
+    try:
+        check([r + [pad] * (width - len(r)) for r in rows], pad)  # right padding
+        check([[pad] * (width - len(r)) + r for r in rows], pad)  # left padding
+        ended = [r + [eos] for r in rows]  # pad == eos: each row ends in the end token
+        check([r + [eos] * (width - len(r)) for r in ended], eos)
+        for row in ended:  # alone, unpadded, as the reward model scores a conversation
+            check([row], eos)
+        check([[pad] * 4], pad)  # pads only: transformers reads position 0
+        check([rows[0] + [pad]], None)  # no pad token: the last token, pad or not
+    finally:
+        model.config.pad_token_id = pad
+
+
+@on_module_loop
+async def test_a_conversation_ending_in_the_pad_token_scores_where_transformers_pools(
+        checkpoint, reward_model):
+    """With pad == eos a conversation ends in the pad token: the role scores at the last
+    token that is not the pad, as ``AutoModelForSequenceClassification`` does on the row
+    alone; ``pooling: last_token`` scores at the row's last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    pad = reward_model.tokenizer.pad_token_id
+    ids = [row + [pad] * k for k, row in enumerate(reward_model.encode(PROMPTS, COMPLETIONS))]
+    model = AutoModelForSequenceClassification.from_pretrained(
+        checkpoint, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [model(input_ids=torch.tensor([row])).logits[0, 0].item() for row in ids]
+        end = [position_values(model, torch.tensor([row]))[0, -1].item() for row in ids]
+    assert want[1] != pytest.approx(end[1], abs=1e-3)  # the pad's value is another number
+    assert await reward_model.score_ids(ids) == pytest.approx(want, rel=1e-4, abs=1e-4)
+    at_end = RewardModel(reward_model.trainer, reward_model.tokenizer, "rm",
+                         pad_token_id=pad, pooling="last_token")
+    assert await at_end.score_ids(ids) == pytest.approx(end, rel=1e-4, abs=1e-4)
+
+
 @on_module_loop
 async def test_rubric_weighs_and_logs_the_model_like_a_function(checkpoint, reward_model):
     """``reward = exact_match + 0.5 * rm``; ``reward/rm`` is the model's mean; a conversation
@@ -166,6 +235,10 @@ def test_reward_model_entries_are_refused_naming_the_field(tmp_path, checkpoint)
             "model's setting")
     refused({"fn": "exact_match", "env": {"CUDA_VISIBLE_DEVICES": "1"}},
             r"reward.functions\[0\].env is a reward model's setting")
+    refused({"fn": "exact_match", "pooling": "last_token"},
+            r"reward.functions\[0\].pooling is a reward model's setting")
+    refused({"model": checkpoint, "pooling": "eos"},
+            r"reward.functions\[0\].pooling='eos' must be last_non_pad .* or last_token")
     refused({"model": checkpoint, "max_tokens_per_microbatch": 0},
             r"max_tokens_per_microbatch=0 must be an int >= 1")
     refused({"model": str(tmp_path / "none")}, r"reward.functions\[0\].model=.* no config.json")

@@ -187,14 +187,27 @@ async def test_the_transformers_engine_batches_requests_that_arrive_together(ver
 # ---- the router (pure) -------------------------------------------------------------------------
 
 def test_the_router_keeps_a_session_on_its_replica_and_sends_new_ones_to_the_least_loaded():
+    # Unequal loads, so that stickiness and "least loaded" disagree for the sessions on
+    # either replica, replica 0 included (a tie would pick replica 0 anyway, and a router
+    # that loses the sessions of replica 0, `if not replica`, passed with equal loads).
     router = Router(2)
-    first = router.route("episode-a", 100)
-    second = router.route("episode-b", 100)
-    assert {first, second} == {0, 1}  # the second went to the idle replica
-    assert router.route("episode-a", 10) == first  # sticky, though now the busier
-    router.done(first, 100), router.done(first, 10)
-    assert router.route(None, 5) == first  # no session: the least loaded (now idle)
-    assert router.routed[first] == 3 and router.routed[second] == 1
+    assert router.route("episode-a", 100) == 0
+    assert router.route("episode-b", 50) == 1  # the second went to the idle replica
+    assert router.route("episode-a", 10) == 0  # sticky, though the busier (110 vs 50)
+    assert router.route("episode-b", 80) == 1  # sticky, though the busier (130 vs 110)
+    assert router.route("episode-c", 1) == 0  # a new session: the least loaded
+    router.done(0, 100), router.done(0, 10), router.done(0, 1)
+    assert router.route(None, 5) == 0  # no session: the least loaded (now idle)
+    assert router.routed == [4, 2]
+
+
+def test_router_ties_go_to_fewer_requests_in_flight_then_the_lower_index():
+    router = Router(3)
+    router.route("a", 5), router.route("b", 10), router.route("c", 10)  # replicas 0, 1, 2
+    assert router.route("d", 5) == 0  # 0 has the fewest tokens (5 against 10 and 10)
+    # Now every replica holds 10 tokens; 0 has two requests in flight, 1 and 2 one each.
+    assert router.route("e", 1) == 1  # fewer requests, then the lower index
+    assert router.requests == [2, 2, 1] and router.tokens == [10, 11, 10]
 
 
 def test_the_router_never_sends_a_new_session_to_a_busy_replica_while_another_is_idle():
@@ -217,14 +230,14 @@ def test_a_dead_replicas_sessions_move_and_with_none_left_routing_says_so():
         router.route("s", 1)
 
 
-def test_the_router_forgets_the_oldest_sessions_beyond_its_bound():
+def test_the_router_forgets_the_least_recently_used_sessions_beyond_its_bound():
     router = Router(2, max_sessions=2)
-    a = router.route("a", 1)
-    router.route("b", 1000)  # the other replica, now far busier
-    router.route("c", 1)
-    router.route("d", 1)
-    router.done(a, 1)
-    assert "a" not in router._sessions and len(router._sessions) == 2
+    assert router.route("a", 1) == 0
+    assert router.route("b", 1000) == 1  # the other replica, now far busier
+    assert router.route("a", 1) == 0  # a is now the more recent of the two
+    assert router.route("c", 1) == 0  # b, the least recently used, is forgotten
+    assert router.route("b", 1) == 0  # b routed anew: to the least loaded, not to 1
+    assert list(router._sessions) == ["c", "b"]
 
 
 def test_replicas_on_one_host_split_its_gpus_and_cores():

@@ -12,8 +12,9 @@ nodes on this machine (the session's ``slurm_cluster``, tests/slurm_cluster.py; 
   reference and generator on the third: weights cross nodes) gives the held-out accuracy and
   losses of the same run on the ``processes`` launcher; neither run listens on every
   interface, the ``processes`` one only on loopback;
-- a job that cannot start is cancelled after hosts.slurm.start_timeout_s, with one line
-  naming it, its state and Slurm's reason; SIGTERM and Ctrl-C during the wait cancel it;
+- a job that cannot start is cancelled after hosts.slurm.start_timeout_s (timed: a few
+  seconds past it), with one line naming it, its state and Slurm's reason; SIGTERM and
+  Ctrl-C during the wait cancel it, and so does a cancelled ``Placement.start`` by itself;
 - a controller killed with SIGKILL leaves no job, worker or proc running beyond
   hosts.slurm.heartbeat_timeout_s (plus a poll and Slurm's kill).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -42,6 +44,9 @@ SLURM = ["hosts.launcher=slurm", "hosts.transport=localhost", "hosts.slurm.parti
          "hosts.slurm.heartbeat_timeout_s=10"]
 HOSTS = {"launcher": "slurm", "transport": "localhost",
          "slurm": {"partition": "all", "heartbeat_timeout_s": 10}}
+# Seconds a run may take beyond hosts.slurm.start_timeout_s to give up on a job that cannot
+# start: squeue's poll, scancel and the app's exit.
+START_TIMEOUT_SLACK_S = 15
 # Slurm's own processes in a job: srun listens on every interface for its step's I/O
 # (Slurm's SrunPortRange, authenticated by munge), not a port of the run.
 SLURM_OWN = ("srun", "slurmstepd")
@@ -315,17 +320,56 @@ def test_a_job_that_cannot_start_is_cancelled_naming_its_state_and_reason(
     app = start_app(slurm, demo_checkpoint_small, tmp_path, "hosts.slurm.partition=one",
                     "hosts.slurm.start_timeout_s=3")
     try:
-        out, err = app.communicate(timeout=120)
+        job = its_job(slurm, app)
+        submitted = time.monotonic()
+        try:
+            out, err = app.communicate(timeout=3 + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run still waits for job {job} {time.monotonic() - submitted:.0f} "
+                        "s after submitting it, with hosts.slurm.start_timeout_s=3")
+        seconds = time.monotonic() - submitted
     finally:
         app.kill()
-    job = its_job(slurm, app, 1)
+    print(f"submitted -> exit: {seconds:.1f} s")
     assert app.returncode == 1, err
+    # The wait, squeue's poll (0.5 s), scancel and the app's exit; not the test's own limit.
+    assert 3 - 1 < seconds < 3 + START_TIMEOUT_SLACK_S, (
+        f"the run stopped {seconds:.1f} s after submitting job {job}, with "
+        "hosts.slurm.start_timeout_s=3")
     assert err.strip().splitlines()[-1] == (
         f"error: Slurm job {job} did not start within hosts.slurm.start_timeout_s=3: PENDING "
         "(Reason=PartitionConfig: the job asks for more than its partition has (nodes, GPUs, "
         "time)); it was cancelled. Raise hosts.slurm.start_timeout_s to wait longer, or ask "
         "for fewer nodes or another partition (`sinfo`, `scontrol show partition`)")
     assert slurm.jobs()[job] == "CANCELLED"
+
+
+def test_a_cancelled_start_cancels_the_job_it_waits_for(slurm, tmp_path):
+    """Placement.start's own promise (the apps also stop their placement in a ``finally``,
+    which hid its loss): a start cancelled while it waits for a job that cannot start
+    (three nodes of the one-node partition, no start timeout) ends with CancelledError and
+    leaves no job: the job is CANCELLED while the process that submitted it still lives."""
+    out = tmp_path / "record.json"
+    hosts = {**HOSTS, "slurm": {**HOSTS["slurm"], "partition": "one", "start_timeout_s": 0},
+             "reference": {"hosts": 1}, "generator": {"hosts": 1}}
+    driver = subprocess.Popen([sys.executable, DRIVER, "cancel", str(out), json.dumps(hosts),
+                               str(tmp_path)], env=slurm.env, cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Once the cancelled start has returned (imports, sbatch and the wait: seconds).
+        assert select.select([driver.stdout], [], [], 120)[0], "no word from the driver in 120 s"
+        line = driver.stdout.readline()
+        assert line == "cancelled\n", driver.communicate(timeout=30)[1][-3000:]
+        record = json.loads(out.read_text())
+        assert record["outcome"] == "CancelledError"
+        job = record["job_id"]
+        wait_for(lambda: slurm.jobs().get(job) == "CANCELLED", 10,
+                 f"job {job} cancelled by its cancelled start")
+        assert not record["job_left"]  # the placement let go of it
+        driver.stdin.close()
+        assert driver.wait(timeout=60) == 0, driver.stderr.read()[-3000:]
+    finally:
+        driver.kill()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -345,7 +389,7 @@ def test_sigterm_or_ctrl_c_while_the_job_waits_cancels_it(slurm, demo_checkpoint
     assert app.returncode == 130, err
     assert "stopping now (the run was still starting)" in out
     assert slurm.jobs()[job] == "CANCELLED"
-    assert seconds < 20
+    assert seconds < 20, f"the run exited {seconds:.1f} s after {signal.Signals(signum).name}"
 
 
 def test_a_controller_killed_with_sigkill_leaves_no_job_running(slurm, demo_checkpoint_small,
@@ -379,4 +423,7 @@ def test_a_controller_killed_with_sigkill_leaves_no_job_running(slurm, demo_chec
         app.kill()
     print(f"controller SIGKILL -> job {job} and its processes gone: {seconds:.1f} s")
     assert slurm.jobs()[job] == "CANCELLED"
-    assert seconds < 10 + 5 + 15  # timeout, a poll, Slurm's SIGTERM -> SIGKILL (KillWait 5)
+    # The heartbeat timeout, a poll, Slurm's SIGTERM -> SIGKILL (KillWait 5).
+    assert seconds < 10 + 5 + 15, (
+        f"job {job} and its processes outlived the controller by {seconds:.1f} s, with "
+        "hosts.slurm.heartbeat_timeout_s=10")

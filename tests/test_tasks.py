@@ -75,6 +75,42 @@ def test_dataset_rows_from_every_format_hold_out_a_fixed_disjoint_split(tmp_path
     assert build_task({**spec, "seed": 4}).eval_rows() != held_out
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "jsonl null", "csv", "parquet", "disk"])
+def test_a_row_without_the_answer_column_is_named_with_the_columns_it_has(tmp_path, fmt):
+    """Issue 50: row 418 of a valid .jsonl had ``ans`` for ``answer`` and the run said
+    ``task.train_path='x.jsonl' does not read as json: 'answer'``. In every format the
+    message names the row, the column it lacks and the columns it has (a CSV field left
+    empty, a parquet or ``save_to_disk`` null, a JSON null are the same to a row)."""
+    import datasets
+
+    data = records(30)
+    if fmt in ("jsonl", "json"):
+        data[23] = {"question": data[23]["question"], "sol": "#### 46", "level": 2}
+    else:
+        data[23] = {**data[23], "solution": None}
+    path = tmp_path / f"data.{fmt.split()[0]}"
+    if fmt.startswith("jsonl"):
+        write_jsonl(path, data)
+    elif fmt == "json":
+        path.write_text(json.dumps(data))
+    elif fmt == "csv":
+        datasets.Dataset.from_list(data).to_csv(str(path), index=False)
+    elif fmt == "parquet":
+        datasets.Dataset.from_list(data).to_parquet(str(path))
+    else:
+        datasets.Dataset.from_list(data).save_to_disk(str(path))
+    spec = {"source": "dataset", "train_path": str(path), "num_eval": 5,
+            "prompt_field": "question", "answer_field": "solution"}
+    with pytest.raises(ValueError) as error:
+        build_task(spec)
+    row = {"jsonl": "row 23 (line 24)", "json": "row 23"}.get(fmt, "row 23")
+    have = (["question", "sol", "level"] if fmt in ("jsonl", "json") else
+            ["question", "level"])
+    assert str(error.value) == (
+        f"{row} of task.train_path={str(path)!r} has no 'solution' (task.answer_field); the "
+        f"columns it has: {have}"), str(error.value)
+
+
 def test_dataset_eval_path_messages_system_prompt_and_numeric_answers(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [
         {"messages": [{"role": "user", "content": "2+2?"}], "answer": 4},
@@ -686,7 +722,8 @@ def test_every_bad_task_or_reward_is_one_line_naming_the_field_before_any_spawn(
         (task(**{**ds, "prompt_field": "prompt"}),
          r"task.prompt_field='prompt' is not a column of task.train_path=.*\['question', "),
         (task(**{**ds, "train_path": holes, "num_eval": 1}),
-         r"row 1 of task.train_path=.*holes.jsonl.*: task.answer_field 'solution' is empty"),
+         r"row 1 of task.train_path=.*holes.jsonl.* has no 'solution' \(task.answer_field\); "
+         r"the columns it has: \['question'\]"),
         (task(**ds, max_digits=3), r"unknown key 'task.max_digits'"),
         (task(source="reasoning_gym", name="chain_summ"),
          r"task.name='chain_summ' is not a reasoning-gym task"),

@@ -1,5 +1,6 @@
 """RLTrainer on real Monarch proc meshes with real torch.distributed (gloo): training lowers
-the loss, DP=2 equals DP=1, checkpoints round-trip, bad requests are rejected cleanly."""
+the loss, DP=2 equals DP=1, checkpoints round-trip, bad requests are rejected cleanly; the
+critic's gradients, checkpoints, and the targets a PPO step hands to its update."""
 
 import asyncio
 import copy
@@ -10,6 +11,7 @@ import torch
 from conftest import assert_grad_close, full, make_lm_batch, random_state_dict, spawn_all
 
 from forge_ext.actors import spawn_trainer
+from forge_ext.actors.critic import Critic
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -402,3 +404,57 @@ async def test_critic_checkpoint_restores_its_weights_optimizer_and_schedule(tra
         for key in ("loss", "grad_norm", "lr", "loss/clip_fraction"):
             assert g[key] == e[key], key
     assert expected[1]["loss"] != expected[0]["loss"]
+
+
+class RecordingCritic(Critic):
+    """The critic handle as shipped, plus the batch it hands to its trainer's update."""
+
+    async def train_step(self, batch):
+        self.handed = {k: v.clone() for k, v in batch.items()}
+        return await super().train_step(batch)
+
+
+async def test_a_ppo_step_trains_the_critic_on_the_gae_returns_against_its_own_values(trainers):
+    """:meth:`Critic.advantages_and_update` on the FSDP critic: what it hands to the update
+    is the GAE returns (with the KL penalty in the reward) of the critic's own values, as the
+    float64 reference computes them, and those values as ``old_values``; the update's loss is
+    the value loss of exactly those (``V = V_old`` at that forward: 0.5 (V - R)^2, token
+    mean); the policy's advantages are the reference's, whitened. The fault it exists for:
+    the critic trained on the advantages instead of the returns (every other test passed)."""
+    from ppo_reference import reference_gae, reference_value_loss, reference_whiten
+
+    from forge_ext.actors.critic_config import CriticConfig
+    from forge_ext.rl.advantages import GAE
+
+    handle = trainers["critic2"]
+    await handle.load_hf_state_dict(
+        random_state_dict(await handle.get_hf_state_dict(), seed=14, std=0.1))
+    critic = RecordingCritic(handle, CriticConfig())
+    batch = make_lm_batch(GLOBAL_BATCH, 32, 256, seed=14, ignore_prefix=DP_PREFIX)
+    g = torch.Generator().manual_seed(14)
+    rewards = torch.randn(GLOBAL_BATCH, generator=g)
+    kl = 0.3 * torch.randn(batch["labels"].shape, generator=g)
+    values = await critic.values(batch)
+    labels = batch["labels"]
+    valid = labels != -100
+    assert values[valid].std() > 0.1  # the critic's values vary: not a zero head
+    advantages, metrics = await critic.advantages_and_update(
+        batch, rewards, GAE(gamma=0.99, lam=0.95, whiten=True, kl_coef=0.05), kl)
+
+    adv, ret = reference_gae(rewards.tolist(), labels.tolist(), values.tolist(), 0.99, 0.95,
+                             kl=kl.tolist(), kl_coef=0.05)
+    ret = torch.tensor(ret)
+    handed = critic.handed
+    assert sorted(handed) == ["input_ids", "labels", "old_values", "returns"]
+    assert torch.equal(handed["input_ids"], batch["input_ids"])
+    assert torch.equal(handed["labels"], labels)
+    torch.testing.assert_close(handed["old_values"], values, rtol=0, atol=1e-6)
+    torch.testing.assert_close(handed["returns"][valid], ret[valid], rtol=1e-5, atol=1e-5)
+    assert (handed["returns"][~valid] == 0).all()
+    torch.testing.assert_close(advantages.double(),
+                               torch.tensor(reference_whiten(adv, labels.tolist()),
+                                            dtype=torch.float64), rtol=1e-4, atol=1e-5)
+    expected = reference_value_loss(values.tolist(), labels.tolist(), ret.tolist(),
+                                    values.tolist(), clip_value=0.2)
+    assert metrics["critic/loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["critic/returns_mean"] == pytest.approx(float(ret[valid].mean()), rel=1e-5)

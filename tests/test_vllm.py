@@ -152,6 +152,9 @@ def publishers(trainer):
         mode: WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host=mode))
         for mode in ("off", "auto")
     }
+    # weights.delta in bf16 (issue 48): deltas between anchors, through torchstore.
+    made["delta"] = WeightsPublisher(WeightsConfig(
+        key_prefix=KEY_PREFIX, same_host="off", delta=True, dtype="bfloat16"))
     yield made
     for publisher in made.values():
         publisher.close()
@@ -225,6 +228,69 @@ async def test_a_version_from_another_host_loads_through_the_generators_buffer(
     await generator.update_weights(v)
     assert _buffer_files(generator)  # fetched over torchstore into its own buffer
     await assert_generator_matches_trainer(generator, trainer)
+
+
+def _changed(weights: dict, seed: int) -> dict:
+    """``weights`` with 1% of each floating tensor's elements moved (a small optimizer
+    step's bf16 footprint), every value one bf16 holds exactly (so that the fp32 trainer and
+    vLLM on the published bf16 compute with the same weights): a copy."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        t = t.clone()
+        if t.is_floating_point():
+            t += (torch.rand(t.shape, generator=g) < 0.01) * torch.randn(t.shape, generator=g)
+            t = t.to(torch.bfloat16).to(t.dtype)
+        out[name] = t
+    return out
+
+
+async def _greedy_logprobs(generator) -> list[list[float]]:
+    return [c.logprobs for c in await generator.generate(PROMPTS, n=1, greedy=True)]
+
+
+@module_loop
+async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serves(
+    generator, trainer, publishers
+):
+    """weights.delta through vLLM's buffer (tp1 and tp2 loads): an anchor, then deltas each
+    applied onto what the generator holds; on-policy at every version, and after the last
+    the log-probs bitwise those of a full version of the same weights. A delta on a version
+    the generator does not hold is refused: it keeps serving, and says it needs a full one."""
+    delta = publishers["delta"]
+    weights = await trainer.get_hf_state_dict()
+    holding = None
+    kinds = []
+    for step in range(4):
+        weights = _changed(weights, seed=step)
+        await trainer.load_hf_state_dict(weights)
+        v = next(_versions)
+        result = await delta.publish(weights, v, reader_base=holding)
+        kinds.append("anchor" if result.delta.base_version is None else "delta")
+        info = await generator.update_weights(v)
+        assert (info["delta_refused"], info["holding"]) == (0, v), info
+        holding = v
+        assert await generator.get_policy_version() == v
+        await assert_generator_matches_trainer(generator, trainer)
+    assert kinds[0] == "anchor" and kinds[1:] == ["delta"] * 3, kinds
+    after_deltas = await _greedy_logprobs(generator)
+
+    # A delta on a version the generator does not hold: refused, nothing loaded.
+    stale = next(_versions)
+    await delta.publish(_changed(weights, seed=99), stale, reader_base=holding)
+    skipped = next(_versions)
+    await delta.publish(_changed(weights, seed=98), skipped, reader_base=stale)
+    info = await generator.update_weights(skipped)
+    assert (info["delta_refused"], info["holding"]) == (1, holding), info
+    assert await generator.get_policy_version() == holding
+
+    # The same weights as a full version: the same log-probs, bit for bit.
+    full = next(_versions)
+    await publishers["off"].publish(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+        full)
+    await generator.update_weights(full)
+    assert await _greedy_logprobs(generator) == after_deltas
 
 
 @module_loop

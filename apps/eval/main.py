@@ -263,6 +263,7 @@ class EvalApp:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from forge_ext.config import apply_env, parse_cli
+    from forge_ext.runtime import run_logs
     from forge_ext.runtime.disk import find_output_write_error
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=eval_help,
@@ -273,21 +274,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     except (ValueError, FileNotFoundError) as e:  # bad input: the message says the fix
         sys.exit(f"config error: {e}")
     apply_env(config.env)
-    for line in app.plan():
-        print(line, flush=True)
-    try:
-        results = asyncio.run(app.run())
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        sys.exit("interrupted: the generator was stopped")
-    except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
-        write_error = find_output_write_error(error)
-        if write_error is None:
-            raise
-        sys.exit(f"error: {write_error}")
-    from forge_ext.evaluation.report import markdown_table
+    with run_logs.keep_console(config.output_dir):  # the screen, in <output_dir>/logs
+        for line in app.plan():
+            print(line, flush=True)
+        try:
+            results = asyncio.run(app.run())
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            sys.exit("interrupted: the generator was stopped")
+        except Exception as error:  # noqa: BLE001 - re-raised unless an output failed
+            write_error = find_output_write_error(error)
+            if write_error is None:
+                raise
+            sys.exit(f"error: {write_error}")
+        from forge_ext.evaluation.report import markdown_table
 
-    print(markdown_table(results), end="")
-    print(f"written to {config.output_dir}: " + ", ".join(p.name for p in app.paths))
+        print(markdown_table(results), end="")
+        print(f"written to {config.output_dir}: " + ", ".join(p.name for p in app.paths))
     return results
 
 

@@ -35,17 +35,19 @@ from __future__ import annotations
 import os
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 # Light modules only (standard library, OmegaConf, dacite): a config error shows in well
 # under 2 s, before torch, torchtitan, transformers and Monarch are imported (issue 38); the
 # checks that need the model's code (torchtitan) import it in validate_engines.
-from forge_ext.actors.critic_config import CriticConfig, critic_sections
-from forge_ext.rl.algorithm import ADVANTAGE_SCALINGS, AlgorithmConfig
+from forge_ext.actors.critic_config import CriticConfig, critic_key_problems, critic_sections
+from forge_ext.rl.algorithm import AlgorithmConfig
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.config_doc import SectionDoc, help_text, sections
+from forge_ext.engine.checkpoint_files import not_hf_folder_message
 from forge_ext.engine.schema import (
-    check_engine_view, check_weights_transport, data_parallel_size, engine_view, world_size_of,
+    check_engine_view, check_weights_transport, data_parallel_size, engine_key_problems,
+    engine_view, fixed_rows_token_budget, world_size_of,
 )
 from forge_ext.evaluation import EvalConfig, check_sets
 from forge_ext.rl.losses.config import GRPOLossConfig
@@ -54,125 +56,15 @@ from forge_ext.rl.loop import LoopConfig
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.hosts import HostsConfig
 from forge_ext.rollout.config import GeneratorConfig, lora_engine_args
-from forge_ext.tasks import PromptConfig, RewardConfig, task_config, task_section_variants
+from forge_ext.tasks import (
+    PromptConfig, RewardConfig, episode_config, task_config, task_key_problems,
+    task_section_variants,
+)
 from forge_ext.weights.config import WeightsConfig
 
-@dataclass(kw_only=True, slots=True)
-class ModelSection:
-    hf_path: str
-    """HF checkpoint directory (config.json + safetensors + tokenizer): the warm-start of the
-    demo, or e.g. a downloaded ``Qwen/Qwen3-0.6B``."""
-
-
-@dataclass(kw_only=True, slots=True)
-class GRPOSection:
-    prompts_per_step: int = 8
-    """Distinct training prompts per step."""
-    group_size: int = 8
-    """Completions sampled per prompt; advantages are relative to each group's mean (``grpo``,
-    ``rloo``: at least 2). PPO (``algorithm.advantage: gae``) takes 1: its baseline is the
-    critic's."""
-    advantage_scaling: Literal["group_std", "none", "batch_std"] = "group_std"
-    """What the mean-centred rewards are divided by: the group's std (DeepSeekMath), nothing
-    (Dr. GRPO), or the whole batch's std
-    (:func:`forge_ext.rl.advantages.compute_group_advantages`)."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): groups whose rewards are all
-    equal (no gradient) are dropped, and more prompts are rolled out until the step has
-    ``prompts_per_step`` groups with spread or ``max_rollout_batches`` rollouts were made."""
-    max_rollout_batches: int = 4
-    """With ``dynamic_sampling``: the most rollouts of ``prompts_per_step`` prompts one step
-    makes; if they hold fewer groups with spread, the step fills up with dropped groups
-    (zero advantage: no policy gradient, counted in ``rollout/short_groups``)."""
-
-    def __post_init__(self) -> None:
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError(
-                f"grpo.prompts_per_step={self.prompts_per_step} and grpo.group_size="
-                f"{self.group_size} must be >= 1"
-            )
-        if self.advantage_scaling not in ADVANTAGE_SCALINGS:
-            raise ValueError(
-                f"grpo.advantage_scaling={self.advantage_scaling!r} must be one of "
-                f"{list(ADVANTAGE_SCALINGS)}"
-            )
-        if self.max_rollout_batches < 1:
-            raise ValueError(
-                f"grpo.max_rollout_batches={self.max_rollout_batches} must be >= 1"
-            )
-
-    @property
-    def batch_size(self) -> int:
-        """Sequences trained on per step."""
-        return self.prompts_per_step * self.group_size
-
-
-@dataclass(kw_only=True, slots=True)
-class RoleProcs:
-    num_procs: int | None = None
-    """Processes of this role's mesh (default: the product of its parallelism degrees; the
-    generator's are its replicas, ``generator.replicas``, and may not be set here)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment of this role's procs, e.g. ``{CUDA_VISIBLE_DEVICES: "4,5"}`` to give each
-    role its own GPUs on one node. Roles with an ``env`` are spawned one after another."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ProcsSection:
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment of every process, set in the controller before anything is spawned
-    (e.g. ``OMP_NUM_THREADS: "1"`` on a small CPU, see :func:`forge_ext.config.apply_env`)."""
-    trainer: RoleProcs = field(default_factory=RoleProcs)
-    """The trainer's processes."""
-    reference: RoleProcs = field(default_factory=RoleProcs)
-    """The reference model's processes."""
-    critic: RoleProcs = field(default_factory=RoleProcs)
-    """The critic's processes (PPO)."""
-    generator: RoleProcs = field(default_factory=RoleProcs)
-    """The generator's processes (one per replica: ``generator.replicas``)."""
-
-    def __post_init__(self) -> None:
-        if self.generator.num_procs is not None:
-            raise ValueError(
-                f"procs.generator.num_procs={self.generator.num_procs}: the generator runs one "
-                "process per replica; set generator.replicas (and "
-                "generator.vllm.tensor_parallel_size for GPUs per replica) instead"
-            )
-
-
-@dataclass(kw_only=True, slots=True)
-class DebugSection:
-    fail_at_step: int | None = None
-    """Fault injection: at this (1-based) step the trainer's ``train_step`` raises mid-step
-    (the batch's advantages are NaN, so the engine's gradient-norm check raises
-    ``FloatingPointError`` after backward, before the optimizer step). For testing that a
-    crash stops every proc and that a rerun resumes from the last checkpoint."""
-
-
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-"""``export.dtype``'s names (:data:`forge_ext.engine.export.DTYPES`' keys)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ExportSection:
-    enable: bool = True
-    """Write the policy as an HF checkpoint folder ``<output_dir>/hf/step-N`` (safetensors
-    shards, config.json, generation_config.json, tokenizer files) at the last step and every
-    ``loop.export_every`` steps: what transformers loads, vLLM serves and a next run takes as
-    ``model.hf_path``. LoRA runs write their adapter instead (``trainer.lora``)."""
-    dtype: str | None = None
-    """``float32``, ``bfloat16`` or ``float16``; null: the parameters' dtype."""
-    max_shard_mb: float = 5000.0
-    """Largest safetensors file (MB); a larger model is written in several, with
-    ``model.safetensors.index.json``."""
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"export.dtype={self.dtype!r} must be one of {sorted(EXPORT_DTYPES)} "
-                             "(or null: the parameters' dtype)")
-        if not self.max_shard_mb > 0:
-            raise ValueError(f"export.max_shard_mb={self.max_shard_mb} must be > 0")
-
+from apps.grpo.sections import (
+    DebugSection, ExportSection, GRPOSection, ModelSection, ProcsSection,
+)
 
 @dataclass(kw_only=True, slots=True)
 class GRPOConfig:
@@ -278,8 +170,6 @@ class GRPOConfig:
         """``(tokens, field)``: the longest response an episode can have after its first
         prompt: ``generator.sampling.max_new_tokens``, or ``task.max_episode_tokens`` for a
         multi-turn task (``task.environment``)."""
-        from forge_ext.tasks import episode_config
-
         episodes = episode_config(self.task)
         if episodes.environment is not None:
             return episodes.max_episode_tokens, "task.max_episode_tokens"
@@ -343,6 +233,7 @@ class GRPOConfig:
                 "or loss.kl_coef=0"
             )
         self._validate_algorithm()
+        self._validate_delta()
         if self.loop.save_every and not self.trainer.get("checkpoint", {}).get("enable"):
             raise ValueError(
                 f"loop.save_every={self.loop.save_every} needs trainer.checkpoint.enable=true"
@@ -354,13 +245,13 @@ class GRPOConfig:
             return
         hf_path = self.model.hf_path
         if hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
-            raise FileNotFoundError(
-                f"model.hf_path={hf_path!r} ({os.path.abspath(hf_path)}) has no config.json. For the demo, write the "
-                "warm-start first: python -m apps.sft.main --config configs/sft_cpu_demo.yaml "
-                "(make demo does both); otherwise point model.hf_path at an HF checkpoint "
-                "directory"
-            )
+            raise FileNotFoundError(not_hf_folder_message(
+                "model.hf_path", hf_path,
+                "for the demo, write the warm-start first: python -m apps.sft.main --config "
+                "configs/sft_cpu_demo.yaml (make demo does both); otherwise point "
+                "model.hf_path at an HF checkpoint directory"))
         self._derive_sizes()
+        self._derive_token_budgets()
         views = self._engine_views()
         for role, view in views.items():
             check_engine_view(view, role)
@@ -368,6 +259,23 @@ class GRPOConfig:
         layout = self.hosts.layout(self.processes(views))
         if check_engines:
             self.validate_engines(layout)
+
+    def _validate_delta(self) -> None:
+        """``weights.delta`` needs full versions to publish and a generator that keeps the
+        last one whole to apply a delta onto (vLLM's shared buffer)."""
+        if not self.weights.delta:
+            return
+        if self.trainer.get("lora"):
+            raise ValueError(
+                "weights.delta=true with trainer.lora: a LoRA version is the adapter alone, "
+                "already small; set weights.delta=false"
+            )
+        if self.generator.backend != "vllm":
+            raise ValueError(
+                f"weights.delta=true needs generator.backend='vllm' (got "
+                f"{self.generator.backend!r}): the transformers generator keeps no copy of the "
+                "weights to apply a delta onto; set weights.delta=false"
+            )
 
     def validate_engines(self, layout: dict[str, Any] | None = None) -> None:
         """The checks that need torch and the model's code (seconds to import): every engine
@@ -435,6 +343,51 @@ class GRPOConfig:
                 self.reference.setdefault("training", {})["seq_len"] = trainer_len
         if problems:
             raise ValueError("sizes that disagree: " + "; ".join(problems))
+
+    def row_sections(self) -> dict[str, dict[str, Any]]:
+        """``{role: its engine section}`` of the roles that train or score a step's rows
+        (trainer, reference, critic; a reward model always has a token budget). The
+        critic's is its YAML section, whose ``training`` its engine takes as it is."""
+        sections = {"trainer": self.trainer, "reference": self.reference,
+                    "critic": self.critic}
+        return {role: section for role, section in sections.items() if section is not None}
+
+    def _derive_token_budgets(self) -> None:
+        """Where a step's rows vary (an agent's episodes, ``task.agent``:
+        :attr:`forge_ext.tasks.environments.EpisodeConfig.rows_vary`), give every role that
+        trains or scores them a token budget in place of fixed-row microbatches (which
+        need exactly ``grpo.batch_size`` rows): ``training.max_tokens_per_microbatch`` =
+        ``training.seq_len`` x the rows a fixed microbatch holds
+        (:func:`forge_ext.engine.schema.fixed_rows_token_budget`: no microbatch grows).
+
+        Raises:
+            ValueError: one message naming every role where no budget can be derived.
+        """
+        episodes = episode_config(self.task)
+        if not episodes.rows_vary:
+            return
+        problems = []
+        for role, section in self.row_sections().items():
+            training = section.setdefault("training", {})
+            if training.get("max_tokens_per_microbatch"):
+                continue
+            mapping = (section if role != "critic" else critic_sections(
+                section, policy_hf_path=self.model.hf_path, trainer=self.trainer)[0])
+            try:
+                budget = fixed_rows_token_budget(engine_view(mapping, role))
+            except ValueError as e:
+                problems.append(f"{role}.{e}")
+                continue
+            for name in ("microbatch_size", "gradient_accumulation_steps"):
+                training.pop(name, None)
+            training["max_tokens_per_microbatch"] = budget
+        if problems:
+            raise ValueError(
+                f"task.agent={episodes.agent!r} makes a training row of each model call that "
+                "does not extend an earlier one (docs/agents.md), so a step's rows vary: "
+                "fixed-row microbatches take exactly grpo.batch_size rows, a token budget "
+                "(training.max_tokens_per_microbatch) any number, and none can be derived "
+                "for " + "; ".join(problems))
 
     def _validate_reward_models(self, *, check_model: bool) -> None:
         """Each reward model of ``reward.functions`` (:mod:`forge_ext.actors.reward_model`):
@@ -591,6 +544,12 @@ class GRPOConfig:
         return processes
 
 
+#: The sections of a GRPO config that a component checks (engines, the task), for
+#: :func:`forge_ext.config.from_mapping`: every unknown key of a config in one error.
+SECTION_CHECKS = {"trainer": engine_key_problems, "reference": engine_key_problems,
+                  "critic": critic_key_problems, "task": task_key_problems}
+
+
 def load_config(path: str, overrides: list[str] = (), *, check_model: bool = True,
                 check_engines: bool = True) -> GRPOConfig:
     """Read, override, resolve and validate a GRPO YAML config (see the module docstring);
@@ -601,7 +560,7 @@ def load_config(path: str, overrides: list[str] = (), *, check_model: bool = Tru
         ValueError: unknown keys (named), wrong types, or a failed :meth:`GRPOConfig.validate`.
     """
     mapping, _ = apply_preset(load_yaml(path, overrides))  # loss.preset: fills unset fields
-    config = from_mapping(GRPOConfig, mapping)
+    config = from_mapping(GRPOConfig, mapping, sections=SECTION_CHECKS)
     config.validate(check_model=check_model, check_engines=check_engines)
     return config
 

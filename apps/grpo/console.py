@@ -17,6 +17,7 @@ from apps.grpo.prepare import resume_step_of
 from forge_ext.config import RUN_CONFIG_FILE
 from forge_ext.engine import engine_config_from_mapping
 from forge_ext.rl.report import ALGORITHM_NAMES, accuracy_summary, plot_spec, step_line
+from forge_ext.tasks import episode_config
 
 
 class RunConsole:
@@ -24,7 +25,7 @@ class RunConsole:
     ``plot_spec``, ``on_finish``) and the run's first lines, for the RL app, which holds what
     they read: ``config``, ``loop``, ``metrics``, ``task``, ``prompts``, ``eval_rows``,
     ``eval_sets``, ``rubric``, ``runner``, ``resume_step``, ``reference``, ``critic``,
-    ``flat_groups`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
+    ``flat_groups``, ``kl_drift`` and ``bar`` (the progress bar, None until :meth:`start_bar`)."""
 
     def start_bar(self, step: int) -> None:
         """The progress bar of the steps, at ``step``."""
@@ -50,7 +51,8 @@ class RunConsole:
         c = self.config
         return step_line(step, m, steps=self.loop.steps, group_size=c.grpo.group_size,
                          replicas=c.generator.replicas, kl=self.reference is not None,
-                         eval_sets=self.eval_sets, flat_groups=self.flat_groups)
+                         eval_sets=self.eval_sets, flat_groups=self.flat_groups,
+                         kl_drift=self.kl_drift)
 
     def plot_spec(self) -> dict[str, Any]:
         c = self.config
@@ -61,7 +63,24 @@ class RunConsole:
             eval_label=f"held-out accuracy ({len(self.eval_rows)} prompts, {how})",
             reward_names=self.rubric.names, replicas=c.generator.replicas,
             multi_turn=self.runner.multi_turn, eval_sets=self.eval_sets,
-            critic=self.critic is not None)
+            critic=self.critic is not None, on_policy=self.on_policy(),
+            clip_can_bind=self.clip_can_bind(),
+            truncation_causes=self.runner.truncation_causes)
+
+    def on_policy(self) -> bool:
+        """Every sample is drawn by the weights it is trained at: ``loop.mode: sync`` with
+        ``loop.max_policy_age: 0`` (its policy ages are 0, none is dropped as stale)."""
+        return self.loop.mode == "sync" and self.loop.max_policy_age == 0
+
+    def clip_can_bind(self) -> bool:
+        """Whether the clipped ratio can leave ``[1 - eps_low, 1 + eps_high]``: not with
+        ``loss.off_policy_correction: token_tis`` (its ratio is against the trainer itself,
+        1 in value), nor on-policy with the ``hf`` generator (transformers computing in the
+        trainer's dtype: the ratio is 1 up to rounding); with vLLM's kernels it measures
+        the generator's and the trainer's disagreement."""
+        loss = self.config.loss
+        return loss.off_policy_correction != "token_tis" and not (
+            self.on_policy() and self.config.generator.backend == "hf")
 
     def model_name(self) -> str:
         """The policy's ``model.name``: as given, else the one the engine reads from
@@ -104,12 +123,26 @@ class RunConsole:
             f"task {self.task.name}: {len(self.prompts.rows)} training rows, "
             f"{len(self.eval_rows)} held-out; rewards {rewards}",
             c.variant_summary(),  # the GRPO variant's resolved fields (loss.preset)
+            *self.token_budget_lines(),
             *([f"resuming from the checkpoint of step {self.resume_step} in {c.output_dir}"]
               if self.resume_step else []),
             f"spawning {procs} on {where}" + (
                 "; KL reference: the trainer's base (its LoRA adapters disabled)"
                 if c.reference_is_trainer_base else ""),
         ]
+
+    def token_budget_lines(self) -> list[str]:
+        """Where a step's rows vary (``task.agent``), the token budgets the roles that take
+        them train with (:meth:`apps.grpo.config.GRPOConfig._derive_token_budgets`)."""
+        c = self.config
+        if not episode_config(c.task).rows_vary:
+            return []
+        budgets = ", ".join(f"{role} {section['training']['max_tokens_per_microbatch']}"
+                            for role, section in c.row_sections().items())
+        return [f"rows per episode vary (task.agent: a call that does not extend an earlier "
+                f"one is a row of its own): token-budget microbatches of {budgets} tokens "
+                "(training.max_tokens_per_microbatch; where unset, training.seq_len x the rows "
+                "of a fixed microbatch)"]
 
     def on_finish(self, completed: bool) -> None:
         if self.bar is not None:

@@ -50,12 +50,13 @@ from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
 from forge_ext.rl.loop import MismatchError, RLLoop
 from forge_ext.rl.mismatch import step_mismatch
 from forge_ext.rl.replay_buffer import ReplayBuffer
-from forge_ext.rl.report import FlatGroupsWatch
+from forge_ext.rl.report import FlatGroupsWatch, KLDriftWatch
 from forge_ext.rl.rollouts import Rollouts
 from forge_ext.rl.sampling import DynamicSampling, check_training_rows, rollout_seed
 from forge_ext.rollout.engines.base import Completion, derive_seed
 from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.rollout.runner import EpisodeBatch
+from forge_ext.runtime import run_logs
 from forge_ext.runtime.disk import find_output_write_error
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
@@ -109,8 +110,10 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         self.estimator = build_estimator(config.algorithm, group_size=config.grpo.group_size,
                                          scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
+        self.push_metrics: dict[str, float] = {}  # the last push's, with weights.delta
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
+        self.kl_drift = KLDriftWatch()
 
     async def sample(self, prompt_ids: list[int], n: int, *, greedy: bool = False,
                      seed: int | None = None, session=None, sampling=None) -> list[Completion]:
@@ -146,12 +149,10 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         rollouts.stats = {**stats, **rollouts.stats}
         batch = rollouts.batch
         # Episodes run side by side: "generate" is the wall time until the last one ended
-        # (their environments' time included), "env" the mean seconds an episode waited for
-        # its environment.
+        # (their environments' or agents' time included), "env" / "agent" the mean seconds
+        # an episode waited for its environment / spent in its agent's run.
         rollouts.seconds = {"generate": rolled_out - start - batch.reward_seconds,
-                            "reward": batch.reward_seconds}
-        if batch.multi_turn:
-            rollouts.seconds["env"] = batch.env_seconds / len(batch.trajectories)
+                            "reward": batch.reward_seconds, **batch.waited_seconds()}
         self._check_rows(len(rollouts.episodes))
         if self.reference is not None:
             start = time.perf_counter()
@@ -232,6 +233,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
             **rollouts.batch.metrics(),
             # Per replica: requests, tokens/s, idle, paused and update seconds (the replicas').
             **await self.generator.step_metrics(),
+            **self.push_metrics,
             **({"agent/rejected_calls": float(self.runner.endpoint.rejected)}
                if self.runner.endpoint is not None else {}),
             "generator_version": rollouts.generator_version,
@@ -263,7 +265,14 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         return metrics
 
     async def push_weights(self, version: int) -> None:
-        await self.trainer.push_weights(version)
+        info = await self.trainer.push_weights(version, self.generator.reader_base)
+        if "delta_base" in info:  # weights.delta: what this version sent (trainer rank 0's)
+            self.push_metrics = {
+                "weights/bytes": float(info["bytes"]),
+                "weights/full_bytes": float(info["full_bytes"]),
+                "weights/changed_fraction": info["changed"] / max(info["elements"], 1),
+                "weights/anchor": float(info["delta_base"] is None),
+            }
 
     async def fetch_weights(self, version: int) -> dict[str, float]:
         info = await self.generator.update_weights(version)
@@ -302,27 +311,28 @@ def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None =
     if app.resume_step >= app.config.loop.steps > 0:  # nothing to train: nothing spawned
         print(FinishedRun(app.config, app.resume_step).message())
         return
-    try:
-        asyncio.run(app.run())
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
-        print("interrupted: every actor and proc mesh was stopped; rerun the same command to "
-              "resume from the last checkpoint", file=sys.stderr)
-        sys.exit(130)
-    except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
-        sys.exit(failure_message(failure, app.config, argv, module))
-    except PlacementError as error:  # the hosts did not start: the message says the fix
-        sys.exit(f"error: {error}")
-    except RewardFailure as failure:  # every call of a batch failed: count and traceback
-        sys.exit(f"error: {failure}")
-    except MismatchError as error:  # loop.max_mismatch_kl: the figure, step and causes
-        sys.exit(f"error: {error}")
-    except Exception as error:  # noqa: BLE001 - re-raised unless an output could not be written
-        write_error = find_output_write_error(error)
-        if write_error is None:
-            raise
-        # A full disk, a read-only folder, a quota: the line names what, where, the space
-        # and the last complete checkpoint.
-        sys.exit(f"error: {write_error}")
+    with run_logs.keep_console(app.config.output_dir):  # the screen, in <output_dir>/logs
+        try:
+            asyncio.run(app.run())
+        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
+            print("interrupted: every actor and proc mesh was stopped; rerun the same command "
+                  "to resume from the last checkpoint", file=sys.stderr)
+            sys.exit(130)
+        except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
+            sys.exit(failure_message(failure, app.config, argv, module))
+        except PlacementError as error:  # the hosts did not start: the message says the fix
+            sys.exit(f"error: {error}")
+        except RewardFailure as failure:  # every call of a batch failed: count and traceback
+            sys.exit(f"error: {failure}")
+        except MismatchError as error:  # loop.max_mismatch_kl: the figure, step and causes
+            sys.exit(f"error: {error}")
+        except Exception as error:  # noqa: BLE001 - re-raised unless an output failed
+            write_error = find_output_write_error(error)
+            if write_error is None:
+                raise
+            # A full disk, a read-only folder, a quota: the line names what, where, the space
+            # and the last complete checkpoint.
+            sys.exit(f"error: {write_error}")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ class RunRoles:
         endpoint = AgentEndpoint(
             self.sample, self.tok, model=os.path.basename(os.path.abspath(c.model.hf_path)),
             max_tokens=episodes.agent_max_tokens or self.context or 1 << 30,
-            max_new_tokens=c.generator.sampling.max_new_tokens,
+            sampling=c.generator.sampling,
             tool_parser=TOOL_PARSERS.get(self.model_name()) if parser == "auto" else parser,
             chat_template_kwargs=c.prompt.chat_template_kwargs, port=episodes.agent_port,
         )

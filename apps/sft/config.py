@@ -9,10 +9,13 @@ from typing import Any
 
 from forge_ext.config import from_mapping, load_yaml
 from forge_ext.config_doc import SectionDoc, help_text, sections
-from forge_ext.engine.schema import check_engine_view, engine_view, world_size_of
+from forge_ext.engine.schema import (
+    check_engine_view, engine_key_problems, engine_view, world_size_of,
+)
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.tasks import (
-    PromptConfig, RewardConfig, Rubric, Task, build_task, task_config, task_section_variants,
+    PromptConfig, RewardConfig, Rubric, Task, build_task, task_config, task_key_problems,
+    task_section_variants,
 )
 
 
@@ -93,7 +96,8 @@ def check_config(path: str, overrides: list[str] = ()) -> SFTConfig:
     Raises:
         ValueError / FileNotFoundError: naming the field and the fix.
     """
-    config = from_mapping(SFTConfig, load_yaml(path, overrides))
+    config = from_mapping(SFTConfig, load_yaml(path, overrides), sections={
+        "trainer": engine_key_problems, "task": task_key_problems})
     task_config(config.task)  # source, fields, files, import paths
     check_single_process(config.trainer)
     return config

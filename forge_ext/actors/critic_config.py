@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from forge_ext.config import from_mapping
+from forge_ext.engine.schema import engine_section_problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +44,12 @@ class CriticConfig:
 
 CRITIC_FIELDS = tuple(f.name for f in fields(CriticConfig))
 """The keys of a ``critic:`` section that are the critic's own; the others are its engine's."""
+
+
+def critic_key_problems(mapping: Mapping[str, Any], section: str = "critic") -> list[str]:
+    """The unknown keys of a ``critic:`` section (its own fields, :data:`CRITIC_FIELDS`, and
+    its engine's); a :data:`forge_ext.config.SectionCheck` for the app's ``from_mapping``."""
+    return engine_section_problems(mapping, section, types=False, extra=CRITIC_FIELDS)
 
 
 def critic_sections(critic: Mapping[str, Any], *, policy_hf_path: str,

@@ -11,9 +11,11 @@ data-parallel ranks, balanced by tokens under its token budget
 (:func:`forge_ext.actors.reference.forward_rows`). No optimizer step is ever taken, so it
 keeps the weights it loaded.
 
-A completion's score is the value at its last token, as transformers'
-``*ForSequenceClassification`` pools it (the last non-pad token of an unpadded row). The
-text scored is the conversation the checkpoint expects: its tokenizer's chat template over
+A completion's score is the value at the position transformers'
+``*ForSequenceClassification`` pools (:func:`score_position`): the last token that is not the
+checkpoint's ``pad_token_id``, so with pad == eos (the Llama recipe) a conversation that ends
+in its end token scores at the token before it; ``pooling: last_token`` on the entry scores at
+the conversation's last token instead (OpenRLHF's reward models). The text scored is the conversation the checkpoint expects: its tokenizer's chat template over
 ``[user: prompt, assistant: completion]`` (a prompt given as chat messages: those messages,
 then the assistant's), or, for a tokenizer without a chat template, ``prompt + completion``
 encoded with the tokenizer's own special tokens; tokenized with the reward model's tokenizer,
@@ -43,6 +45,8 @@ from forge_ext.tasks.rewards import REWARD_MODEL_ARCHITECTURES, check_reward_mod
 if TYPE_CHECKING:
     from forge_ext.tasks.rubric import RewardFunctionConfig
 
+POOLINGS = ("last_non_pad", "last_token")
+"""What ``reward.functions[i].pooling`` takes (:func:`score_position`)."""
 DEFAULT_TOKEN_BUDGET = 4096
 """``max_tokens_per_microbatch`` of a reward model whose entry does not set it."""
 
@@ -78,6 +82,33 @@ def validate_reward_model(entry: RewardFunctionConfig, field: str) -> None:
     engine_config_from_mapping(reward_model_engine(entry, field), section=field)
 
 
+def score_position(ids: Sequence[int], pad_token_id: int | None,
+                   pooling: str = "last_non_pad") -> int:
+    """The index in ``ids`` (one conversation's tokens, padded or not) of the value that is
+    its score.
+
+    Args:
+        pad_token_id: the checkpoint's ``config.json`` ``pad_token_id`` (what transformers'
+            classifier compares with), None when it has none.
+        pooling: ``last_non_pad``: as transformers' ``*ForSequenceClassification``
+            (``GenericForSequenceClassification``, ``transformers/modeling_layers.py``): the
+            rightmost token other than ``pad_token_id`` (left and right padding alike; with
+            pad == eos, the token before a trailing end token), 0 when every token is the
+            pad, the last token when there is no pad token. ``last_token``: the last token
+            whatever it is (OpenRLHF's convention: the reward at the end token).
+
+    Raises:
+        ValueError: another ``pooling``, or empty ``ids``.
+    """
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling={pooling!r} is not one of {list(POOLINGS)}")
+    if not ids:
+        raise ValueError("an empty conversation has no score position")
+    if pooling == "last_token" or pad_token_id is None:
+        return len(ids) - 1
+    return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_token_id), 0)
+
+
 def conversation_text(tokenizer: Any, prompt: str | list[dict[str, str]],
                       completion: str) -> tuple[str, bool]:
     """``(text, add_special_tokens)`` of one completion as the reward model reads it (module
@@ -100,6 +131,10 @@ class RewardModel:
     tokenizer: Any
     """The checkpoint's own tokenizer (``transformers.AutoTokenizer``)."""
     name: str = "reward_model"
+    pad_token_id: int | None = None
+    """The checkpoint's ``pad_token_id`` (:func:`score_position`)."""
+    pooling: str = "last_non_pad"
+    """The entry's ``pooling`` (:func:`score_position`)."""
 
     @property
     def seq_len(self) -> int:
@@ -116,7 +151,7 @@ class RewardModel:
     async def score(self, prompts: Sequence[Any], completions: Sequence[str]
                     ) -> list[float | None]:
         """Scores of a batch of completions in one forward call over the role's ranks:
-        the value at each conversation's last token; None for one longer than ``seq_len``
+        the value at each conversation's :func:`score_position`; None for one longer than ``seq_len``
         (or empty)."""
         ids = self.encode(prompts, completions)
         return await self.score_ids(ids)
@@ -138,7 +173,8 @@ class RewardModel:
             labels[row, :n] = input_ids[row, :n]
         values = await forward_rows(self.trainer, {"input_ids": input_ids, "labels": labels},
                                     "values")
-        last = values[torch.arange(len(kept)), torch.tensor(lengths) - 1]
+        at = [score_position(ids[i], self.pad_token_id, self.pooling) for i in kept]
+        last = values[torch.arange(len(kept)), torch.tensor(at)]
         for i, value in zip(kept, last.tolist()):
             scores[i] = value
         return scores
@@ -166,6 +202,8 @@ async def spawn_reward_model(
     engine = reward_model_engine(entry, field)
     engine_config_from_mapping(engine, section=field)  # errors name the entry
     tokenizer = AutoTokenizer.from_pretrained(entry.model)
+    pad = check_reward_model(entry.model, f"{field}.model").get("pad_token_id")
     trainer = await spawn_trainer(engine, num_procs=entry.procs or 1, name=name,
                                   spawn_procs=spawn_procs, master_addr=master_addr)
-    return RewardModel(trainer, tokenizer, name)
+    return RewardModel(trainer, tokenizer, name, pad_token_id=pad,
+                       pooling=entry.pooling or "last_non_pad")

@@ -201,7 +201,8 @@ class RLTrainer(Actor):
         return self.engine.load_checkpoint(step)
 
     @endpoint
-    async def push_weights(self, policy_version: int | None = None) -> dict[str, Any]:
+    async def push_weights(self, policy_version: int | None = None,
+                           reader_base: int | None = None) -> dict[str, Any]:
         """Publish the model's weights in HF layout as ``policy_version`` (default: the current
         policy version) through ``weights.transport``; collective over all ranks.
 
@@ -215,10 +216,16 @@ class RLTrainer(Actor):
         model). The version becomes fetchable (``forge_ext.weights.fetch.fetch_weights``)
         only once all of it is stored.
 
+        With ``weights.delta``, ``reader_base`` is the version every generator holds whole
+        (``GeneratorReplicas.reader_base``): the version is then a delta on it when this
+        trainer published it last, full otherwise (``forge_ext.weights.transports.delta``).
+
         Returns:
             ``{"policy_version", "bytes", "seconds", "rdma", "same_host"}`` for this rank
             (``same_host``: the version went into shared memory, see
-            ``forge_ext.weights.publish``).
+            ``forge_ext.weights.publish``); with ``weights.delta`` also ``delta_base`` (None:
+            a full version), ``changed`` and ``elements`` (this rank's elements whose bits
+            changed, of all) and ``full_bytes`` (what a full version of this rank takes).
 
         Raises:
             Under pipeline parallelism each stage publishes its own tensors, which needs
@@ -242,10 +249,15 @@ class RLTrainer(Actor):
                 )
             else:
                 result = await self.publisher.publish(
-                    dict(tensors), version, exclude_from_cast=self.hf_buffer_names
+                    dict(tensors), version, exclude_from_cast=self.hf_buffer_names,
+                    reader_base=reader_base,
                 )
-        return {"policy_version": version, "bytes": result.bytes_written,
-                "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
+        out = {"policy_version": version, "bytes": result.bytes_written,
+               "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
+        if result.delta is not None:
+            out.update(delta_base=result.delta.base_version, changed=result.delta.changed,
+                       elements=result.delta.elements, full_bytes=result.delta.full_bytes)
+        return out
 
     def _hf_buffer_names(self) -> set[str]:
         """HF names of the buffers in the state dict (they keep their dtype when cast)."""
@@ -459,8 +471,9 @@ class TrainerHandle:
     async def get_policy_version(self) -> int:
         return await self._call("get_policy_version")
 
-    async def push_weights(self, policy_version: int | None = None) -> dict[str, Any]:
-        return await self._call("push_weights", policy_version)
+    async def push_weights(self, policy_version: int | None = None,
+                           reader_base: int | None = None) -> dict[str, Any]:
+        return await self._call("push_weights", policy_version, reader_base)
 
     async def save_checkpoint(self, step: int | None = None) -> int:
         return await self._call("save_checkpoint", step)

@@ -31,7 +31,8 @@ flash does not and falls through to cuDNN or memory-efficient attention."""
 
 
 class DocumentMask:
-    """A packed microbatch's block-causal mask, shared by every layer.
+    """A packed microbatch's block-causal mask, shared by every layer of a kind (the hf
+    backend builds one per attention window, :func:`forge_ext.engine.hf.packed_attention_mask`).
 
     ``allowed`` is ``[b, 1, T, T]`` bool (:func:`forge_ext.engine.microbatch.block_causal_mask`).
     :meth:`additive` gives it as a float ``0 / -inf`` mask in the queries' dtype, built once

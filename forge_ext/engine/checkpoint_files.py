@@ -88,6 +88,26 @@ def is_hf_checkpoint(directory: str | Path) -> bool:
     return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
+def not_hf_folder_message(field: str, path: str, fix: str) -> str:
+    """Why ``<field>=<path>``, which has no ``config.json``, is not a Hugging Face checkpoint
+    folder, and the fix: for a DCP training checkpoint (``<output_dir>/checkpoints/step-N``,
+    a step folder with a ``.metadata`` or a run record two folders up), the HF folder the
+    run wrote at that step (``<output_dir>/hf/step-N``) where it exists, else the
+    ``python -m apps.export`` command that writes one (issue 50); otherwise ``fix``."""
+    where = f"{field}={path!r} ({os.path.abspath(path)})"
+    match = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(path)))
+    step, run = Path(path), Path(path).parent.parent
+    if match and (_isfile(_join(path, ".metadata")) or (run / RUN_CONFIG_FILE).is_file()):
+        hf = run / "hf" / step.name
+        head = (f"{where} is a DCP training checkpoint (step {match.group(1)} of the run in "
+                f"{run}), not a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        if is_hf_checkpoint(hf):
+            return f"{head}; the run wrote that step as one: {field}={hf}"
+        return (f"{head}; convert it first: python -m apps.export {path} {hf}, then "
+                f"{field}={hf}")
+    return f"{where} has no config.json; {fix}"
+
+
 def run_model_of(step_folder: str | os.PathLike) -> dict[str, Any]:
     """The ``trainer.model`` section of the run that wrote the DCP checkpoint ``step_folder``
     (``<output_dir>/<checkpoint folder>/step-N``), read from its ``run_config.yaml`` two or

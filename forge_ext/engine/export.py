@@ -166,6 +166,8 @@ def _export(engine: Any, folder: Path, config: dict[str, Any], dtype: torch.dtyp
                              tokenizer_from=engine.config.model.hf_path or None, dtype=written)
         except OSError as e:
             error = disk.write_failed("the HF checkpoint", str(folder), e)
+        except ValueError as e:  # the tokenizer's check: raised on every rank
+            error = e
     _raise_if_any(error, distributed, staging)
     files = sum(len(f) for _, f in by_stage)
     return {"folder": str(folder), "bytes": needed, "files": files,
@@ -178,7 +180,7 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _raise_if_any(error: disk.OutputWriteError | None, distributed: bool, staging: Path) -> None:
+def _raise_if_any(error: Exception | None, distributed: bool, staging: Path) -> None:
     """Raise the first rank's error on every rank (so none waits in a later collective),
     after removing the staging folder."""
     errors = _gather(error) if distributed else [error]

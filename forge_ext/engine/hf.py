@@ -21,6 +21,9 @@ LoRA is forge_ext's own adapter (:class:`LoRALinear`, torchtitan's ``LoRALinear`
 transformers' ``nn.Linear``): the base weights keep their HF names and the adapters export in
 PEFT's names, the titan backend's contract (``docs/lora.md``).
 
+A checkpoint's dropout is turned off (:func:`turn_off_dropout`): RL trains the policy the
+generator samples from, and the on-policy ratio is exactly 1.
+
 What it does not do (tensor, pipeline, context or expert parallelism, replication, activation
 checkpointing, compile) is refused by :meth:`HFEngine.validate_config` when the config is
 read, before anything is spawned.
@@ -28,7 +31,10 @@ read, before anything is spawned.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +52,16 @@ from forge_ext.engine.lora import is_adapter_key
 from forge_ext.engine.models import read_hf_config
 from forge_ext.engine.registry import MODEL_TYPE, EngineRegistry, engine_config_from_mapping
 from forge_ext.engine.schema import check_model_limits, checkpoint_label
+
+logger = logging.getLogger(__name__)
+
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
+"""Names of dropout probabilities in transformers' configs and modules: ``attention_dropout``,
+``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ``activation_dropout``, ``layerdrop``,
+``hidden_dropout_prob``, ..."""
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                    nn.FeatureAlphaDropout)
+"""torch's dropout modules (their ``p``)."""
 
 
 class LoRALinear(nn.Linear):
@@ -104,6 +120,90 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ..
     return adapted
 
 
+def turn_off_dropout(model: nn.Module) -> dict[str, float]:
+    """Set every dropout of ``model`` to 0, in place: each dropout module's ``p``
+    (:data:`_DROPOUT_MODULES`), each float module attribute and each config field
+    (``model.config`` and its sub-configs) named like a dropout probability
+    (:data:`_DROPOUT_NAME`; transformers' attention passes ``self.attention_dropout`` to SDPA
+    in training mode, OPT's layers and LayerDrop read floats). An RL step's log-probs are
+    then the same in training and evaluation mode: trainer, reference and generator (vLLM
+    has no dropout) compute one policy, and the on-policy ratio is exactly 1 (TRL's
+    ``disable_dropout_in_model``, PR #3234, which zeroes the modules only).
+
+    Returns:
+        ``{name: p}`` of what was on: config fields by their name (``resid_pdrop``), modules
+        and attributes by their module's class (``GPT2Attention.attn_dropout``).
+    """
+    found: dict[str, float] = {}
+
+    def probability(name: str, value: object) -> bool:
+        return (bool(_DROPOUT_NAME.search(name)) and isinstance(value, (int, float))
+                and not isinstance(value, bool) and value > 0)
+
+    configs, seen = [getattr(model, "config", None)], set()
+    while configs:
+        config = configs.pop()
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for key, value in list(vars(config).items()):
+            if probability(key, value):
+                found[key] = float(value)
+                setattr(config, key, 0.0)
+            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                configs.append(value)  # a sub-config (text_config, ...)
+    for module in model.modules():
+        owner = type(module).__name__
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            found.setdefault(owner, float(module.p))
+            module.p = 0.0
+        for attr, value in list(vars(module).items()):
+            if probability(attr, value) and isinstance(value, float):
+                found.setdefault(f"{owner}.{attr}", value)
+                setattr(module, attr, 0.0)
+    return found
+
+
+def attention_windows(config: Any) -> dict[str | None, int | None]:
+    """The attention window (tokens; None: the whole document) of each kind of decoder layer
+    of a transformers config, as its model builds its masks: by ``layer_types`` where the
+    config has them (``full_attention``: None; ``sliding_attention``: ``sliding_window``;
+    Gemma-2, Qwen2/Qwen3 with ``use_sliding_window``), else one kind for every layer (key
+    None) with ``sliding_window`` (Mistral, Phi-3; None when the config has no window).
+
+    Raises:
+        ValueError: a layer type a 4-D mask cannot express (chunked, linear or sparse
+            attention, ...), naming ``layer_types`` and ``training.packing``.
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {None: window}
+    kinds = {"full_attention": None, "sliding_attention": window}
+    other = sorted(set(types) - set(kinds))
+    if other:
+        raise ValueError(
+            f"engine=hf packs rows only for full and sliding-window attention; "
+            f"{config.model_type}'s config.json has layer_types {other}: set "
+            "training.packing=false")
+    return {kind: kinds[kind] for kind in dict.fromkeys(types)}
+
+
+def packed_attention_mask(windows: dict[str | None, int | None], position_ids: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """transformers' ``attention_mask`` for a packed row: float ``0 / -inf`` ``[b, 1, T, T]``
+    block-causal masks (:func:`forge_ext.engine.microbatch.block_causal_mask`), each layer
+    kind's with its window (:func:`attention_windows`). One kind: one 4-D mask, which every
+    model uses as it is on every layer. Several: ``{layer type: mask}``, the mapping models
+    with ``layer_types`` (Gemma-2, Qwen2, ...) take in place of the masks they would build,
+    layer ``i`` reading ``mask[config.layer_types[i]]``."""
+    masks = {w: DocumentMask(token_budget.block_causal_mask(position_ids, w)).additive(dtype)
+             for w in set(windows.values())}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return {kind: masks[w] for kind, w in windows.items()}
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: the modules of the classes transformers lists in
     ``_no_split_modules`` (the unit verl's and AReaL's FSDP wrap policies shard)."""
@@ -153,7 +253,9 @@ class HFEngine(BaseEngine):
                 activation checkpointing or compile; a bad batch split or token budget
                 (:meth:`EngineConfig.validate`); a bad ``lora`` section; no
                 ``model.hf_path``; ``training.seq_len`` beyond the checkpoint's
-                ``max_position_embeddings``; ``model.value_head``.
+                ``max_position_embeddings``; ``model.value_head``; ``training.packing`` with
+                a layer type other than full or sliding-window attention
+                (:func:`attention_windows`).
             FileNotFoundError: ``model.hf_path`` without a config.json.
         """
         par = config.parallelism
@@ -184,6 +286,10 @@ class HFEngine(BaseEngine):
             config.lora.check()
         if not config.model.hf_path:
             raise ValueError("engine=hf needs model.hf_path (a Hugging Face checkpoint directory)")
+        if config.training.packing:  # a layer kind a packed row's mask cannot express
+            from transformers import AutoConfig
+
+            attention_windows(AutoConfig.from_pretrained(config.model.hf_path))
         hf = read_hf_config(config.model.hf_path)
         heads = hf.get("num_attention_heads") or 1
         check_model_limits(config.training, config.parallelism,
@@ -207,6 +313,13 @@ class HFEngine(BaseEngine):
         self.num_microbatches = config.num_microbatches()
         torch.manual_seed(config.seed)  # the same on every rank: LoRA's A starts equal
         model = self._load_model()
+        # Each layer kind's window, for the masks of packed rows, read at the first (unpacked
+        # rows take the model's own masks).
+        self._attention_windows: dict[str | None, int | None] | None = None
+        dropout = turn_off_dropout(model)
+        if dropout:
+            logger.info("engine=hf: dropout off (RL trains the policy the generator samples "
+                        "from): %s", ", ".join(f"{k}={v:g}" for k, v in sorted(dropout.items())))
         # A tied weight's second name (``lm_head.weight`` of a tied head) and its first: one
         # tensor, published and exported once, as transformers' save_pretrained writes it.
         first: dict[int, str] = {}
@@ -249,17 +362,20 @@ class HFEngine(BaseEngine):
     def _model_forward(self, model: nn.Module, mb: Batch) -> torch.Tensor:
         """Logits ``[b, L, V]`` of transformers' model: causal, no padding mask (right
         padding never changes an earlier position). A packed microbatch (``position_ids``)
-        passes its positions and its block-causal mask as a 4-D float ``attention_mask``
-        (one for all layers, the titan backend's :class:`DocumentMask`), which transformers
-        hands to SDPA as it is. (transformers 5.19 also infers documents from
-        ``position_ids`` when no mask is given and no cache is used, splitting wherever a
-        position is not its predecessor + 1; the explicit mask keeps forge_ext's rule, a
-        document starts at position 0, whatever the transformers version.)"""
+        passes its positions and its block-causal masks as float ``attention_mask``
+        (the titan backend's :class:`DocumentMask`, one per layer kind with its sliding
+        window, :func:`packed_attention_mask`), which transformers hands to SDPA as it
+        is. (transformers 5.19 also infers documents from ``position_ids`` when no mask is
+        given and no cache is used, splitting wherever a position is not its predecessor +
+        1; the explicit masks keep forge_ext's rule, a document starts at position 0,
+        whatever the transformers version.)"""
         if "position_ids" not in mb:
             return model(input_ids=mb["input_ids"], use_cache=False).logits
         positions = mb["position_ids"]
-        dtype = TORCH_DTYPE_MAP[self.config.training.dtype]
-        mask = DocumentMask(token_budget.block_causal_mask(positions)).additive(dtype)
+        if self._attention_windows is None:
+            self._attention_windows = attention_windows(model.config)
+        mask = packed_attention_mask(self._attention_windows, positions,
+                                     TORCH_DTYPE_MAP[self.config.training.dtype])
         return model(input_ids=mb["input_ids"], position_ids=positions, attention_mask=mask,
                      use_cache=False).logits
 

@@ -37,9 +37,21 @@ INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """``save_pretrained``'s historical default shard size (5 GB)."""
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "vocab.json", "merges.txt",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates",
 )
+"""What a tokenizer folder holds besides its vocabulary files, in transformers' names
+(``transformers/tokenization_utils_base.py``: ``TOKENIZER_CONFIG_FILE``,
+``SPECIAL_TOKENS_MAP_FILE``, ``ADDED_TOKENS_FILE``, ``FULL_TOKENIZER_FILE``,
+``CHAT_TEMPLATE_FILE``, ``CHAT_TEMPLATE_DIR``; ``chat_template.json``, the older template
+file). The vocabulary files are the tokenizer class's own ``vocab_files_names``
+(:func:`copy_tokenizer`)."""
+TOKENIZER_SAMPLE = (
+    "Hello world! What is 12 plus 30? The answer is 42.\n\tTabs,  two spaces, naïve café, "
+    "déjà vu, 日本語, 🙂, <tag> x=1; y = [2, 3]"
+)
+"""The text an exported tokenizer must encode as the source's (:func:`copy_tokenizer`):
+ASCII, digits, whitespace runs, accents, CJK, an emoji (byte fallback), markup."""
 # Copied with the tokenizer: the end ids a checkpoint declares there (Qwen3 and Llama-3
 # instruct models list two; config.json names one) and its sampling defaults.
 GENERATION_CONFIG = "generation_config.json"
@@ -88,8 +100,9 @@ def save_hf_checkpoint(
         state_dict: HF-layout tensors (``model.embed_tokens.weight``, ...); DTensors are
             gathered with ``full_tensor()`` (a collective under data/tensor parallelism).
         config: ``config.json`` contents (see :func:`hf_config_dict`).
-        tokenizer_from: a folder whose tokenizer files (:data:`TOKENIZER_FILES`) and
-            ``generation_config.json`` are copied (the checkpoint training started from).
+        tokenizer_from: a folder whose tokenizer (:func:`copy_tokenizer`: every file it
+            needs, checked by loading the copy) and ``generation_config.json`` are copied
+            (the checkpoint training started from).
         dtype: cast floating-point tensors to it (None: as they are); ``config.json``'s
             ``dtype`` says what was written.
         max_shard_bytes: largest safetensors file (module docstring).
@@ -99,6 +112,8 @@ def save_hf_checkpoint(
 
     Raises:
         forge_ext.runtime.disk.OutputWriteError: not enough free space, or a write failed.
+        ValueError: the tokenizer copied does not load as ``tokenizer_from``'s; no folder
+            is left behind.
     """
     tensors = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v)
                for name, v in state_dict.items()}
@@ -199,6 +214,7 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"{self.prefix}-{len(self.shards):05d}.safetensors"
         save_file(self._pending, str(self.folder / name), metadata={"format": "pt"})
+        disk.follow_umask(self.folder / name)  # safetensors writes 0600
         self.shards.append((name, list(self._pending), self._pending_bytes))
         self._pending, self._pending_bytes = {}, 0
 
@@ -246,16 +262,96 @@ def finish_hf_folder(
     with open(staging / "config.json", "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if tokenizer_from is not None:
-        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-            source = Path(tokenizer_from) / name
-            if source.is_file():
-                shutil.copy2(source, staging / name)
+        copy_tokenizer(tokenizer_from, staging)
+        if (Path(tokenizer_from) / GENERATION_CONFIG).is_file():
+            shutil.copyfile(Path(tokenizer_from) / GENERATION_CONFIG,  # the umask's mode
+                            staging / GENERATION_CONFIG)
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():
         directory.rename(old)
     staging.rename(directory)
     shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
+    """Copy the tokenizer of folder ``source`` into ``target`` and check that it loads there
+    as it loads in ``source``.
+
+    Copied as they are: the files of :data:`TOKENIZER_FILES` that ``source`` has, and every
+    vocabulary file its tokenizer class names (``vocab_files_names``: ``tokenizer.model`` of a
+    SentencePiece tokenizer, ``vocab.json`` and ``merges.txt`` of a byte-level BPE, ...), so
+    nothing the tokenizer reads is left behind (a SentencePiece folder without
+    ``tokenizer.model`` loads silently as a 3-token tokenizer). Then both are loaded with
+    ``transformers.AutoTokenizer`` and compared: size, special tokens, chat template, and
+    the encoding of :data:`TOKENIZER_SAMPLE` and of every special and added token.
+
+    Returns:
+        The names copied; none when ``source`` holds no tokenizer (no
+        ``tokenizer_config.json``, ``tokenizer.json`` or ``tokenizer.model``).
+
+    Raises:
+        ValueError: the source's tokenizer does not load, or the copy loads as another
+            tokenizer (naming what differs).
+        OSError: a copy failed.
+    """
+    source, target = Path(source), Path(target)
+    if not any((source / f).is_file() for f in
+               ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")):
+        return []
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # transformers raises many kinds; the export names its source
+        raise ValueError(f"the tokenizer of {str(source)!r} does not load, so the export "
+                         f"cannot carry it: {type(e).__name__}: {e}") from e
+    names = dict.fromkeys([*TOKENIZER_FILES, *tokenizer.vocab_files_names.values()])
+    copied = []
+    for name in names:
+        path = source / name
+        # Contents only: the copies get the umask's mode, not the source's (a 0600 source
+        # would leave the export unreadable to others, issue 50).
+        if path.is_dir():
+            shutil.copytree(path, target / name, dirs_exist_ok=True,
+                            copy_function=shutil.copyfile)
+        elif path.is_file():
+            shutil.copyfile(path, target / name)
+        else:
+            continue
+        copied.append(name)
+    copy = AutoTokenizer.from_pretrained(target)
+    if not (source / "config.json").is_file() and (target / "config.json").is_file():
+        # A tokenizer-only source (a from-scratch init's): transformers picks some classes by
+        # config.json's model_type (qwen2: Qwen2Tokenizer, whatever tokenizer_class says), so
+        # the source is compared as the checkpoint's model type reads it.
+        from transformers import AutoConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(source,
+                                                  config=AutoConfig.from_pretrained(target))
+    problem = _tokenizer_difference(tokenizer, copy)
+    if problem:
+        raise ValueError(
+            f"the tokenizer copied from {str(source)!r} into the export does not load as "
+            f"the source's ({problem}; files copied: {copied}): the export is refused "
+            "rather than written with a different tokenizer; save the source's tokenizer "
+            "with tokenizer.save_pretrained(...) and export again")
+    return copied
+
+
+def _tokenizer_difference(want: Any, got: Any) -> str | None:
+    """What differs between two loaded tokenizers (:func:`copy_tokenizer`), or None."""
+    added = list(want.get_added_vocab())
+    texts = [TOKENIZER_SAMPLE, " ".join(added), "".join(added)]
+    checks = [("size", len(want), len(got)),
+              ("special tokens", want.special_tokens_map, got.special_tokens_map),
+              ("chat template", want.chat_template, got.chat_template)]
+    checks += [(f"the encoding of {text[:40]!r}", want(text)["input_ids"], got(text)["input_ids"])
+               for text in texts]
+    for what, a, b in checks:
+        if a != b:
+            return f"{what}: {str(b)[:80]} where the source has {str(a)[:80]}"
+    return None
 
 
 def init_hf_checkpoint(

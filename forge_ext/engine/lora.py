@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from forge_ext.engine.checkpoint_files import ADAPTER_CONFIG_NAME
+from forge_ext.runtime import disk
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -149,6 +150,7 @@ def write_peft_folder(folder: str | os.PathLike, tensors: Mapping[str, torch.Ten
     try:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
                   str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        disk.follow_umask(tmp / ADAPTER_WEIGHTS_NAME)  # safetensors writes 0600
         (tmp / ADAPTER_CONFIG_NAME).write_text(json.dumps(dict(config), indent=2) + "\n")
         old = None
         if folder.exists():

@@ -231,15 +231,19 @@ def _padding_row(batch: dict[str, torch.Tensor], width: int) -> dict[str, torch.
     return out
 
 
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+def block_causal_mask(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """``[b, 1, T, T]`` bool, True where query ``q`` may attend to key ``k``: ``k <= q`` and
     both in the same document, a document starting wherever ``position_ids`` is 0 (the
-    convention of torchtitan's ``get_document_mask_mod``). For ``F.scaled_dot_product_attention``'s
-    ``attn_mask``, the backend with a CPU backward."""
+    convention of torchtitan's ``get_document_mask_mod``); with ``window`` (tokens), also
+    ``q - k < window``, the sliding window of transformers' ``sliding_window_overlay``
+    (``transformers/masking_utils.py``; Mistral, Gemma-2, Qwen2 sliding layers). For
+    ``F.scaled_dot_product_attention``'s ``attn_mask``, the backend with a CPU backward."""
     doc = torch.cumsum(position_ids == 0, dim=1)
     same_doc = doc[:, :, None] == doc[:, None, :]
     t = position_ids.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)  # k > q - window
     return (same_doc & causal)[:, None]
 
 

@@ -38,6 +38,7 @@ from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from forge_ext.engine.attention import DocumentMaskedSDPA
+from forge_ext.engine.checkpoint_files import not_hf_folder_message
 from forge_ext.engine.schema import TITAN_NAMES
 
 # Small flavors, as HF config.json fields (Qwen3Config / LlamaConfig names).
@@ -229,10 +230,9 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
     """
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"model.hf_path={hf_path!r} ({os.path.abspath(hf_path)}) has no config.json; point it at a Hugging Face "
-            "checkpoint directory (config.json + *.safetensors)"
-        )
+        raise FileNotFoundError(not_hf_folder_message(
+            "model.hf_path", hf_path,
+            "point it at a Hugging Face checkpoint directory (config.json + *.safetensors)"))
     with open(path) as f:
         return json.load(f)
 

@@ -47,26 +47,50 @@ def engine_fields() -> dict[str, Any]:
 
 
 def check_engine_section(mapping: Any, section: str = "trainer") -> None:
-    """Raise ValueError naming the first unknown key (``unknown key 'trainer.training.foo';
-    accepted keys of trainer.training: [...]``) or plain value of the wrong type
-    (``trainer.training.seq_len: 'abc' is not a valid int``) of an engine section."""
-    tree = engine_fields()
+    """Raise one ValueError naming every unknown key (``unknown key 'trainer.training.foo';
+    accepted keys of trainer.training: [...]``) and plain value of the wrong type
+    (``trainer.training.seq_len: 'abc' is not a valid int``) of an engine section, one line
+    each (:func:`engine_section_problems`)."""
+    problems = engine_section_problems(mapping, section)
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def engine_section_problems(mapping: Any, section: str = "trainer", *,
+                            types: bool = True, extra: Sequence[str] = ()) -> list[str]:
+    """The messages :func:`check_engine_section` raises, as a list (empty: none);
+    ``types=False`` leaves out the values' types (the unknown keys only); ``extra``: keys
+    the section takes at its top beside the engine's (the critic's own, not checked here)."""
+    tree, problems = engine_fields(), []
 
     def check(node: Any, name: str, path: str) -> None:
-        fields = tree[name]
+        fields = tree[name] if name or not extra else {
+            **{key: {"types": ["any"]} for key in extra}, **tree[name]}
         if not isinstance(node, Mapping):
-            raise ValueError(f"{path} must be a mapping, got {type(node).__name__}")
-        unknown = sorted(set(node) - set(fields))
+            problems.append(f"{path} must be a mapping, got {type(node).__name__}")
+            return
+        unknown = sorted(set(node) - set(fields), key=str)
         if unknown:
-            raise ValueError(unknown_keys_message(path, unknown, list(fields)))
+            problems.append(unknown_keys_message(path, unknown, list(fields)))
         for key, value in node.items():
+            if key not in fields:
+                continue
             entry, where = fields[key], f"{path}.{key}"
             if entry.get("section") and isinstance(value, Mapping):
                 check(value, entry["section"], where)
-            elif not _admits(entry["types"], value):
-                raise ValueError(f"{where}: {_describe(entry['types'], value)}")
+            elif types and not _admits(entry["types"], value):
+                problems.append(f"{where}: {_describe(entry['types'], value)}")
 
     check(mapping if mapping is not None else {}, "", section)
+    return problems
+
+
+def engine_key_problems(mapping: Any, section: str = "trainer") -> list[str]:
+    """The unknown keys of an engine section (:func:`engine_section_problems` without the
+    types: a value interpolated from a field of the app's own, ``steps: ${loop.steps}``, is
+    named by that field's check); a :data:`forge_ext.config.SectionCheck` for an app's
+    ``from_mapping``."""
+    return engine_section_problems(mapping, section, types=False)
 
 
 def _admits(kinds: list[Any], value: Any) -> bool:
@@ -188,6 +212,25 @@ def num_microbatches(training: Any) -> int:
             )
         return ga
     return 1
+
+
+def fixed_rows_token_budget(config: Any) -> int:
+    """The token budget (``training.max_tokens_per_microbatch``) that holds what one
+    fixed-row microbatch of ``config`` holds (an engine config or :func:`engine_view`):
+    ``training.seq_len`` x its rows (``local_batch_size`` / :func:`num_microbatches`), in
+    padded positions per data-parallel rank. A batch of any number of rows then splits into
+    microbatches none larger than the fixed one (:mod:`forge_ext.engine.microbatch`).
+
+    Raises:
+        ValueError: the split does not divide (:func:`num_microbatches`), or pipeline
+            parallelism, whose schedules fix the microbatch shapes (naming the field).
+    """
+    if config.pp_degree > 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree={config.pp_degree} (a pipeline schedule "
+            "fixes its microbatch shapes; a token budget needs it at 1)")
+    t = config.training
+    return t.seq_len * (t.local_batch_size // num_microbatches(t))
 
 
 def check_model_limits(training: Any, parallelism: Any, *, max_seq_len: int | None,

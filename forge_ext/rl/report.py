@@ -20,7 +20,7 @@ from forge_ext.runtime.metrics import PlotPanel
 ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO"}
 """How the run calls itself on the console, by ``algorithm.advantage``."""
 
-TIMED = ("generate", "env", "reward", "reference", "critic", "train", "push", "fetch")
+TIMED = ("generate", "env", "agent", "reward", "reference", "critic", "train", "push", "fetch")
 """The ``time/<part>`` seconds the step line shows, in its order."""
 
 
@@ -48,16 +48,57 @@ class FlatGroupsWatch:
                 "that generator.sampling.temperature > 0")
 
 
+class KLDriftWatch:
+    """Warns when the KL to the reference passes ``threshold`` while the training accuracy
+    has not moved (issue 50: KL 2.2, accuracy flat, nothing said): the mean
+    ``rollout/accuracy`` of the last ``window`` steps within ``min_gain`` of the run's first
+    ``window`` steps. The policy then drifts away from the reference without learning the
+    task: a learning rate too high, a KL coefficient too low, or a reward the model games.
+    Once per crossing: a KL that falls below half the threshold and climbs again warns
+    again."""
+
+    def __init__(self, threshold: float = 1.0, window: int = 3, min_gain: float = 0.02):
+        self.threshold, self.window, self.min_gain = threshold, window, min_gain
+        self.first: list[float] = []
+        self.recent: list[float] = []
+        self.armed = True
+
+    def update(self, metrics: dict[str, float]) -> str | None:
+        """The warning line, on the step whose KL passes the threshold with the accuracy
+        flat; else None (also on a step without ``loss/kl`` or ``rollout/accuracy``)."""
+        kl, accuracy = metrics.get("loss/kl"), metrics.get("rollout/accuracy")
+        if kl is None or accuracy is None or math.isnan(kl) or math.isnan(accuracy):
+            return None
+        if len(self.first) < self.window:
+            self.first.append(accuracy)
+        self.recent = [*self.recent, accuracy][-self.window:]
+        if kl < self.threshold / 2:
+            self.armed = True
+        if not self.armed or kl <= self.threshold:
+            return None
+        start, now = sum(self.first) / len(self.first), sum(self.recent) / len(self.recent)
+        if now - start >= self.min_gain:
+            return None
+        self.armed = False
+        return (f"warning: KL to the reference {kl:.2f} > {self.threshold:g} while the training "
+                f"accuracy {now:.1%} (last {len(self.recent)} steps) is where it started "
+                f"({start:.1%}): the policy drifts from the reference without learning the "
+                "task. Lower trainer.optimizer.lr, raise loss.kl_coef, or check what the "
+                "rewards pay for (samples.jsonl)")
+
+
 # ---- the step line ---------------------------------------------------------------------
 def step_line(step: int, m: dict[str, float], *, steps: int, group_size: int, replicas: int,
               kl: bool, eval_sets: Sequence[Any] = (),
-              flat_groups: FlatGroupsWatch | None = None) -> str:
+              flat_groups: FlatGroupsWatch | None = None,
+              kl_drift: KLDriftWatch | None = None) -> str:
     """The console's line of ``step`` (of ``steps``) from its metrics ``m``, parts joined by
     ``" | "``: reward, accuracy, loss and what went wrong in the rollouts, then the trainer's
     and the generators' side and the timings (on a training step, which logs
     ``reward/mean``), then held-out accuracy and each evaluation set's metrics (those
     logged). ``kl``: the run has a KL reference (shows ``loss/kl``); ``replicas``:
-    ``generator.replicas``; ``flat_groups``: its warning follows on a line of its own."""
+    ``generator.replicas``; ``flat_groups``, ``kl_drift``: their warnings follow, each on a
+    line of its own."""
     parts = [f"step {step:>3}/{steps}"]
     if "reward/mean" in m:
         parts += _rollout_parts(m, group_size)
@@ -71,8 +112,9 @@ def step_line(step: int, m: dict[str, float], *, steps: int, group_size: int, re
                  if f"eval/{s.name}/{name}" in m]
         if shown:
             parts.append(f"{s.name} " + " ".join(shown))
-    warning = flat_groups.update(m) if flat_groups is not None and "loss" in m else None
-    return " | ".join(parts) + (f"\n{warning}" if warning else "")
+    watches = [w for w in (flat_groups, kl_drift) if w is not None] if "loss" in m else []
+    warnings = [line for line in (w.update(m) for w in watches) if line]
+    return "\n".join([" | ".join(parts), *warnings])
 
 
 def _rollout_parts(m: dict[str, float], group_size: int) -> list[str]:
@@ -186,23 +228,34 @@ def _mismatch_parts(m: dict[str, float], replicas: int) -> list[str]:
 
 # ---- the plot ----------------------------------------------------------------------------
 def plot_spec(*, title: str, eval_label: str, reward_names: Sequence[str], replicas: int,
-              multi_turn: bool, eval_sets: Sequence[Any], critic: bool) -> dict[str, Any]:
+              multi_turn: bool, eval_sets: Sequence[Any], critic: bool,
+              on_policy: bool = False, clip_can_bind: bool = True,
+              truncation_causes: Sequence[str] = TRUNCATION_CAUSES) -> dict[str, Any]:
     """Keyword arguments of :meth:`forge_ext.runtime.metrics.MetricLogger.close`: reward and
     held-out accuracy (labelled ``eval_label``) on the main axes, then one panel per concern
-    (loss and KL, each of ``reward_names``, response length, truncation, the clip and flat
-    groups, dynamic sampling, idle time, turns if ``multi_turn``, ``eval_sets``, the critic
-    if ``critic``, throughput, each of the ``replicas``' rate and idle time, policy ages)."""
+    (loss and KL, each of ``reward_names``, response length, truncation by each of
+    ``truncation_causes``, the clip and flat groups, dynamic sampling, idle time, turns if
+    ``multi_turn``, ``eval_sets``, the critic if ``critic``, throughput, each of the
+    ``replicas``' rate and idle time, policy ages).
+
+    What is 0 by construction in the run's mode is left out (issue 50), not drawn flat:
+    policy ages and stale samples ``on_policy`` (every sample from the latest weights), the
+    clip fraction unless ``clip_can_bind`` (the clipped ratio is 1 but for the generator's
+    and the trainer's numerics: on-policy on a generator computing as the trainer does, or
+    ``token_tis``'s ratio against the trainer itself)."""
     return {
         "plot_keys": ["reward/mean", "eval/accuracy"],
         "labels": {"reward/mean": "reward (training rollouts, sampled)",
                    "eval/accuracy": eval_label},
-        "panels": [*_training_panels(reward_names, multi_turn),
-                   *_run_panels(replicas, eval_sets, critic)],
+        "panels": [*_training_panels(reward_names, multi_turn, clip_can_bind,
+                                     truncation_causes),
+                   *_run_panels(replicas, eval_sets, critic, on_policy)],
         "title": title,
     }
 
 
-def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[PlotPanel]:
+def _training_panels(reward_names: Sequence[str], multi_turn: bool, clip_can_bind: bool,
+                     causes: Sequence[str]) -> list[PlotPanel]:
     """How training went (issue 38): loss and KL, rewards, length, truncation, clip, flat
     groups, the train-inference mismatch, dropped groups, idle time, turns."""
     return [
@@ -214,10 +267,11 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[Plot
                   labels={"rollout/response_tokens": "response length (mean)"}),
         # Why episodes were cut (rollout/truncated/<cause>: the limit to raise), how often
         # the clip bound, and how many groups carried no signal.
-        PlotPanel(keys=[f"rollout/truncated/{c}" for c in TRUNCATION_CAUSES],
+        PlotPanel(keys=[f"rollout/truncated/{c}" for c in causes],
                   ylabel="truncated (fraction)", ylim=(-0.02, 1.02),
-                  labels={f"rollout/truncated/{c}": f"cut by {c}" for c in TRUNCATION_CAUSES}),
-        PlotPanel(keys=["loss/clip_fraction", "rollout/groups_without_spread"],
+                  labels={f"rollout/truncated/{c}": f"cut by {c}" for c in causes}),
+        PlotPanel(keys=[*(["loss/clip_fraction"] if clip_can_bind else []),
+                        "rollout/groups_without_spread"],
                   ylabel="fraction", ylim=(-0.02, 1.02),
                   labels={"loss/clip_fraction": "clip fraction (tokens)",
                           "rollout/groups_without_spread":
@@ -240,8 +294,10 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool) -> list[Plot
     ]
 
 
-def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool) -> list[PlotPanel]:
-    """The evaluation sets, the critic, throughput, each replica, policy ages."""
+def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool,
+                on_policy: bool) -> list[PlotPanel]:
+    """The evaluation sets, the critic, throughput, each replica, policy ages (unless
+    ``on_policy``)."""
     names = [replica_name(r, replicas) for r in range(replicas)]
     return [
         *([PlotPanel(
@@ -270,14 +326,14 @@ def _run_panels(replicas: int, eval_sets: Sequence[Any], critic: bool) -> list[P
                     for k, what in (("idle_seconds", "idle"),
                                     ("paused_seconds", "paused for updates"))},
         ),
-        PlotPanel(
+        *([] if on_policy else [PlotPanel(
             keys=["rollout/policy_age_mean", "rollout/policy_age_max",
                   "rollout/dropped_samples"],
             ylabel="policy versions / samples",
             labels={"rollout/policy_age_mean": "sample policy age (mean)",
                     "rollout/policy_age_max": "sample policy age (max)",
                     "rollout/dropped_samples": "dropped samples (stale)"},
-        ),
+        )]),
     ]
 
 

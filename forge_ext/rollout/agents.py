@@ -15,12 +15,15 @@ ids) and ``/v1/models``, over the generator replicas' router, on 127.0.0.1 at a 
 (``task.agent_port`` to choose one). Every route needs the run's key (``Authorization: Bearer
 <key>``, made per run); an episode's session is its URL: ``<base>/sessions/<id>/v1``. Each
 call of a session is sampled on the session's replica (the router keeps a session there)
-with the run's sampling (``generator.sampling``: an agent's ``temperature``/``top_p`` are not
-used, so the samples stay the policy's), and recorded: prompt token ids, completion token ids,
-the log-prob and policy version of each sampled token. A request whose prompt plus
-``max_tokens`` exceeds the context (``task.agent_max_tokens``, by default what the trainer
-and vLLM hold) gets a 400 saying so; a wrong key a 401; an unknown or finished session a
-404; each is counted (``agent/rejected_calls``).
+with the run's sampling (``generator.sampling``, so the samples stay the policy's), cut where
+the request's stops end it, and recorded as cut: prompt token ids, completion token ids, the
+log-prob and policy version of each sampled token. Every field of the request is honoured as
+vLLM's own server honours it, or refused with a 400 naming it
+(:mod:`forge_ext.rollout.openai_fields`: an agent's own ``temperature``, a ``seed``,
+``stream``, a grammar are refused). A request whose prompt plus ``max_tokens`` exceeds the
+context (``task.agent_max_tokens``, by default what the trainer and vLLM hold) gets a 400
+saying so; a wrong key a 401; an unknown or finished session a 404; each is counted
+(``agent/rejected_calls``).
 
 **From calls to training rows** (:func:`merge_calls`), token-exact: the trainer trains on the
 ids the engine saw and sampled, never a re-tokenization. A call whose prompt extends an earlier
@@ -58,7 +61,18 @@ from typing import Any
 
 from fastapi import Request  # at module level: the routes' annotations are resolved here
 
-from forge_ext.rollout.engines.base import Completion
+from forge_ext.rollout.engines.base import Completion, SamplingConfig
+from forge_ext.rollout.openai_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    Ending,
+    RequestRefused,
+    chat_logprobs,
+    check_fields,
+    completion_logprobs,
+    ending,
+    plain_message,
+)
 
 LOCALHOST = "127.0.0.1"
 
@@ -141,14 +155,6 @@ class ExternalEpisode:
     claimed: bool = False
 
 
-class RequestRefused(Exception):
-    """A request the endpoint answers with an HTTP error (status, OpenAI-style message)."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
 class AgentEndpoint:
     """The run's OpenAI-compatible endpoint over the generator replicas (module docstring).
 
@@ -158,19 +164,23 @@ class AgentEndpoint:
         tok: the checkpoint's tokenizer (:class:`forge_ext.tasks.tokenizer.CheckpointTokenizer`).
         model: the name ``/v1/models`` lists.
         max_tokens: the longest prompt + completion a call may ask for.
-        max_new_tokens: the longest completion (``generator.sampling.max_new_tokens``); a
-            request's ``max_tokens`` may lower it.
+        sampling: the run's ``generator.sampling``: ``max_new_tokens`` is the longest
+            completion (a request's ``max_tokens`` may lower it); a request may repeat its
+            ``temperature`` and ``top_p``, not change them.
         tool_parser: vLLM's tool parser name (``hermes`` for Qwen's ``<tool_call>`` format);
             None: tool calls are not parsed (they stay in ``content``).
         chat_template_kwargs: passed to the chat template (``prompt.chat_template_kwargs``).
         host, port: where to listen (port 0: a free one).
     """
 
-    def __init__(self, sample, tok, *, model: str, max_tokens: int, max_new_tokens: int,
+    def __init__(self, sample, tok, *, model: str, max_tokens: int, sampling: SamplingConfig,
                  tool_parser: str | None = None, chat_template_kwargs: dict | None = None,
                  host: str = LOCALHOST, port: int = 0) -> None:
         self.sample, self.tok, self.model = sample, tok, model
-        self.max_tokens, self.max_new_tokens = max_tokens, max_new_tokens
+        self.max_tokens, self.sampling = max_tokens, sampling
+        self.max_new_tokens = sampling.max_new_tokens
+        self.names = tuple(dict.fromkeys((model, "policy")))
+        """The model names a request may give (``/v1/models``): the run serves one policy."""
         self.tool_parser_name = tool_parser
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.host, self.port = host, port
@@ -300,9 +310,39 @@ class AgentEndpoint:
                 "conversation or max_tokens (task.agent_max_tokens sets the context)")
         return new
 
+    def _check(self, kind, body: dict[str, Any], table, session: AgentSession):
+        """``body`` parsed as vLLM's request ``kind``, every field checked
+        (:func:`forge_ext.rollout.openai_fields.check_fields`) and the model name known."""
+        from pydantic import ValidationError
+
+        try:
+            request = kind(**body)
+        except (ValidationError, TypeError, ValueError) as e:
+            raise RequestRefused(400, f"not a valid {kind.__name__}: {e}") from None
+        greedy = (0.0,) if session.greedy else ()
+        check_fields(request, table, {"temperature": (self.sampling.temperature, *greedy),
+                                      "top_p": (self.sampling.top_p,)})
+        if request.model and request.model not in self.names:
+            raise RequestRefused(404, f"model={request.model!r} does not exist here: use one "
+                                 f"of {list(self.names)} (/v1/models)", "not_found_error")
+        if (request.n or 1) < 1:
+            raise RequestRefused(400, f"n={request.n} must be >= 1")
+        return request
+
+    def _ending(self, request):
+        """The request's :func:`~forge_ext.rollout.openai_fields.ending` of sampled ids."""
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        return lambda prompt_ids, ids: ending(
+            prompt_ids, ids, self.tok.tokenizer, end_ids=self.tok.stop_ids, stop=stop,
+            stop_token_ids=list(request.stop_token_ids or []),
+            include_stop=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens)
+
     async def _sample(self, session: AgentSession, prompt_ids: list[int], n: int,
-                      max_new: int) -> list[Completion]:
-        """``n`` completions of ``prompt_ids`` on the session's replica, recorded."""
+                      max_new: int, end) -> list[tuple[Completion, Ending]]:
+        """``n`` completions of ``prompt_ids`` on the session's replica, each cut where the
+        request's ``end`` says (a stop, the request's ``max_new``) and recorded as cut: the
+        tokens trained are the tokens the agent received."""
         from forge_ext.rollout.engines.base import derive_seed
 
         index = session.requests
@@ -312,93 +352,141 @@ class AgentEndpoint:
                                         session=session.route)
         out = []
         for c in completions:  # the run's max_new_tokens; a request may ask for fewer
-            ids, logprobs, versions = (c.response_ids[:max_new], c.logprobs[:max_new],
-                                       c.versions[:max_new])
-            finished = c.finished and len(ids) == len(c.response_ids)
+            done = end(prompt_ids, c.response_ids[:max_new])
+            ids, logprobs, versions = (c.response_ids[: done.kept], c.logprobs[: done.kept],
+                                       c.versions[: done.kept])
+            finished = done.finish_reason == "stop"
             if session.open:
                 session.calls.append(Call(list(prompt_ids), ids, logprobs, versions, finished))
-            out.append(Completion(prompt_ids=list(prompt_ids), response_ids=ids,
-                                  logprobs=logprobs, versions=versions, finished=finished,
-                                  policy_version=c.policy_version))
+            out.append((Completion(prompt_ids=list(prompt_ids), response_ids=ids,
+                                   logprobs=logprobs, versions=versions, finished=finished,
+                                   policy_version=c.policy_version), done))
         return out
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.completion_text(ids)[0]
-
-    async def chat(self, session: AgentSession, body: dict[str, Any]) -> dict[str, Any]:
-        """``/v1/chat/completions``: render, sample, parse tool calls, record."""
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        try:
-            request = ChatCompletionRequest(**body)
-        except (ValidationError, TypeError) as e:
-            raise RequestRefused(400, f"not a chat completion request: {e}") from None
+    def _render(self, request) -> list[int]:
+        """The chat request's prompt ids: its messages, tools and template arguments
+        (``add_generation_prompt``, ``continue_final_message``, ``documents``,
+        ``reasoning_effort``, ``chat_template_kwargs``, merged by vLLM's
+        ``build_chat_params``, over the run's ``prompt.chat_template_kwargs``)."""
         if not self.tok.has_chat_template:
             raise RequestRefused(400, "model.hf_path's tokenizer has no chat template; use "
                                  "/v1/completions with a text prompt")
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-        kwargs = {**self.chat_template_kwargs, **({"tools": tools} if tools else {})}
-        messages = [_plain_message(m) for m in request.messages]
+        chat = request.build_chat_params(None, "string").chat_template_kwargs
+        kwargs = {**self.chat_template_kwargs, **chat, **({"tools": tools} if tools else {})}
+        messages = [plain_message(m, i) for i, m in enumerate(request.messages)]
         try:
-            prompt_ids = self.tok.encode_messages(messages, kwargs)
+            return self.tok.encode_messages(messages, kwargs)
         except Exception as e:  # noqa: BLE001  (the template's own error: the request's)
             raise RequestRefused(400, f"the chat template cannot render these messages: {e}")
+
+    async def chat(self, session: AgentSession, body: dict[str, Any]) -> dict[str, Any]:
+        """``/v1/chat/completions``: check, render, sample, cut, parse tool calls, record
+        (every field: :data:`~forge_ext.rollout.openai_fields.CHAT_FIELDS`)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = self._check(ChatCompletionRequest, body, CHAT_FIELDS, session)
+        parse = (self._parser_class if request.tools and request.tool_choice != "none"
+                 else None)
+        if parse is not None:  # hermes keeps special tokens in the text it parses
+            request = parse(self.tok.tokenizer, request.tools).adjust_request(request)
+        prompt_ids = self._render(request)
         new = self._limits(prompt_ids, request.max_completion_tokens or request.max_tokens)
-        completions = await self._sample(session, prompt_ids, request.n or 1, new)
+        sampled = await self._sample(session, prompt_ids, request.n or 1, new,
+                                     self._ending(request))
+        last = plain_message(request.messages[-1], len(request.messages) - 1)
+        role = "assistant" if request.add_generation_prompt else last.get("role")
+        echoed = (last.get("content") or "") if request.echo and last.get("role") == role else ""
         choices = []
-        for index, c in enumerate(completions):
-            text = self._text(c.response_ids)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish = "stop" if c.finished else "length"
-            if tools and self._parser_class is not None and request.tool_choice != "none":
-                parsed = self._parser_class(self.tok.tokenizer, request.tools).extract_tool_calls(
-                    text, request)
+        for index, (c, done) in enumerate(sampled):
+            message: dict[str, Any] = {"role": role, "content": echoed + done.text}
+            finish = done.finish_reason
+            if parse is not None:
+                parsed = parse(self.tok.tokenizer, request.tools).extract_tool_calls(
+                    done.text, request)
                 if parsed.tools_called:
-                    message = {"role": "assistant", "content": parsed.content,
-                               "tool_calls": [t.model_dump() for t in parsed.tool_calls]}
+                    calls = [t.model_dump() for t in parsed.tool_calls]
+                    if request.parallel_tool_calls is False:
+                        calls = calls[:1]
+                    message.update(content=parsed.content, tool_calls=calls)
                     finish = "tool_calls"
             choice = {"index": index, "message": message, "finish_reason": finish,
-                      "token_ids": c.response_ids}
+                      "stop_reason": done.stop_reason, "token_ids": c.response_ids,
+                      "logprobs": None}
             if request.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": self.tok.tokenizer.decode([t]), "logprob": lp, "bytes": None,
-                     "top_logprobs": []} for t, lp in zip(c.response_ids, c.logprobs)]}
+                choice["logprobs"] = chat_logprobs(self.tok.tokenizer, c.response_ids,
+                                                   c.logprobs, request.return_tokens_as_token_ids)
             choices.append(choice)
-        return self._response("chat.completion", prompt_ids, completions, choices)
+        return self._response("chat.completion", request, [prompt_ids],
+                              [c for c, _ in sampled], choices)
+
+    def _prompts(self, request) -> list[tuple[list[int], str]]:
+        """``[(ids, text)]`` of the completion request's prompt: a string, token ids, or a
+        list of either (``add_special_tokens`` for text)."""
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        out = []
+        for p in prompt or []:
+            if isinstance(p, str) and p:
+                out.append((list(self.tok.tokenizer(
+                    p, add_special_tokens=request.add_special_tokens)["input_ids"]), p))
+            elif isinstance(p, list) and p:
+                out.append((list(p), self.tok.tokenizer.decode(p)))
+            else:
+                out = []
+                break
+        if not out:
+            raise RequestRefused(400, "prompt must be a non-empty string or list of token "
+                                 "ids, or a list of those")
+        return out
 
     async def completion(self, session: AgentSession, body: dict[str, Any]) -> dict[str, Any]:
-        """``/v1/completions``: a text prompt (encoded with the tokenizer's special tokens)
-        or a list of token ids, sampled and recorded."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            prompt_ids = list(self.tok.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            raise RequestRefused(400, "prompt must be a non-empty string or list of token ids")
-        n = body.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise RequestRefused(400, f"n={n!r} must be an int >= 1")
-        new = self._limits(prompt_ids, body.get("max_tokens"))
-        completions = await self._sample(session, prompt_ids, n, new)
-        choices = [{"index": i, "text": self._text(c.response_ids),
-                    "finish_reason": "stop" if c.finished else "length", "logprobs": None,
-                    "token_ids": c.response_ids} for i, c in enumerate(completions)]
-        return self._response("text_completion", prompt_ids, completions, choices)
+        """``/v1/completions``: each prompt (text, encoded with the tokenizer's special tokens
+        unless ``add_special_tokens`` is false, or token ids) sampled ``n`` times, cut and
+        recorded (every field: :data:`~forge_ext.rollout.openai_fields.COMPLETION_FIELDS`)."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    def _response(self, kind: str, prompt_ids: list[int], completions: list[Completion],
-                  choices: list[dict]) -> dict[str, Any]:
+        request = self._check(CompletionRequest, body, COMPLETION_FIELDS, session)
+        if request.echo and request.logprobs is not None:
+            raise RequestRefused(400, "echo with logprobs asks for the prompt's log-probs, "
+                                 "which are not computed; ask for echo or logprobs")
+        prompts = self._prompts(request)
+        # Unset (vLLM's schema then says 16): the run's max_new_tokens, as for chat.
+        asked = request.max_tokens if body.get("max_tokens") is not None else None
+        limits = [self._limits(ids, asked) for ids, _ in prompts]  # all checked first
+        end = self._ending(request)
+        sampled = await asyncio.gather(*(self._sample(session, ids, request.n, new, end)
+                                         for (ids, _), new in zip(prompts, limits)))
+        choices, completions = [], []
+        for (ids, text), outs in zip(prompts, sampled):
+            shown = text if request.echo else ""
+            for c, done in outs:
+                logprobs = None if request.logprobs is None else completion_logprobs(
+                    self.tok.tokenizer, c.response_ids, c.logprobs,
+                    request.return_tokens_as_token_ids, len(shown))
+                choices.append({"index": len(choices), "text": shown + done.text,
+                                "finish_reason": done.finish_reason,
+                                "stop_reason": done.stop_reason, "logprobs": logprobs,
+                                "token_ids": c.response_ids, "prompt_token_ids": ids})
+                completions.append(c)
+        return self._response("text_completion", request, [ids for ids, _ in prompts],
+                              completions, choices)
+
+    def _response(self, kind: str, request, prompts: list[list[int]],
+                  completions: list[Completion], choices: list[dict]) -> dict[str, Any]:
         tokens = sum(len(c.response_ids) for c in completions)
-        return {
-            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{secrets.token_hex(8)}",
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        response = {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{request.request_id}",
             "object": kind, "created": int(time.time()), "model": self.model,
-            "choices": choices, "prompt_token_ids": prompt_ids,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": tokens,
-                      "total_tokens": len(prompt_ids) + tokens},
+            "choices": choices, "prompt_token_ids": prompts[0],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                      "total_tokens": prompt_tokens + tokens},
         }
+        if getattr(request, "return_prompt_text", None):
+            response["prompt_text"] = self.tok.tokenizer.decode(prompts[0])
+        return response
 
     async def claim(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """An external process takes the next queued episode (None if none comes within
@@ -462,8 +550,8 @@ class AgentEndpoint:
             return Response(status_code=204) if result is None else JSONResponse(result)
 
         async def models(session, body):
-            return {"object": "list", "data": [{"id": self.model, "object": "model",
-                                                "owned_by": "forge_ext"}]}
+            return {"object": "list", "data": [{"id": name, "object": "model",
+                                                "owned_by": "forge_ext"} for name in self.names]}
 
         @app.get("/sessions/{session_id}/v1/models")
         async def session_models(session_id: str, request: Request):
@@ -490,31 +578,6 @@ class AgentEndpoint:
             return await handle(request, None, post)
 
         return app
-
-
-def _plain_message(message: Any) -> dict[str, Any]:
-    """A chat message as the plain dict a chat template reads (vLLM's request keeps some as
-    typed objects; tool calls' arguments as JSON text, as the OpenAI API sends them)."""
-    if hasattr(message, "model_dump"):
-        message = message.model_dump(exclude_none=True)
-    message = dict(message)
-    content = message.get("content")
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        message["content"] = "".join(
-            part.get("text", "") for part in content if isinstance(part, dict))
-    calls = message.get("tool_calls")
-    if calls:
-        message["tool_calls"] = [dict(c) if not hasattr(c, "model_dump") else c.model_dump()
-                                 for c in calls]
-        for call in message["tool_calls"]:
-            function = call.get("function") or {}
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):  # templates (Qwen's) read a mapping
-                try:
-                    function["arguments"] = json.loads(arguments)
-                except json.JSONDecodeError:
-                    pass
-    return message
 
 
 def _jsonable(value: Any) -> Any:

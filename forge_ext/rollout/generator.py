@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +46,10 @@ from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
 from forge_ext.tasks.tokenizer import as_stop_ids
 from forge_ext.weights.config import DEFAULT_KEY_PREFIX
+
+# What a generator replica does, at INFO: its <output_dir>/logs/<replica>-0.log (log_role),
+# not the console. The engines' own lines (vLLM's) follow VLLM_LOGGING_LEVEL.
+logger = logging.getLogger(__name__)
 
 # How long stop() waits for the backend's own shutdown before it stops the proc regardless.
 SHUTDOWN_SECONDS = 60.0
@@ -121,6 +126,9 @@ class Generator(Actor):
         self.replica, self.replicas_on_host = replica, replicas_on_host
         self.engine = None
         self._updating: asyncio.Lock | None = None
+        # The version whose full HF weights the engine's buffer holds (``engine.allocate``),
+        # onto which a delta version (weights.delta) is applied; None: no whole version held.
+        self._holding: int | None = None
         self._replies = None  # the port of the controller's request stream (connect)
         self._running: set[asyncio.Future] = set()
 
@@ -160,9 +168,12 @@ class Generator(Actor):
                 c.hf_path, sampling=c.sampling, stop_token_ids=self.stop_token_ids,
                 pad_token_id=self.pad_token_id, dtype=c.dtype, device=c.device,
             )
+        seconds = time.perf_counter() - began
+        logger.info("generator ready: %s engine on %s (dtype %s, weight_update %s, pid %d) in "
+                    "%.1fs", c.backend, c.hf_path, c.dtype, c.weight_update, os.getpid(),
+                    seconds)
         return {"policy_version": self.engine.policy_version, "pid": os.getpid(),
-                "pids": _child_pids(),
-                "setup_seconds": time.perf_counter() - began}
+                "pids": _child_pids(), "setup_seconds": seconds}
 
     @concurrent_endpoint
     async def sample(self, prompt_ids: list[int], n: int = 1, greedy: bool = False,
@@ -225,8 +236,16 @@ class Generator(Actor):
         The version stays leased while the engine loads it (``open_weights``): a publisher
         on this host cannot overwrite its slot before the load is done.
 
+        A delta version (``weights.delta``) is applied onto the engine's buffer, which holds
+        the version loaded last (vLLM's shared buffer); a delta on another version (this
+        replica restarted, an earlier update failed) or one whose checksum fails is not
+        loaded: the served version stays, ``delta_refused`` is 1 and ``holding`` None, and
+        the trainer's next push is then a full version (``GeneratorReplicas.reader_base``).
+
         Returns:
-            ``{"policy_version", "fetch_seconds", "load_seconds", "paused_seconds"}``.
+            ``{"policy_version", "fetch_seconds", "load_seconds", "paused_seconds",
+            "holding", "delta_refused"}``: ``holding`` is the version the buffer holds whole
+            afterwards (None: none; an engine without a buffer, a LoRA adapter).
 
         Raises:
             forge_ext.weights.errors.WeightsVersionNotFoundError: the version is not committed,
@@ -234,39 +253,56 @@ class Generator(Actor):
             forge_ext.weights.errors.WeightsFetchError: the version cannot be read from here
                 (e.g. published into another host's shared memory: ``weights.same_host=off``).
         """
+        from forge_ext.weights.errors import WeightsChecksumError, WeightsDeltaBaseError
         from forge_ext.weights.fetch import open_weights
 
         mode = mode or self.config.weight_update
         if self._updating is None:
             self._updating = asyncio.Lock()
         engine = self.engine
+        allocate = getattr(engine, "allocate", None)
         async with self._updating:  # one version at a time
-            start = time.perf_counter()
+            start = fetched = time.perf_counter()
             paused = None
+            holding, self._holding = self._holding, None  # until the load is done
             try:
                 if mode == "between_requests":
                     await engine.pause(mode)
                     paused = time.perf_counter()
                 async with open_weights(
-                    policy_version, key_prefix=self.key_prefix,
-                    allocate=getattr(engine, "allocate", None),
+                    policy_version, key_prefix=self.key_prefix, allocate=allocate,
+                    holding=holding if allocate is not None else None,
                 ) as weights:
                     fetched = time.perf_counter()
                     if paused is None:
                         await engine.pause(mode)
                         paused = time.perf_counter()
                     await load_version(engine, weights, policy_version)
+                    whole = allocate is not None and "adapter_config" not in weights.metadata
+            except (WeightsDeltaBaseError, WeightsChecksumError) as error:
+                if isinstance(error, WeightsDeltaBaseError):
+                    self._holding = holding  # nothing was applied
+                logger.warning("policy version %d not loaded (the next push is full): %s",
+                               policy_version, error)
+                return {"policy_version": engine.policy_version, "fetch_seconds": 0.0,
+                        "load_seconds": 0.0, "paused_seconds": 0.0,
+                        "holding": self._holding, "delta_refused": 1}
             finally:
                 if paused is not None:
                     await engine.resume()
             done = time.perf_counter()
+            self._holding = policy_version if whole else None
         engine.stats.updates += 1
         engine.stats.update_seconds += done - start
+        logger.info("serving policy version %d (%s: fetch %.3fs, load %.3fs, paused %.3fs)",
+                    policy_version, mode, fetched - start, done - fetched, done - paused)
         return {
             "policy_version": policy_version,
             "fetch_seconds": fetched - start,
             "load_seconds": done - fetched,
             "paused_seconds": done - paused,
+            "holding": self._holding,
+            "delta_refused": 0,
         }
 
     @endpoint
@@ -282,6 +318,7 @@ class Generator(Actor):
             await self.engine.load_adapter(tensors, adapter_config, policy_version)
         finally:
             await self.engine.resume()
+        logger.info("serving the adapter %s as policy version %d", folder, policy_version)
 
     @endpoint
     async def get_policy_version(self) -> int:
@@ -298,7 +335,9 @@ class Generator(Actor):
         """Stop the engine's helper processes (vLLM's engine core and workers)."""
         engine, self.engine = self.engine, None
         if engine is not None:
+            served = engine.metrics()
             await engine.close()
+            logger.info("generator stopped: %s", served)
 
 
 def _child_pids() -> list[tuple[int, float]]:

@@ -78,6 +78,10 @@ class GeneratorReplicas:
         self.max_new_tokens = max_new_tokens
         self.versions = [0] * len(self.handles)
         """The version each replica serves."""
+        self.holding: list[int | None] = [None] * len(self.handles)
+        """The version whose whole weights each replica holds, a delta's base (weights.delta)."""
+        self.delta_refused = 0
+        """Delta versions a replica did not load (another base, a failed checksum)."""
         self.losses: list[ReplicaLoss] = []
         self.retried = 0
         """Requests sent again because their replica died."""
@@ -92,6 +96,14 @@ class GeneratorReplicas:
     @property
     def live(self) -> list[int]:
         return self.router.live
+
+    @property
+    def reader_base(self) -> int | None:
+        """The version every live replica holds whole (the base of the trainer's next delta
+        version, ``RLTrainer.push_weights(reader_base=...)``), None if they differ or one
+        holds none (the next version is then full)."""
+        held = {self.holding[r] for r in self.live}
+        return held.pop() if len(held) == 1 else None
 
     # ---- requests --------------------------------------------------------------------------
     async def sample(self, prompt_ids: Sequence[int], n: int = 1, *, greedy: bool = False,
@@ -161,6 +173,10 @@ class GeneratorReplicas:
                     self.lose(replica, f"{cause} during the update to v{policy_version}", hint)
                     continue
                 raise result
+            self.holding[replica] = result.get("holding")
+            if result.get("delta_refused"):
+                self.delta_refused += 1
+                continue  # it serves the version it had
             self.versions[replica] = policy_version
             for key in ("fetch_seconds", "load_seconds", "paused_seconds"):
                 worst[key] = max(worst.get(key, 0.0), result[key])
@@ -222,7 +238,8 @@ class GeneratorReplicas:
         request running), ``paused_seconds`` (requests held for an update),
         ``update_seconds``, ``resubmitted`` (samples an ``abort`` update cut), ``version``;
         and ``generator/live_replicas``, ``generator/resubmitted``,
-        ``generator/retried_requests`` (sent again because their replica died)."""
+        ``generator/retried_requests`` (sent again because their replica died),
+        ``generator/delta_refused`` (delta versions not loaded, so far)."""
         live = self.live
         now = time.perf_counter()
         results = await asyncio.gather(*(self.handles[r].stats() for r in live),
@@ -233,7 +250,8 @@ class GeneratorReplicas:
             if isinstance(stats, Exception) and self._is_dead(stats):
                 self.lose(replica, *death_of(stats))
         out = {"generator/live_replicas": float(len(self.live)),
-               "generator/retried_requests": float(self.retried), "generator/resubmitted": 0.0}
+               "generator/retried_requests": float(self.retried), "generator/resubmitted": 0.0,
+               "generator/delta_refused": float(self.delta_refused)}
         for replica, stats in zip(live, results):
             if isinstance(stats, BaseException):
                 continue  # died now (lost above), or an error the next request will show

@@ -69,6 +69,13 @@ token; an agent's last call at its token limit); it reached ``task.max_episode_t
 turn cut to fit, or no room for another turn after a reply); it used ``task.max_turns``
 turns and the environment was not done."""
 
+def truncation_causes(multi_turn: bool, agent: bool) -> tuple[str, ...]:
+    """The causes of :data:`TRUNCATION_CAUSES` that can cut an episode of this kind (the
+    ``rollout/truncated/<cause>`` a run logs): all for an environment's multi-turn episodes,
+    only ``max_new_tokens`` for one turn and for an agent's calls."""
+    return TRUNCATION_CAUSES if multi_turn and not agent else TRUNCATION_CAUSES[:1]
+
+
 SampleFn = Callable[..., Awaitable[list[Completion]]]
 """``sample(prompt_ids: list[int], n: int, *, greedy: bool, seed: int | None, session)``: one
 request's ``n`` completions (:meth:`forge_ext.rollout.replicas.GeneratorReplicas.sample`);
@@ -147,8 +154,8 @@ class EpisodeBatch:
     """Per episode: the rubric's weighted reward (``reward.on_error`` if the environment
     failed) plus the environment's rewards."""
     env_seconds: float
-    """Seconds the episodes waited for their environments, summed over episodes (they
-    overlap: this is environment load, not wall time)."""
+    """Seconds the episodes waited for their environments (an agent's episodes: spent in
+    its run), summed over episodes (they overlap: this is load, not wall time)."""
     reward_seconds: float
     multi_turn: bool
     agent: bool = False
@@ -191,6 +198,15 @@ class EpisodeBatch:
             })
         return records
 
+    def waited_seconds(self) -> dict[str, float]:
+        """The mean seconds an episode spent outside the generator, by what it waited for:
+        ``{"agent": s}`` for an agent's episodes (its own run: its code and its calls),
+        ``{"env": s}`` for an environment's, ``{}`` for one-turn episodes (the step's
+        ``time/<key>``)."""
+        if not self.multi_turn or not self.trajectories:
+            return {}
+        return {"agent" if self.agent else "env": self.env_seconds / len(self.trajectories)}
+
     def metrics(self) -> dict[str, float]:
         """Per-function reward means and errors, and for multi-turn episodes
         ``episode/turns_mean``, ``_max``, ``episode/truncated`` (fraction, any cause),
@@ -201,7 +217,7 @@ class EpisodeBatch:
         ``rollout/versions_per_response_mean`` and ``_max`` (policy versions that sampled an
         episode's tokens)."""
         out = self.scores.metrics()
-        causes = TRUNCATION_CAUSES if self.multi_turn and not self.agent else TRUNCATION_CAUSES[:1]
+        causes = truncation_causes(self.multi_turn, self.agent)
         n = len(self.trajectories)
         for cause in causes:
             out[f"rollout/truncated/{cause}"] = sum(
@@ -261,6 +277,11 @@ class EpisodeRunner:
         """Episodes whose rows mix the model's tokens with others' (an environment's, an
         agent's tools and turns): their loss mask is explicit."""
         return self.config.environment is not None or self.config.agent is not None
+
+    @property
+    def truncation_causes(self) -> tuple[str, ...]:
+        """The truncation causes its episodes log (:func:`truncation_causes`)."""
+        return truncation_causes(self.multi_turn, self.config.agent is not None)
 
     async def run(self, rows: list[Row], group: int, sample: SampleFn, *,
                   greedy: bool = False, seed: int | None = None,

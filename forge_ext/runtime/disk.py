@@ -9,6 +9,11 @@ the caller gets it), whose message is the one line the app prints
 is wrapped by :func:`forge_ext.engine.checkpoint.write_checkpoint` with these helpers: it
 refuses early when the free space is short of the last complete save, and turns an
 ``OSError`` during the write into a :class:`CheckpointWriteError`.
+
+Every file a run writes follows the process's umask (rw-r--r-- under umask 022), so that a
+colleague on a shared filesystem can load the model: :func:`follow_umask` puts a file written
+by a library that creates its files 0600 (safetensors' ``save_file``) back to that mode.
+Secrets (the agent endpoint's key, :mod:`forge_ext.rollout.agents`) stay 0600.
 """
 
 from __future__ import annotations
@@ -16,6 +21,32 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: ``/proc/self/status``); else
+    set and restored at once (``os.umask`` has no read-only form)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the mode a plain ``open(path, "w")`` would have given it:
+    ``0o666 & ~umask``. safetensors 0.8's ``save_file`` writes through a temporary file and
+    leaves ``model.safetensors`` 0600 whatever the umask (seen 2026-12-07). A filesystem
+    that refuses modes (some network and FAT mounts) keeps its own: the file is written."""
+    try:
+        os.chmod(path, 0o666 & ~umask())
+    except PermissionError:
+        pass
 
 
 class OutputWriteError(RuntimeError):

@@ -1,4 +1,8 @@
-"""Monarch's log and the roles' own logs of a run, with the run (issue 38).
+"""Monarch's log, the roles' own logs and the console of a run, with the run (issues 38, 50).
+
+The app's console (what it printed on screen: its plan, the step lines, the closing summary
+"warm-start X% | after GRPO Y%", a final error) is kept in ``<output_dir>/logs/console.log``
+(:func:`keep_console`).
 
 Each role's process (trainer, reference, critic and reward-model ranks, generator replicas)
 writes its Python logging at INFO (torchtitan's lines, forge_ext's; vLLM's logger keeps its
@@ -21,17 +25,82 @@ process, each run's copy holding the lines so far).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pwd
 import shutil
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TextIO
 
 SUFFIX_ENV = "MONARCH_LOG_SUFFIX"
 LOG_DIR_ENV = "FORGE_EXT_LOG_DIR"
 """The folder of the roles' log files (``<output_dir>/logs``), set by :func:`start`."""
+
+
+CONSOLE_LOG = "console.log"
+"""The app's console transcript in ``<output_dir>/logs`` (:func:`keep_console`)."""
+
+
+class _Tee:
+    """A text stream that writes to the console stream it replaces and to the log file; the
+    rest (``isatty``, ``fileno``, ``encoding``) is the console's, so a progress bar and
+    colour choices stay what they were. A progress bar's redraws (writes that begin with a
+    carriage return) are left out of the file: the lines written between them stay."""
+
+    def __init__(self, console: TextIO, log: TextIO) -> None:
+        self._console, self._log = console, log
+
+    def write(self, text: str) -> int:
+        if not text.startswith("\r"):
+            try:
+                self._log.write(text)
+            except (OSError, ValueError):  # a full disk or a closed file: the screen goes on
+                pass
+        return self._console.write(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._log.flush()
+        self._console.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._console, name)
+
+
+@contextlib.contextmanager
+def keep_console(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """Within: what this process writes to ``sys.stdout`` and ``sys.stderr`` goes to the
+    screen and to ``<output_dir>/logs/console.log`` (appended: a resumed run adds to it);
+    on leaving with an error, what the interpreter will print for it too (``sys.exit``'s
+    message, or the traceback). The roles' processes write their own files
+    (:func:`log_role`).
+
+    Yields:
+        The log file's path.
+    """
+    path = Path(output_dir) / "logs" / CONSOLE_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = sys.stdout, sys.stderr
+    with open(path, "a", encoding="utf-8", errors="replace", buffering=1) as log:
+        sys.stdout, sys.stderr = _Tee(saved[0], log), _Tee(saved[1], log)
+        try:
+            yield path
+        except SystemExit as done:
+            if isinstance(done.code, str):  # printed by the interpreter on the way out
+                log.write(done.code + "\n")
+            raise
+        except BaseException as error:
+            log.write("".join(traceback.format_exception(error)))
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = saved
 
 
 def monarch_log_file(suffix: str) -> Path:

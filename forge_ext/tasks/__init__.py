@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from forge_ext.config import unknown_keys_message
 from forge_ext.tasks.addition import AdditionTask
 from forge_ext.tasks.base import Message, RewardFn, Row, Task
 from forge_ext.tasks.environments import EPISODE_FIELDS, ENVIRONMENTS, EpisodeConfig
@@ -88,6 +89,23 @@ def task_config(mapping: Mapping[str, Any] | None, section: str = "task") -> Any
         return PluginTask(source, lambda: config.build() if hasattr(config, "build")
                           else factory(config), dataclasses.asdict(config))
     return PluginTask(source, lambda: factory(**fields), fields)
+
+
+def task_key_problems(mapping: Mapping[str, Any], section: str = "task") -> list[str]:
+    """The unknown keys of a ``task:`` section of a built-in source (its ``Config`` and the
+    multi-turn fields), as :func:`forge_ext.config.key_problems` words them; a
+    :data:`forge_ext.config.SectionCheck` for an app's ``from_mapping``, so that they are
+    reported with the config's other unknown keys. Nothing for a source of the user's
+    (:func:`task_config` imports it and checks its fields)."""
+    source = mapping.get("source", "addition")
+    if not isinstance(source, str) or source not in SOURCES:
+        return []
+    fields = {k: v for k, v in mapping.items() if k != "source"}
+    accepted = [f.name for f in dataclasses.fields(SOURCES[source])] + sorted(EPISODE_FIELDS)
+    unknown = sorted(set(fields) - set(accepted), key=str)
+    if not unknown:
+        return []
+    return [unknown_keys_message(section, unknown, ["source", *accepted])]
 
 
 def episode_config(mapping: Mapping[str, Any] | None, section: str = "task") -> EpisodeConfig:

@@ -57,7 +57,10 @@ class EpisodeConfig:
     """``"package.module:run"``: an ``async def run(client, row)`` that gets an
     ``openai.AsyncOpenAI`` bound to its episode and returns a reward, a final answer (scored
     by the rubric) or None (its last completion is scored); or ``external``: episodes wait
-    for a process outside the run (docs/agents.md). None: no agent."""
+    for a process outside the run (docs/agents.md). None: no agent. A call that does not
+    extend an earlier one trains as a row of its own, so a step's rows vary: the roles that
+    train on them without ``training.max_tokens_per_microbatch`` get ``training.seq_len`` x
+    the rows of their fixed microbatch as their token budget."""
     agent_timeout_s: float = 300.0
     """Longest an agent's episode may take (seconds, from its start; an external one's from
     when it was queued); a slower one costs its episode (``reward.on_error``), counted."""
@@ -91,6 +94,14 @@ class EpisodeConfig:
             if not 0 <= self.agent_port < 65536:
                 raise ValueError(f"task.agent_port={self.agent_port} must be a port (0: any)")
             self.agent_function()  # raises on a bad import path
+
+    @property
+    def rows_vary(self) -> bool:
+        """Whether an episode may train as more than one row, so that a step's rows are not
+        its episodes: an agent's calls that do not extend one another are rows of their
+        own (:func:`forge_ext.rollout.agents.merge_calls`). An environment's turns extend
+        one row."""
+        return self.agent is not None
 
     def agent_function(self):
         """The agent's ``run`` (None for ``external``).

@@ -93,7 +93,8 @@ class RewardFunctionConfig:
     directory (``Qwen3ForSequenceClassification`` or ``LlamaForSequenceClassification``,
     ``num_labels: 1``, with its tokenizer), run frozen in its own procs
     (:mod:`forge_ext.actors.reward_model`); a completion's score is the model's value at
-    the last token of its chat-templated conversation."""
+    the last token of its chat-templated conversation that is not the checkpoint's pad
+    token, as transformers' ``AutoModelForSequenceClassification`` pools (``pooling``)."""
     weight: float = 1.0
     """Its weight in the completion's reward."""
     name: str | None = None
@@ -114,6 +115,12 @@ class RewardFunctionConfig:
     """``model`` only: the longest conversation it scores (tokens of its own tokenizer,
     chat template included); a longer one scores ``reward.on_error``, counted. Default: the
     checkpoint's ``max_position_embeddings``."""
+    pooling: str | None = None
+    """``model`` only: where a conversation's score is read. ``last_non_pad`` (the default):
+    as transformers' ``*ForSequenceClassification``, the last token that is not the
+    checkpoint's ``pad_token_id`` (with pad == eos, the token before a final end token);
+    ``last_token``: the conversation's last token whatever it is, for reward models trained
+    to score at the end token (OpenRLHF's convention)."""
 
     @property
     def metric_name(self) -> str:
@@ -142,9 +149,14 @@ class RewardFunctionConfig:
                                  f"function (fn={self.fn!r}): remove it, or set model")
             if isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field}.{key}={value!r} must be an int >= 1")
-        if self.env and self.model is None:
-            raise ValueError(f"{field}.env is a reward model's setting; {field} is a "
-                             f"function (fn={self.fn!r}): remove it, or set model")
+        for key in ("env", "pooling"):
+            if getattr(self, key) and self.model is None:
+                raise ValueError(f"{field}.{key} is a reward model's setting; {field} is a "
+                                 f"function (fn={self.fn!r}): remove it, or set model")
+        if self.pooling not in (None, "last_non_pad", "last_token"):
+            raise ValueError(f"{field}.pooling={self.pooling!r} must be last_non_pad "
+                             "(transformers' classifier pooling, the default) or last_token "
+                             "(the conversation's last token)")
 
 
 @dataclass(kw_only=True, slots=True)

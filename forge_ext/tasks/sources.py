@@ -112,7 +112,8 @@ class DatasetTask(Task):
             ValueError: a field missing from the columns or empty in a row (naming the row).
         """
         c = self.config
-        records = _load_records(path, c.split, field_name)
+        records = _load_records(path, c.split, field_name, {
+            "prompt_field": c.prompt_field, "answer_field": c.answer_field})
         if not records:
             raise ValueError(f"task.{field_name}={path!r} holds no rows")
         columns = list(records[0])
@@ -127,10 +128,11 @@ class DatasetTask(Task):
         for i, record in enumerate(records):
             prompt, answer = record.get(c.prompt_field), record.get(c.answer_field)
             where = f"row {i} of task.{field_name}={path!r}"
-            if prompt is None or prompt == "" or prompt == []:
+            for name, value in (("prompt_field", prompt), ("answer_field", answer)):
+                if value is None:  # absent, null, or an empty CSV field: all read as None
+                    raise ValueError(_no_value(where, record, getattr(c, name), name))
+            if prompt == "" or prompt == []:
                 raise ValueError(f"{where}: task.prompt_field {c.prompt_field!r} is empty")
-            if answer is None:
-                raise ValueError(f"{where}: task.answer_field {c.answer_field!r} is empty")
             if isinstance(answer, float) and answer.is_integer():
                 answer = str(int(answer))  # a column of mixed ints and floats reads as floats
             elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -149,8 +151,15 @@ def _suffix(path: str) -> str:
     return os.path.splitext(path)[1].lower()
 
 
-def _load_records(path: str, split: str, field_name: str) -> list[dict[str, Any]]:
-    """The rows of a dataset file or ``save_to_disk`` folder, as dicts (HF ``datasets``)."""
+def _load_records(path: str, split: str, field_name: str,
+                  needed: dict[str, str]) -> list[dict[str, Any]]:
+    """The rows of a dataset file or ``save_to_disk`` folder, as dicts (HF ``datasets``);
+    ``needed``: ``{task field: column}`` the rows must have.
+
+    Raises:
+        ValueError: the file does not read, naming the row without a column where that is
+            why (:func:`_row_without_column`).
+    """
     import datasets
 
     datasets.disable_progress_bars()
@@ -176,9 +185,59 @@ def _load_records(path: str, split: str, field_name: str) -> list[dict[str, Any]
                 **(_csv_as_text(path) if _suffix(path) == ".csv" else {}),
             )
         except Exception as e:  # noqa: BLE001  (datasets' parse errors have many types)
+            # datasets fails on a JSON row without a column the others have (a bare
+            # KeyError); its other errors wrap their cause (pandas names the CSV line).
+            gap = _row_without_column(path, needed) if DATASET_FORMATS[
+                _suffix(path)] == "json" else None
+            if gap is not None:
+                where, record, column, name = gap
+                raise ValueError(_no_value(f"{where} of task.{field_name}={path!r}", record,
+                                           column, name)) from None
+            cause = e.__cause__ or e.__context__ or e
             raise ValueError(f"task.{field_name}={path!r} does not read as "
-                             f"{DATASET_FORMATS[_suffix(path)]}: {e}") from None
+                             f"{DATASET_FORMATS[_suffix(path)]}: {type(cause).__name__}: "
+                             f"{str(cause).strip()}") from None
     return loaded.to_list()
+
+
+def _no_value(where: str, record: dict[str, Any], column: str, name: str | None) -> str:
+    """The message for a row (``where``) without a value in ``column`` (``task.<name>``'s,
+    or one the file's other rows have when ``name`` is None), naming the columns it has."""
+    have = [key for key, value in record.items() if value is not None]
+    field_note = f"task.{name}" if name else "the other rows have it"
+    return f"{where} has no {column!r} ({field_note}); the columns it has: {have}"
+
+
+def _row_without_column(path: str, needed: dict[str, str]
+                        ) -> tuple[str, dict[str, Any], str, str | None] | None:
+    """The first row of a ``.jsonl``/``.json`` file that lacks a column of ``needed``
+    (``{task field: column}``), else the first that lacks a column of an earlier row, as
+    ``(where, row, column, task field or None)``; None if every row has the same columns
+    (or the file does not read as JSON rows: datasets' own error then says why)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            if _suffix(path) == ".jsonl":
+                rows = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+            else:
+                rows = [(None, row) for row in json.load(f)]
+    except (ValueError, TypeError):
+        return None
+    if not all(isinstance(row, dict) for _, row in rows):
+        return None
+    where = [f"row {i}" + (f" (line {n})" if n else "") for i, (n, _) in enumerate(rows)]
+    for i, (_, row) in enumerate(rows):
+        for name, column in needed.items():
+            if column not in row:
+                return where[i], row, column, name
+    seen: dict[str, None] = {}
+    for i, (_, row) in enumerate(rows):
+        for column in seen:
+            if column not in row:
+                return where[i], row, column, None
+        seen.update(dict.fromkeys(row))
+    return None
 
 
 def _csv_as_text(path: str) -> dict[str, Any]:

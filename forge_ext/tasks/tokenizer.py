@@ -192,16 +192,16 @@ class CheckpointTokenizer:
                         template_kwargs: dict | None = None) -> list[int]:
         """``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` ids:
         the conversation, then the assistant turn's opening, exactly as the template renders
-        it (``template_kwargs`` are passed to the template, e.g. ``enable_thinking``).
+        it (``template_kwargs`` are passed to the template, e.g. ``enable_thinking``; they may
+        set ``add_generation_prompt`` and ``continue_final_message``, as vLLM passes them).
 
         Raises:
             ValueError: the tokenizer has no chat template.
         """
         if not self.has_chat_template:
             raise ValueError("the tokenizer has no chat_template to render chat messages with")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
-        )
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def encode_messages_plain(self, messages: list[dict[str, str]],

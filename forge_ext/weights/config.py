@@ -42,6 +42,13 @@ class WeightsConfig:
             too); ``"off"``: always put chunks into torchstore (Monarch RPC, or RDMA when
             torchstore reports it), for readers on other hosts. YAML reads an unquoted
             ``off`` as ``false``, which means ``"off"`` here. No effect with ``dcp``.
+        delta: publish, between full versions, only the elements whose bits changed since
+            the version every reader holds (:mod:`forge_ext.weights.transports.delta`; pays
+            in bf16 at small learning rates, see docs/weights.md). Requires
+            ``transport: direct`` and ``same_host: off``.
+        delta_anchor_every: with ``delta``, a full version at least every this many
+            versions (also at the first one, on resume, and when a reader does not hold the
+            last version).
     """
 
     transport: str = "direct"
@@ -52,6 +59,8 @@ class WeightsConfig:
     chunk_mb: int = 16
     run_id: str | None = None
     same_host: str | bool = "auto"
+    delta: bool = False
+    delta_anchor_every: int = 20
 
     def __post_init__(self) -> None:
         if self.same_host is False:  # YAML 1.1: `same_host: off` is a boolean
@@ -97,6 +106,20 @@ class WeightsConfig:
         if self.same_host not in SAME_HOST:
             allowed = ", ".join(repr(v) for v in SAME_HOST)
             raise ValueError(f"weights.same_host={self.same_host!r} must be one of {allowed}")
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"weights.delta={self.delta!r} must be true or false")
+        if self.delta and (self.transport != "direct" or self.same_host != "off"):
+            raise ValueError(
+                f"weights.delta=true needs weights.transport='direct' and weights.same_host="
+                f"'off' (got {self.transport!r}, {self.same_host!r}): deltas travel as "
+                "torchstore chunks; set them, or weights.delta=false"
+            )
+        if isinstance(self.delta_anchor_every, bool) or not isinstance(
+            self.delta_anchor_every, int
+        ) or self.delta_anchor_every < 1:
+            raise ValueError(
+                f"weights.delta_anchor_every={self.delta_anchor_every!r} must be an int >= 1"
+            )
 
     @property
     def torch_dtype(self) -> "torch.dtype | None":

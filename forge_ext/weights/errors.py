@@ -42,3 +42,25 @@ class WeightsFetchError(RuntimeError):
     process is on another host or sees another ``/dev/shm``, or the publisher stopped).
     Derives from ``Exception``, unlike DCP's own ``CheckpointException``, so callers'
     ``except Exception`` catch it."""
+
+
+class WeightsChecksumError(WeightsFetchError):
+    """A delta, once applied, did not give the published data (the checksum of the named
+    tensor differs): a value lost or corrupted in transport, or a base that was not the one
+    the delta was computed from. The tensor's data are then wrong: fetch a full version."""
+
+
+class WeightsDeltaBaseError(WeightsFetchError):
+    """A delta version was asked for by a reader that does not hold its base version: it
+    needs a full version (an anchor). Carries ``version``, ``base`` and ``holding``."""
+
+    def __init__(self, version: int, base: int, holding: int | None) -> None:
+        self.version, self.base, self.holding = version, base, holding
+        super().__init__(
+            f"policy_version={version} is a delta on version {base}, and this reader holds "
+            f"{'no version' if holding is None else f'version {holding}'}: it needs a full "
+            "version (publish with reader_base=None, or fetch the next anchor)"
+        )
+
+    def __reduce__(self):  # picklable, so it reaches the controller from an actor intact
+        return type(self), (self.version, self.base, self.holding)

@@ -69,6 +69,7 @@ async def fetch_weights(
     key_prefix: str = DEFAULT_KEY_PREFIX,
     store_name: str = DEFAULT_TORCHSTORE_NAME,
     allocate: Allocator | None = None,
+    holding: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fetch published policy weights (HF layout, as published) onto this process's CPU.
 
@@ -89,6 +90,8 @@ async def fetch_weights(
             every transport: names beyond those asked for are ignored (neither filled nor
             returned), and tensors that require grad are filled as under
             ``torch.no_grad()`` (in place, no autograd history; they still require grad).
+        holding: the version the tensors ``allocate`` returns hold, if any. A delta version
+            (``weights.delta``) is applied onto them in place and needs its base there.
 
     Returns:
         ``{name: tensor}`` of exactly the requested names, in their order: contiguous CPU
@@ -102,12 +105,17 @@ async def fetch_weights(
             mapping.
         ValueError: ``allocate`` returned no fitting tensor for a name.
         KeyError: a name in ``names`` is not part of the version.
+        WeightsDeltaBaseError: ``version`` is a delta on a version other than ``holding``
+            (a :class:`WeightsFetchError`; nothing was read: fetch a full version).
+        WeightsChecksumError: a delta, once applied, does not give the published data (a
+            :class:`WeightsFetchError`; the tensors are then wrong: fetch a full version).
         WeightsFetchError: reading the committed data failed (``dcp``: any failure inside
             ``dcp.load``, which DCP raises as a ``BaseException``; same host: this process
             cannot map the publisher's shared memory, the message names
             ``weights.same_host=off``, or the publisher has stopped).
     """
     transport, record, specs, where = await _find(version, names, key_prefix, store_name)
+    transport.check_base(record, holding)
     return await transport.read(record, specs, lambda: _allocate(specs, allocate), where)
 
 
@@ -119,6 +127,7 @@ async def open_weights(
     key_prefix: str = DEFAULT_KEY_PREFIX,
     store_name: str = DEFAULT_TORCHSTORE_NAME,
     allocate: Allocator | None = None,
+    holding: int | None = None,
 ) -> AsyncIterator[OpenedWeights]:
     """``async with open_weights(N) as weights:`` lends version ``N``'s tensors for the
     block: for a same-host version, views of the publisher's slot, held so that no publisher
@@ -129,6 +138,7 @@ async def open_weights(
     version: the tensors are the slot's views).
     """
     transport, record, specs, where = await _find(version, names, key_prefix, store_name)
+    transport.check_base(record, holding)
     async with transport.open(record, specs, lambda: _allocate(specs, allocate), where) as lent:
         yield lent
 

@@ -71,6 +71,7 @@ from torchstore.api import DEFAULT_TORCHSTORE_NAME
 from forge_ext.runtime import disk
 from forge_ext.weights import shm_files
 from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.delta import DeltaStats
 from forge_ext.weights.errors import WeightsPublishError, WeightsWriteError
 from forge_ext.weights.store import commit_key, missing_key, put_recorded
 from forge_ext.weights.transports.base import (
@@ -91,6 +92,7 @@ class PublishResult:
     seconds: float
     rdma: bool  # torchstore moved data over Monarch RDMA (direct only)
     same_host: bool = False  # direct through the shared-memory slots (no data in torchstore)
+    delta: DeltaStats | None = None  # weights.delta: this rank's changed elements and bytes
 
 
 @dataclass(slots=True)
@@ -174,6 +176,7 @@ class WeightsPublisher:
         exclude_from_cast: Collection[str] = frozenset(),
         on_progress: ProgressHook | None = None,
         metadata: Mapping[str, Any] | None = None,
+        reader_base: int | None = None,
     ) -> PublishResult:
         """Store ``state_dict`` as ``policy_version`` and make it visible to ``fetch_weights``.
 
@@ -196,6 +199,11 @@ class WeightsPublisher:
                 whatever the transport, and handed to readers (``OpenedWeights.metadata``,
                 :func:`~forge_ext.weights.fetch.fetch_metadata`); rank 0's is stored. A LoRA
                 version carries ``{"adapter_config": <adapter_config.json mapping>}``.
+            reader_base: with ``weights.delta``, the version every live reader holds (the
+                oldest one a reader confirmed loading): when it is the version this
+                publisher published last, the new version is a delta on it; None (no
+                reader, one that restarted or reported a mismatch) publishes a full
+                version. Ignored otherwise.
 
         Returns:
             PublishResult for this rank.
@@ -208,6 +216,7 @@ class WeightsPublisher:
         """
         start = time.perf_counter()
         exclude = self._first_checks(exclude_from_cast, metadata)
+        self._transport.set_reader_base(reader_base)
         version, what = policy_version, f"publish of policy_version={policy_version}"
         tensors, prepared = await self._prepare(state_dict, version, exclude, what)
         stored: list[str] = []  # torchstore keys this rank wrote
@@ -218,7 +227,7 @@ class WeightsPublisher:
         return PublishResult(
             policy_version=version, transport=self.config.transport, bytes_written=written,
             seconds=time.perf_counter() - start, rdma=self._transport.uses_rdma(),
-            same_host=self._transport.shared_memory,
+            same_host=self._transport.shared_memory, delta=self._transport.stats(),
         )
 
     # -- the phases -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from forge_ext.runtime import disk
 from forge_ext.weights.shared_buffer import open_shared_tensors
 
 
@@ -99,6 +100,7 @@ class WeightSyncExtension:
         rank = get_tensor_model_parallel_rank()
         path = f"{out_path}.rank{rank}.safetensors"
         save_file({k: v.contiguous() for k, v in captured.items()}, path)
+        disk.follow_umask(path)  # safetensors writes 0600
         return {"tp_rank": rank, "path": path}
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.delta import DeltaStats
 from forge_ext.weights.store import FORMAT, METADATA_KEY
 
 #: ``on_progress(stored_bytes, total_bytes)`` of one rank's write.
@@ -204,6 +205,15 @@ class Transport(ABC):
     def release(self, version: int) -> None:
         """Rank 0: committed ``version`` was retired (its keys deleted): free the rest."""
 
+    def set_reader_base(self, reader_base: int | None) -> None:
+        """Before :meth:`prepare`: the version every reader holds (``publish``'s
+        ``reader_base``). Only ``weights.delta``'s transport uses it."""
+
+    def stats(self) -> DeltaStats | None:
+        """What the last :meth:`write` sent against what a full version takes (delta
+        transport only; None otherwise)."""
+        return None
+
     def uses_rdma(self) -> bool:
         """Whether torchstore moves this transport's data over Monarch RDMA."""
         return False
@@ -212,6 +222,11 @@ class Transport(ABC):
         """Free what the transport holds for its publisher. Idempotent."""
 
     # -- fetch side: no publisher, only the record ----------------------------------------
+    @classmethod
+    def check_base(cls, record: CommitRecord, holding: int | None) -> None:
+        """Before :meth:`read` or :meth:`open`: raise if a reader holding version ``holding``
+        (None: none) cannot read ``record``. Every version is whole but a delta's."""
+
     @classmethod
     @abstractmethod
     async def read(

@@ -67,7 +67,7 @@ class DirectRecord(CommitRecord):
 
 
 @dataclass(slots=True)
-class _Block:
+class StreamBlock:
     """A block of tensor data this rank writes into its byte stream."""
 
     name: str
@@ -98,16 +98,16 @@ class DirectTransport(Transport):
     ) -> tuple[int, dict[str, Any]]:
         """Put this rank's chunks; the manifest: ``tensors``, ``pieces``, ``chunks``."""
         rank, prefix = self.group.rank, self.where.key_prefix
-        blocks: list[_Block] = []
+        blocks: list[StreamBlock] = []
         offset = 0
         for name, value in state_dict.items():
             owned = owned_block(value, rank)
             if owned is not None:
                 local, local_shape, global_offset = owned
-                blocks.append(_Block(name, local.reshape(-1), tensors[name][0], local_shape,
+                blocks.append(StreamBlock(name, local.reshape(-1), tensors[name][0], local_shape,
                                      global_offset, offset))
                 offset += align(blocks[-1].nbytes)
-        await _put_stream(
+        await put_stream(
             blocks, self.config.chunk_mb << 20, lambda i: chunk_key(prefix, version, rank, i),
             stored, on_progress, self.where.store_name,
         )
@@ -141,12 +141,15 @@ class DirectTransport(Transport):
         arrives, so that received chunks are freed as we go (peak memory: the result plus
         the chunks in flight)."""
         result = allocate()
-        await _get_chunks(record, {name: fillable(t) for name, t in result.items()}, where)
+        copies, staged = _scatter_plan(record, {name: fillable(t) for name, t in result.items()})
+        await get_chunks(record.version, record.chunk_bytes, copies, where)
+        for full, destination, piece in staged:
+            full[piece.index] = destination.view(full.dtype).view(piece.local_shape)
         return result
 
 
-async def _put_stream(
-    blocks: list[_Block],
+async def put_stream(
+    blocks: list[StreamBlock],
     chunk_bytes: int,
     key_of: Callable[[int], str],
     stored: list[str],
@@ -215,7 +218,7 @@ def pack_chunk(parts: list[memoryview], rdma: bool) -> bytes | torch.Tensor:
     return chunk
 
 
-def _chunk_parts(blocks: list[_Block], first: int, lo: int, hi: int) -> list[memoryview]:
+def _chunk_parts(blocks: list[StreamBlock], first: int, lo: int, hi: int) -> list[memoryview]:
     """The bytes ``[lo, hi)`` of the stream, as views of the blocks' data where it is on the
     CPU in its published dtype (a cast or a device-to-host copy otherwise) and zeros for the
     alignment gaps between blocks; ``blocks[first]`` is the first block ending after ``lo``."""
@@ -262,10 +265,8 @@ def chunk_tensor(payload: bytes | torch.Tensor) -> torch.Tensor:
 
 
 def _scatter_plan(record: DirectRecord, result: Mapping[str, torch.Tensor]):
-    """Where each chunk's bytes go: ``{(rank, chunk index): [(destination uint8 tensor,
-    offset in it, stream offset, bytes)]}``, and the pieces of tensors stored in several
-    pieces (DTensor shards), staged to be placed once complete."""
-    chunk_bytes = record.chunk_bytes
+    """Where each chunk's bytes go (:data:`CopyPlan`), and the pieces of tensors stored in
+    several pieces (DTensor shards), staged to be placed once complete."""
     copies: dict[tuple[int, int], list[tuple[torch.Tensor, int, int, int]]] = defaultdict(list)
     staged: list[tuple[torch.Tensor, torch.Tensor, Piece]] = []
     for name, full in result.items():
@@ -279,19 +280,38 @@ def _scatter_plan(record: DirectRecord, result: Mapping[str, torch.Tensor]):
             else:
                 destination = torch.empty(nbytes, dtype=torch.uint8)
                 staged.append((full, destination, piece))
-            start, stop = piece.stream_offset, piece.stream_offset + nbytes
-            for index in range(start // chunk_bytes, (stop - 1) // chunk_bytes + 1):
-                lo, hi = max(start, index * chunk_bytes), min(stop, (index + 1) * chunk_bytes)
-                copies[(piece.rank, index)].append((destination, lo - start, lo, hi - lo))
+            plan_copy(copies, record.chunk_bytes, piece.rank, piece.stream_offset, destination)
     return copies, staged
 
 
-async def _get_chunks(
-    record: DirectRecord, result: Mapping[str, torch.Tensor], where: StoreLocation
+def plan_copy(
+    copies: dict[tuple[int, int], list], chunk_bytes: int, rank: int, stream_offset: int,
+    destination: torch.Tensor,
 ) -> None:
-    """Fill ``result`` from the record's chunks, at most MAX_INFLIGHT_GETS in flight."""
-    chunk_bytes, version = record.chunk_bytes, record.version
-    copies, staged = _scatter_plan(record, result)
+    """Add to ``copies`` the copies that fill ``destination`` (flat ``uint8``) from rank
+    ``rank``'s stream, from ``stream_offset`` on."""
+    start, stop = stream_offset, stream_offset + destination.numel()
+    for index in range(start // chunk_bytes, (stop - 1) // chunk_bytes + 1):
+        lo, hi = max(start, index * chunk_bytes), min(stop, (index + 1) * chunk_bytes)
+        copies[(rank, index)].append((destination, lo - start, lo, hi - lo))
+
+
+#: ``{(rank, chunk index): [(destination uint8 tensor, offset in it, stream offset, bytes)]}``:
+#: where each chunk's bytes go.
+CopyPlan = Mapping[tuple[int, int], list[tuple[torch.Tensor, int, int, int]]]
+
+
+async def get_chunks(
+    version: int, chunk_bytes: int, copies: CopyPlan, where: StoreLocation
+) -> None:
+    """Get the chunks ``copies`` names (at most MAX_INFLIGHT_GETS in flight) and copy each
+    one's bytes where ``copies`` says as it arrives, so that received chunks are freed as we
+    go (peak memory: the destinations plus the chunks in flight).
+
+    Raises:
+        WeightsVersionNotFoundError: a chunk is missing: the version was retired (commit
+            record first, then chunks) while this call read it.
+    """
     limit = asyncio.Semaphore(MAX_INFLIGHT_GETS)
 
     async def get_and_scatter(rank: int, index: int) -> None:
@@ -302,7 +322,6 @@ async def _get_chunks(
             except Exception as e:  # noqa: BLE001 - re-raised unless the chunk is missing
                 if not missing_key(e):
                     raise
-                # Retired (commit record first, then chunks) while this fetch read it.
                 committed = await committed_versions(
                     key_prefix=where.key_prefix, store_name=where.store_name
                 )
@@ -312,6 +331,4 @@ async def _get_chunks(
             copy_bytes(destination[offset : offset + nbytes], chunk[lo - base : lo - base + nbytes])
 
     await asyncio.gather(*(get_and_scatter(rank, index) for rank, index in sorted(copies)))
-    for full, destination, piece in staged:
-        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local_shape))
-        full[index] = destination.view(full.dtype).view(piece.local_shape)
+

@@ -2,8 +2,9 @@
 and the reader's from a commit record (:func:`transport_of`).
 
 ``weights.transport`` names what a user asks for (``direct``, ``dcp``); a commit record names
-the transport that wrote it (``direct``, ``same_host``, ``dcp``): ``direct`` runs as
-``same_host`` when ``weights.same_host=auto`` and every rank of the group is on one host.
+the transport that wrote it (``direct``, ``same_host``, ``dcp``, ``delta``): ``direct`` runs as
+``same_host`` when ``weights.same_host=auto`` and every rank of the group is on one host, and
+as ``delta`` with ``weights.delta`` (whose anchors are ``direct`` versions).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from forge_ext.weights.config import WeightsConfig
 from forge_ext.weights.transports.base import CommitRecord, Group, Transport
 from forge_ext.weights.transports.dcp import DcpTransport
+from forge_ext.weights.transports.delta import DeltaTransport
 from forge_ext.weights.transports.direct import DirectTransport
 from forge_ext.weights.transports import slots
 from forge_ext.weights.transports.same_host import SameHostTransport
@@ -22,7 +24,7 @@ from forge_ext.weights.transports.same_host import SameHostTransport
 logger = logging.getLogger(__name__)
 
 TRANSPORTS: dict[str, type[Transport]] = {
-    cls.name: cls for cls in (DirectTransport, SameHostTransport, DcpTransport)
+    cls.name: cls for cls in (DirectTransport, SameHostTransport, DcpTransport, DeltaTransport)
 }
 
 
@@ -32,6 +34,8 @@ def transport_for(config: WeightsConfig, group: Group, store_name: str) -> Trans
     .host_id`), kept afterwards (the same-host slots persist)."""
     if config.transport != "direct":
         return TRANSPORTS[config.transport](config, group, store_name)
+    if config.delta:  # the config requires same_host=off
+        return DeltaTransport(config, group, store_name)
     hosts = [None]
     if config.same_host == "auto":
         hosts = group.all_gather(slots.host_id())

@@ -27,6 +27,11 @@ class Piece:
     local_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
 
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """The block's place in the full tensor (``full[piece.index]``)."""
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offset, self.local_shape))
+
 
 def owned_block(
     value: torch.Tensor, group_rank: int

@@ -1,0 +1,227 @@
+"""``weights.delta``: after a full version, each rank publishes only the elements of its
+blocks whose bits changed since the version every reader holds (issue 48).
+
+A publisher with ``weights.delta: true`` (``transport: direct``, ``same_host: off``) publishes
+two kinds of versions through torchstore chunks, as ``direct`` does:
+
+- an **anchor**, a full ``direct`` version (:class:`~forge_ext.weights.transports.direct
+  .DirectRecord`), read by any reader: the first version, every ``weights.delta_anchor_every``
+  versions, and whenever the caller's ``reader_base`` (the version every live reader holds,
+  :meth:`~forge_ext.weights.publish.WeightsPublisher.publish`) is not the version this
+  publisher last published (a reader that joined, restarted, lags, or reported a mismatch);
+- a **delta** (:class:`DeltaRecord`), each block encoded by :mod:`forge_ext.weights.delta`
+  against the publisher's snapshot of the base version, with the checksum of its whole new
+  data. A reader applies it onto the tensors that hold the base
+  (:func:`~forge_ext.weights.fetch.fetch_weights` with ``holding=base``), checks every
+  block's checksum, and is refused (:class:`WeightsDeltaBaseError`) if it holds another version.
+
+The snapshot of the base is each rank's own blocks in the published dtype (a DTensor's local
+shard; plain tensors on rank 0 only): ``sum(local bytes)`` per rank, the same bytes a full
+version of that rank puts, never the full model per rank. It advances at each commit (a
+failed or interrupted publish leaves it on the last committed version); every rank decides
+delta or anchor alike (one exchange of :meth:`DeltaTransport.prepare`'s fields).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forge_ext.weights import delta
+from forge_ext.weights.delta import DeltaStats
+from forge_ext.weights.errors import WeightsDeltaBaseError
+from forge_ext.weights.store import chunk_key
+from forge_ext.weights.transports.base import (
+    CommitRecord, ProgressHook, Specs, StoreLocation, Tensors, fillable,
+)
+from forge_ext.weights.transports.direct import (
+    DirectTransport, StreamBlock, align, get_chunks, plan_copy, put_stream,
+)
+from forge_ext.weights.transports.shards import Piece, covered_pieces, owned_block
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaRecord(CommitRecord):
+    """A delta version on ``base_version``: ``tensors[name]`` is ``{"dtype", "shape",
+    "pieces", "codes"}``, each piece the fields of a :class:`~forge_ext.weights.transports
+    .shards.Piece` (its ``stream_offset`` where the encoded block starts) and its code
+    ``(encoding, count, checksum)`` (:class:`~forge_ext.weights.delta.EncodedBlock`)."""
+
+    transport = "delta"
+    chunk_bytes: int
+    base_version: int
+    tensors: dict[str, dict[str, Any]]
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        meta = self.tensors[name]
+        return tuple(meta["shape"]), meta["dtype"]
+
+
+class DeltaTransport(DirectTransport):
+    """Anchors as ``direct`` versions, deltas in between (see the module docstring)."""
+
+    name = "delta"
+    Record = DeltaRecord
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._snapshot: dict[str, torch.Tensor] = {}  # name -> flat owned block, published dtype
+        self._snapshot_version: int | None = None
+        self._deltas_since_anchor = 0
+        self._reader_base: int | None = None
+        self._base: int | None = None  # this version's base, None: an anchor
+        self._pending: dict[str, Any] = {}  # what the snapshot becomes at commit
+        self.last_stats: DeltaStats | None = None
+
+    def set_reader_base(self, reader_base: int | None) -> None:
+        self._reader_base = reader_base
+
+    def stats(self) -> DeltaStats | None:
+        return self.last_stats
+
+    async def prepare(self, version: int, tensors: Tensors) -> dict[str, Any]:
+        """Shares the base this rank can encode against (None: an anchor is due)."""
+        can = (
+            self._reader_base is not None and self._reader_base == self._snapshot_version
+            and self._deltas_since_anchor + 1 < self.config.delta_anchor_every
+        )
+        return {"delta_base": self._reader_base if can else None}
+
+    def check_prepared(self, statuses: list[dict[str, Any]]) -> None:
+        bases = {status["delta_base"] for status in statuses}
+        self._base = bases.pop() if len(bases) == 1 else None
+
+    async def write(
+        self, version: int, state_dict: Mapping[str, torch.Tensor], tensors: Tensors,
+        prepared: list[dict[str, Any]], on_progress: ProgressHook | None, stored: list[str],
+    ) -> tuple[int, dict[str, Any]]:
+        """An anchor: :class:`DirectTransport`'s write, the snapshot copied from it; a delta:
+        every owned block encoded against the snapshot, its payload put as ``direct`` puts
+        blocks. The manifest adds ``codes`` ``[(name, (encoding, count, checksum))]``."""
+        rank, prefix = self.group.rank, self.where.key_prefix
+        owned = _owned(state_dict, rank)
+        full_bytes = sum(new.numel() * tensors[name][0].itemsize
+                         for name, (new, _, _) in owned.items())
+        elements = sum(new.numel() for new, _, _ in owned.values())
+        if self._base is None:
+            self._pending = {
+                name: new.to(device="cpu", dtype=tensors[name][0], copy=True).contiguous()
+                for name, (new, _, _) in owned.items()
+            }
+            self.last_stats = DeltaStats(None, elements, elements, full_bytes)
+            return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
+        blocks, codes = [], []
+        offset = 0
+        encoded = dict(zip(owned, delta.encode_blocks(
+            [(self._snapshot[name], new) for name, (new, _, _) in owned.items()])))
+        for name, (new, local_shape, global_offset) in owned.items():
+            code = encoded[name]
+            blocks.append(StreamBlock(name, code.payload, torch.uint8, local_shape,
+                                      global_offset, offset))
+            codes.append((name, (code.encoding, code.count, code.checksum)))
+            offset += align(code.payload.numel())
+        await put_stream(
+            blocks, self.config.chunk_mb << 20, lambda i: chunk_key(prefix, version, rank, i),
+            stored, on_progress, self.where.store_name,
+        )
+        self._pending = encoded
+        self.last_stats = DeltaStats(self._base, sum(c.changed for c in encoded.values()),
+                                     elements, full_bytes)
+        pieces = [(b.name, (rank, b.stream_offset, b.local_shape, b.global_offset))
+                  for b in blocks]
+        manifest = {"tensors": dict(tensors), "pieces": pieces, "codes": codes,
+                    "chunks": len(stored)}
+        return sum(b.nbytes for b in blocks), manifest
+
+    def record(self, version: int, manifests: list[dict[str, Any]]) -> CommitRecord:
+        if self._base is None:
+            return super().record(version, manifests)
+        tensors, pieces = covered_pieces(manifests)
+        codes: dict[str, list[tuple]] = {name: [] for name in tensors}
+        for manifest in manifests:
+            for name, code in manifest["codes"]:
+                codes[name].append(code)
+        return DeltaRecord(
+            version=version, names=list(tensors), chunk_bytes=self.config.chunk_mb << 20,
+            base_version=self._base,
+            tensors={name: {"dtype": dtype, "shape": shape, "pieces": pieces[name],
+                            "codes": codes[name]}
+                     for name, (dtype, shape) in tensors.items()},
+        )
+
+    def commit(self, version: int) -> None:
+        """The snapshot becomes ``version``'s blocks (a delta is applied onto it)."""
+        if self._base is None:
+            self._snapshot, self._deltas_since_anchor = self._pending, 0
+        else:
+            for name, code in self._pending.items():
+                delta.apply(self._snapshot[name], code.encoding, code.count, code.payload,
+                            code.checksum, name)
+            self._deltas_since_anchor += 1
+        self._snapshot_version, self._pending = version, {}
+
+    def abort(self, version: int) -> None:
+        self._pending = {}
+        super().abort(version)
+
+    def close(self) -> None:
+        self._snapshot, self._snapshot_version, self._pending = {}, None, {}
+        super().close()
+
+    # -- fetch side ---------------------------------------------------------------------
+    @classmethod
+    def check_base(cls, record: DeltaRecord, holding: int | None) -> None:
+        if holding != record.base_version:
+            raise WeightsDeltaBaseError(record.version, record.base_version, holding)
+
+    @classmethod
+    async def read(
+        cls, record: DeltaRecord, specs: Specs, allocate: Callable[[], dict[str, torch.Tensor]],
+        where: StoreLocation,
+    ) -> dict[str, torch.Tensor]:
+        """Apply the delta onto ``allocate()``'s tensors, which hold the base version (the
+        caller checked it, :meth:`check_base`), and check each block's checksum.
+
+        Raises:
+            WeightsChecksumError: a block's data after applying differ from the published
+                (the tensor is then neither the base nor the new version).
+        """
+        result = allocate()
+        copies: dict[tuple[int, int], list] = defaultdict(list)
+        staged = []
+        for name, full in result.items():
+            meta = record.tensors[name]
+            for raw, (encoding, count, expected) in zip(meta["pieces"], meta["codes"]):
+                piece = Piece(*raw)
+                numel = torch.Size(piece.local_shape).numel()
+                nbytes = delta.payload_nbytes(encoding, count, numel, full.dtype)
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                if nbytes:
+                    plan_copy(copies, record.chunk_bytes, piece.rank, piece.stream_offset, payload)
+                staged.append((name, fillable(full), piece, len(meta["pieces"]) == 1,
+                               (encoding, count, payload, expected)))
+        await get_chunks(record.version, record.chunk_bytes, copies, where)
+        for name, full, piece, whole, (encoding, count, payload, expected) in staged:
+            region = full.view(-1) if whole else full[piece.index].contiguous().view(-1)
+            delta.apply(region, encoding, count, payload, expected, name)
+            if not whole:
+                full[piece.index] = region.view(piece.local_shape)
+        return result
+
+
+def _owned(
+    state_dict: Mapping[str, torch.Tensor], rank: int
+) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """``{name: (this rank's block, its local shape, its global offset)}``, the block flat in
+    its own dtype and device (:func:`~forge_ext.weights.transports.shards.owned_block`)."""
+    blocks = {}
+    for name, value in state_dict.items():
+        owned = owned_block(value, rank)
+        if owned is not None:
+            local, local_shape, global_offset = owned
+            blocks[name] = (local.reshape(-1), local_shape, global_offset)
+    return blocks

@@ -1,0 +1,343 @@
+"""``weights.delta`` (issue 48): delta versions through a real torchstore, a 2-rank gloo
+trainer holding DTensor shards and a reader on its own proc.
+
+The reference is the trainer's own tensors, rebuilt in the test process from the same seeds
+and cast to the published dtype: after every version the reader's tensors must equal them bit
+for bit, whatever mix of anchors and deltas carried them, and each fault (a lost or corrupted
+delta, a reader restarted, a delta applied twice, a publisher resumed) must be refused or
+detected, then healed by a full version."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import monarch.spmd
+import pytest
+import pytest_asyncio
+import torch
+import torchstore as ts
+from monarch.actor import Actor, endpoint, this_host
+
+from forge_ext.weights import delta as codec
+from forge_ext.weights import fetch as weights_fetch
+from forge_ext.weights import publish as weights_publish
+from forge_ext.weights import store as weights_store
+from forge_ext.weights.config import WeightsConfig
+from forge_ext.weights.errors import (
+    WeightsChecksumError, WeightsDeltaBaseError, WeightsVersionNotFoundError,
+)
+
+module_loop = pytest.mark.asyncio(loop_scope="module")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CHUNK_MB = 1
+ANCHOR_EVERY = 4
+
+
+def master(version: int) -> dict[str, torch.Tensor]:
+    """The trainer's fp32 weights at ``version``: a seeded start, then per version a small
+    update of a seeded fraction of the elements (as an optimizer step at a small learning
+    rate leaves most bf16 values unchanged)."""
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(4097, 96, generator=g),  # Shard(0), ~1.5 MB
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(33, 65, generator=g),  # Shard(1)
+        "model.norm.weight": torch.randn(96, generator=g),  # Replicate
+        "lm_head.bias": torch.randn(5, generator=g),  # plain tensor, rank 0 writes it
+        "model.position_ids": torch.arange(7),  # not floating: never cast, never changes
+    }
+    for step in range(1, version + 1):
+        g = torch.Generator().manual_seed(step)
+        for tensor in weights.values():
+            if tensor.is_floating_point():
+                mask = torch.rand(tensor.shape, generator=g) < 0.02
+                tensor.add_(mask * torch.randn(tensor.shape, generator=g) * 0.05)
+    return weights
+
+
+def published(version: int) -> dict[str, torch.Tensor]:
+    return {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+            for name, t in master(version).items()}
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str):
+    assert list(got) == list(want), what
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (what, name)
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), (what, name)
+
+
+class DeltaTrainer(Actor):
+    """One rank of a 2-rank gloo trainer publishing :func:`master` as DTensor shards."""
+
+    def __init__(self) -> None:
+        self.publishers: dict[str, weights_publish.WeightsPublisher] = {}
+
+    @endpoint
+    async def init_process_group(self) -> None:
+        torch.distributed.init_process_group("gloo")
+
+    @endpoint
+    async def publish(self, version: int, key_prefix: str, reader_base: int | None,
+                      new_publisher: bool = False) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2,))
+        full = master(version)
+        state_dict = {
+            name: distribute_tensor(full[name], mesh, [placement]) for name, placement in zip(
+                ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight",
+                 "model.norm.weight"], [Shard(0), Shard(1), Replicate()])
+        }
+        state_dict["lm_head.bias"] = full["lm_head.bias"]
+        state_dict["model.position_ids"] = full["model.position_ids"]
+        if new_publisher or key_prefix not in self.publishers:  # new_publisher: a resumed run
+            self.publishers[key_prefix] = weights_publish.WeightsPublisher(WeightsConfig(
+                key_prefix=key_prefix, chunk_mb=CHUNK_MB, same_host="off", dtype="bfloat16",
+                delta=True, delta_anchor_every=ANCHOR_EVERY, keep_versions=3,
+            ))
+        publisher = self.publishers[key_prefix]
+        result = await publisher.publish(state_dict, version, reader_base=reader_base)
+        snapshot = publisher._transport._snapshot
+        local = sum(block.numel() * block.element_size() for block in snapshot.values())
+        return {"bytes": result.bytes_written, "stats": result.delta, "snapshot_bytes": local}
+
+
+class DeltaReader(Actor):
+    """A generator-side reader on its own proc: keeps its tensors and the version they hold,
+    applies deltas in place, and falls back to nothing held when a delta fails."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.holding: int | None = None
+
+    @endpoint
+    async def restart(self) -> None:
+        self.tensors, self.holding = None, None
+
+    @endpoint
+    async def update(self, version: int, key_prefix: str) -> dict:
+        """Fetch ``version``: ``{"holding", "tensors", "error"}`` after it."""
+        error = None
+        try:
+            if self.tensors is None:
+                self.tensors = await weights_fetch.fetch_weights(version, key_prefix=key_prefix)
+            else:
+                held = self.tensors
+                await weights_fetch.fetch_weights(
+                    version, key_prefix=key_prefix, holding=self.holding,
+                    allocate=lambda specs: held,
+                )
+            self.holding = version
+        except WeightsDeltaBaseError as e:  # not the base: the tensors are untouched
+            error = type(e).__name__
+        except WeightsVersionNotFoundError as e:  # a chunk lost: applied nothing
+            error = type(e).__name__
+        except WeightsChecksumError as e:  # applied, and wrong: hold nothing
+            self.tensors, self.holding = None, None
+            error = type(e).__name__
+        return {"holding": self.holding, "tensors": self.tensors, "error": error}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def store():
+    from forge_ext.compat.torchstore_monarch import initialize_store
+
+    await initialize_store()
+    yield
+    await ts.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def trainer(store):
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    await monarch.spmd.setup_torch_elastic_env_async(procs)
+    ranks = procs.spawn("delta_trainer", DeltaTrainer)
+    await ranks.init_process_group.call()
+    yield ranks
+    await procs.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reader(store):
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    yield procs.spawn("delta_reader", DeltaReader)
+    await procs.stop()
+
+
+async def publish(trainer, version, prefix, reader_base, **kwargs) -> list[dict]:
+    return [r for _, r in (await trainer.publish.call(version, prefix, reader_base,
+                                                      **kwargs)).items()]
+
+
+def kinds(results: list[dict]) -> str:
+    bases = {r["stats"].base_version for r in results}
+    assert len(bases) == 1, results  # every rank published the same kind
+    return "anchor" if bases == {None} else f"delta on {bases.pop()}"
+
+
+@module_loop
+async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
+    store, trainer, reader
+):
+    prefix = "delta_exact"
+    await reader.restart.call_one()
+    seen = []
+    holding = None
+    for version in range(10):
+        results = await publish(trainer, version, prefix, holding)
+        seen.append(kinds(results))
+        got = await reader.update.call_one(version, prefix)
+        assert got["error"] is None, (version, got["error"])
+        assert_bitwise(got["tensors"], published(version), f"version {version}")
+        holding = got["holding"]
+        if results[0]["stats"].base_version is not None:
+            sent = sum(r["bytes"] for r in results)
+            full = sum(r["stats"].full_bytes for r in results)
+            assert sent < 0.2 * full, (version, sent, full)  # ~2% of elements changed
+    assert seen == ["anchor", *[f"delta on {v}" for v in range(3)], "anchor",
+                    *[f"delta on {v}" for v in range(4, 7)], "anchor", "delta on 8"]
+    # Each rank's snapshot of the base is its own shards, not the whole model.
+    total = sum(t.numel() * t.element_size() for t in published(0).values())
+    assert all(r["snapshot_bytes"] < 0.6 * total for r in results), results
+
+
+@module_loop
+async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
+    store, trainer, reader
+):
+    prefix = "delta_faults"
+    await reader.restart.call_one()
+
+    state = {"holding": None}  # what the reader reported holding last
+
+    async def step(version, expect_kind, **kwargs):
+        """Publish ``version`` with the reader's version as the base."""
+        results = await publish(trainer, version, prefix, state["holding"], **kwargs)
+        assert kinds(results) == expect_kind, version
+
+    async def read(version):
+        got = await reader.update.call_one(version, prefix)
+        state["holding"] = got["holding"]
+        return got
+
+    await step(0, expect_kind="anchor")
+    assert (await read(0))["error"] is None
+    await step(1, expect_kind="delta on 0")
+
+    # A delta lost in transport (one chunk gone): nothing applied, the reader keeps version 0.
+    await ts.delete(weights_store.chunk_key(prefix, 1, 0, 0))
+    got = await read(1)
+    assert got["error"] == "WeightsVersionNotFoundError" and got["holding"] == 0
+    assert_bitwise(got["tensors"], published(0), "after a lost delta")
+    # The publisher's base moved on to 1, the reader holds 0: an anchor heals it.
+    await step(2, expect_kind="anchor")
+    assert_bitwise((await read(2))["tensors"], published(2), "healed after a lost delta")
+
+    # One flipped bit in a delta's values: the checksum catches it, the reader drops its
+    # tensors, the next version is full.
+    await step(3, expect_kind="delta on 2")
+    key = weights_store.chunk_key(prefix, 3, 0, 0)
+    chunk = bytearray(await ts.get(key))
+    chunk[9] ^= 0x01  # in the first block's indices: a value lands on the wrong element
+    await ts.put(key, bytes(chunk))
+    got = await read(3)
+    assert got["error"] == "WeightsChecksumError" and got["holding"] is None
+    await step(4, expect_kind="anchor")
+    assert_bitwise((await read(4))["tensors"], published(4), "healed after a flipped bit")
+
+    # A delta applied twice: refused by version (its base is not what the reader holds).
+    await step(5, expect_kind="delta on 4")
+    assert (await read(5))["error"] is None
+    got = await read(5)
+    assert got["error"] == "WeightsDeltaBaseError" and got["holding"] == 5
+    assert_bitwise(got["tensors"], published(5), "a delta read twice")
+
+    # A replica restarted mid-run holds nothing: a delta is refused, an anchor heals.
+    await step(6, expect_kind="delta on 5")
+    await reader.restart.call_one()
+    got = await read(6)
+    assert got["error"] == "WeightsDeltaBaseError"
+    await step(7, expect_kind="anchor")
+    assert_bitwise((await read(7))["tensors"], published(7), "a restarted replica")
+
+    # A resumed trainer (a new publisher: no snapshot) publishes full, whatever the reader holds.
+    await step(8, expect_kind="anchor", new_publisher=True)
+    assert_bitwise((await read(8))["tensors"], published(8), "after a resume")
+
+
+def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                  torch.float8_e4m3fn):
+        base = torch.randn(3001, generator=g).to(dtype)
+        new = base.clone()
+        new[[0, 17, 3000]] = torch.tensor([1.0, -0.0, 2.0]).to(dtype)
+        code = codec.encode(base, new)
+        assert code.encoding == "sparse" and code.changed == 3 - int(base[17] == 0)
+        target = base.clone()
+        for _ in range(2):  # an overwrite encoding applied twice gives the same data
+            codec.apply(target, code.encoding, code.count, code.payload, code.checksum, "w")
+            assert torch.equal(target.view(torch.uint8), new.view(torch.uint8)), dtype
+        # 5% changed: offsets within 256-element segments are the smaller index.
+        spread = base.clone()
+        moved = torch.randperm(3001, generator=g)[:150]
+        spread[moved] = torch.randn(150, generator=g).to(dtype)
+        code = codec.encode(base, spread)
+        assert code.encoding == "sparse8", dtype
+        target = base.clone()
+        codec.apply(target, code.encoding, code.count, code.payload, code.checksum, "w")
+        assert torch.equal(target.view(torch.uint8), spread.view(torch.uint8)), dtype
+        dense = codec.encode(base, torch.randn(3001, generator=g).to(dtype))
+        assert dense.encoding == "dense"
+        assert dense.payload.numel() == 3001 * base.element_size()
+        # Onto another base, the checksum refuses the result.
+        with pytest.raises(WeightsChecksumError, match="w: the weights after applying"):
+            codec.apply(torch.zeros_like(base), code.encoding, code.count, code.payload,
+                        code.checksum, "w")
+
+
+@pytest.mark.parametrize("encoding_share", [0.001, 0.05])
+def test_any_flipped_bit_of_a_payload_is_a_checksum_error(encoding_share):
+    """Every bit of a sparse or sparse8 payload (indices, segment counts, offsets, values)
+    flipped in turn: the reader gets WeightsChecksumError, never another exception or wrong
+    weights without one."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2000, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    moved = torch.randperm(2000, generator=g)[: int(2000 * encoding_share)]
+    new[moved] = torch.randn(moved.numel(), generator=g).to(torch.bfloat16)
+    code = codec.encode(base, new)
+    assert code.encoding == ("sparse" if encoding_share < 0.01 else "sparse8")
+    for byte in range(code.payload.numel()):
+        for bit in (0, 7):
+            payload = code.payload.clone()
+            payload[byte] ^= 1 << bit
+            target = base.clone()
+            try:
+                codec.apply(target, code.encoding, code.count, payload, code.checksum, "w")
+            except WeightsChecksumError:
+                continue
+            # Padding bytes carry nothing: the result must then be exactly the new block.
+            assert torch.equal(target.view(torch.int16), new.view(torch.int16)), (byte, bit)
+
+
+def test_minus_zero_and_nan_payloads_count_as_changes():
+    base = torch.tensor([0.0, float("nan"), 1.0])
+    new = torch.tensor([-0.0, float("nan"), 1.0])
+    new.view(torch.int32)[1] += 1  # another NaN payload
+    assert codec.encode(base, new).changed == 2
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"delta": True}, "weights.delta=true needs weights.transport='direct' and weights.same_host"),
+    ({"delta": True, "same_host": "off", "transport": "dcp", "dcp_path": "/tmp/x"},
+     "weights.delta=true needs"),
+    ({"delta": "yes"}, "weights.delta='yes' must be true or false"),
+    ({"delta_anchor_every": 0}, "weights.delta_anchor_every=0 must be an int >= 1"),
+])
+def test_delta_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        WeightsConfig(**fields)
