@@ -248,22 +248,6 @@ async def test_a_weight_left_out_of_the_push_makes_the_mismatch_gate_stop_the_ru
     assert step1["step"] == 1 and step1["mismatch/k3_kl"] < 1e-8
 
 
-async def test_vllm_replicas_take_delta_versions_between_anchors(crashed_run, resumed_run):
-    """weights.delta on the vLLM runs (two replicas, fp32 published at lr 1e-3, so nearly
-    every block goes dense): the first push of each process is an anchor (the crashed run's
-    version 0, logged at step 1; the resumed run's checkpoint version 3, at step 4), the
-    others deltas on the version both replicas hold; no replica refused one, and each
-    served the trainer's weights (the log-prob gap test above)."""
-    app, output_dir, _ = crashed_run
-    if app.config.generator.backend != "vllm":
-        pytest.skip("weights.delta needs the vLLM generator")
-    rows = [r for r in history(output_dir) if "weights/anchor" in r]
-    assert [r["weights/anchor"] for r in rows] == [1.0, 0.0, 0.0, 1.0], rows
-    assert all(r["generator/delta_refused"] == 0 for r in rows)
-    assert all(0 < r["weights/changed_fraction"] <= 1 for r in rows)
-    assert all(r["weights/bytes"] <= r["weights/full_bytes"] + 64 * 50 for r in rows)
-
-
 async def test_a_run_on_this_machine_listens_on_loopback_only(crashed_run):
     """``hosts.launcher: local``: every TCP socket the run's processes listen on (the
     trainer's and reference's torch.distributed store and gloo, vLLM's workers, Monarch's) is
@@ -403,6 +387,22 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     assert [ep.response_ids.tolist() for ep in rollouts.episodes] == [
         ep.response_ids.tolist() for ep in before_crash.episodes
     ]
+
+
+async def test_vllm_replicas_take_delta_versions_between_anchors(crashed_run, resumed_run):
+    """weights.delta on the vLLM runs (two replicas, fp32 published at lr 1e-3, so nearly
+    every block goes dense): the first push of each process is an anchor (the crashed run's
+    version 0, logged at step 1; the resumed run's checkpoint version 3, at step 4), the
+    others deltas on the version both replicas hold; no replica refused one, and each
+    served the trainer's weights (the log-prob gap test above)."""
+    app, output_dir, _ = crashed_run
+    if app.config.generator.backend != "vllm":
+        pytest.skip("weights.delta needs the vLLM generator")
+    rows = [r for r in history(output_dir) if "weights/anchor" in r]
+    assert [r["weights/anchor"] for r in rows] == [1.0, 0.0, 0.0, 1.0], rows
+    assert all(r["generator/delta_refused"] == 0 for r in rows)
+    assert all(0 < r["weights/changed_fraction"] <= 1 for r in rows)
+    assert all(r["weights/bytes"] <= r["weights/full_bytes"] + 64 * 50 for r in rows)
 
 
 async def test_every_prompt_is_trained_on_exactly_once_across_the_crash_and_resume(
