@@ -4,6 +4,10 @@ Written from the papers, one sequence at a time with plain loops (no grouping he
 masks, no code of ``forge_ext.rl.losses``):
 
 - token ratio: DeepSeekMath (arXiv:2402.03300) eq. 3, ``min(r_t A, clip(r_t) A) - beta k3``;
+- off-policy corrections: truncated IS and decoupled PPO (Hilton et al. 2021, AReaL
+  arXiv:2505.24298: clip against the proximal policy, weight by proximal / behaviour
+  truncated), rejection of tokens / sequences whose ratio leaves ``[1/C_low, C_high]`` (verl
+  ``rollout_corr_helper.py``, ``rollout_rs`` token / geometric);
 - sequence ratio: GSPO (arXiv:2507.18071) eq. 5-7, ``s_i = exp(mean_t log r_t)``;
 - aggregation: verl ``core_algos.py`` ``agg_loss`` / Dr. GRPO eq. 3 (sequences without a
   valid token are not counted);
@@ -38,7 +42,7 @@ def sequences_of(mb):
 
 def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
                    clip=(0.2, 0.2), kl_coef=0.0, max_response_tokens=None,
-                   correction="none", cap=2.0, mask_truncated=False):
+                   correction="none", cap=2.0, mask_truncated=False, mask_caps=(2.0, 2.0)):
     """The step loss in float64; differentiable w.r.t. ``logits``."""
     logp_all = torch.log_softmax(logits.double(), dim=-1)
     labels = mb["labels"]
@@ -56,8 +60,14 @@ def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
         gen = mb["generator_logprobs"][bs, ts].double()
         adv_t = mb["advantages"]
         adv = (adv_t[bs] if adv_t.dim() == 1 else adv_t[bs, ts]).double()
-        if correction == "token_tis":
-            old = logp.detach()
+        keep = torch.ones(len(toks), dtype=torch.float64)
+        if correction in ("token_tis", "decoupled"):
+            # Decoupled PPO (Hilton et al. 2021; AReaL): clip against the proximal policy,
+            # weight by proximal / behaviour, truncated at the cap.
+            if "proximal_logprobs" in mb and correction == "decoupled":
+                old = mb["proximal_logprobs"][bs, ts].double()
+            else:
+                old = logp.detach()
             gap = old - gen
             if ratio_level == "sequence":
                 w = torch.full_like(gap, min(math.exp(float(gap.mean())), cap))
@@ -65,6 +75,13 @@ def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
                 w = torch.clamp(torch.exp(gap), max=cap)
         else:
             old, w = gen, torch.ones_like(gen)
+        if correction in ("token_mask", "sequence_mask"):
+            # Rejection (verl rollout_rs token / geometric): a ratio outside [1/low, high].
+            gap = [float(logp[i]) - float(gen[i]) for i in range(len(toks))]
+            if correction == "sequence_mask":
+                gap = [sum(gap) / len(gap)] * len(gap)
+            keep = torch.tensor([1.0 if 1 / mask_caps[0] <= math.exp(g) <= mask_caps[1] else 0.0
+                                 for g in gap], dtype=torch.float64)
         if ratio_level == "sequence":
             ratio = torch.exp((logp - old).mean()).expand(len(toks))
         else:
@@ -74,7 +91,7 @@ def reference_loss(logits, mb, *, aggregation="token_mean", ratio_level="token",
             ref = mb["ref_logprobs"][bs, ts].double()
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             surrogate = surrogate - kl_coef * kl
-        losses.append(-surrogate)
+        losses.append(-surrogate * keep)
     if not losses:
         return logits.double().sum() * 0.0
     if aggregation == "token_mean":

@@ -506,6 +506,17 @@ def test_chunked_prefill_is_off_for_vllm_on_cpu_and_settings_that_need_it_are_re
         GeneratorConfig(hf_path=demo_checkpoint, backend="vllm", vllm=vllm).check_backend()
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_generator_dtype_is_a_torch_dtype_name_checked_before_anything_runs(demo_checkpoint,
+                                                                             backend):
+    from forge_ext.rollout.config import GeneratorConfig
+
+    with pytest.raises(ValueError, match=r"generator.dtype='bf16' must be one of \['float32', "
+                                         r"'bfloat16', 'float16'\]"):
+        GeneratorConfig(hf_path=demo_checkpoint, backend=backend, dtype="bf16").check_backend()
+    GeneratorConfig(hf_path=demo_checkpoint, dtype="bfloat16").check_backend()
+
+
 def test_missing_checkpoint_is_reported_before_anything_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"model.hf_path={tmp_path}"])

@@ -13,9 +13,9 @@ from forge_ext.rl.losses.grpo import (
     grpo_loss,
     grpo_metrics,
     token_logprobs,
-    truncated_importance_weights,
     valid_token_count,
 )
+from forge_ext.rl.losses.off_policy import truncated_importance_weights
 
 LOG4 = math.log(4.0)
 

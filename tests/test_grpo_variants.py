@@ -10,8 +10,11 @@ import torch
 from grpo_reference import reference_advantages, reference_loss
 
 from forge_ext.rl.advantages import compute_group_advantages
-from forge_ext.rl.losses.config import AGGREGATIONS, RATIO_LEVELS, default_clip_eps
-from forge_ext.rl.losses.grpo import GRPOLoss, grpo_loss, grpo_metrics
+from forge_ext.rl.losses.config import (
+    AGGREGATIONS, OFF_POLICY_CORRECTIONS, RATIO_LEVELS, default_clip_eps,
+)
+from forge_ext.rl.losses.grpo import GRPOLoss, grpo_loss, grpo_metrics, token_logprobs
+from forge_ext.rl.losses.off_policy import MASK_CORRECTIONS
 
 # Very unequal response lengths, and a row without any valid token (it must not count as a
 # sequence in the seq_mean modes).
@@ -45,6 +48,10 @@ def variant_batch(seed, lengths=LENGTHS, seq=12, vocab=7, noise=0.4, on_policy_r
     return logits, mb
 
 
+CORRECTION_FIELDS = ("off_policy_correction", "tis_imp_ratio_cap", "mask_imp_ratio_cap_low",
+                     "mask_imp_ratio_cap_high")
+
+
 def ours_and_reference(logits, mb, **kwargs):
     """``(loss, grad)`` of forge_ext's loss and of the float64 reference on the same logits."""
     level = kwargs.get("ratio_level", "token")
@@ -53,11 +60,12 @@ def ours_and_reference(logits, mb, **kwargs):
     loss = grpo_loss(ours, mb, clip_eps_low=clip[0], clip_eps_high=clip[1], **kwargs)
     loss.backward()
     ref = logits.clone().requires_grad_(True)
-    ref_kwargs = {k: v for k, v in kwargs.items() if k not in ("off_policy_correction",
-                                                               "tis_imp_ratio_cap")}
+    ref_kwargs = {k: v for k, v in kwargs.items() if k not in CORRECTION_FIELDS}
     expected = reference_loss(
         ref, mb, clip=clip, correction=kwargs.get("off_policy_correction", "none"),
-        cap=kwargs.get("tis_imp_ratio_cap", 2.0), **ref_kwargs,
+        cap=kwargs.get("tis_imp_ratio_cap", 2.0),
+        mask_caps=(kwargs.get("mask_imp_ratio_cap_low", 2.0),
+                   kwargs.get("mask_imp_ratio_cap_high", 2.0)), **ref_kwargs,
     )
     expected.backward()
     return (loss.detach(), ours.grad), (expected.detach(), ref.grad)
@@ -95,6 +103,82 @@ def test_importance_weights_match_the_reference_at_each_ratio_level(ratio_level)
     torch.testing.assert_close(grad, expected_grad.float(), rtol=1e-4, atol=1e-7)
     capped = grpo_metrics(logits, mb, **kwargs)["tis_capped_fraction"]
     assert 0 < capped < 1
+
+
+@pytest.mark.parametrize("aggregation", ("token_mean", "seq_mean_token_mean"))
+@pytest.mark.parametrize("correction", MASK_CORRECTIONS)
+def test_rejection_matches_the_reference_and_counts_what_it_rejects(correction, aggregation):
+    # noise 0.8: some tokens' (sequences') ratio leaves [1/2.5, 1.25], others' do not; the
+    # on-policy row 2 (ratio 1) is always kept.
+    logits, mb = variant_batch(seed=3, noise=0.8)
+    kwargs = dict(aggregation=aggregation, kl_coef=0.1, off_policy_correction=correction,
+                  mask_imp_ratio_cap_low=2.5, mask_imp_ratio_cap_high=1.25)
+    (loss, grad), (expected, expected_grad) = ours_and_reference(logits, mb, **kwargs)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    torch.testing.assert_close(grad, expected_grad.float(), rtol=1e-4, atol=1e-7)
+    rejected = grpo_metrics(logits, mb, **kwargs)["rejected_fraction"]
+    assert 0 < rejected < 1
+    # A rejected token gets no gradient: its logits' gradient is exactly 0 (kl included).
+    gap = torch.log_softmax(logits, -1).gather(-1, mb["labels"].clamp(min=0)[..., None])[..., 0]
+    gap = torch.where(mb["labels"] != -100, gap - mb["generator_logprobs"], 0.0)
+    if correction == "token_mask":
+        out = (mb["labels"] != -100) & ((gap > math.log(1.25)) | (gap < -math.log(2.5)))
+        assert out.any() and torch.all(grad[out] == 0)
+
+
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_decoupled_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour(
+        ratio_level):
+    logits, mb = variant_batch(seed=3, noise=0.5)
+    # A proximal policy apart from both the behaviour policy and the current one (as after
+    # an optimizer step on part of the batch): the clip now binds on some tokens.
+    g = torch.Generator().manual_seed(4)
+    logp = torch.log_softmax(logits, -1).gather(-1, mb["labels"].clamp(min=0)[..., None])[..., 0]
+    mb["proximal_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    kwargs = dict(aggregation="token_mean", ratio_level=ratio_level, kl_coef=0.1,
+                  off_policy_correction="decoupled", tis_imp_ratio_cap=1.5)
+    (loss, grad), (expected, expected_grad) = ours_and_reference(logits, mb, **kwargs)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    torch.testing.assert_close(grad, expected_grad.float(), rtol=1e-4, atol=1e-7)
+    metrics = grpo_metrics(logits, mb, **kwargs)
+    assert 0 < metrics["clip_fraction"] < 1 and 0 < metrics["tis_capped_fraction"] < 1
+
+
+def test_decoupled_without_proximal_logprobs_is_token_tis_bitwise():
+    # The trainer takes one optimizer step per batch: the proximal policy is this forward's.
+    logits, mb = variant_batch(seed=5, noise=0.6)
+    grads = {}
+    for correction in ("token_tis", "decoupled"):
+        ours = logits.clone().requires_grad_(True)
+        loss = grpo_loss(ours, mb, kl_coef=0.1, off_policy_correction=correction)
+        loss.backward()
+        grads[correction] = (loss.detach(), ours.grad)
+    assert torch.equal(grads["token_tis"][0], grads["decoupled"][0])
+    assert torch.equal(grads["token_tis"][1], grads["decoupled"][1])
+
+
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_every_correction_without_mismatch_is_the_uncorrected_loss_and_gradient_bitwise(
+        aggregation, ratio_level):
+    # Zero mismatch: the generator's log-probs are exactly the trainer's (as fp32 on both
+    # sides can give), so every weight is 1 and nothing is rejected.
+    logits, mb = variant_batch(seed=6, on_policy_row=None)
+    valid = mb["labels"] != -100
+    mb["generator_logprobs"] = torch.where(valid, token_logprobs(logits, mb["labels"]), math.nan)
+    base = dict(aggregation=aggregation, ratio_level=ratio_level, kl_coef=0.1,
+                max_response_tokens=MAX_RESPONSE_TOKENS)
+    results = {}
+    for correction in OFF_POLICY_CORRECTIONS:
+        ours = logits.clone().requires_grad_(True)
+        loss = grpo_loss(ours, mb, off_policy_correction=correction, tis_imp_ratio_cap=1.01,
+                         mask_imp_ratio_cap_low=1.01, mask_imp_ratio_cap_high=1.01, **base)
+        loss.backward()
+        results[correction] = (loss.detach(), ours.grad)
+    for correction, (loss, grad) in results.items():
+        assert torch.equal(loss, results["none"][0]), correction
+        assert torch.equal(grad, results["none"][1]), correction
+    assert results["none"][1].abs().sum() > 0  # not vacuous
 
 
 def test_gspo_on_one_token_responses_equals_token_level_grpo():

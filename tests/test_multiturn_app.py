@@ -111,6 +111,11 @@ async def test_generator_log_probs_equal_the_trainers_on_every_model_token(ratio
     for row in history(output_dir):
         if "loss" in row:
             assert row["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+            # The run's own mismatch figures (issue 47), over the model's tokens only: an
+            # environment's reply is input, never a sampled token.
+            trained = app.trained[row["step"] - 1].episodes
+            assert row["mismatch/tokens"] == sum(int(ep.response_mask.sum()) for ep in trained)
+            assert row["mismatch/k3_kl"] < 1e-5 and row["mismatch/abs_diff_max"] < 1e-4
             assert row["episode/turns_mean"] >= 1 and row["episode/turns_max"] <= 4
             assert row["episode/env_errors"] == 0 and "time/env" in row
             assert 0.0 <= row["rollout/groups_without_spread"] <= 1.0

@@ -117,6 +117,13 @@ async def test_loss_metrics_under_pipeline_are_the_full_batch_token_means():
         assert fb["loss"] == pytest.approx(expected["loss"], rel=1e-5)
         for name in ("kl", "ratio_mean", "clip_fraction"):
             assert fb[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        # A train step's forward gives its label log-probs (the train-inference mismatch's
+        # source) from the last stage, before the update, at the batch's length.
+        step = await trainer.train_step(inputs, targets, return_metrics=True,
+                                        return_logprobs=True)
+        torch.testing.assert_close(step["logprobs"],
+                                   label_logprobs_reference(logits, batch["labels"]),
+                                   rtol=1e-5, atol=1e-5)
     finally:
         await trainer.stop()
 

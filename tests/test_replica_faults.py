@@ -31,6 +31,7 @@ from conftest import history, small
 
 from apps.grpo.config import load_config
 from apps.grpo.main import RLApp
+from forge_ext.rollout.engines.base import Completion
 from forge_ext.rollout.generator import alive_processes
 from forge_ext.rollout.replicas import GeneratorReplicas, ReplicasLost
 from forge_ext.runtime.supervision import SIGNAL_CAUSES, UNANSWERED, FailureWatch
@@ -108,7 +109,9 @@ class FakeReplica:
         return result
 
     async def sample(self, prompt_ids, n, greedy, seed):
-        return await self._call("sample", [f"{self.name} sampled"])
+        return await self._call("sample", [Completion(
+            prompt_ids=list(prompt_ids), response_ids=[5], logprobs=[-0.5], finished=False,
+            policy_version=self.version)])
 
     async def update_weights(self, version, mode=None):
         self.version = await self._call("update_weights", version)
@@ -125,8 +128,9 @@ async def test_a_dead_replica_costs_its_request_or_update_and_is_skipped_from_th
     replicas = GeneratorReplicas([a, b, c], max_new_tokens=4)
     hint = SIGNAL_CAUSES[signal.SIGKILL]
     a.dead = True
-    # The first request goes to replica 0 (least loaded, lowest index), fails, moves on.
-    assert await replicas.sample([1, 2], 1) == ["generator1 sampled"]
+    # The first request goes to replica 0 (least loaded, lowest index), fails, moves on: the
+    # completion names the replica that sampled it (its mismatch is logged per replica).
+    assert [c.replica for c in await replicas.sample([1, 2], 1)] == [1]
     assert replicas.live == [1, 2] and replicas.retried == 1
     c.dead = True  # learnt from the update
     await replicas.update_weights(3)

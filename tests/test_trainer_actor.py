@@ -217,7 +217,13 @@ async def test_grpo_trainer_returns_the_loss_metrics_token_weighted_over_dp_rank
         for target, part in zip(targets, batch[key].chunk(2)):
             target[key] = part
 
-    result = await trainer.train_step(inputs, targets, return_metrics=True)
+    result = await trainer.train_step(inputs, targets, return_metrics=True,
+                                      return_logprobs=True)
+    # The step forward's log-probs of the labels, under the weights before the update (what
+    # the train-inference mismatch is measured from), both ranks' rows in order.
+    valid = batch["labels"] != -100
+    torch.testing.assert_close(result["logprobs"], torch.where(valid, logprobs, 0.0),
+                               rtol=1e-5, atol=1e-5)
     expected = grpo_metrics(logits, batch, kl_coef=0.1, clip_eps_high=0.28)
     for name in ("kl", "ratio_mean", "clip_fraction"):
         assert result[f"loss/{name}"] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
@@ -231,7 +237,7 @@ async def test_token_budget_under_fsdp2_balances_ranks_by_tokens_and_equals_dp1(
     collectives need it; a rank with fewer splits or pads), and the gradient equals DP=1's
     fixed-row gradient, even for the count split that sends every long row to rank 0."""
     from forge_ext.actors.reference import (
-        ReferenceModel, data_parallel_rows, split_for_data_parallel,
+        ReferenceModel, data_parallel_rows, in_batch_order, split_for_data_parallel,
     )
 
     dp1, budget2 = trainers["dp1"], trainers["budget2"]
@@ -273,6 +279,12 @@ async def test_token_budget_under_fsdp2_balances_ranks_by_tokens_and_equals_dp1(
     want = await dp1.forward(*split(batch, 1), output="logprobs")
     assert rows != [[0, 1, 2, 3], [4, 5, 6, 7]]
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    # So do the log-probs of a train step's forward (before its update).
+    await budget2.load_hf_state_dict(weights)
+    result = await budget2.train_step(*split_for_data_parallel(batch, 2, rows=rows),
+                                      return_metrics=True, return_logprobs=True)
+    torch.testing.assert_close(in_batch_order(result["logprobs"], rows), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 async def test_every_grpo_variant_under_dp2_equals_dp1(trainers):

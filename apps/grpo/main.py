@@ -47,7 +47,8 @@ from forge_ext.config import parse_cli, record_run_config
 from forge_ext.evaluation import as_logged, evaluate_held_out, evaluate_sets
 from forge_ext.rl.advantages import build_estimator
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
-from forge_ext.rl.loop import RLLoop
+from forge_ext.rl.loop import MismatchError, RLLoop
+from forge_ext.rl.mismatch import step_mismatch
 from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import FlatGroupsWatch, KLDriftWatch
 from forge_ext.rl.rollouts import Rollouts
@@ -179,7 +180,9 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         return [ep.policy_version for ep in rollouts.episodes]
 
     async def train_step(self, step: int, rollouts: Rollouts) -> dict[str, float]:
-        from forge_ext.actors.reference import data_parallel_rows, split_for_data_parallel
+        from forge_ext.actors.reference import (
+            data_parallel_rows, in_batch_order, split_for_data_parallel,
+        )
         from forge_ext.engine.schema import data_parallel_size
 
         c = self.config
@@ -209,8 +212,14 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
             result = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.0}
         else:
             result = await self.trainer.train_step(
-                *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True
+                *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True,
+                return_logprobs=True,
             )
+            # The train-inference mismatch, from the step's forward before its update.
+            result.update(step_mismatch(
+                in_batch_order(result.pop("logprobs"), rows), packed,
+                [ep.policy_version for ep in batch], [ep.replica for ep in batch],
+                trainer_version=self.trainer_version, num_replicas=c.generator.replicas))
         seconds["train"] = time.perf_counter() - start
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
@@ -234,6 +243,8 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
             # The GRPO loss's own token means (kl to the reference, importance ratio, clip
             # fraction), from the trainer: loss/kl, loss/ratio_mean, loss/clip_fraction.
             **{k: v for k, v in result.items() if k.startswith("loss/")},
+            # The train-inference mismatch (forge_ext.rl.mismatch): mismatch/*, offpolicy/*.
+            **{k: v for k, v in result.items() if k.startswith(("mismatch/", "offpolicy/"))},
             **critic_metrics,
             **{f"time/{k}": v for k, v in seconds.items()},
         }
@@ -313,6 +324,8 @@ def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None =
             sys.exit(f"error: {error}")
         except RewardFailure as failure:  # every call of a batch failed: count and traceback
             sys.exit(f"error: {failure}")
+        except MismatchError as error:  # loop.max_mismatch_kl: the figure, step and causes
+            sys.exit(f"error: {error}")
         except Exception as error:  # noqa: BLE001 - re-raised unless an output failed
             write_error = find_output_write_error(error)
             if write_error is None:

@@ -65,9 +65,15 @@ async def forward_rows(trainer: TrainerHandle, batch: dict[str, torch.Tensor], o
     rows = data_parallel_rows(batch, trainer.config, dp)
     inputs, targets = split_for_data_parallel(batch, dp, rows=rows)
     out = await trainer.forward(inputs, targets, output=output, adapter=adapter)
+    return in_batch_order(out, rows)
+
+
+def in_batch_order(out: torch.Tensor, rows: list[list[int]] | None) -> torch.Tensor:
+    """``out``, the data-parallel ranks' rows in rank order (``rows[r]``: rank ``r``'s, from
+    :func:`data_parallel_rows`; None: equal blocks, already in order), put back in the
+    batch's row order."""
     if rows is None:
         return out
-    # Outputs come in rank order; put each row back where the batch had it.
     order = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
     return out[torch.argsort(order)]
 

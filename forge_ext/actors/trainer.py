@@ -107,7 +107,8 @@ class RLTrainer(Actor):
         inputs: list[dict[str, torch.Tensor]],
         targets: list[dict[str, torch.Tensor]],
         return_metrics: bool = False,
-    ) -> float | dict[str, float]:
+        return_logprobs: bool = False,
+    ) -> float | dict[str, Any]:
         """One optimizer step on the global batch.
 
         Args:
@@ -115,6 +116,12 @@ class RLTrainer(Actor):
             targets: one dict per data-parallel rank with ``labels`` ``[local_batch, S]`` and
                 whatever else the loss reads (e.g. ``advantages``, ``generator_logprobs``).
             return_metrics: return the full metrics dict instead of the loss.
+            return_logprobs: with ``return_metrics``, also ``logprobs``: ``[local_batch, S]``
+                fp32, each label's log-prob in this step's forward, under the weights
+                before its update (0 where the label is ignored; None on PP stages without
+                the last): what the train-inference mismatch is measured from
+                (:mod:`forge_ext.rl.mismatch`), at the cost of one more log-softmax over the
+                logits and no other forward.
 
         Returns:
             The step's loss (weighted mean over all ranks' valid tokens, the same on every
@@ -129,8 +136,11 @@ class RLTrainer(Actor):
                 size, or a batch has the wrong keys/shapes (before any computation).
         """
         batch = self._local_batch(inputs, targets)
-        metrics = self.engine.train_batch(batch, self.loss_fn, self.loss_weight_fn)
+        hook = _sampled_logprobs if return_logprobs else None
+        metrics = self.engine.train_batch(batch, self.loss_fn, self.loss_weight_fn, hook)
         metrics["policy_version"] = self.engine.step
+        if return_logprobs:
+            metrics["logprobs"] = metrics.pop("outputs")
         return metrics if return_metrics else metrics["loss"]
 
     @endpoint
@@ -436,8 +446,18 @@ class TrainerHandle:
         build_loss(**loss)
         await self.actor.set_loss.call(loss)
 
-    async def train_step(self, inputs, targets, return_metrics: bool = False):
-        return await self._call("train_step", inputs, targets, return_metrics)
+    async def train_step(self, inputs, targets, return_metrics: bool = False,
+                         return_logprobs: bool = False):
+        """:meth:`RLTrainer.train_step`; with ``return_logprobs`` the metrics' ``logprobs``
+        hold every data-parallel rank's rows, concatenated in DP-rank order (as
+        :meth:`forward`)."""
+        if not return_logprobs:
+            return await self._call("train_step", inputs, targets, return_metrics)
+        values = list((await self.actor.train_step.call(inputs, targets, True, True)).values())
+        metrics = dict(values[-1])
+        metrics["logprobs"] = torch.cat([v["logprobs"] for v in values
+                                         if v["logprobs"] is not None])
+        return metrics
 
     async def forward_backward(self, inputs, targets) -> dict[str, float]:
         return await self._call("forward_backward", inputs, targets)
@@ -576,6 +596,12 @@ async def spawn_trainer(
 def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[b, S]`` fp32 values of a value head's output ``[b, S, 1]``."""
     return value_predictions(output)
+
+
+def _sampled_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, S]`` each label's log-prob in a training forward, outside its autograd graph."""
+    with torch.no_grad():
+        return token_logprobs(logits.detach(), mb["labels"])
 
 
 def _label_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -551,9 +551,13 @@ class BaseEngine(ModelWeights):
         self.checkpointer.close()
 
     # ---- written once on top of forward_backward_batch ---------------------------------
-    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict:
+    def train_batch(self, batch: Batch, loss_fn: LossFn, loss_weight_fn: LossWeightFn,
+                    post_hook: Callable[[torch.Tensor, Batch], Any] | None = None) -> dict:
         """One optimizer step on ``batch`` in :meth:`train_mode`: zero grad, forward/backward
-        over microbatches, clip, optimizer step, LR step.
+        over microbatches, clip, optimizer step, LR step. ``post_hook(logits, mb)``: applied
+        to each microbatch's logits of this forward (under the weights before the update,
+        e.g. the sampled tokens' log-probs), returned as ``outputs``, ``[B, S, ...]`` in row
+        order as :meth:`forward_batch` gives them (None on PP stages without the last).
 
         Returns:
             ``loss`` (weighted mean over the global batch), ``grad_norm`` (pre-clip),
@@ -569,7 +573,9 @@ class BaseEngine(ModelWeights):
             microbatches = self.microbatches(batch)
             lr = self.current_lr()
             self.optimizer_zero_grad()
-            out = self.forward_backward_batch(microbatches, loss_fn, loss_weight_fn)
+            out = self.forward_backward_batch(microbatches, loss_fn, loss_weight_fn,
+                                              output_post_hook=post_hook,
+                                              return_outputs=post_hook is not None)
             grad_norm = self.optimizer_step()
             self.lr_scheduler_step()
         seconds = time.perf_counter() - start
@@ -582,7 +588,17 @@ class BaseEngine(ModelWeights):
             "num_microbatches": len(microbatches),
             "computed_tokens": token_budget.count_tokens(microbatches),
             **{f"loss/{name}": value for name, value in out.metrics.items()},
+            **({"outputs": self._rows_of(out, microbatches, batch)} if post_hook else {}),
         }
+
+    @staticmethod
+    def _rows_of(out: ForwardBackwardOutputs, microbatches: list, batch: Batch) -> Any:
+        """``out``'s per-microbatch outputs as one ``[B, S, ...]`` tensor in ``batch``'s row
+        order (:func:`forge_ext.engine.microbatch.restore_rows`); None without any."""
+        if not out.mb_outputs:
+            return None
+        return torch.cat(token_budget.restore_rows(out.mb_outputs, microbatches,
+                                                   *batch["input_ids"].shape[:2]))
 
     @torch.no_grad()
     def infer_batch(

@@ -76,6 +76,9 @@ class Episode:
     reward: float = 0.0
     """Reward of the response (kept for logging)."""
 
+    replica: int = 0
+    """The generator replica that sampled it (the mismatch is logged per replica)."""
+
     ref_logprobs: torch.Tensor | None = None
     """Optional ``[R]`` fp32 log-probs under the reference model."""
 

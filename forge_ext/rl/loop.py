@@ -18,6 +18,7 @@ torchforge's GRPO ``main``::
         rollouts                     sync: build_rollouts(step) now; async: the rollout
                                      task's (stale ones are dropped and built again)
         train_step(step, rollouts)   (waits for an in-flight push_weights first)
+        mismatch gate                loop.max_mismatch_kl (check_mismatch)
         push_weights / fetch_weights of the new policy version, in the background
         sync: weight-sync gate       generator version >= trainer version - max_policy_age
         log, periodic evaluate, periodic save_checkpoint (last step always saved),
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import logging
 import os
 import signal
@@ -113,13 +115,28 @@ class LoopConfig:
     max_policy_age: int = 0
     """Largest policy age of a trained sample: ``trainer version - version that generated
     it`` (module docstring)."""
+    max_mismatch_kl: float | None = None
+    """Stop the run at a step whose train-inference mismatch ``mismatch/k3_kl`` (the k3 KL
+    between the generator's and the trainer's log-probs of the tokens sampled by the
+    trainer's own weights, :mod:`forge_ext.rl.mismatch`) is above this, with one line naming
+    the figure, the step and the likely causes; unset: never. fp32 on both sides measures
+    about 1e-12 here and a bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a
+    broken fp32 run; for bf16 choose the bound from its first steps."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age"):
             if getattr(self, name) < 0:
                 raise ValueError(f"loop.{name}={getattr(self, name)} must be >= 0")
+        if self.max_mismatch_kl is not None and not self.max_mismatch_kl > 0:
+            raise ValueError(f"loop.max_mismatch_kl={self.max_mismatch_kl} must be > 0 "
+                             "(or unset: no gate)")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"loop.mode={self.mode!r} must be 'sync' or 'async'")
+
+
+class MismatchError(RuntimeError):
+    """A step's train-inference mismatch went above ``loop.max_mismatch_kl``: the run
+    stops (:meth:`RLLoop.check_mismatch`)."""
 
 
 class RLLoop(ABC):
@@ -319,6 +336,8 @@ class RLLoop(ABC):
             await self._push  # never train while the trainer is still publishing
         with self.busy("trainer"):
             metrics = await self.train_step(step, rollouts)
+        # The mismatch gate: before the step's weights go to the generator.
+        self.check_mismatch(metrics, step + 1)
         self.step += 1
         self.trainer_version = self.step
         self._start_sync(self.trainer_version)
@@ -367,6 +386,30 @@ class RLLoop(ABC):
         # finished episodes left (a leak of a group of rows per prompt per step, issue 32).
         metrics["memory/controller_rss_mb"] = _rss_mb()
         return metrics
+
+    def check_mismatch(self, metrics: dict[str, float], step: int) -> None:
+        """The mismatch gate: raise :class:`MismatchError` when ``step``'s (1-based)
+        ``mismatch/k3_kl`` (:mod:`forge_ext.rl.mismatch`) is above ``loop.max_mismatch_kl``
+        (unset: never). NaN (no sample of the trainer's own version this step) passes.
+
+        Raises:
+            MismatchError: one line naming the figure, the step and the likely causes.
+        """
+        kl, max_kl = metrics.get("mismatch/k3_kl", math.nan), self.loop.max_mismatch_kl
+        if max_kl is None or not kl > max_kl:
+            return
+        worst = [k.split("/")[1] for k, v in metrics.items()
+                 if k.startswith("mismatch/replica") and k.endswith("/k3_kl") and v > max_kl]
+        raise MismatchError(
+            f"step {step}: mismatch/k3_kl={kl:.3g} > loop.max_mismatch_kl={max_kl:g} (max "
+            f"|log-prob diff| {metrics.get('mismatch/abs_diff_max', math.nan):.3g} over "
+            f"{int(metrics.get('mismatch/tokens', 0))} tokens"
+            + (f"; {', '.join(worst)}" if worst else "")
+            + "): the generator's log-probs of the sampled tokens are not the trainer's under "
+            "the same weights. Likely causes: a dtype difference (generator.dtype vs the "
+            "trainer's), a weight the generator did not load (a tensor left out of the push or "
+            "skipped by the load), a tokenizer difference (ids the two sides read differently)"
+        )
 
     async def _save_before_stopping(self) -> None:
         """On a graceful interrupt: keep the steps done since the last checkpoint."""

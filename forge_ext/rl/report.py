@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from forge_ext.rl.mismatch import RATIO_BAND, SHOWN_ABOVE_KL
 from forge_ext.rollout.runner import TRUNCATION_CAUSES
 from forge_ext.rollout.replicas import replica_name
 from forge_ext.runtime.metrics import PlotPanel
@@ -180,6 +181,9 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
             f"is weight {m['loss/tis_weight_mean']:.3f} "
             f"(capped {m['loss/tis_capped_fraction']:.1%})"
         )
+    if "loss/rejected_fraction" in m:  # token_mask, sequence_mask
+        parts.append(f"rejected {m['loss/rejected_fraction']:.1%}")
+    parts += _mismatch_parts(m, replicas)
     if replicas > 1 or m.get("generator/resubmitted"):
         parts.append(
             f"replicas {int(m['generator/live_replicas'])}/{replicas} (resubmitted "
@@ -197,6 +201,28 @@ def _training_parts(m: dict[str, float], *, kl: bool, replicas: int) -> list[str
         f"trainer {m['time/trainer_idle']:.2f}s | "
         f"{m['throughput/samples_per_s']:.0f} samples/s"
     )
+    return parts
+
+
+def _mismatch_parts(m: dict[str, float], replicas: int) -> list[str]:
+    """The train-inference mismatch (:mod:`forge_ext.rl.mismatch`) when its k3 KL is above
+    :data:`~forge_ext.rl.mismatch.SHOWN_ABOVE_KL`: over the samples of the trainer's own
+    version (``mismatch``, with the worst replica when there are several), and over every
+    sample (``off-policy``: mismatch and staleness) when that differs."""
+    parts = []
+    kl = m.get("mismatch/k3_kl", math.nan)
+    if kl > SHOWN_ABOVE_KL:
+        worst = max(range(replicas), key=lambda i: m.get(f"mismatch/replica{i}/k3_kl", -1.0))
+        parts.append(
+            f"mismatch kl {kl:.2e} |dlogp| mean {m['mismatch/abs_diff_mean']:.3f} max "
+            f"{m['mismatch/abs_diff_max']:.3f} outside [1/{RATIO_BAND:g}, {RATIO_BAND:g}] "
+            f"{m['mismatch/ratio_outside_band']:.1%}"
+            + (f" (worst {replica_name(worst, replicas)} "
+               f"{m[f'mismatch/replica{worst}/k3_kl']:.2e})" if replicas > 1 else ""))
+    off = m.get("offpolicy/k3_kl", math.nan)
+    if off > SHOWN_ABOVE_KL and m.get("offpolicy/tokens") != m.get("mismatch/tokens"):
+        parts.append(f"off-policy kl {off:.2e} outside band "
+                     f"{m['offpolicy/ratio_outside_band']:.1%}")
     return parts
 
 
@@ -231,7 +257,7 @@ def plot_spec(*, title: str, eval_label: str, reward_names: Sequence[str], repli
 def _training_panels(reward_names: Sequence[str], multi_turn: bool, clip_can_bind: bool,
                      causes: Sequence[str]) -> list[PlotPanel]:
     """How training went (issue 38): loss and KL, rewards, length, truncation, clip, flat
-    and dropped groups, idle time, turns."""
+    groups, the train-inference mismatch, dropped groups, idle time, turns."""
     return [
         PlotPanel(keys=["loss", "loss/kl"], ylabel="loss / KL",
                   labels={"loss": "loss", "loss/kl": "KL to the reference (k3)"}),
@@ -250,6 +276,11 @@ def _training_panels(reward_names: Sequence[str], multi_turn: bool, clip_can_bin
                   labels={"loss/clip_fraction": "clip fraction (tokens)",
                           "rollout/groups_without_spread":
                               "groups without reward spread (no signal)"}),
+        # The train-inference mismatch (forge_ext.rl.mismatch): numerics alone on the samples
+        # of the trainer's own version; with staleness on all of them.
+        PlotPanel(keys=["mismatch/k3_kl", "offpolicy/k3_kl"], ylabel="k3 KL",
+                  labels={"mismatch/k3_kl": "train-inference mismatch (own version)",
+                          "offpolicy/k3_kl": "trainer at step start vs generator (all)"}),
         PlotPanel(keys=["rollout/dropped_groups"], ylabel="groups",
                   labels={"rollout/dropped_groups": "groups dropped (dynamic sampling)"}),
         PlotPanel(keys=["time/step", "time/generator_idle", "time/trainer_idle"],

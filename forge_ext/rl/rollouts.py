@@ -133,6 +133,7 @@ def episodes_from_trajectories(
             episodes.append(Episode(  # the lists become tensors here
                 prompt_ids=prompt_ids, response_ids=response_ids, generator_logprobs=logprobs,
                 advantage=advantage, reward=reward, policy_version=t.policy_version,
+                replica=t.replica,
                 response_mask=mask if multi_turn or i >= trained else None,
                 truncated=t.truncated,
             ))

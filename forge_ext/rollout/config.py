@@ -14,6 +14,10 @@ from forge_ext.rollout.engines.base import WEIGHT_UPDATE_MODES, SamplingConfig, 
 from forge_ext.rollout.engines.registry import VLLM_LORA_RANKS, validate_backend
 
 
+GENERATOR_DTYPES = ("float32", "bfloat16", "float16")
+"""Values of ``generator.dtype`` (torch dtype names both backends take)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class GeneratorConfig:
     """YAML ``generator:`` section."""
@@ -25,8 +29,10 @@ class GeneratorConfig:
     without CUDA, vllm with it)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dtype: str = "float32"
-    """Model dtype (float32 on CPU: bf16 matmuls are slow there); ``vllm.dtype`` overrides
-    it for the vLLM backend."""
+    """Model dtype: ``float32``, ``bfloat16`` or ``float16`` (float32 on CPU: bf16 matmuls are
+    slow there); ``vllm.dtype`` overrides it for the vLLM backend. The trainer's pushes (fp32 unless
+    ``weights.dtype``) are cast on load, so ``bfloat16`` with an fp32 trainer is the common
+    train-inference gap (``mismatch/*``, docs/mismatch.md)."""
     device: str = "cpu"
     """Device of the ``hf`` backend (vLLM picks its own: CUDA when present)."""
     vllm: dict[str, Any] = field(default_factory=dict)
@@ -61,6 +67,9 @@ class GeneratorConfig:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or (
                 self.replicas < 1):
             raise ValueError(f"generator.replicas={self.replicas!r} must be an int >= 1")
+        if self.dtype not in GENERATOR_DTYPES:
+            raise ValueError(f"generator.dtype={self.dtype!r} must be one of "
+                             f"{list(GENERATOR_DTYPES)}")
         if self.weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"generator.weight_update={self.weight_update!r} must be one of "
                              f"{list(WEIGHT_UPDATE_MODES)}")

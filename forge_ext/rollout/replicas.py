@@ -126,8 +126,11 @@ class GeneratorReplicas:
             except NoReplicaError:
                 raise self.all_lost() from None
             try:
-                return await self.handles[replica].sample(list(prompt_ids), n, greedy, seed,
-                                                          *extra)
+                completions = await self.handles[replica].sample(list(prompt_ids), n, greedy,
+                                                                 seed, *extra)
+                for completion in completions:
+                    completion.replica = replica
+                return completions
             except Exception as error:  # noqa: BLE001  (a dead replica's request moves on)
                 if not self._is_dead(error):
                     raise

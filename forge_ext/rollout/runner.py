@@ -96,6 +96,8 @@ class Trajectory:
     """The generator's log-prob of each model token; 0.0 on environment tokens."""
     versions: list[int] = field(default_factory=list)
     """The policy version that sampled each model token, in order."""
+    replica: int = 0
+    """The generator replica that sampled its (last) model turn."""
     last_turn: list[int] = field(default_factory=list)
     """The last model turn's ids (what the rubric scores, decoded)."""
     env_reward: float = 0.0
@@ -309,6 +311,7 @@ class EpisodeRunner:
                 for c in completions:
                     t = Trajectory(row=row, prompt_ids=c.prompt_ids, turns=1,
                                    versions=c.versions or [c.policy_version],
+                                   replica=c.replica,
                                    last_turn=c.response_ids, truncated=not c.finished, done=True,
                                    truncation=None if c.finished else "max_new_tokens")
                     t.add(c.response_ids, True, c.logprobs)
@@ -357,6 +360,7 @@ class EpisodeRunner:
             t.turns += 1
             t.versions += (x.versions or [x.policy_version] * len(x.response_ids))[:room] or [
                 x.policy_version]
+            t.replica = x.replica
             t.last_turn = ids
             if len(ids) < len(x.response_ids):
                 t.truncate("max_episode_tokens")  # cut to fit the episode's token budget

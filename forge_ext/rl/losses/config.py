@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from forge_ext.rl.losses.presets import PRESETS
 
-OFF_POLICY_CORRECTIONS = ("none", "token_tis")
+OFF_POLICY_CORRECTIONS = ("none", "token_tis", "decoupled", "token_mask", "sequence_mask")
 """Values of ``loss.off_policy_correction`` (module docstring)."""
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
@@ -102,14 +102,29 @@ class GRPOLossConfig:
     """Exclude responses cut at the length limit from the loss (DAPO's overlong
     filtering, arXiv:2503.14476, section 3.4); needs ``truncated`` in the batch."""
 
-    off_policy_correction: Literal["none", "token_tis"] = "none"
-    """``token_tis``: truncated importance sampling between the trainer's and the
-    generator's log-probs (module docstring; per sequence with ``ratio_level:
-    sequence``); ``none``: the ratio against the generator's log-probs."""
+    off_policy_correction: Literal[
+        "none", "token_tis", "decoupled", "token_mask", "sequence_mask"
+    ] = "none"
+    """What to do with the gap between the generator's log-probs and the trainer's at the
+    step's start (formulas and sources: :mod:`forge_ext.rl.losses.off_policy`). ``none``:
+    the clipped ratio against the generator's log-probs; ``token_tis``: truncated importance
+    sampling (per sequence with ``ratio_level: sequence``); ``decoupled``: AReaL's decoupled
+    PPO (clip against the proximal policy, the trainer's weights at the step's start, weight
+    by proximal / behaviour truncated at ``tis_imp_ratio_cap``), for ``loop.mode: async``;
+    ``token_mask`` / ``sequence_mask``: tokens / whole sequences whose ratio leaves ``[1 /
+    mask_imp_ratio_cap_low, mask_imp_ratio_cap_high]`` get no gradient (``loss/rejected_fraction``)."""
 
     tis_imp_ratio_cap: float = 2.0
-    """``C``, the largest importance weight of ``token_tis`` (verl's
+    """``C``, the largest importance weight of ``token_tis`` and ``decoupled`` (verl's
     ``tis_imp_ratio_cap``; 2.0 is verl's default ``rollout_is_threshold``)."""
+
+    mask_imp_ratio_cap_low: float = 2.0
+    """``C_low >= 1``: ``token_mask`` / ``sequence_mask`` reject a ratio below ``1 / C_low``
+    (verl's ``rollout_rs_threshold_lower`` is ``1 / C_low``)."""
+
+    mask_imp_ratio_cap_high: float = 2.0
+    """``C_high >= 1``: ``token_mask`` / ``sequence_mask`` reject a ratio above ``C_high``
+    (verl's ``rollout_rs_threshold``, default 2.0)."""
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -138,6 +153,12 @@ class GRPOLossConfig:
             raise ValueError(
                 f"loss.tis_imp_ratio_cap={self.tis_imp_ratio_cap} must be > 0"
             )
+        for name in ("mask_imp_ratio_cap_low", "mask_imp_ratio_cap_high"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(
+                    f"loss.{name}={getattr(self, name)} must be >= 1 (the band [1 / "
+                    "mask_imp_ratio_cap_low, mask_imp_ratio_cap_high] must hold ratio 1)"
+                )
         if self.clip_eps_low >= 1:
             raise ValueError(
                 f"loss.clip_eps_low={self.clip_eps_low} must be < 1 "

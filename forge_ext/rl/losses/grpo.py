@@ -42,24 +42,18 @@ ratios, clipped per sequence to ``[1 - eps_low, 1 + eps_high]`` with GSPO's much
 defaults (3e-4, 4e-4); with ``seq_mean_token_mean`` the objective is GSPO's
 ``1/N sum_i min(s_i A_i, clip(s_i) A_i)``, and on one-token responses it is token-level GRPO.
 
-Off-policy correction (``off_policy_correction: token_tis``): token-level truncated
-importance sampling, the standard fix for samples drawn by a policy other than the one
-trained (stale weights in asynchronous RL, or an inference engine whose numerics differ from
-the trainer's): Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-RL Training" (https://fengyao.notion.site/off-policy-rl), verl's ``tis_imp_ratio_cap``
-(now ``algorithm.rollout_correction.rollout_is: token`` with ``rollout_is_threshold``),
-SkyRL's ``off_policy_correction``. It is decoupled PPO (Hilton et al. 2021,
-arXiv:2110.00641; AReaL, arXiv:2505.24298): the clipped ratio is taken against the
-*trainer's* log-probs before this step, ``pi_old``, and each token is weighted by
-
-    w_t = min(pi_old(o_t) / pi_gen(o_t), C)          (C = tis_imp_ratio_cap, e.g. 2.0)
-
-so that ``J = E[ w_t * min(r_t * A, clip(r_t) * A) - beta * KL_t ]`` with
-``r_t = pi_theta / pi_old``. The trainer makes one optimizer step per batch, so ``pi_old`` is
-the current policy with its gradient stopped: ``r_t`` is 1 in value (its clip never binds)
-and the gradient is ``w_t * A * grad log pi_theta(o_t)``. With ``pi_gen == pi_old`` every
-``w_t`` is 1 and the loss and gradient equal the uncorrected ones. ``none`` (the default)
-keeps the ratio against the generator's log-probs.
+Off-policy correction (``off_policy_correction``; :mod:`forge_ext.rl.losses.off_policy` gives
+each formula and its source): ``none`` (the default) takes the clipped ratio against the
+generator's log-probs, ``r_t = pi_theta / pi_gen``. ``token_tis`` and ``decoupled`` take it
+against the proximal policy ``pi_prox`` (the trainer's weights at the step's start: the
+forward's log-probs with the gradient stopped, or ``mb["proximal_logprobs"]``) and weight each
+token by ``w_t = min(pi_prox(o_t) / pi_gen(o_t), C)``, so that
+``J = E[ w_t * min(r_t * A, clip(r_t) * A) - beta * KL_t ]`` with ``r_t = pi_theta / pi_prox``
+(decoupled PPO); the trainer makes one optimizer step per batch, so ``r_t`` is 1 in value and
+the gradient is ``w_t * A * grad log pi_theta(o_t)``. ``token_mask`` and ``sequence_mask`` keep
+``none``'s ratio and give no gradient to the tokens (whole sequences) whose gap ratio
+``pi_prox / pi_gen`` leaves ``[1 / C_low, C_high]``. With ``pi_gen == pi_prox`` each equals
+``none`` in loss and gradient, bit for bit.
 
 Log-ratios are clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (as
 ``torchtitan.experiments.rl.losses.dapo`` does), so a token that is wildly off-policy cannot
@@ -72,13 +66,17 @@ mean over sequences). NaN when there are none:
 - ``loss``: the loss value;
 - ``kl``: mean k3 KL to the reference (0 without ``ref_logprobs``; measured even when
   ``kl_coef == 0``);
-- ``ratio_mean``: mean clipped-ratio argument: ``pi_theta / pi_gen`` (``none``),
-  ``pi_theta / pi_old`` = 1 (``token_tis``); per sequence for ``sequence``;
+- ``ratio_mean``: mean clipped-ratio argument: ``pi_theta / pi_gen`` (``none`` and the
+  masks), ``pi_theta / pi_prox`` (``token_tis``, ``decoupled``; 1 without
+  ``proximal_logprobs``); per sequence for ``sequence``;
 - ``clip_fraction``: fraction of tokens where the clip binds (ratio below ``1 - eps_low``
   with ``A < 0`` or above ``1 + eps_high`` with ``A > 0``, so the token gets no policy
   gradient; the definition TRL's ``GRPOTrainer`` logs as ``clip_ratio``);
-- ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis`` only): mean importance weight
-  ``w`` and fraction of tokens (sequences, for ``sequence``) whose ratio exceeded the cap;
+- ``tis_weight_mean``, ``tis_capped_fraction`` (``token_tis``, ``decoupled``): mean
+  importance weight ``w`` and fraction of tokens (sequences, for ``sequence``) whose ratio
+  exceeded the cap;
+- ``rejected_fraction`` (``token_mask``, ``sequence_mask``): fraction of tokens given no
+  gradient because their (sequence's) gap ratio left the band;
 - ``num_valid_tokens``, ``num_sequences``: the valid tokens and the sequences with at least
   one (floats, for weighting).
 """
@@ -95,9 +93,11 @@ from torchtitan.components.loss import compute_logprobs
 
 from forge_ext.engine.losses import IGNORE_INDEX
 from forge_ext.rl.losses.config import GRPOLossConfig, check_loss_options, default_clip_eps
+from forge_ext.rl.losses.off_policy import (
+    IS_CORRECTIONS, MASK_CORRECTIONS, MAX_LOG_RATIO, rejection_mask, sequence_sums,
+    truncated_importance_weights,
+)
 
-MAX_LOG_RATIO = 10.0
-"""Bound on ``|log(pi_a / pi_b)|`` before ``exp``; ``exp(10) ~ 2.2e4``."""
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label token under ``logits``.
@@ -148,46 +148,6 @@ def k3_kl(
     log_ratio = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1.0
-
-
-def truncated_importance_weights(
-    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
-    *, sequence_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights ``w = min(exp(logprobs - generator_logprobs), cap)``
-    (module docstring), detached.
-
-    With ``sequence_ids`` (``loss.ratio_level: sequence``) the weight is per sequence and
-    consistent with GSPO's ratio: ``w_i = min(exp(mean_t (logprobs - generator_logprobs)),
-    cap)``, the capped geometric mean of the sequence's token ratios (verl's
-    ``rollout_is: geometric``), given to each of its tokens.
-
-    Args:
-        logprobs: ``[batch, seq]`` the trainer's log-probs of the sampled tokens (their
-            gradient is not used).
-        generator_logprobs: ``[batch, seq]`` the generator's log-probs of the same tokens.
-        mask: ``[batch, seq]`` bool, True on scored tokens; elsewhere the weight is 1 and
-            not capped, whatever the inputs hold there.
-        cap: ``C > 0``, the largest weight.
-        sequence_ids: ``[batch, seq]`` int64 (:func:`sequence_ids`), or None for
-            token-level weights.
-
-    Returns:
-        ``(weights, capped)``: ``[batch, seq]`` fp32 weights, and bool, True where the raw
-        ratio exceeded ``cap`` (the log-ratio is clamped to ``+-MAX_LOG_RATIO`` first).
-    """
-    with torch.no_grad():
-        zeros = torch.zeros_like(logprobs)
-        log_ratio = torch.where(mask, logprobs - generator_logprobs, zeros)
-        log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        if sequence_ids is not None:
-            slots = sequence_ids.numel()
-            counts = _sequence_sums(mask.to(logprobs.dtype), sequence_ids, mask, slots)
-            means = _sequence_sums(log_ratio, sequence_ids, mask, slots) / counts.clamp(min=1.0)
-            index = torch.where(mask, sequence_ids, torch.zeros_like(sequence_ids))
-            log_ratio = torch.where(mask, means[index], zeros)
-        raw = torch.exp(log_ratio)
-        return raw.clamp(max=cap), (raw > cap) & mask
 
 
 def sequence_ids(mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -266,14 +226,6 @@ def loss_mask(mb: Mapping[str, torch.Tensor], mask_truncated: bool = False) -> t
     return mask
 
 
-def _sequence_sums(values: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                   slots: int) -> torch.Tensor:
-    """``out[n] = sum of values[b, t] over the masked tokens of sequence n``: ``[slots]``."""
-    index = torch.where(mask, ids, torch.zeros_like(ids)).reshape(-1)
-    source = torch.where(mask, values, torch.zeros_like(values)).reshape(-1)
-    return values.new_zeros(slots).index_add(0, index, source)
-
-
 def valid_token_count(mb: Mapping[str, torch.Tensor], mask_truncated: bool = False) -> torch.Tensor:
     """Number of valid (trained) tokens in a microbatch (:func:`loss_mask`'s True entries;
     ``(mb["labels"] != -100).sum()`` for unpacked rows without ``mask_truncated``).
@@ -303,7 +255,7 @@ def valid_sequence_count(
         0-dim int64 tensor on ``labels``' device.
     """
     mask = loss_mask(mb, mask_truncated)
-    counts = _sequence_sums(mask.float(), sequence_ids(mb), mask, _sequence_slots(mb))
+    counts = sequence_sums(mask.float(), sequence_ids(mb), mask, _sequence_slots(mb))
     return (counts > 0).sum()
 
 
@@ -320,7 +272,7 @@ def aggregation_coefficients(
     Args:
         mask: ``[batch, seq]`` bool, the valid tokens (:func:`loss_mask`).
         ids: ``[batch, seq]`` int64, each token's sequence (:func:`sequence_ids`).
-        counts: ``[slots]`` valid tokens per sequence (``_sequence_sums`` of the mask).
+        counts: ``[slots]`` valid tokens per sequence (``sequence_sums`` of the mask).
         aggregation: one of :data:`forge_ext.rl.losses.config.AGGREGATIONS`.
         max_response_tokens: the constant of ``seq_mean_token_sum_norm``.
 
@@ -363,12 +315,12 @@ class _Tokens:
     def of(cls, mb: Mapping[str, torch.Tensor], mask: torch.Tensor,
            dtype: torch.dtype) -> _Tokens:
         ids, slots = sequence_ids(mb), _sequence_slots(mb)
-        return cls(mask, ids, slots, _sequence_sums(mask.to(dtype), ids, mask, slots))
+        return cls(mask, ids, slots, sequence_sums(mask.to(dtype), ids, mask, slots))
 
     def sequence_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Each valid token's value replaced by its sequence's mean over valid tokens; 0
         elsewhere."""
-        means = _sequence_sums(values, self.ids, self.mask, self.slots) / self.counts.clamp(min=1.0)
+        means = sequence_sums(values, self.ids, self.mask, self.slots) / self.counts.clamp(min=1.0)
         seq_of = torch.where(self.mask, self.ids, torch.zeros_like(self.ids))  # a safe gather index
         return torch.where(self.mask, means[seq_of], torch.zeros_like(values))
 
@@ -382,14 +334,11 @@ def _require(mb: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -
     return value
 
 
-def _importance_ratio(logprobs: torch.Tensor, generator_logprobs: torch.Tensor, tokens: _Tokens,
-                      *, tis: bool, sequence_level: bool) -> torch.Tensor:
-    """``[batch, seq]`` the clipped ratio's argument ``r`` (module docstring): ``pi_theta /
-    pi_gen``, or ``pi_theta / pi_old`` with ``token_tis``; per sequence (GSPO) with
-    ``sequence_level``; 1 off the valid tokens."""
-    # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
-    # trainer's own before this step's update, i.e. the current ones without gradient.
-    old_logprobs = logprobs.detach() if tis else generator_logprobs
+def _importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, tokens: _Tokens,
+                      *, sequence_level: bool) -> torch.Tensor:
+    """``[batch, seq]`` the clipped ratio's argument ``r = pi_theta / pi_old`` (module
+    docstring; ``pi_old``: the generator's or the proximal log-probs); per sequence (GSPO)
+    with ``sequence_level``; 1 off the valid tokens."""
     # Mask before exp: values at ignored positions are arbitrary (padding) and inf * 0 = NaN.
     log_ratio = torch.where(tokens.mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -400,17 +349,34 @@ def _importance_ratio(logprobs: torch.Tensor, generator_logprobs: torch.Tensor, 
     return torch.exp(log_ratio)
 
 
+def _proximal_logprobs(logprobs: torch.Tensor, mb: Mapping[str, torch.Tensor],
+                       correction: str) -> torch.Tensor:
+    """``[batch, seq]`` the proximal policy's log-probs, without gradient
+    (:mod:`forge_ext.rl.losses.off_policy`): ``mb["proximal_logprobs"]`` under
+    ``decoupled`` when the batch carries them, else the trainer's own in this forward (the
+    weights at the step's start: one optimizer step per batch)."""
+    if correction == "decoupled" and "proximal_logprobs" in mb:
+        return _require(mb, "proximal_logprobs", tuple(mb["labels"].shape)).to(logprobs.dtype)
+    return logprobs.detach()
+
+
 def _clipped_surrogate(
-    logprobs: torch.Tensor, generator_logprobs: torch.Tensor, advantages: torch.Tensor,
+    logprobs: torch.Tensor, mb: Mapping[str, torch.Tensor], advantages: torch.Tensor,
     tokens: _Tokens, *, clip_eps_low: float, clip_eps_high: float, off_policy_correction: str,
-    tis_imp_ratio_cap: float, sequence_level: bool,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    tis_imp_ratio_cap: float, mask_imp_ratio_cap_low: float, mask_imp_ratio_cap_high: float,
+    sequence_level: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """``[batch, seq]`` ``w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (module
-    docstring; ``w = 1`` without ``token_tis``), and the per-token values of the metrics it
-    gives: ``ratio_mean``, ``clip_fraction`` and, with ``token_tis``, ``tis_weight_mean`` and
-    ``tis_capped_fraction``."""
-    tis = off_policy_correction == "token_tis"
-    ratio = _importance_ratio(logprobs, generator_logprobs, tokens, tis=tis,
+    docstring; ``w = 1`` but for ``token_tis`` and ``decoupled``), the per-token values of the
+    metrics it gives (``ratio_mean``, ``clip_fraction``; ``tis_weight_mean`` and
+    ``tis_capped_fraction`` with importance weights, ``rejected_fraction`` with rejection),
+    and ``[batch, seq]`` bool, the valid tokens the correction keeps (all but the rejected)."""
+    generator_logprobs = _require(mb, "generator_logprobs", tuple(mb["labels"].shape))
+    weighted = off_policy_correction in IS_CORRECTIONS
+    proximal = _proximal_logprobs(logprobs, mb, off_policy_correction)
+    # The clipped ratio's denominator: the generator's log-probs, or (decoupled PPO) the
+    # proximal policy's.
+    ratio = _importance_ratio(logprobs, proximal if weighted else generator_logprobs, tokens,
                               sequence_level=sequence_level)
     clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
@@ -419,15 +385,24 @@ def _clipped_surrogate(
         (ratio > 1.0 + clip_eps_high) & (advantages > 0)
     )
     values = {"ratio_mean": ratio, "clip_fraction": clip_binds.to(logprobs.dtype)}
-    if tis:
+    keep = tokens.mask
+    if weighted:
         is_weights, capped = truncated_importance_weights(
-            logprobs, generator_logprobs, tokens.mask, tis_imp_ratio_cap,
+            proximal, generator_logprobs, tokens.mask, tis_imp_ratio_cap,
             sequence_ids=tokens.ids if sequence_level else None,
         )
         surrogate = is_weights * surrogate
         values["tis_weight_mean"] = is_weights
         values["tis_capped_fraction"] = capped.to(logprobs.dtype)
-    return surrogate, values
+    elif off_policy_correction in MASK_CORRECTIONS:
+        rejected = rejection_mask(
+            proximal, generator_logprobs, tokens.mask, mask_imp_ratio_cap_low,
+            mask_imp_ratio_cap_high,
+            sequence_ids=tokens.ids if off_policy_correction == "sequence_mask" else None,
+        )
+        keep = tokens.mask & ~rejected
+        values["rejected_fraction"] = rejected.to(logprobs.dtype)
+    return surrogate, values, keep
 
 
 def _with_kl_penalty(surrogate: torch.Tensor, logprobs: torch.Tensor,
@@ -466,11 +441,11 @@ def grpo_loss_and_metrics(
     logits: torch.Tensor,
     mb: Mapping[str, torch.Tensor],
     *,
-    clip_eps_low: float | None = None,
-    clip_eps_high: float | None = None,
+    clip_eps_low: float | None = None, clip_eps_high: float | None = None,
     kl_coef: float = 0.04,
     off_policy_correction: str = "none",
     tis_imp_ratio_cap: float = 2.0,
+    mask_imp_ratio_cap_low: float = 2.0, mask_imp_ratio_cap_high: float = 2.0,
     aggregation: str = "token_mean",
     ratio_level: str = "token",
     max_response_tokens: int | None = None,
@@ -486,14 +461,16 @@ def grpo_loss_and_metrics(
             per row) or ``[batch, seq]`` (per token, packed rows), ``generator_logprobs``
             ``[batch, seq]`` aligned with ``labels``, ``ref_logprobs`` ``[batch, seq]``
             (needed only when ``kl_coef != 0``), optionally ``sequence_ids`` ``[batch, seq]``
-            (:func:`sequence_ids`) and ``truncated`` (``mask_truncated``). Values of
+            (:func:`sequence_ids`), ``truncated`` (``mask_truncated``) and, for
+            ``decoupled``, ``proximal_logprobs`` ``[batch, seq]``. Values of
             ``generator_logprobs``/``ref_logprobs`` at ignored positions (even inf/NaN) do
             not affect the loss or its gradient.
         clip_eps_low, clip_eps_high: the ratio's bounds ``[1 - low, 1 + high]``; None: the
             ratio level's default (:func:`~forge_ext.rl.losses.config.default_clip_eps`).
         kl_coef: ``beta``, weight of the k3 KL penalty.
-        off_policy_correction: ``none``, or ``token_tis`` (module docstring).
-        tis_imp_ratio_cap: ``C``, the largest importance weight (``token_tis`` only).
+        off_policy_correction, tis_imp_ratio_cap, mask_imp_ratio_cap_low,
+            mask_imp_ratio_cap_high: the correction and its ``C``, ``C_low``, ``C_high``
+            (:class:`~forge_ext.rl.losses.config.GRPOLossConfig`).
         aggregation: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` or
             ``seq_mean_token_sum_norm`` (module docstring, "Aggregation").
         ratio_level: ``token`` or ``sequence`` (GSPO; module docstring).
@@ -521,15 +498,16 @@ def grpo_loss_and_metrics(
         raise ValueError(f"GRPO microbatch is missing 'labels'; it has {sorted(mb)}")
     logprobs = token_logprobs(logits, mb["labels"])
     advantages = per_token(mb, "advantages").to(logprobs.dtype)
-    generator_logprobs = _require(mb, "generator_logprobs", tuple(mb["labels"].shape))
     tokens = _Tokens.of(mb, loss_mask(mb, mask_truncated), logprobs.dtype)
-    surrogate, values = _clipped_surrogate(
-        logprobs, generator_logprobs, advantages, tokens, clip_eps_low=clip_eps_low,
+    surrogate, values, keep = _clipped_surrogate(
+        logprobs, mb, advantages, tokens, clip_eps_low=clip_eps_low,
         clip_eps_high=clip_eps_high, off_policy_correction=off_policy_correction,
-        tis_imp_ratio_cap=tis_imp_ratio_cap, sequence_level=ratio_level == "sequence",
+        tis_imp_ratio_cap=tis_imp_ratio_cap, mask_imp_ratio_cap_low=mask_imp_ratio_cap_low,
+        mask_imp_ratio_cap_high=mask_imp_ratio_cap_high, sequence_level=ratio_level == "sequence",
     )
     objective, kl = _with_kl_penalty(surrogate, logprobs, mb, tokens.mask, kl_coef)
-    token_loss = torch.where(tokens.mask, -objective, torch.zeros_like(logprobs))
+    # A rejected token (token_mask, sequence_mask) keeps its place in the unit, not its loss.
+    token_loss = torch.where(keep, -objective, torch.zeros_like(logprobs))
     coef, metric_coef, units = aggregation_coefficients(
         tokens.mask, tokens.ids, tokens.counts, aggregation, max_response_tokens
     )
@@ -584,7 +562,10 @@ class GRPOLoss:
     grpo_loss_and_metrics)."""
 
     tis_metric_names = ("tis_weight_mean", "tis_capped_fraction")
-    """The metrics ``off_policy_correction: token_tis`` adds."""
+    """The metrics ``off_policy_correction: token_tis`` (``decoupled``) adds."""
+
+    mask_metric_names = ("rejected_fraction",)
+    """The metric ``off_policy_correction: token_mask`` (``sequence_mask``) adds."""
 
     Config = GRPOLossConfig
 
@@ -597,8 +578,10 @@ class GRPOLoss:
         )
         self.config = config
         self._kwargs = config.loss_kwargs()
+        correction = config.off_policy_correction
         self.names = self.metric_names + (
-            self.tis_metric_names if config.off_policy_correction == "token_tis" else ()
+            self.tis_metric_names if correction in IS_CORRECTIONS
+            else self.mask_metric_names if correction in MASK_CORRECTIONS else ()
         )
         """The metrics this loss returns."""
 

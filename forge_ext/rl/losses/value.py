@@ -36,13 +36,13 @@ from forge_ext.rl.losses.config import AGGREGATIONS
 from forge_ext.rl.losses.grpo import (
     _require,
     _sequence_slots,
-    _sequence_sums,
     aggregation_coefficients,
     loss_mask,
     sequence_ids,
     valid_sequence_count,
     valid_token_count,
 )
+from forge_ext.rl.losses.off_policy import sequence_sums
 
 
 def value_predictions(logits: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def value_loss_and_metrics(
     token_loss = torch.where(mask, token_loss, zeros)
 
     ids = sequence_ids(mb)
-    counts = _sequence_sums(mask.to(values.dtype), ids, mask, _sequence_slots(mb))
+    counts = sequence_sums(mask.to(values.dtype), ids, mask, _sequence_slots(mb))
     coef, metric_coef, units = aggregation_coefficients(
         mask, ids, counts, aggregation, max_response_tokens
     )

@@ -80,6 +80,10 @@ class Completion:
     resubmitted: int = 0
     """How many times an update (``generator.weight_update: abort``) cut it and it was sent
     again from its tokens so far."""
+    replica: int = 0
+    """The generator replica that sampled it (set by
+    :meth:`forge_ext.rollout.replicas.GeneratorReplicas.sample`; its train-inference mismatch
+    is logged per replica)."""
 
 
 def derive_seed(*parts: int) -> int:

@@ -1,0 +1,119 @@
+"""The train-inference mismatch figures (forge_ext.rl.mismatch) against an independent float64
+computation written from verl's ``compute_offpolicy_metrics`` one token at a time, the
+step's split by policy age and replica, the gate (loop.max_mismatch_kl) and the step line.
+The runs that measure it end to end (fp32 both sides: every figure below 1e-5; a weight left
+out of the push: the gate stops the run) are in tests/test_grpo_app.py and tests/test_vllm.py."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from forge_ext.rl.loop import LoopConfig, MismatchError, RLLoop
+from forge_ext.rl.mismatch import NAMES, mismatch_figures, step_mismatch
+from forge_ext.rl.report import _mismatch_parts
+
+
+def reference_figures(trainer, generator, labels, band=2.0):
+    """Plain loops over the valid tokens, float64 from Python floats."""
+    diffs, per_sequence = [], []
+    for b in range(labels.shape[0]):
+        row = [(float(trainer[b, t]), float(generator[b, t]))
+               for t in range(labels.shape[1]) if int(labels[b, t]) != -100]
+        if not row:
+            continue
+        diffs += [tr - ge for tr, ge in row]
+        per_sequence.append(sum(ge for _, ge in row) / len(row)
+                            - sum(tr for tr, _ in row) / len(row))
+    n = len(diffs)
+    return {
+        "k3_kl": sum(math.exp(d) - d - 1 for d in diffs) / n,
+        "abs_diff_mean": sum(abs(d) for d in diffs) / n,
+        "abs_diff_max": max(abs(d) for d in diffs),
+        "log_ppl_diff": sum(per_sequence) / len(per_sequence),
+        "ratio_outside_band": sum(abs(d) > math.log(band) for d in diffs) / n,
+        "tokens": float(n),
+    }
+
+
+def batch(seed=0, rows=4, seq=9, noise=0.5):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.full((rows, seq), -100)
+    for b, n in enumerate((3, 0, 6, 2)[:rows]):
+        labels[b, seq - 1 - n: seq - 1] = 1
+    valid = labels != -100
+    trainer = torch.where(valid, -torch.rand(rows, seq, generator=g) * 3, 0.0)
+    generator = trainer + noise * torch.randn(rows, seq, generator=g)
+    # What is not a sampled token is never read (padding may hold anything).
+    return trainer, {"labels": labels, "generator_logprobs": torch.where(valid, generator, math.nan)}
+
+
+def test_figures_match_an_independent_per_token_computation():
+    trainer, packed = batch()
+    ours = mismatch_figures(trainer, packed["generator_logprobs"], packed["labels"] != -100)
+    expected = reference_figures(trainer, packed["generator_logprobs"], packed["labels"])
+    assert set(ours) == set(NAMES)
+    for name in NAMES:
+        assert ours[name] == pytest.approx(expected[name], rel=1e-12), name
+    assert 0 < ours["ratio_outside_band"] < 1  # not vacuous
+    # No gap: every figure is exactly 0.
+    same = mismatch_figures(trainer, trainer, packed["labels"] != -100)
+    assert all(same[name] == 0.0 for name in NAMES if name != "tokens")
+
+
+def test_the_step_measures_mismatch_on_the_trainers_own_version_and_per_replica():
+    trainer, packed = batch(seed=1)
+    labels = packed["labels"]
+    # Rows 0 and 2 were sampled by the trainer's version 5 (on replicas 0 and 1), row 3 by
+    # version 4 (age 1: its gap mixes one update with the mismatch), row 1 has no token.
+    out = step_mismatch(trainer, packed, versions=[5, 5, 5, 4], replicas=[0, 1, 1, 0],
+                        trainer_version=5, num_replicas=2)
+
+    def only(rows):
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[rows] = True
+        return reference_figures(trainer, packed["generator_logprobs"],
+                                 torch.where(keep, labels, -100))
+
+    for name, expected in (("mismatch", only([0, 1, 2])), ("offpolicy", only([0, 1, 2, 3])),
+                           ("mismatch/replica0", only([0])), ("mismatch/replica1", only([2]))):
+        for figure in NAMES:
+            assert out[f"{name}/{figure}"] == pytest.approx(expected[figure], rel=1e-12)
+    # A step without a sample of the trainer's version: no figure, and tokens 0.
+    stale = step_mismatch(trainer, packed, versions=[4] * 4, replicas=[0] * 4, trainer_version=5)
+    assert stale["mismatch/tokens"] == 0 and math.isnan(stale["mismatch/k3_kl"])
+    assert "mismatch/replica0/k3_kl" not in stale and stale["offpolicy/tokens"] == 11
+
+
+def gate(max_kl):
+    return SimpleNamespace(loop=LoopConfig(steps=3, max_mismatch_kl=max_kl))
+
+
+def test_the_gate_stops_above_max_mismatch_kl_naming_the_figure_step_and_causes():
+    metrics = {"mismatch/k3_kl": 0.02, "mismatch/abs_diff_max": 1.5, "mismatch/tokens": 40,
+               "mismatch/replica0/k3_kl": 1e-7, "mismatch/replica1/k3_kl": 0.04}
+    with pytest.raises(MismatchError) as error:
+        RLLoop.check_mismatch(gate(1e-3), metrics, 7)
+    message = str(error.value)
+    assert "\n" not in message
+    for part in ("step 7", "mismatch/k3_kl=0.02", "loop.max_mismatch_kl=0.001", "replica1",
+                 "dtype", "did not load", "tokenizer"):
+        assert part in message
+    assert "replica0" not in message
+    RLLoop.check_mismatch(gate(None), metrics, 7)  # unset: never
+    RLLoop.check_mismatch(gate(0.05), metrics, 7)  # below
+    RLLoop.check_mismatch(gate(1e-3), {"mismatch/k3_kl": math.nan}, 7)  # no own-version sample
+    with pytest.raises(ValueError, match="loop.max_mismatch_kl=0"):
+        LoopConfig(steps=1, max_mismatch_kl=0)
+
+
+def test_the_step_line_shows_the_mismatch_only_above_its_threshold():
+    trainer, packed = batch(seed=2)
+    big = step_mismatch(trainer, packed, versions=[0, 0, 0, 0], replicas=[0, 1, 0, 1],
+                        trainer_version=0, num_replicas=2)
+    (part,) = _mismatch_parts(big, replicas=2)
+    assert part.startswith("mismatch kl ") and "outside [1/2, 2]" in part and "worst generator" in part
+    small = step_mismatch(trainer, {**packed, "generator_logprobs": trainer + 1e-6},
+                          versions=[0] * 4, replicas=[0] * 4, trainer_version=0)
+    assert _mismatch_parts(small, replicas=1) == []
