@@ -152,9 +152,11 @@ def publishers(trainer):
         mode: WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host=mode))
         for mode in ("off", "auto")
     }
-    # weights.delta in bf16 (issue 48): deltas between anchors, through torchstore.
+    # weights.delta in bf16 (issue 48): deltas between anchors, through torchstore; and full
+    # versions to compare them with.
     made["delta"] = WeightsPublisher(WeightsConfig(
         key_prefix=KEY_PREFIX, same_host="off", delta=True, dtype="bfloat16"))
+    made["full"] = WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host="off"))
     yield made
     for publisher in made.values():
         publisher.close()
@@ -172,6 +174,10 @@ def _alive(pids) -> list[int]:
 
 
 _versions = iter(range(1, 1000))
+# The delta test's versions, apart: the LoRA test's checks depend on the versions it gets
+# (they seed its batches and samples; at some seeds every sample is the end token at
+# probability 1, and "the new version moved the policy" cannot be seen).
+_delta_versions = iter(range(5000, 6000))
 
 
 async def assert_generator_matches_trainer(generator, trainer):
@@ -264,7 +270,7 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
     for step in range(4):
         weights = _changed(weights, seed=step)
         await trainer.load_hf_state_dict(weights)
-        v = next(_versions)
+        v = next(_delta_versions)
         result = await delta.publish(weights, v, reader_base=holding)
         kinds.append("anchor" if result.delta.base_version is None else "delta")
         info = await generator.update_weights(v)
@@ -276,17 +282,17 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
     after_deltas = await _greedy_logprobs(generator)
 
     # A delta on a version the generator does not hold: refused, nothing loaded.
-    stale = next(_versions)
+    stale = next(_delta_versions)
     await delta.publish(_changed(weights, seed=99), stale, reader_base=holding)
-    skipped = next(_versions)
+    skipped = next(_delta_versions)
     await delta.publish(_changed(weights, seed=98), skipped, reader_base=stale)
     info = await generator.update_weights(skipped)
     assert (info["delta_refused"], info["holding"]) == (1, holding), info
     assert await generator.get_policy_version() == holding
 
     # The same weights as a full version: the same log-probs, bit for bit.
-    full = next(_versions)
-    await publishers["off"].publish(
+    full = next(_delta_versions)
+    await publishers["full"].publish(
         {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
         full)
     await generator.update_weights(full)
