@@ -268,6 +268,24 @@ async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
     assert_bitwise((await read(8))["tensors"], published(8), "after a resume")
 
 
+@module_loop
+async def test_a_version_with_other_tensors_is_an_anchor(store):
+    """A delta needs the snapshot's names, dtypes and shapes: a version that adds a tensor
+    (or changes one's shape) is published full, and reads back whole."""
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix="delta_names", same_host="off", delta=True))
+    first = {"a": torch.arange(10.0)}
+    await publisher.publish(first, 0)
+    grown = {"a": torch.arange(10.0), "b": torch.ones(3)}
+    result = await publisher.publish(grown, 1, reader_base=0)
+    assert result.delta.base_version is None
+    assert_bitwise(await weights_fetch.fetch_weights(1, key_prefix="delta_names"), grown, "v1")
+    result = await publisher.publish({"a": torch.arange(10.0) + 1, "b": torch.ones(3)}, 2,
+                                     reader_base=1)
+    assert result.delta.base_version == 1
+    publisher.close()
+
+
 def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,

@@ -71,10 +71,12 @@ class DeltaTransport(DirectTransport):
         super().__init__(*args, **kwargs)
         self._snapshot: dict[str, torch.Tensor] = {}  # name -> flat owned block, published dtype
         self._snapshot_version: int | None = None
+        self._snapshot_tensors: dict[str, Any] = {}  # its {name: (dtype, shape)}
         self._deltas_since_anchor = 0
         self._reader_base: int | None = None
         self._base: int | None = None  # this version's base, None: an anchor
         self._pending: dict[str, Any] = {}  # what the snapshot becomes at commit
+        self._pending_tensors: dict[str, Any] = {}
         self.last_stats: DeltaStats | None = None
 
     def set_reader_base(self, reader_base: int | None) -> None:
@@ -84,10 +86,13 @@ class DeltaTransport(DirectTransport):
         return self.last_stats
 
     async def prepare(self, version: int, tensors: Tensors) -> dict[str, Any]:
-        """Shares the base this rank can encode against (None: an anchor is due)."""
+        """Shares the base this rank can encode against (None: an anchor is due: no reader
+        holds the last version, ``delta_anchor_every`` is reached, or the tensors' names,
+        dtypes or shapes are not the snapshot's)."""
         can = (
             self._reader_base is not None and self._reader_base == self._snapshot_version
             and self._deltas_since_anchor + 1 < self.config.delta_anchor_every
+            and dict(tensors) == self._snapshot_tensors
         )
         return {"delta_base": self._reader_base if can else None}
 
@@ -112,6 +117,7 @@ class DeltaTransport(DirectTransport):
                 name: new.to(device="cpu", dtype=tensors[name][0], copy=True).contiguous()
                 for name, (new, _, _) in owned.items()
             }
+            self._pending_tensors = dict(tensors)
             self.last_stats = DeltaStats(None, elements, elements, full_bytes)
             return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
         blocks, codes = [], []
@@ -157,6 +163,7 @@ class DeltaTransport(DirectTransport):
         """The snapshot becomes ``version``'s blocks (a delta is applied onto it)."""
         if self._base is None:
             self._snapshot, self._deltas_since_anchor = self._pending, 0
+            self._snapshot_tensors = self._pending_tensors
         else:
             for name, code in self._pending.items():
                 delta.apply(self._snapshot[name], code.encoding, code.count, code.payload,
@@ -170,6 +177,7 @@ class DeltaTransport(DirectTransport):
 
     def close(self) -> None:
         self._snapshot, self._snapshot_version, self._pending = {}, None, {}
+        self._snapshot_tensors = {}
         super().close()
 
     # -- fetch side ---------------------------------------------------------------------
