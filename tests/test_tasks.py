@@ -390,6 +390,27 @@ def test_reward_calls_run_in_worker_processes_spread_over_them():
     assert set(threaded.score_sync(samples[:2]).by_function["pid"]) == {float(os.getpid())}
 
 
+def test_a_stop_sent_to_the_process_group_leaves_the_reward_workers_scoring():
+    """A Ctrl-C (SIGINT) or a ``kill``/``timeout``/scheduler stop (SIGTERM) sent to the whole
+    process group reaches the reward workers too: they ignore it (the controller's loop
+    finishes the step, then closes the pool), so the step's samples are scored, not given
+    ``reward.on_error`` (a newcomer's ``timeout 40`` run: 'the reward worker process died
+    during the call (exit code -15)')."""
+    import signal
+
+    rubric = rubric_of(fns.pid, num_workers=2)
+    samples = [Sample(row=Row(prompt="p", answer=str(i)), completion="c") for i in range(4)]
+    assert rubric.score_sync(samples).errors == {"pid": 0}
+    for pid in rubric.worker_pids:
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.2)
+    scores = rubric.score_sync(samples)
+    assert scores.errors == {"pid": 0}, scores
+    assert {int(v) for v in scores.by_function["pid"]} <= set(rubric.worker_pids)
+    rubric.close()
+
+
 def test_the_addition_tasks_own_reward_runs_in_a_worker():
     from forge_ext.tasks import AdditionTask
 

@@ -32,8 +32,11 @@ batch spread over all workers. A call's timeout counts from when its worker rece
 - **Lifetime**: :meth:`ProcessPool.close` kills the workers (the rubric's ``close``, or its
   finalizer when it is garbage collected); on Linux the kernel SIGKILLs a worker when the
   controller thread that started it ends (``PR_SET_PDEATHSIG``), so neither an exiting nor a
-  SIGKILLed controller leaves one behind, even one stuck in a C call. Workers ignore SIGINT:
-  Ctrl-C is the controller's to handle.
+  SIGKILLed controller leaves one behind, even one stuck in a C call. Workers ignore SIGINT
+  and SIGTERM (:data:`STOP_SIGNALS`): a stop is the controller's to handle (it finishes the
+  step, then closes the pool), and a Ctrl-C or a ``kill``/``timeout``/scheduler stop sent to
+  the whole process group must not end the workers mid-step (their samples would score
+  ``reward.on_error``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ from typing import Any
 START_TIMEOUT_S = 300.0
 """Longest a worker may take to start: import its functions' modules and run their
 ``prepare()``."""
+
+#: The signals a worker ignores: Ctrl-C and the stop a ``kill``, ``timeout`` or a scheduler
+#: sends, often to the whole process group (the controller's loop handles both,
+#: :mod:`forge_ext.rl.loop`).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RewardWorkerError(Exception):
@@ -398,7 +406,8 @@ def _worker_main(fd: int, controller_pid: int) -> None:
     """A worker's life: load the functions the controller sends, then answer calls until its
     socket closes. Answers ``("ok", float)`` or ``("error", traceback text)``."""
     _end_with_controller(controller_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:  # the controller's to handle; it ends workers itself
+        signal.signal(signum, signal.SIG_IGN)
     conn = Connection(fd)
     sys_path, functions = conn.recv()
     sys.path[:] = sys_path
