@@ -179,6 +179,11 @@ def _describe(error: Exception) -> str:
             return f"{error.value!r} must be a mapping with keys among: {fields}"
         if error.value is None:  # `key=` or `key: null`
             return f"empty (null), but it needs a {expected} value"
+        entry = next(iter(typing.get_args(hint)), None)
+        if typing.get_origin(hint) is list and dataclasses.is_dataclass(entry):
+            names = [f.name for f in dataclasses.fields(entry)]
+            return (f"{error.value!r} is not a valid {expected}: each entry is a mapping "
+                    f"with keys among: {', '.join(names)} (e.g. [{{{names[0]}: ...}}])")
         return f"{error.value!r} is not a valid {expected}"
     if isinstance(error, dacite.MissingValueError):
         return "is required"

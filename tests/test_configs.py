@@ -300,6 +300,18 @@ def test_a_brace_value_read_as_a_mapping_says_to_quote_it():
                     check_model=False)
 
 
+@pytest.mark.parametrize("value", ["[exact_match]", "['my_rewards:digits']"])
+def test_a_list_of_bare_names_where_mappings_are_due_shows_the_entry_form(value):
+    """``reward.functions=[exact_match]`` (a newcomer's short form) said only "is not a valid
+    list": the error shows what an entry is."""
+    with pytest.raises(ValueError, match=re.escape(
+            "is not a valid list: each entry is a mapping with keys among: fn, model, weight")
+            ) as error:
+        load_config(str(CONFIGS / "grpo_cpu_demo.yaml"), [f"reward.functions={value}"],
+                    check_model=False)
+    assert "(e.g. [{fn: ...}])" in str(error.value)
+
+
 def test_wrong_types_and_values_name_the_field():
     path = str(CONFIGS / "grpo_cpu_demo.yaml")
     with pytest.raises(ValueError, match="loop.steps"):
