@@ -77,13 +77,13 @@ class DeltaTransport(DirectTransport):
         self._base: int | None = None  # this version's base, None: an anchor
         self._pending: dict[str, Any] = {}  # what the snapshot becomes at commit
         self._pending_tensors: dict[str, Any] = {}
-        self.last_stats: DeltaStats | None = None
+        self._stats: DeltaStats | None = None
 
     def set_reader_base(self, reader_base: int | None) -> None:
         self._reader_base = reader_base
 
     def stats(self) -> DeltaStats | None:
-        return self.last_stats
+        return self._stats
 
     async def prepare(self, version: int, tensors: Tensors) -> dict[str, Any]:
         """Shares the base this rank can encode against (None: an anchor is due: no reader
@@ -118,7 +118,7 @@ class DeltaTransport(DirectTransport):
                 for name, (new, _, _) in owned.items()
             }
             self._pending_tensors = dict(tensors)
-            self.last_stats = DeltaStats(None, elements, elements, full_bytes)
+            self._stats = DeltaStats(None, elements, elements, full_bytes)
             return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
         blocks, codes = [], []
         offset = 0
@@ -135,7 +135,7 @@ class DeltaTransport(DirectTransport):
             stored, on_progress, self.where.store_name,
         )
         self._pending = encoded
-        self.last_stats = DeltaStats(self._base, sum(c.changed for c in encoded.values()),
+        self._stats = DeltaStats(self._base, sum(c.changed for c in encoded.values()),
                                      elements, full_bytes)
         pieces = [(b.name, (rank, b.stream_offset, b.local_shape, b.global_offset))
                   for b in blocks]
@@ -166,8 +166,9 @@ class DeltaTransport(DirectTransport):
             self._snapshot_tensors = self._pending_tensors
         else:
             for name, code in self._pending.items():
+                # Our own payload, checksummed by encode: no second pass over the data.
                 delta.apply(self._snapshot[name], code.encoding, code.count, code.payload,
-                            code.checksum, name)
+                            code.checksum, name, verify=False)
             self._deltas_since_anchor += 1
         self._snapshot_version, self._pending = version, {}
 
