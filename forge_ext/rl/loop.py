@@ -18,7 +18,8 @@ torchforge's GRPO ``main``::
         rollouts                     sync: build_rollouts(step) now; async: the rollout
                                      task's (stale ones are dropped and built again)
         train_step(step, rollouts)   (waits for an in-flight push_weights first)
-        mismatch gate                loop.max_mismatch_kl (check_mismatch)
+        mismatch gate                loop.max_mismatch_kl (check_mismatch; async runs
+                                     with stale samples: generator_serving for the probe)
         push_weights / fetch_weights of the new policy version, in the background
         sync: weight-sync gate       generator version >= trainer version - max_policy_age
         log, periodic evaluate, periodic save_checkpoint (last step always saved),
@@ -118,13 +119,23 @@ class LoopConfig:
     max_mismatch_kl: float | None = None
     """Stop the run at a step whose train-inference mismatch ``mismatch/k3_kl`` (the k3 KL
     between the generator's and the trainer's log-probs of the tokens sampled by the
-    trainer's own weights, :mod:`forge_ext.rl.mismatch`) is above this, with one line naming
-    the figure, the step and the likely causes; unset: never. fp32 on both sides measures
-    about 1e-12 here and a bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a
-    broken fp32 run; for bf16 choose the bound from its first steps."""
+    trainer's own weights, :mod:`forge_ext.rl.mismatch`; in an async run whose samples are
+    stale, of the generator's scores of them at the trainer's version:
+    ``mismatch_probe_sequences``) is above this, with one line naming the figure, the step
+    and the likely causes; unset: never. fp32 on both sides measures about 1e-12 here and a
+    bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a broken fp32 run; for
+    bf16 choose the bound from its first steps."""
+    mismatch_probe_sequences: int = 4
+    """Samples measured per step for the train-inference mismatch, at least: a step with
+    fewer samples of the trainer's own version (an async run with ``max_policy_age > 0``)
+    has the generator score that many more of its stale samples at the trainer's version (a
+    prefill of each, no sampling, while the trainer trains; :mod:`forge_ext.rl.mismatch`),
+    so ``mismatch/*`` and ``max_mismatch_kl`` see every step. A run whose samples are all of
+    the trainer's version (sync, or ``max_policy_age: 0``) never probes. 0: no probe."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age"):
+        for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age",
+                     "mismatch_probe_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"loop.{name}={getattr(self, name)} must be >= 0")
         if self.max_mismatch_kl is not None and not self.max_mismatch_kl > 0:
@@ -280,6 +291,19 @@ class RLLoop(ABC):
         their generation calls."""
         return self._clocks[role]
 
+    async def generator_serving(self, version: int) -> bool:
+        """Wait for the weight sync under way, if any, until the generator serves
+        ``version``; True when it serves ``version`` or newer, False when no sync will bring
+        it (at start-up with ``max_policy_age > 0`` nothing is synced before the first
+        push). The mismatch probe's wait (:mod:`forge_ext.rl.mismatch`): during a step the
+        generator never moves past the trainer's version, which is pushed only after it."""
+        while self.generator_version < version:
+            sync = self._sync
+            if sync is None or sync.done():
+                return False
+            await self._until(asyncio.shield(sync))
+        return True
+
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
         """Run the whole job (module docstring). Re-raises the first error after teardown."""
@@ -390,7 +414,8 @@ class RLLoop(ABC):
     def check_mismatch(self, metrics: dict[str, float], step: int) -> None:
         """The mismatch gate: raise :class:`MismatchError` when ``step``'s (1-based)
         ``mismatch/k3_kl`` (:mod:`forge_ext.rl.mismatch`) is above ``loop.max_mismatch_kl``
-        (unset: never). NaN (no sample of the trainer's own version this step) passes.
+        (unset: never). NaN (nothing measured this step: no sample of the trainer's own
+        version and no probe at it) passes.
 
         Raises:
             MismatchError: one line naming the figure, the step and the likely causes.
@@ -404,6 +429,8 @@ class RLLoop(ABC):
             f"step {step}: mismatch/k3_kl={kl:.3g} > loop.max_mismatch_kl={max_kl:g} (max "
             f"|log-prob diff| {metrics.get('mismatch/abs_diff_max', math.nan):.3g} over "
             f"{int(metrics.get('mismatch/tokens', 0))} tokens"
+            + (f", {probed} stale samples scored by the generator at the trainer's version"
+               if (probed := int(metrics.get("mismatch/probed_sequences", 0))) else "")
             + (f"; {', '.join(worst)}" if worst else "")
             + "): the generator's log-probs of the sampled tokens are not the trainer's under "
             "the same weights. Likely causes: a dtype difference (generator.dtype vs the "
