@@ -188,8 +188,10 @@ async def test_parity_fp32_both_sides_every_mismatch_figure_is_below_1e_5(crashe
     assert [r["step"] for r in rows] == [1, 2, 3]
     replicas = app.config.generator.replicas
     for r in rows:
-        # Every sample is of the trainer's own version: all of them are measured.
+        # Every sample is of the trainer's own version: all of them are measured, and the
+        # probe of stale samples never runs (it costs nothing here).
         assert r["mismatch/tokens"] == r["offpolicy/tokens"] > 0
+        assert r["mismatch/probed_sequences"] == r["mismatch/probe_skipped"] == 0
         groups = ["mismatch"] + [f"mismatch/replica{i}" for i in range(replicas)
                                  if replicas > 1]
         for group in groups:

@@ -18,8 +18,9 @@ sampled by version ``g`` has policy age ``s - g``:
 
 - age 0 (every sample of a ``loop.max_policy_age: 0`` run, sync or async): the trainer's
   weights *are* the weights that sampled it, and the gap is the mismatch alone. The
-  ``mismatch/*`` metrics and the gate are computed over these samples only (a sample's
-  version is the oldest that sampled any of its tokens, so age 0 means every token).
+  ``mismatch/*`` metrics and the gate are computed over these samples and the probed ones
+  below (a sample's version is the oldest that sampled any of its tokens, so age 0 means
+  every token).
 - age > 0 (async, or sync with ``max_policy_age > 0``): the weights that sampled it are gone
   from the trainer (it keeps no copy of old versions), and the gap mixes the mismatch with
   the ``s - g`` updates since. It is logged apart as ``offpolicy/*`` over every sample: it is
