@@ -111,6 +111,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
                                          scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
         self.push_metrics: dict[str, float] = {}  # the last push's, with weights.delta
+        self.probe_failed = False  # a replica's scoring raised (said once: see probe)
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
         self.kl_drift = KLDriftWatch()
@@ -264,8 +265,9 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
                     rows: list[int]) -> Probe | None:
         """The mismatch probe (:mod:`forge_ext.rl.mismatch`): once the generator serves the
         trainer's version, each of ``rows`` (stale samples of ``batch``) scored by the
-        replica that sampled it; a replica at another version, or lost, is skipped. None
-        when ``rows`` is empty."""
+        replica that sampled it; a replica at another version, lost, or whose scoring
+        raised (a measurement does not stop the run; the first such error is printed) is
+        skipped. None when ``rows`` is empty."""
         if not rows:
             return None
         version = self.trainer_version
@@ -277,9 +279,17 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         answers = await asyncio.gather(*(
             self.generator.score([(batch[r].prompt_ids.tolist(), batch[r].response_ids.tolist())
                                   for r in of], replica)
-            for replica, of in by_replica.items()))
+            for replica, of in by_replica.items()), return_exceptions=True)
         scores = {}
         for of, answer in zip(by_replica.values(), answers):
+            if isinstance(answer, Exception):
+                if not self.probe_failed:
+                    self.probe_failed = True
+                    self.write(f"warning: the mismatch probe could not score (counted in "
+                               f"mismatch/probe_skipped): {type(answer).__name__}: {answer}")
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
             if answer is not None and answer.policy_version == version:
                 scores.update({r: v for r, v in zip(of, answer.logprobs) if v is not None})
         return Probe.of(batch, scores, packed["labels"].shape[1],
