@@ -170,3 +170,40 @@ def test_the_step_line_shows_the_mismatch_only_above_its_threshold():
     small = step_mismatch(trainer, {**packed, "generator_logprobs": trainer + 1e-6},
                           versions=[0] * 4, replicas=[0] * 4, trainer_version=0)
     assert _mismatch_parts(small, replicas=1) == []
+
+
+def test_the_apps_probe_keeps_only_scores_at_the_trainers_version_and_says_a_failure_once():
+    """apps.grpo's probe: replica 0 scores at the trainer's version 5 (kept), replica 1's
+    scoring raises (skipped, one warning however often), replica 2 serves version 4 (its
+    delta refused: skipped); a generator that never serves version 5 skips every row."""
+    import asyncio
+
+    from apps.grpo.main import RLApp
+    from forge_ext.rollout.engines.base import Scores
+
+    episodes = [Episode(prompt_ids=[1, 2], response_ids=[6, 7], generator_logprobs=[-1.0, -2.0],
+                        advantage=0.0, policy_version=4, replica=r) for r in range(3)]
+    packed = pack_episodes(episodes, pad_id=0)
+
+    async def score(sequences, replica):
+        assert sequences == [([1, 2], [6, 7])]
+        if replica == 1:
+            raise RuntimeError("boom")
+        return Scores(logprobs=[[-1.5, -2.5]], policy_version={0: 5, 2: 4}[replica])
+
+    async def serving(version, served=True):
+        return served
+
+    written = []
+    app = SimpleNamespace(trainer_version=5, probe_failed=False, write=written.append,
+                          generator=SimpleNamespace(score=score), generator_serving=serving)
+    for _ in range(2):
+        probe = asyncio.run(RLApp.probe(app, episodes, packed, [0, 1, 2]))
+        assert probe.rows.tolist() == [True, False, False] and probe.skipped == 2
+        assert probe.logprobs[0, 1:3].tolist() == [-1.5, -2.5]
+    assert len(written) == 1 and written[0].startswith("warning: the mismatch probe could not")
+    assert "RuntimeError: boom" in written[0]
+    app.generator_serving = lambda version: serving(version, served=False)
+    probe = asyncio.run(RLApp.probe(app, episodes, packed, [0, 2]))
+    assert probe.rows.tolist() == [False] * 3 and probe.skipped == 2
+    assert asyncio.run(RLApp.probe(app, episodes, packed, [])) is None
