@@ -179,6 +179,39 @@ async def store():
     await ts.shutdown()
 
 
+@contextlib.asynccontextmanager
+async def gloo_ranks(name: str, actor: type, procs: int = 2):
+    """``procs`` ranks of ``actor`` spawned as ``name`` on this host's own procs, with
+    torch.distributed's environment set up (``monarch.spmd``) and each rank's
+    ``init_process_group`` endpoint called (``actor`` defines it: gloo, as a CPU trainer's
+    ranks); the procs are stopped on leaving. The rank mesh of a sharded trainer's tests
+    (tests/test_weights_publish.py, tests/test_weights_delta.py)."""
+    import monarch.spmd
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs(per_host={"procs": procs})
+    await monarch.spmd.setup_torch_elastic_env_async(mesh)
+    ranks = mesh.spawn(name, actor)
+    await ranks.init_process_group.call()
+    try:
+        yield ranks
+    finally:
+        await mesh.stop()
+
+
+@contextlib.asynccontextmanager
+async def one_proc_actor(name: str, actor: type):
+    """``actor`` spawned as ``name`` on a proc of its own (a generator-side reader), stopped
+    on leaving."""
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        yield mesh.spawn(name, actor)
+    finally:
+        await mesh.stop()
+
+
 @pytest.fixture
 def mesh_failures():
     """Failures Monarch reports to this client for a proc killed with ``SIGKILL``, recorded;
