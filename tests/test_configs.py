@@ -769,3 +769,44 @@ def test_a_dcp_step_folder_as_model_hf_path_points_to_its_hf_folder_and_to_expor
     (run / "hf" / "step-4").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=re.escape(f"model.hf_path={run / 'hf' / 'step-4'}")):
         load_config(path, [f"model.hf_path={step}"])
+
+
+def warm_start(demo_checkpoint, root: Path, task: dict) -> str:
+    """The demo checkpoint as an apps.sft warm-start trained on ``task`` (its files linked,
+    beside the record an SFT run writes)."""
+    root.mkdir()
+    for f in Path(demo_checkpoint).iterdir():
+        (root / f.name).symlink_to(f)
+    record_run_config(root, {"task": task})
+    return str(root)
+
+
+DEMO_WARM_TASK = {"source": "addition", "max_digits": 2, "reverse_answer": True}
+
+
+@pytest.mark.parametrize(("warm_task", "run_overrides", "note", "warning"), [
+    # Own data on the demo's warm-start (the README's command): a choice, said as a note.
+    (DEMO_WARM_TASK,
+     ["task.source=dataset", "task.train_path={data}", "task.prompt_field=question"],
+     "note: model.hf_path={warm} was warm-started on task.source=addition; this run trains it "
+     "on task.source=dataset (your own task: nothing to change)\n", ""),
+    # The same task with other settings: likely a slip, said so, with the overrides that undo it.
+    (DEMO_WARM_TASK, ["task.max_digits=3"], "",
+     "warning: the task differs from the one model.hf_path={warm} was warm-started on "
+     "(task.max_digits: 2 -> 3): likely a mistake, unless meant (a curriculum); to train on "
+     "the warm-start's task, set task.max_digits=2\n"),
+    (DEMO_WARM_TASK, ["task.max_digits=2"], "", ""),
+])
+def test_a_task_other_than_the_warm_starts_is_a_note_when_chosen_a_warning_when_a_slip(
+    demo_checkpoint, tmp_path, capsys, warm_task, run_overrides, note, warning
+):
+    from apps.grpo.prepare import warn_if_task_differs_from_warm_start
+
+    warm = warm_start(demo_checkpoint, tmp_path / "warm", warm_task)
+    data = tmp_path / "my_data.jsonl"
+    data.write_text('{"question": "12+34=", "answer": "64"}\n')
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                         [f"model.hf_path={warm}", *(o.format(data=data) for o in run_overrides)])
+    warn_if_task_differs_from_warm_start(config)
+    out, err = capsys.readouterr()
+    assert (out, err) == (note.format(warm=warm), warning.format(warm=warm))
