@@ -118,8 +118,29 @@ def parse_cli(
                         help="show this message and every config field, then exit")
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the fields below, e.g. output_dir=outputs/mine")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(args):
+        bare = bare_config_path(args)
+        if bare is not None:  # argparse would say only that --config is required
+            others = " ".join(a for a in args if a != bare)
+            parser.error(f"{bare} is a config file: give it with --config, e.g. "
+                         f"{prog or parser.prog} --config {bare}" + (f" {others}" if others else ""))
+    parsed = parser.parse_args(args)
+    return parsed.config, parsed.overrides
+
+
+def bare_config_path(args: Sequence[str]) -> str | None:
+    """The first argument of a command line without ``--config`` that names a config file
+    (ends in ``.yaml``/``.yml`` or is a file, and is no ``key=value`` override nor option);
+    None if there is ``--config`` (``--config=PATH`` too) or no such argument."""
+    if any(a == "--config" or a.startswith("--config=") for a in args):
+        return None
+    for a in args:
+        if "=" not in a and not a.startswith("-") and (
+            a.endswith((".yaml", ".yml")) or os.path.isfile(a)
+        ):
+            return a
+    return None
 
 
 #: Checks the keys of a section that a dataclass types ``dict[str, Any]`` (a component

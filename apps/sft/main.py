@@ -35,7 +35,7 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
 
     print_saved_help("sft")
     # The config, the task's rows and the reward functions, before torch is imported.
-    _checked = exit_on_config_error("apps.sft.config:check_run")
+    _checked = exit_on_config_error("apps.sft.config:check_run", prog="python -m apps.sft.main")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 from apps.sft.config import (
