@@ -65,7 +65,7 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     """Load ``path``; if it has a top-level ``base: other.yaml`` (relative to ``path``), load
     that first and merge ``path`` over it, so a variant states only what it changes."""
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        raise FileNotFoundError(missing_config_message(path))
     if path.resolve() in seen:
         raise ValueError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     config = OmegaConf.load(path)
@@ -73,6 +73,22 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     if base is None:
         return config
     return _merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
+
+
+def missing_config_message(path: Path) -> str:
+    """``config file 'configs/x.yml' does not exist; did you mean 'configs/x.yaml'?``: the
+    closest config file (``.yaml``/``.yml``, by name: another extension, a typo, another
+    case) in the path's folder, else in ``./configs`` (a name given without its folder)."""
+    message = f"config file {str(path)!r} does not exist"
+    for folder in dict.fromkeys([path.parent, Path("configs")]):
+        if not folder.is_dir():
+            continue
+        files = {f.stem.lower(): f.name for f in sorted(folder.iterdir())
+                 if f.suffix in (".yaml", ".yml") and f.is_file()}
+        close = difflib.get_close_matches(path.stem.lower(), files, n=1, cutoff=0.75)
+        if close:
+            return f"{message}; did you mean {str(folder / files[close[0]])!r}?"
+    return message
 
 
 def _merge(base, update):

@@ -116,6 +116,19 @@ CASES = {
             "config error: trainer.parallelism degrees multiply to 2 processes"),
     "eval": ("apps.eval", ["--config", "configs/eval_cpu_demo.yaml", "checkpoint=/nonexistent"],
              "config error: checkpoint=/nonexistent does not exist"),
+    # Near misses of a config file's name: the closest file is named (none was).
+    "grpo .yml for .yaml": (
+        "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yml"],
+        "config error: config file 'configs/grpo_cpu_demo.yml' does not exist; did you mean "
+        "'configs/grpo_cpu_demo.yaml'?"),
+    "sft misspelt config": (
+        "apps.sft.main", ["--config", "configs/sft_cpu_dmo.yaml"],
+        "config error: config file 'configs/sft_cpu_dmo.yaml' does not exist; did you mean "
+        "'configs/sft_cpu_demo.yaml'?"),
+    "eval config without its folder": (
+        "apps.eval", ["--config", "Eval_cpu_demo.yaml", "checkpoint=/nonexistent"],
+        "config error: config file 'Eval_cpu_demo.yaml' does not exist; did you mean "
+        "'configs/eval_cpu_demo.yaml'?"),
     # What needs the model's config.json (read without torch) or the user's data and code.
     "grpo seq_len beyond the model": (
         "apps.grpo.main", ["--config", "configs/grpo_cpu_demo.yaml", "model.hf_path={model}",
