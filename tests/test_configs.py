@@ -229,6 +229,9 @@ def test_sft_warns_of_prompts_its_tokenizer_cannot_read_before_training(
          f"init.hf_path={demo_checkpoint}", *task, "trainer.training.seq_len=6"], capsys)
     assert "warning: 10 of 10 prompts hold text the tokenizer of init.hf_path maps to <unk>" \
         in err, err
+    # Which prompts: the first 3, each with its split, index, text and unknown characters.
+    assert "vocabulary), the first 3: training row 0: 'What is 0+0' (unknown: 'W', 'h', " \
+        "'a', 't', ' ', 'i', 's'); training row 1: 'What is 1+1' (unknown: " in err, err
     assert message.startswith("config error: trainer.training.seq_len=6 <"), message
 
 
