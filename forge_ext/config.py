@@ -494,17 +494,38 @@ def config_changes(
     keys under a prefix in ``may_change``. Two strings naming the same path (``run`` and
     ``/abs/run``) are equal, each taken from its config's ``working_dir`` (default: the
     current one); ``True`` and ``1`` are not. Keys absent from ``previous`` are not compared
-    (fields newer than a record)."""
+    (fields newer than a record). A list of entries (``reward.functions``) is compared field
+    by field (``reward.functions[1].weight: 0.1 -> 0.2``), or, when entries were added or
+    removed, as its entries without their unset fields (None, empty)."""
     before, after = _flatten(_plain(previous)), _flatten(_plain(current))
     dirs = [str(c.pop(WORKING_DIR_KEY, os.getcwd())) for c in (before, after)]
+    # Lists of entries whose length changed: said whole (below), not entry field by field.
+    resized = tuple(f"{key}[" for key, value in before.items()
+                    if isinstance(value, _Entries) and not _same(value, after.get(key), *dirs))
     # Only the previous config's leaves: a leaf it lacks is a field newer than its record (a
     # section that became a mapping shows as its own leaf changing, e.g. None -> <unset>).
     return [
         f"{key}: {before[key]!r} -> {after.get(key, _UNSET)!r}"
         for key in sorted(before)
         if not _same(before[key], after.get(key, _UNSET), *dirs)
-        and not any(key == p or key.startswith(p + ".") for p in may_change)
+        and not key.startswith(resized)
+        and not any(key == p or key.startswith((p + ".", p + "[")) for p in may_change)
     ]
+
+
+class _Entries(list):
+    """A list of mappings (``reward.functions``) as a leaf of :func:`_flatten`: equal to
+    another of as many entries (their fields are leaves of their own), shown without the
+    fields left unset (None, empty) when the number of entries differs."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Entries) and len(self) == len(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr([{k: v for k, v in entry.items() if v not in (None, {}, [])}
+                     for entry in self])
 
 
 def _same(a: Any, b: Any, dir_a: str, dir_b: str) -> bool:
@@ -527,7 +548,13 @@ def _plain(config: Any) -> Any:
 
 
 def _flatten(mapping: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; scalars and lists of scalars are leaves; a list
+    of mappings is an :class:`_Entries` leaf plus each entry's leaves (``a[0].b``)."""
+    if isinstance(mapping, list) and prefix and all(isinstance(v, Mapping) for v in mapping):
+        flat = {prefix: _Entries(mapping)}
+        for i, entry in enumerate(mapping):
+            flat.update(_flatten(entry, f"{prefix}[{i}]"))
+        return flat
     if not isinstance(mapping, Mapping):
         return {prefix: mapping}
     if not mapping and prefix:

@@ -689,6 +689,33 @@ def test_a_resume_may_change_how_batches_are_split_and_a_model_name_config_json_
     ]
 
 
+def test_a_changed_list_entry_on_resume_shows_only_the_fields_that_differ():
+    """A newcomer's resume with one reward weight changed listed both whole entries, every
+    default field of each; now the field, by its entry's index. Entries added or removed:
+    the lists, without their unset fields. A list under a may-change prefix (eval.sets) is
+    still free to change, entry fields included."""
+    from apps.grpo.main import MAY_CHANGE_ON_RESUME
+    from forge_ext.config import config_changes
+
+    def entry(fn, weight):
+        return {"fn": fn, "model": None, "weight": weight, "name": None, "procs": None,
+                "env": {}, "seq_len": None, "pooling": None}
+
+    recorded = {"reward": {"functions": [entry("my:exact", 1.0), entry("my:short", 0.1)]},
+                "eval": {"sets": [{"name": "a", "batch_size": 4}]}}
+    now = {"reward": {"functions": [entry("my:exact", 1.0), entry("my:short", 0.2)]},
+           "eval": {"sets": [{"name": "a", "batch_size": 8}]}}
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == [
+        "reward.functions[1].weight: 0.1 -> 0.2"]
+    now["reward"]["functions"].append(entry("my:long", 0.5))
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == [
+        "reward.functions: [{'fn': 'my:exact', 'weight': 1.0}, {'fn': 'my:short', 'weight': "
+        "0.1}] -> [{'fn': 'my:exact', 'weight': 1.0}, {'fn': 'my:short', 'weight': 0.2}, "
+        "{'fn': 'my:long', 'weight': 0.5}]"]
+    # Lists of scalars stay whole leaves.
+    assert config_changes({"stop": [2]}, {"stop": [2, 5]}) == ["stop: [2] -> [2, 5]"]
+
+
 def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_printed(
     tmp_path, caplog
 ):

@@ -452,6 +452,10 @@ def recorded_run(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("override,expected", [
     ("seed=5", "config error: output_dir='{out}' holds a run started with another config "
                "(seed: 0 -> 5; trainer.seed: 0 -> 5)"),
+    # A reward entry added: the entry's fields set, not every default of it.
+    ("reward.functions=[{fn: exact_match, weight: 0.5}]",
+     "config error: output_dir='{out}' holds a run started with another config "
+     "(reward.functions: [] -> [{{'fn': 'exact_match', 'weight': 0.5}}]). A rerun"),
     ("loop.steps=1", "config error: output_dir='{out}' holds a checkpoint of step 2 > "
                      "loop.steps=1"),
     ("loop.mode=async", "config error: loop.mode=async but output_dir='{out}' holds a "
