@@ -58,6 +58,7 @@ from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.rollout.runner import EpisodeBatch
 from forge_ext.runtime import run_logs
 from forge_ext.runtime.disk import find_output_write_error
+from forge_ext.runtime.interrupts import exit_status
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
@@ -358,10 +359,10 @@ def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None =
     with run_logs.keep_console(app.config.output_dir):  # the screen, in <output_dir>/logs
         try:
             asyncio.run(app.run())
-        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
+        except (KeyboardInterrupt, asyncio.CancelledError) as stop:  # Ctrl-C, SIGTERM
             print("interrupted: every actor and proc mesh was stopped; rerun the same command "
                   "to resume from the last checkpoint", file=sys.stderr)
-            sys.exit(130)
+            sys.exit(exit_status(stop))  # 130 after Ctrl-C, 143 after SIGTERM
         except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
             sys.exit(failure_message(failure, app.config, argv, module))
         except PlacementError as error:  # the hosts did not start: the message says the fix

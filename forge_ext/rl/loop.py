@@ -66,8 +66,10 @@ Ctrl-C (SIGINT) or SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes sen
 they kill) during ``setup`` (a Slurm job waiting in the queue, roles loading): the awaited
 call is cancelled at once and teardown runs. After setup, once: the run stops at the next
 step boundary, saves a checkpoint there if checkpoints are on (``save_every > 0``) and that
-step has none yet, and raises KeyboardInterrupt after teardown; twice: the awaited call is
-cancelled at once (teardown still runs). Why not rely on asyncio's own SIGINT handling (it
+step has none yet, and raises :class:`~forge_ext.runtime.interrupts.Interrupted` (a
+KeyboardInterrupt naming the signal that asked first: the app exits 128 + its number, 130 or
+143) after teardown; twice: the awaited call is cancelled at once (teardown still runs), and
+the same error is raised. Why not rely on asyncio's own SIGINT handling (it
 cancels the main task): a cancellation that arrives while the task awaits a Monarch endpoint
 call was seen to be swallowed, and the run went on.
 """
@@ -88,6 +90,7 @@ from typing import Any, Literal
 
 from forge_ext.runtime.clock import BusyClock
 from forge_ext.runtime.disk import OutputWriteError
+from forge_ext.runtime.interrupts import STOP_SIGNALS, Interrupted
 from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 logger = logging.getLogger(__name__)
@@ -175,6 +178,7 @@ class RLLoop(ABC):
         self._clocks = {role: BusyClock() for role in ROLES}
         self._step_began = (0.0, {role: 0.0 for role in ROLES})
         self._interrupts = 0
+        self._stop_signal = signal.SIGINT  # the first stop signal (interrupt's signum)
         self._saved_step: int | None = None  # the last step save_checkpoint was called for
         self._main_task: asyncio.Task | None = None
         self._failure: BaseException | None = None
@@ -339,6 +343,10 @@ class RLLoop(ABC):
             completed = True
         except BaseException as error:
             failure = self._failure or self.explain_error(error)
+            if failure is None and self._interrupts and isinstance(error, asyncio.CancelledError):
+                # Our own cancellation (a second signal, or one during setup): the stop's error.
+                asyncio.current_task().uncancel()
+                raise self._interrupted("stopped at once") from None
             if failure is not None and failure is not error:
                 self._failure = failure
                 raise failure from None  # the one message a user should read
@@ -451,7 +459,7 @@ class RLLoop(ABC):
         """Route SIGINT and SIGTERM to :meth:`interrupt`; returns those handled (none where
         signals cannot be handled: not the main thread, or no signal support)."""
         handled = []
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             try:
                 asyncio.get_running_loop().add_signal_handler(signum, self.interrupt, signum)
             except (NotImplementedError, RuntimeError, ValueError):
@@ -464,6 +472,8 @@ class RLLoop(ABC):
         at once); second: cancel the awaited call. ``signum``: the signal that asked (for the
         message)."""
         self._interrupts += 1
+        if self._interrupts == 1:
+            self._stop_signal = signum
         name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
         if self._interrupts == 1 and self._setting_up:
             # No step to finish and nothing to save: waiting for setup (a Slurm job in the
@@ -480,7 +490,12 @@ class RLLoop(ABC):
         if self._failure is not None:
             raise self._failure
         if self._interrupts:
-            raise KeyboardInterrupt(f"interrupted before step {self.step + 1}")
+            raise self._interrupted(f"interrupted before step {self.step + 1}")
+
+    def _interrupted(self, message: str) -> Interrupted:
+        """The error a stop by signal ends the run with, naming the first signal."""
+        return Interrupted(f"{message} ({signal.Signals(self._stop_signal).name})",
+                           self._stop_signal)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.log(step, metrics)
