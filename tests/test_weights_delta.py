@@ -272,6 +272,49 @@ async def test_a_version_with_other_tensors_is_an_anchor(store):
     publisher.close()
 
 
+@module_loop
+async def test_tied_names_are_encoded_once_and_stay_exact_when_untied(store, monkeypatch):
+    """A tied embedding and LM head (one tensor under two names, as Qwen3-0.6B publishes it)
+    share one snapshot and one encoding; when a later version unties them, each gets its own
+    snapshot and every version still reads back bitwise."""
+    blocks_encoded = []
+    encode_blocks = codec.encode_blocks
+
+    def counting(pairs):
+        blocks_encoded.append(len(pairs))
+        return encode_blocks(pairs)
+
+    monkeypatch.setattr(codec, "encode_blocks", counting)
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix="delta_tied", same_host="off", delta=True, dtype="bfloat16"))
+    g = torch.Generator().manual_seed(2)
+    embed, norm = torch.randn(300, 8, generator=g), torch.randn(8, generator=g)
+    held, holding = None, None
+    for version in range(5):
+        if version:
+            embed[torch.rand(300, 8, generator=g) < 0.03] += 0.1
+        head = embed if version < 3 else embed * 1.5  # untied from version 3 on
+        state_dict = {"model.embed_tokens.weight": embed, "lm_head.weight": head,
+                      "model.norm.weight": norm}
+        result = await publisher.publish(state_dict, version, reader_base=holding)
+        assert (result.delta.base_version is None) == (version == 0), version
+        if held is None:
+            held = await weights_fetch.fetch_weights(version, key_prefix="delta_tied")
+        else:
+            await weights_fetch.fetch_weights(version, key_prefix="delta_tied",
+                                              holding=holding, allocate=lambda specs: held)
+        holding = version
+        want = {k: v.to(torch.bfloat16) for k, v in state_dict.items()}
+        assert_bitwise(held, want, f"version {version}")
+        # The publisher's snapshot is the committed version exactly (a stale element would
+        # only cost bytes while the readers stay right, so it is checked here).
+        snapshot = publisher._transport._snapshot
+        assert_bitwise({k: snapshot[k].view(v.shape) for k, v in want.items()}, want,
+                       f"snapshot {version}")
+    assert blocks_encoded == [2, 2, 3, 3]  # tied: embed+head once, norm; untied: three
+    publisher.close()
+
+
 def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,

@@ -58,6 +58,9 @@ class EncodedBlock:
         numel: the elements of the block.
         payload: flat ``uint8`` bytes as they travel.
         checksum: xxh3-64 of the block's new data (:func:`checksum`).
+        indices: the changed elements' flat indices (``int64``, ``changed`` of them), kept
+            by the publisher to advance its snapshot (:func:`advance`) without decoding.
+        values: their new values as raw bits (the integer view of the published dtype).
     """
 
     encoding: Encoding
@@ -66,6 +69,8 @@ class EncodedBlock:
     numel: int
     payload: torch.Tensor
     checksum: int
+    indices: np.ndarray
+    values: np.ndarray
 
 
 def bits(flat: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,7 @@ def encode(base: torch.Tensor, source: torch.Tensor) -> EncodedBlock:
         raise ValueError(
             f"delta base {tuple(base.shape)} does not match the new block {tuple(source.shape)}"
         )
-    numel, item, dtype = base.numel(), base.element_size(), base.dtype
+    numel, dtype = base.numel(), base.dtype
     digest = xxhash.xxh3_64()
     indices, values = [], []
     base_bits = bits(base).numpy()
@@ -115,25 +120,36 @@ def encode(base: torch.Tensor, source: torch.Tensor) -> EncodedBlock:
         indices.append(changed + lo)
         values.append(new_bits[changed])
     changed = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+    new_values = np.concatenate(values) if values else base_bits[:0].copy()
     count = changed.size
     encoding = min(ENCODINGS, key=lambda e: payload_nbytes(e, count, numel, dtype))
     if encoding == "dense":
         new = source.to(device="cpu", dtype=dtype).contiguous()
         return EncodedBlock("dense", numel, count, numel, new.view(torch.uint8),
-                            digest.intdigest())
+                            digest.intdigest(), changed, new_values)
     if encoding == "sparse":
         parts = [changed.astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)]
     else:
         segments = np.bincount(changed // SEGMENT, minlength=_segments(numel))
         parts = [segments.astype(np.uint16), (changed % SEGMENT).astype(np.uint8)]
-    parts.append(np.concatenate(values) if values else np.zeros(0, dtype=np.uint8))
+    parts.append(new_values)
     payload = torch.zeros(payload_nbytes(encoding, count, numel, dtype), dtype=torch.uint8)
     out, at = payload.numpy(), 0
     for part in parts:
         data = part.view(np.uint8)
         out[at : at + data.size] = data
         at += _pad8(data.size)
-    return EncodedBlock(encoding, count, count, numel, payload, digest.intdigest())
+    return EncodedBlock(encoding, count, count, numel, payload, digest.intdigest(), changed,
+                        new_values)
+
+
+def advance(snapshot: torch.Tensor, block: EncodedBlock) -> None:
+    """Write ``block``'s changed elements into ``snapshot`` (flat, contiguous, CPU: the base
+    ``block`` was encoded against), in place: the publisher's own snapshot moving to the
+    version it committed. It uses the indices and values :func:`encode` kept (no payload
+    decoded, no checksum: encode checksummed these data already), so it costs the changed
+    elements only."""
+    bits(snapshot).numpy()[block.indices] = block.values
 
 
 def encode_blocks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[EncodedBlock]:
@@ -205,11 +221,10 @@ def _corrupted(name: str, what: str) -> WeightsChecksumError:
 
 def apply(
     target: torch.Tensor, encoding: Encoding, count: int, payload: torch.Tensor, expected: int,
-    name: str, verify: bool = True,
+    name: str,
 ) -> None:
     """Apply an encoded block onto ``target`` (flat, contiguous, CPU, the base data) in place,
-    then check the checksum of the result (``verify=False``: not checked, for data whose
-    checksum the caller computed itself).
+    then check the checksum of the result.
 
     Raises:
         WeightsChecksumError: the result's checksum is not ``expected`` (``target`` then holds
@@ -222,8 +237,6 @@ def apply(
     elif count:
         indices, at = _changed_indices(encoding, count, numel, payload, name)
         target[indices] = payload[at : at + count * dtype.itemsize].view(dtype)
-    if not verify:  # the publisher's own snapshot: encode checksummed these data already
-        return
     got = checksum(target)
     if got != expected:
         raise WeightsChecksumError(

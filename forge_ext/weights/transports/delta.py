@@ -113,8 +113,10 @@ class DeltaTransport(DirectTransport):
                          for name, (new, _, _) in owned.items())
         elements = sum(new.numel() for new, _, _ in owned.values())
         if self._base is None:
+            copies: dict[tuple, torch.Tensor] = {}  # tied names share one snapshot
             self._pending = {
-                name: new.to(device="cpu", dtype=tensors[name][0], copy=True).contiguous()
+                name: copies.setdefault(
+                    _memory(new), new.to(device="cpu", dtype=tensors[name][0], copy=True))
                 for name, (new, _, _) in owned.items()
             }
             self._pending_tensors = dict(tensors)
@@ -122,8 +124,7 @@ class DeltaTransport(DirectTransport):
             return await super().write(version, state_dict, tensors, prepared, on_progress, stored)
         blocks, codes = [], []
         offset = 0
-        encoded = dict(zip(owned, delta.encode_blocks(
-            [(self._snapshot[name], new) for name, (new, _, _) in owned.items()])))
+        encoded = self._encode(owned)
         for name, (new, local_shape, global_offset) in owned.items():
             code = encoded[name]
             blocks.append(StreamBlock(name, code.payload, torch.uint8, local_shape,
@@ -165,12 +166,33 @@ class DeltaTransport(DirectTransport):
             self._snapshot, self._deltas_since_anchor = self._pending, 0
             self._snapshot_tensors = self._pending_tensors
         else:
+            advanced = set()
             for name, code in self._pending.items():
-                # Our own payload, checksummed by encode: no second pass over the data.
-                delta.apply(self._snapshot[name], code.encoding, code.count, code.payload,
-                            code.checksum, name, verify=False)
+                snapshot = self._snapshot[name]
+                if id(snapshot) not in advanced:  # tied names share it (see _encode)
+                    advanced.add(id(snapshot))
+                    delta.advance(snapshot, code)
             self._deltas_since_anchor += 1
         self._snapshot_version, self._pending = version, {}
+
+    def _encode(self, owned: Mapping[str, tuple]) -> dict[str, delta.EncodedBlock]:
+        """Each owned block encoded against its snapshot, a tied group once: names whose
+        blocks are the same memory (a tied embedding and LM head) and share one snapshot
+        (from the anchor) get one encoding. A group whose names no longer share memory gets
+        snapshots of its own first (same data: they hold one base)."""
+        groups: dict[tuple, list[str]] = {}
+        owners: dict[int, tuple] = {}  # snapshot id -> the group that advances it
+        for name, (new, _, _) in owned.items():
+            snapshot = self._snapshot[name]
+            key = (_memory(new), id(snapshot))
+            if owners.setdefault(id(snapshot), key) != key:
+                self._snapshot[name] = snapshot = snapshot.clone()
+                key = (_memory(new), id(snapshot))
+                owners[id(snapshot)] = key
+            groups.setdefault(key, []).append(name)
+        codes = delta.encode_blocks(
+            [(self._snapshot[names[0]], owned[names[0]][0]) for names in groups.values()])
+        return {name: code for names, code in zip(groups.values(), codes) for name in names}
 
     def abort(self, version: int) -> None:
         self._pending = {}
@@ -220,6 +242,11 @@ class DeltaTransport(DirectTransport):
             if not whole:
                 full[piece.index] = region.view(piece.local_shape)
         return result
+
+
+def _memory(block: torch.Tensor) -> tuple:
+    """What tells two blocks apart in memory: equal for views of the same data."""
+    return (block.device, block.data_ptr(), block.dtype, block.numel(), block.stride())
 
 
 def _owned(
