@@ -299,6 +299,96 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
     assert await _greedy_logprobs(generator) == after_deltas
 
 
+def _adam_versions(weights: dict, count: int, lr: float = 1e-4):
+    """``count`` versions of ``weights`` as a bf16 publisher sends them: fp32 master weights
+    take real ``torch.optim.Adam`` steps on random gradients, each version is the masters
+    cast to bf16 (at ``lr`` 1e-4 a few % of the elements change their bf16 bits a step).
+    Yields bf16 state dicts."""
+    g = torch.Generator().manual_seed(7)
+    masters = {k: v.clone().float().requires_grad_() for k, v in weights.items()
+               if v.is_floating_point()}
+    optimizer = torch.optim.Adam(masters.values(), lr=lr)
+    for _ in range(count):
+        for p in masters.values():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+        yield {k: (masters[k].detach() if k in masters else v).to(torch.bfloat16)
+               if v.is_floating_point() else v for k, v in weights.items()}
+
+
+async def _served_differs(handle, weights: dict, checkpoint: str, out_path: str) -> list[str]:
+    """The weights ``handle``'s vLLM serves now (each rank's, read back through the worker
+    extension, linear layers through their packed kernels) that differ in any bit from what
+    a full version of ``weights`` (HF layout) loads: ``hf_to_vllm`` of them for that rank in
+    the generator's dtype (fp32), which is vLLM's loader's output bit for bit
+    (tests/test_vllm_convert.py). Returns ``rank<r>:<name>`` of each difference."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from forge_ext.weights.convert import hf_to_vllm
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    tp = handle.config.vllm["tensor_parallel_size"]
+    full = {k: v.float() for k, v in weights.items()}
+    paths = await handle.actor.served_weights.call_one(out_path)
+    assert len(paths) == tp
+    differ = []
+    for rank, path in enumerate(paths):
+        served = load_file(path)
+        expected = hf_to_vllm(full, config, tp, rank)
+        if config.tie_word_embeddings:  # vLLM's head is the embedding, packed for its GEMM
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+        differ += [f"rank{rank}:{name}" for name, value in expected.items()
+                   if name not in served or served[name].shape != value.shape
+                   or not torch.equal(served[name].view(torch.int32), value.view(torch.int32))]
+    return differ
+
+
+@module_loop
+@pytest.mark.parametrize("generator", [1], indirect=True, ids=["tp1"])
+async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_every_version(
+    generator, actors, trainer, publishers, checkpoint, tmp_path
+):
+    """Issue 48's exact test: ``weights.delta`` with bf16 published weights through
+    torchstore (``same_host: off``) to two replicas behind :class:`GeneratorReplicas` (the
+    module's tp=1 and tp=2 generators: a whole and a sharded load), 10 versions of real Adam
+    steps: an anchor, then deltas on the version both replicas hold. After every version
+    each replica serves, rank by rank and bit for bit, what a full version of the same weights
+    loads (read back through the worker extension, linear layers through their packed CPU
+    kernels), and the importance ratio of what each samples is 1: the trainer (fp32) holds
+    the version's bf16 values, which the fp32 generators hold exactly. Then a full version
+    of the last weights serves the same bits."""
+    from forge_ext.rollout.replicas import GeneratorReplicas
+
+    handles = [actors["generators"][1], actors["generators"][2]]
+    assert not set(handles) & set(_stopped), "both generators must serve (tp1's tests first)"
+    replicas = GeneratorReplicas(handles, max_new_tokens=SAMPLING["max_new_tokens"])
+    delta = publishers["delta"]
+    kinds, changed = [], []
+    for step, weights in enumerate(_adam_versions(await trainer.get_hf_state_dict(), 10)):
+        v = next(_delta_versions)
+        result = await delta.publish(weights, v, reader_base=replicas.reader_base)
+        kinds.append("anchor" if result.delta.base_version is None else "delta")
+        changed.append(result.delta.changed / result.delta.elements)
+        await replicas.update_weights(v)
+        assert (replicas.holding, replicas.versions, replicas.delta_refused) == (
+            [v, v], [v, v], 0)
+        await trainer.load_hf_state_dict({k: t.float() for k, t in weights.items()})
+        for r, handle in enumerate(handles):
+            assert await _served_differs(handle, weights, checkpoint,
+                                         str(tmp_path / f"v{v}-r{r}")) == [], (step, r)
+            await assert_generator_matches_trainer(handle, trainer)
+    assert kinds == ["anchor"] + ["delta"] * 9, kinds
+    assert all(0 < c < 0.5 for c in changed[1:]), changed  # sparse deltas, not dense blocks
+
+    full = next(_delta_versions)
+    await publishers["full"].publish(weights, full)
+    await replicas.update_weights(full)
+    for r, handle in enumerate(handles):
+        assert await _served_differs(handle, weights, checkpoint,
+                                     str(tmp_path / f"full-r{r}")) == [], r
+
+
 @module_loop
 @pytest.mark.parametrize("generator", [1], indirect=True, ids=["tp1"])
 async def test_a_version_whose_slot_is_being_overwritten_is_refused_and_keeps_serving(

@@ -324,6 +324,13 @@ class Generator(Actor):
     async def get_policy_version(self) -> int:
         return self.engine.policy_version
 
+    @endpoint
+    async def served_weights(self, out_path: str) -> list[str]:
+        """Test support (vLLM): each worker writes the weights it serves now, in vLLM's
+        layout for its rank (:meth:`forge_ext.rollout.engines.vllm.VLLMEngine
+        .served_weights`); returns the files, one per tensor-parallel rank."""
+        return await self.engine.served_weights(out_path)
+
     @concurrent_endpoint
     async def stats(self) -> dict[str, float]:
         """The engine's counters (:class:`forge_ext.rollout.engines.base.EngineStats`), its

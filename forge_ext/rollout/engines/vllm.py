@@ -610,6 +610,14 @@ class VLLMEngine(Engine):
         await self.engine.reset_prefix_cache()
         return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
 
+    async def served_weights(self, out_path: str) -> list[str]:
+        """Test support: have each worker write the weights it serves now, linear layers read
+        back through their (on CPU, packed) kernels (see :meth:`~forge_ext.rollout.engines
+        .vllm_worker.WeightSyncExtension.forge_served_weights`). Returns the paths, one per
+        rank."""
+        results = await self.engine.collective_rpc("forge_served_weights", args=(out_path,))
+        return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
+
     async def close(self) -> None:
         """Stop vLLM's engine-core and worker processes and unlink the shared buffer."""
         engine, self.engine = getattr(self, "engine", None), None

@@ -74,8 +74,6 @@ class WeightSyncExtension:
         Returns:
             ``{"tp_rank", "path"}``.
         """
-        from safetensors.torch import save_file
-        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
         model = self.model_runner.get_model()
@@ -97,11 +95,59 @@ class WeightSyncExtension:
         for name, param in model.named_parameters():
             if name not in captured and param.numel():
                 captured[name] = param.detach().to("cpu").clone()
-        rank = get_tensor_model_parallel_rank()
-        path = f"{out_path}.rank{rank}.safetensors"
-        save_file({k: v.contiguous() for k, v in captured.items()}, path)
-        disk.follow_umask(path)  # safetensors writes 0600
-        return {"tp_rank": rank, "path": path}
+        return _save_rank(captured, out_path)
+
+    def forge_served_weights(self, out_path: str) -> dict[str, Any]:
+        """Test support: write every weight as this worker serves it now, in vLLM's layout
+        for its rank (``hf_to_vllm(..., tp_size, tp_rank)``'s names and shapes), to
+        ``<out_path>.rank<r>.safetensors``; loads nothing.
+
+        Parameters are written as they are; each linear layer (and the LM head) is read back
+        through the GEMM it serves with (``layer.quant_method.apply``), which on the CPU build
+        is the packed kernel that replaced its weight (a parameter of shape ``[0]``): the
+        identity ``I [K, K]`` through it gives ``W^T`` exactly (each output element is one
+        product by 1 plus products by 0, in the weight's dtype), so a stale or corrupted
+        packed kernel shows here, as a parameter that was reloaded but not repacked does. A
+        ``-0.0`` weight reads back as ``0.0``. The readback of a layer is
+        ``<module>.weight``; a tied LM head's is ``lm_head.weight``.
+
+        Returns:
+            ``{"tp_rank", "path"}``.
+        """
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        model = self.model_runner.get_model()
+        served: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for prefix, module in model.named_modules():
+                prefix = prefix.replace(".base_layer", "")  # a LoRA engine's wrapped layers
+                for name, param in module.named_parameters(recurse=False):
+                    if param.numel():
+                        served[f"{prefix}.{name}"] = param.detach().to("cpu").clone()
+                if isinstance(module, LinearBase):
+                    k = module.input_size_per_partition
+                elif isinstance(module, ParallelLMHead):
+                    k = module.embedding_dim
+                else:
+                    continue
+                eye = torch.eye(k, dtype=module.weight.dtype, device=module.weight.device)
+                gemm = module.quant_method.apply(module, eye)  # [K, N]: W^T
+                served[f"{prefix}.weight"] = gemm.t().to("cpu").clone()
+        return _save_rank(served, out_path)
+
+
+def _save_rank(tensors: Mapping[str, torch.Tensor], out_path: str) -> dict[str, Any]:
+    """Write ``tensors`` to ``<out_path>.rank<r>.safetensors`` (``r``: this worker's
+    tensor-parallel rank); returns ``{"tp_rank", "path"}``."""
+    from safetensors.torch import save_file
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    path = f"{out_path}.rank{rank}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    disk.follow_umask(path)  # safetensors writes 0600
+    return {"tp_rank": rank, "path": path}
 
 
 def retie_word_embeddings(model: torch.nn.Module, hf_config: Any) -> None:
