@@ -22,6 +22,7 @@ import torch
 import torchstore as ts
 from conftest import (
     assert_on_policy_across_lora_versions,
+    served_weights_differ,
     lora_roots,
     lora_trainer_config,
     random_state_dict,
@@ -303,45 +304,20 @@ def _adam_versions(weights: dict, count: int, lr: float = 1e-4):
     """``count`` versions of ``weights`` as a bf16 publisher sends them: fp32 master weights
     take real ``torch.optim.Adam`` steps on random gradients, each version is the masters
     cast to bf16 (at ``lr`` 1e-4 a few % of the elements change their bf16 bits a step).
+    Every other step only layer 1 has gradients (as a frozen embedding and layer 0): the
+    other tensors keep their bits, and a delta's load leaves their layers as they are.
     Yields bf16 state dicts."""
     g = torch.Generator().manual_seed(7)
     masters = {k: v.clone().float().requires_grad_() for k, v in weights.items()
                if v.is_floating_point()}
     optimizer = torch.optim.Adam(masters.values(), lr=lr)
-    for _ in range(count):
-        for p in masters.values():
-            p.grad = torch.randn(p.shape, generator=g)
+    for step in range(count):
+        for name, p in masters.items():
+            p.grad = (torch.randn(p.shape, generator=g)
+                      if step % 2 == 0 or ".layers.1." in name else None)
         optimizer.step()
         yield {k: (masters[k].detach() if k in masters else v).to(torch.bfloat16)
                if v.is_floating_point() else v for k, v in weights.items()}
-
-
-async def _served_differs(handle, weights: dict, checkpoint: str, out_path: str) -> list[str]:
-    """The weights ``handle``'s vLLM serves now (each rank's, read back through the worker
-    extension, linear layers through their packed kernels) that differ in any bit from what
-    a full version of ``weights`` (HF layout) loads: ``hf_to_vllm`` of them for that rank in
-    the generator's dtype (fp32), which is vLLM's loader's output bit for bit
-    (tests/test_vllm_convert.py). Returns ``rank<r>:<name>`` of each difference."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from forge_ext.weights.convert import hf_to_vllm
-
-    config = AutoConfig.from_pretrained(checkpoint)
-    tp = handle.config.vllm["tensor_parallel_size"]
-    full = {k: v.float() for k, v in weights.items()}
-    paths = await handle.actor.served_weights.call_one(out_path)
-    assert len(paths) == tp
-    differ = []
-    for rank, path in enumerate(paths):
-        served = load_file(path)
-        expected = hf_to_vllm(full, config, tp, rank)
-        if config.tie_word_embeddings:  # vLLM's head is the embedding, packed for its GEMM
-            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
-        differ += [f"rank{rank}:{name}" for name, value in expected.items()
-                   if name not in served or served[name].shape != value.shape
-                   or not torch.equal(served[name].view(torch.int32), value.view(torch.int32))]
-    return differ
 
 
 @module_loop
@@ -375,7 +351,7 @@ async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_e
             [v, v], [v, v], 0)
         await trainer.load_hf_state_dict({k: t.float() for k, t in weights.items()})
         for r, handle in enumerate(handles):
-            assert await _served_differs(handle, weights, checkpoint,
+            assert await served_weights_differ(handle, weights, checkpoint,
                                          str(tmp_path / f"v{v}-r{r}")) == [], (step, r)
             await assert_generator_matches_trainer(handle, trainer)
     assert kinds == ["anchor"] + ["delta"] * 9, kinds
@@ -385,7 +361,7 @@ async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_e
     await publishers["full"].publish(weights, full)
     await replicas.update_weights(full)
     for r, handle in enumerate(handles):
-        assert await _served_differs(handle, weights, checkpoint,
+        assert await served_weights_differ(handle, weights, checkpoint,
                                      str(tmp_path / f"full-r{r}")) == [], r
 
 
