@@ -169,6 +169,14 @@ def _buffer_files(generator) -> list[str]:
             if f.startswith("forge_ext-vllm_weights.") and f"-{generator.owner_pid}-" in f]
 
 
+def _buffer_contents(generator) -> dict[str, str]:
+    """The generator's shared buffer files and a digest of each one's bytes."""
+    import hashlib
+
+    return {f: hashlib.sha256(open(os.path.join("/dev/shm", f), "rb").read()).hexdigest()
+            for f in _buffer_files(generator)}
+
+
 def _alive(pids) -> list[int]:
     """Pids among ``(pid, create time)`` still running (zombies count as gone)."""
     return [p.pid for p in alive_processes(pids)]
@@ -206,10 +214,11 @@ async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, traine
     await trainer.load_hf_state_dict(weights)
     v1 = next(_versions)
     assert (await trainer.push_weights(v1))["same_host"]
+    before = _buffer_contents(generator)  # a buffer exists if a test above fetched into it
     info = await generator.update_weights(v1)
     assert info["policy_version"] == v1 == await generator.get_policy_version()
     # vLLM's workers loaded from the trainer's slot: the generator copied nothing.
-    assert _buffer_files(generator) == []
+    assert _buffer_contents(generator) == before
     first = await assert_generator_matches_trainer(generator, trainer)
     assert all(c.policy_version == v1 for c in first)
 
