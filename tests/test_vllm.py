@@ -361,7 +361,7 @@ async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_e
         await trainer.load_hf_state_dict({k: t.float() for k, t in weights.items()})
         for r, handle in enumerate(handles):
             assert await served_weights_differ(handle, weights, checkpoint,
-                                         str(tmp_path / f"v{v}-r{r}")) == [], (step, r)
+                                               str(tmp_path / f"v{v}-r{r}")) == [], (step, r)
             await assert_generator_matches_trainer(handle, trainer)
     assert kinds == ["anchor"] + ["delta"] * 9, kinds
     assert all(0 < c < 0.5 for c in changed[1:]), changed  # sparse deltas, not dense blocks
@@ -371,7 +371,15 @@ async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_e
     await replicas.update_weights(full)
     for r, handle in enumerate(handles):
         assert await served_weights_differ(handle, weights, checkpoint,
-                                     str(tmp_path / f"full-r{r}")) == [], r
+                                           str(tmp_path / f"full-r{r}")) == [], r
+
+    # Both serve the checkpoint again: the tp=2 generator's own tests start from it.
+    from safetensors.torch import load_file
+
+    restore = next(_delta_versions)
+    await publishers["off"].publish(load_file(os.path.join(checkpoint, "model.safetensors")),
+                                    restore)
+    await replicas.update_weights(restore)
 
 
 @module_loop
