@@ -373,12 +373,15 @@ async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_e
         assert await served_weights_differ(handle, weights, checkpoint,
                                            str(tmp_path / f"full-r{r}")) == [], r
 
-    # Both serve the checkpoint again: the tp=2 generator's own tests start from it.
+    # The trainer and both generators hold the checkpoint again: the tp=2 generator's own
+    # tests start from it, the tests after this one from the trainer's weights.
     from safetensors.torch import load_file
 
+    saved = load_file(os.path.join(checkpoint, "model.safetensors"))
+    embedding = saved["model.embed_tokens.weight"]  # a tied head is saved once
+    await trainer.load_hf_state_dict({k: saved.get(k, embedding) for k in weights})
     restore = next(_delta_versions)
-    await publishers["off"].publish(load_file(os.path.join(checkpoint, "model.safetensors")),
-                                    restore)
+    await publishers["full"].publish(saved, restore)
     await replicas.update_weights(restore)
 
 
