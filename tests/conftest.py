@@ -84,6 +84,36 @@ async def generator_logprob_gap(trainer, episodes, pad_id: int) -> float:
     return (logprobs - packed["generator_logprobs"])[valid].abs().max().item()
 
 
+async def served_weights_differ(handle, weights: dict, checkpoint: str,
+                                out_path: str) -> list[str]:
+    """The weights the vLLM generator ``handle`` serves now (each rank's, read back through
+    the worker extension, linear layers through their packed kernels:
+    ``Generator.served_weights``) that differ in any bit from what a full version of
+    ``weights`` (HF layout) loads: ``hf_to_vllm`` of them for that rank, in fp32 (the
+    generator's dtype), which is vLLM's loader's output bit for bit
+    (tests/test_vllm_convert.py). Returns ``rank<r>:<name>`` of each difference."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from forge_ext.weights.convert import hf_to_vllm
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    tp = handle.config.vllm["tensor_parallel_size"]
+    full = {k: v.float() for k, v in weights.items()}
+    paths = await handle.actor.served_weights.call_one(out_path)
+    assert len(paths) == tp
+    differ = []
+    for rank, path in enumerate(paths):
+        served = load_file(path)
+        expected = hf_to_vllm(full, config, tp, rank)
+        if config.tie_word_embeddings:  # vLLM's head is the embedding, packed for its GEMM
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+        differ += [f"rank{rank}:{name}" for name, value in expected.items()
+                   if name not in served or served[name].shape != value.shape
+                   or not torch.equal(served[name].view(torch.int32), value.view(torch.int32))]
+    return differ
+
+
 async def trainer_logprobs(trainer, completions):
     """The trainer's log-probs of each completion's response tokens (teacher-forced), and
     its argmax token at each response position: ``[(logprobs [R], argmax [R])]``. The

@@ -23,7 +23,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import pytest_asyncio
-from conftest import generator_logprob_gap, task_checkpoint
+from conftest import generator_logprob_gap, served_weights_differ, task_checkpoint
 from listening import is_loopback, listening_sockets, run_processes
 from monarch.actor import Actor, endpoint
 
@@ -57,6 +57,10 @@ class RecordingApp(RLApp):
         self.pids = []
         self.logprob_gap = {}
         self.listening = []
+        # vLLM runs: per version pushed, each replica's weights that differ from a full
+        # version's (served_weights_differ), read back right after the update.
+        self.served_differ = {}
+        self.served_dir = os.path.join(config.output_dir, "served")
 
     async def setup(self):
         await super().setup()
@@ -78,6 +82,17 @@ class RecordingApp(RLApp):
         if step == 1:  # every role up, a weight version published and fetched
             self.listening = listening_sockets(run_processes(os.getpid()))
         return rollouts
+
+    async def fetch_weights(self, version):
+        info = await super().fetch_weights(version)
+        if self.config.generator.backend == "vllm":  # sync: the trainer holds ``version``
+            weights = await self.trainer.get_hf_state_dict()
+            os.makedirs(self.served_dir, exist_ok=True)
+            self.served_differ[version] = [
+                await served_weights_differ(handle, weights, self.config.model.hf_path,
+                                            os.path.join(self.served_dir, f"v{version}-{r}"))
+                for r, handle in enumerate(self.generator.handles)]
+        return info
 
     async def train_step(self, step, rollouts):
         metrics = await super().train_step(step, rollouts)
@@ -424,6 +439,23 @@ async def test_vllm_replicas_take_delta_versions_between_anchors(crashed_run, re
     assert all(r["generator/delta_refused"] == 0 for r in rows)
     assert all(0 < r["weights/changed_fraction"] <= 1 for r in rows)
     assert all(r["weights/bytes"] <= r["weights/full_bytes"] + 64 * 50 for r in rows)
+
+
+async def test_vllm_replicas_serve_every_version_bitwise_as_a_full_version(crashed_run,
+                                                                          resumed_run):
+    """The vLLM runs (two replicas, weights.delta, same_host off, max_policy_age 0; fp32, so
+    the parity test above finds the importance ratio 1 on every token): right after each
+    version's update, each replica serves, bit for bit, what a full version of the trainer's
+    weights loads, read back through the worker extension (linear layers through their
+    packed kernels); versions 0-3 (anchor, deltas) and, resumed, 3-4 (anchor, delta)."""
+    app, _, _ = crashed_run
+    if app.config.generator.backend != "vllm":
+        pytest.skip("the worker extension is vLLM's")
+    assert sorted(app.served_differ) == [0, 1, 2, 3]
+    assert sorted(resumed_run.served_differ) == [3, 4]
+    for run in (app, resumed_run):
+        for version, replicas in run.served_differ.items():
+            assert replicas == [[], []], (version, replicas)
 
 
 async def test_every_prompt_is_trained_on_exactly_once_across_the_crash_and_resume(

@@ -22,6 +22,7 @@ import torch
 import torchstore as ts
 from conftest import (
     assert_on_policy_across_lora_versions,
+    served_weights_differ,
     lora_roots,
     lora_trainer_config,
     random_state_dict,
@@ -168,6 +169,14 @@ def _buffer_files(generator) -> list[str]:
             if f.startswith("forge_ext-vllm_weights.") and f"-{generator.owner_pid}-" in f]
 
 
+def _buffer_contents(generator) -> dict[str, str]:
+    """The generator's shared buffer files and a digest of each one's bytes."""
+    import hashlib
+
+    return {f: hashlib.sha256(open(os.path.join("/dev/shm", f), "rb").read()).hexdigest()
+            for f in _buffer_files(generator)}
+
+
 def _alive(pids) -> list[int]:
     """Pids among ``(pid, create time)`` still running (zombies count as gone)."""
     return [p.pid for p in alive_processes(pids)]
@@ -210,10 +219,11 @@ async def test_pushed_versions_give_vllm_the_trainers_logprobs(generator, traine
     await trainer.load_hf_state_dict(weights)
     v1 = next(_versions)
     assert (await trainer.push_weights(v1))["same_host"]
+    before = _buffer_contents(generator)  # a buffer exists if a test above fetched into it
     info = await generator.update_weights(v1)
     assert info["policy_version"] == v1 == await generator.get_policy_version()
     # vLLM's workers loaded from the trainer's slot: the generator copied nothing.
-    assert _buffer_files(generator) == []
+    assert _buffer_contents(generator) == before
     first = await assert_generator_matches_trainer(generator, trainer)
     assert all(c.policy_version == v1 for c in first)
 
@@ -302,6 +312,82 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
         full)
     await generator.update_weights(full)
     assert await _greedy_logprobs(generator) == after_deltas
+
+
+def _adam_versions(weights: dict, count: int, lr: float = 1e-4):
+    """``count`` versions of ``weights`` as a bf16 publisher sends them: fp32 master weights
+    take real ``torch.optim.Adam`` steps on random gradients, each version is the masters
+    cast to bf16 (at ``lr`` 1e-4 a few % of the elements change their bf16 bits a step).
+    Every other step only layer 1 has gradients (as a frozen embedding and layer 0): the
+    other tensors keep their bits, and a delta's load leaves their layers as they are.
+    Yields bf16 state dicts."""
+    g = torch.Generator().manual_seed(7)
+    masters = {k: v.clone().float().requires_grad_() for k, v in weights.items()
+               if v.is_floating_point()}
+    optimizer = torch.optim.Adam(masters.values(), lr=lr)
+    for step in range(count):
+        for name, p in masters.items():
+            p.grad = (torch.randn(p.shape, generator=g)
+                      if step % 2 == 0 or ".layers.1." in name else None)
+        optimizer.step()
+        yield {k: (masters[k].detach() if k in masters else v).to(torch.bfloat16)
+               if v.is_floating_point() else v for k, v in weights.items()}
+
+
+@module_loop
+@pytest.mark.parametrize("generator", [1], indirect=True, ids=["tp1"])
+async def test_delta_versions_leave_both_replicas_bitwise_on_a_full_version_at_every_version(
+    generator, actors, trainer, publishers, checkpoint, tmp_path
+):
+    """Issue 48's exact test: ``weights.delta`` with bf16 published weights through
+    torchstore (``same_host: off``) to two replicas behind :class:`GeneratorReplicas` (the
+    module's tp=1 and tp=2 generators: a whole and a sharded load), 10 versions of real Adam
+    steps: an anchor, then deltas on the version both replicas hold. After every version
+    each replica serves, rank by rank and bit for bit, what a full version of the same weights
+    loads (read back through the worker extension, linear layers through their packed CPU
+    kernels), and the importance ratio of what each samples is 1: the trainer (fp32) holds
+    the version's bf16 values, which the fp32 generators hold exactly. Then a full version
+    of the last weights serves the same bits."""
+    from forge_ext.rollout.replicas import GeneratorReplicas
+
+    handles = [actors["generators"][1], actors["generators"][2]]
+    assert not any(h in _stopped for h in handles), "both generators must serve (tp1 first)"
+    replicas = GeneratorReplicas(handles, max_new_tokens=SAMPLING["max_new_tokens"])
+    delta = publishers["delta"]
+    kinds, changed = [], []
+    for step, weights in enumerate(_adam_versions(await trainer.get_hf_state_dict(), 10)):
+        v = next(_delta_versions)
+        result = await delta.publish(weights, v, reader_base=replicas.reader_base)
+        kinds.append("anchor" if result.delta.base_version is None else "delta")
+        changed.append(result.delta.changed / result.delta.elements)
+        await replicas.update_weights(v)
+        assert (replicas.holding, replicas.versions, replicas.delta_refused) == (
+            [v, v], [v, v], 0)
+        await trainer.load_hf_state_dict({k: t.float() for k, t in weights.items()})
+        for r, handle in enumerate(handles):
+            assert await served_weights_differ(handle, weights, checkpoint,
+                                               str(tmp_path / f"v{v}-r{r}")) == [], (step, r)
+            await assert_generator_matches_trainer(handle, trainer)
+    assert kinds == ["anchor"] + ["delta"] * 9, kinds
+    assert all(0 < c < 0.5 for c in changed[1:]), changed  # sparse deltas, not dense blocks
+
+    full = next(_delta_versions)
+    await publishers["full"].publish(weights, full)
+    await replicas.update_weights(full)
+    for r, handle in enumerate(handles):
+        assert await served_weights_differ(handle, weights, checkpoint,
+                                           str(tmp_path / f"full-r{r}")) == [], r
+
+    # The trainer and both generators hold the checkpoint again: the tp=2 generator's own
+    # tests start from it, the tests after this one from the trainer's weights.
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(checkpoint, "model.safetensors"))
+    embedding = saved["model.embed_tokens.weight"]  # a tied head is saved once
+    await trainer.load_hf_state_dict({k: saved.get(k, embedding) for k in weights})
+    restore = next(_delta_versions)
+    await publishers["full"].publish(saved, restore)
+    await replicas.update_weights(restore)
 
 
 @module_loop

@@ -60,13 +60,14 @@ async def load_version(engine: Any, weights: Any, policy_version: int) -> None:
     ``weights`` (:class:`forge_ext.weights.transports.base.OpenedWeights`) holds: a LoRA
     adapter when its metadata has an ``adapter_config`` (``RLTrainer.push_weights`` with
     ``trainer.lora``; the engine's ``load_adapter``), full HF weights otherwise
-    (``load_hf_state_dict``)."""
+    (``load_hf_state_dict``; of a delta version, the tensors it changed)."""
     adapter_config = weights.metadata.get("adapter_config")
     if adapter_config is not None:
         await engine.load_adapter(weights.tensors, adapter_config, policy_version)
     else:
         await engine.load_hf_state_dict(weights.tensors, policy_version,
-                                        shared_handle=weights.shared_handle)
+                                        shared_handle=weights.shared_handle,
+                                        changed=weights.changed)
 
 
 def replica_cores(replica: int, replicas: int, cores: list[int]) -> list[int]:
@@ -330,6 +331,13 @@ class Generator(Actor):
     @endpoint
     async def get_policy_version(self) -> int:
         return self.engine.policy_version
+
+    @endpoint
+    async def served_weights(self, out_path: str) -> list[str]:
+        """Test support (vLLM): each worker writes the weights it serves now, in vLLM's
+        layout for its rank (:meth:`forge_ext.rollout.engines.vllm.VLLMEngine
+        .served_weights`); returns the files, one per tensor-parallel rank."""
+        return await self.engine.served_weights(out_path)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, float]:

@@ -75,6 +75,7 @@ __all__ = [
     "iter_hf_to_vllm",
     "iter_vllm_to_hf",
     "merge_vllm_shards",
+    "vllm_layers",
     "vllm_to_hf",
 ]
 
@@ -274,6 +275,26 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # Validation
+
+
+def vllm_layers(model_config: Any) -> dict[str, tuple[str, ...]]:
+    """Each vLLM layer (module) of the model and the HF tensors it loads from, in model
+    order: ``{"model.layers.0.self_attn.qkv_proj": ("...q_proj.weight", "...k_proj.weight",
+    "...v_proj.weight", and the biases if any), "model.norm": ("model.norm.weight",), ...}``.
+    vLLM processes a layer once all its tensors arrived (``reload/layerwise.py``): a reload
+    passes all of a layer's tensors or none.
+
+    Args:
+        model_config: as for :func:`hf_to_vllm`.
+
+    Raises:
+        ValueError: a model family this module does not convert (``ModelConfig.from_hf``).
+    """
+    layers: dict[str, tuple[str, ...]] = {}
+    for param in _params(as_model_config(model_config)):
+        module = param.vllm_key.rpartition(".")[0]
+        layers[module] = layers.get(module, ()) + param.hf_keys
+    return layers
 
 
 def check_tensor_parallel(model_config: Any, tp_size: int) -> None:

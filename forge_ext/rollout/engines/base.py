@@ -260,9 +260,11 @@ class Engine(ABC):
 
     @abstractmethod
     async def load_hf_state_dict(self, state_dict: Any, policy_version: int,
-                                 shared_handle: Any = None) -> None:
+                                 shared_handle: Any = None, changed: Any = None) -> None:
         """Load full HF-layout weights as ``policy_version`` (between :meth:`pause` and
-        :meth:`resume`)."""
+        :meth:`resume`). ``changed``: the names of the tensors that differ from the version
+        the engine serves (a delta version's ``OpenedWeights.changed``), which an engine may
+        load alone; None: all of them."""
 
     @abstractmethod
     async def load_adapter(self, tensors: Any, adapter_config: Any,

@@ -406,7 +406,9 @@ class HFEngine(Engine):
         self._lock().release()
 
     async def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor],
-                                 policy_version: int, shared_handle: Any = None) -> None:
+                                 policy_version: int, shared_handle: Any = None,
+                                 changed: Any = None) -> None:
+        # ``changed`` is not used: copying every tensor into the module costs one pass.
         self.sampler.load_hf_state_dict(state_dict)
         self.policy_version = policy_version
 

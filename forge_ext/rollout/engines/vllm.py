@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -536,7 +536,7 @@ class VLLMEngine(Engine):
 
     async def load_hf_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], policy_version: int,
-        shared_handle: Mapping | None = None,
+        shared_handle: Mapping | None = None, changed: Iterable[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Load HF-layout weights (full tensors) into every vLLM worker, as
         ``policy_version`` (between :meth:`pause` and :meth:`resume`).
@@ -548,9 +548,13 @@ class VLLMEngine(Engine):
                 ``state_dict`` (``forge_ext.weights.transports.base.OpenedWeights.shared_handle``): the
                 workers load from it, nothing is copied here. The caller keeps the file
                 leased until this returns.
+            changed: the names of the tensors that differ from the version the engine
+                serves (a delta version's): the workers load only the layers made of them
+                (:meth:`~forge_ext.rollout.engines.vllm_worker.WeightSyncExtension
+                .forge_load_weights`). None: every tensor.
 
         Returns:
-            One ``{"tp_rank", "seconds"}`` per worker.
+            One ``{"tp_rank", "seconds", "reloaded", "in_place"}`` per worker.
 
         Raises:
             KeyError: a name vLLM's model does not have (raised by vLLM's loader).
@@ -558,7 +562,8 @@ class VLLMEngine(Engine):
         await self._drop_adapter()  # full weights: an earlier version's adapter is stale
         handle = dict(shared_handle) if shared_handle is not None else self._shared_handle(
             state_dict)
-        results = await self.engine.collective_rpc("forge_load_weights", args=(handle,))
+        names = None if changed is None else sorted(changed)
+        results = await self.engine.collective_rpc("forge_load_weights", args=(handle, names))
         await self._serve(policy_version)
         return results
 
@@ -644,6 +649,14 @@ class VLLMEngine(Engine):
             "forge_capture_loaded_weights", args=(self._shared_handle(state_dict), out_path)
         )
         await self.engine.reset_prefix_cache()
+        return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
+
+    async def served_weights(self, out_path: str) -> list[str]:
+        """Test support: have each worker write the weights it serves now, linear layers read
+        back through their (on CPU, packed) kernels (see :meth:`~forge_ext.rollout.engines
+        .vllm_worker.WeightSyncExtension.forge_served_weights`). Returns the paths, one per
+        rank."""
+        results = await self.engine.collective_rpc("forge_served_weights", args=(out_path,))
         return [r["path"] for r in sorted(results, key=lambda r: r["tp_rank"])]
 
     async def close(self) -> None:

@@ -141,11 +141,14 @@ class OpenedWeights:
             None where the tensors are this process's own memory.
         metadata: what the publisher stored with the version (``WeightsPublisher.publish``'s
             ``metadata``; a LoRA adapter's ``{"adapter_config": {...}}``), ``{}`` if nothing.
+        changed: for a delta version (``weights.delta``), the names of the tensors whose data
+            it changed (the others hold the base's data, bit for bit); None: a full version.
     """
 
     tensors: dict[str, torch.Tensor]
     shared_handle: dict[str, Any] | None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    changed: frozenset[str] | None = None
 
 
 class Transport(ABC):

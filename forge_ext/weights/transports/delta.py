@@ -24,8 +24,9 @@ delta or anchor alike (one exchange of :meth:`DeltaTransport.prepare`'s fields).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from forge_ext.weights.delta import DeltaStats
 from forge_ext.weights.errors import WeightsDeltaBaseError
 from forge_ext.weights.store import chunk_key
 from forge_ext.weights.transports.base import (
-    CommitRecord, ProgressHook, Specs, StoreLocation, Tensors, fillable,
+    CommitRecord, OpenedWeights, ProgressHook, Specs, StoreLocation, Tensors, fillable,
 )
 from forge_ext.weights.transports.direct import (
     DirectTransport, StreamBlock, align, get_chunks, plan_copy, put_stream,
@@ -208,6 +209,19 @@ class DeltaTransport(DirectTransport):
     def check_base(cls, record: DeltaRecord, holding: int | None) -> None:
         if holding != record.base_version:
             raise WeightsDeltaBaseError(record.version, record.base_version, holding)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls, record: DeltaRecord, specs: Specs, allocate: Callable[[], dict[str, torch.Tensor]],
+        where: StoreLocation,
+    ) -> AsyncIterator[OpenedWeights]:
+        """:meth:`read`'s tensors, with the names of those the delta changed (a block of
+        ``count`` 0 changed nothing; a ``dense`` block is counted as changed)."""
+        tensors = await cls.read(record, specs, allocate, where)
+        changed = frozenset(name for name in tensors
+                            if any(count for _, count, _ in record.tensors[name]["codes"]))
+        yield OpenedWeights(tensors, None, dict(record.metadata or {}), changed)
 
     @classmethod
     async def read(
