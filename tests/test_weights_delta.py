@@ -350,9 +350,8 @@ def test_minus_zero_and_nan_payloads_count_as_changes():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"delta": True}, "weights.delta=true needs weights.transport='direct' and weights.same_host"),
     ({"delta": True, "same_host": "off", "transport": "dcp", "dcp_path": "/tmp/x"},
-     "weights.delta=true needs"),
+     "weights.delta=true needs weights.transport='direct' \\(got 'dcp'\\)"),
     ({"delta": "yes"}, "weights.delta='yes' must be true or false"),
     ({"delta_anchor_every": 0}, "weights.delta_anchor_every=0 must be an int >= 1"),
 ])
