@@ -9,6 +9,8 @@ detected, then healed by a full version."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import sys
 
 import cloudpickle
@@ -18,7 +20,11 @@ import pytest_asyncio
 import torch
 import torchstore as ts
 from monarch.actor import Actor, endpoint, this_host
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
+from forge_ext.rollout.config import GeneratorConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.generator import Generator
 from forge_ext.weights import delta as codec
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
@@ -80,7 +86,7 @@ class DeltaTrainer(Actor):
 
     @endpoint
     async def publish(self, version: int, key_prefix: str, reader_base: int | None,
-                      new_publisher: bool = False) -> dict:
+                      new_publisher: bool = False, same_host: str = "off") -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -94,8 +100,10 @@ class DeltaTrainer(Actor):
         state_dict["lm_head.bias"] = full["lm_head.bias"]
         state_dict["model.position_ids"] = full["model.position_ids"]
         if new_publisher or key_prefix not in self.publishers:  # new_publisher: a resumed run
+            if key_prefix in self.publishers:
+                self.publishers[key_prefix].close()
             self.publishers[key_prefix] = weights_publish.WeightsPublisher(WeightsConfig(
-                key_prefix=key_prefix, chunk_mb=CHUNK_MB, same_host="off", dtype="bfloat16",
+                key_prefix=key_prefix, chunk_mb=CHUNK_MB, same_host=same_host, dtype="bfloat16",
                 delta=True, delta_anchor_every=ANCHOR_EVERY, keep_versions=3,
             ))
         publisher = self.publishers[key_prefix]
@@ -168,6 +176,8 @@ async def reader(store):
 
 
 async def publish(trainer, version, prefix, reader_base, **kwargs) -> list[dict]:
+    if prefix.endswith("_auto"):  # anchors into the same-host slots, deltas in torchstore
+        kwargs["same_host"] = "auto"
     return [r for _, r in (await trainer.publish.call(version, prefix, reader_base,
                                                       **kwargs)).items()]
 
@@ -178,11 +188,22 @@ def kinds(results: list[dict]) -> str:
     return "anchor" if bases == {None} else f"delta on {bases.pop()}"
 
 
+SAME_HOST = pytest.mark.parametrize("same_host", ["off", "auto"])
+
+
+async def transports(versions, prefix) -> list[str]:
+    return [(await weights_fetch.fetch_commit_record(
+        v, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME))["transport"] for v in versions]
+
+
 @module_loop
+@SAME_HOST
 async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
-    store, trainer, reader
+    store, trainer, reader, same_host
 ):
-    prefix = "delta_exact"
+    """Through torchstore chunks (``same_host: off``), or with the anchors in the same-host
+    shared-memory slots and the deltas in torchstore (``auto``)."""
+    prefix = f"delta_exact_{same_host}"
     await reader.restart.call_one()
     seen = []
     holding = None
@@ -199,16 +220,19 @@ async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
             assert sent < 0.2 * full, (version, sent, full)  # ~2% of elements changed
     assert seen == ["anchor", *[f"delta on {v}" for v in range(3)], "anchor",
                     *[f"delta on {v}" for v in range(4, 7)], "anchor", "delta on 8"]
+    anchor = "same_host" if same_host == "auto" else "direct"
+    assert await transports([7, 8, 9], prefix) == ["delta", anchor, "delta"]
     # Each rank's snapshot of the base is its own shards, not the whole model.
     total = sum(t.numel() * t.element_size() for t in published(0).values())
     assert all(r["snapshot_bytes"] < 0.6 * total for r in results), results
 
 
 @module_loop
+@SAME_HOST
 async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
-    store, trainer, reader
+    store, trainer, reader, same_host
 ):
-    prefix = "delta_faults"
+    prefix = f"delta_faults_{same_host}"
     await reader.restart.call_one()
 
     state = {"holding": None}  # what the reader reported holding last
@@ -266,6 +290,128 @@ async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
     # A resumed trainer (a new publisher: no snapshot) publishes full, whatever the reader holds.
     await step(8, expect_kind="anchor", new_publisher=True)
     assert_bitwise((await read(8))["tensors"], published(8), "after a resume")
+
+
+class ServedGenerator(Generator):
+    """The transformers generator as shipped, plus what its model serves."""
+
+    @endpoint
+    async def served(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.engine.sampler.model.state_dict().items()}
+
+
+async def spawn_hf_generator(checkpoint: str, key_prefix: str, name: str):
+    """One transformers generator replica keeping a delta's base (as the GRPO app spawns it
+    with ``weights.delta``), updated with ``weight_update: keep``."""
+    config = GeneratorConfig(hf_path=checkpoint, backend="hf", weight_update="keep",
+                             sampling=SamplingConfig(temperature=1.0, top_p=1.0,
+                                                     max_new_tokens=4))
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
+    actor = procs.spawn(name, ServedGenerator, dataclasses.asdict(config), [2], 0, key_prefix,
+                        0, 1, True)
+    await actor.setup.call_one(name)
+    return actor, procs
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """2% of the elements moved a little, as an optimizer step at a small learning rate."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in weights.items():
+        mask = torch.rand(tensor.shape, generator=g) < 0.02
+        out[name] = tensor + mask * torch.randn(tensor.shape, generator=g) * 0.05
+    return out
+
+
+def assert_serves(served: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], what: str):
+    """The model holds ``weights`` as a full bf16 version of them loads: cast to bf16 (the
+    published dtype), then to the model's fp32, bit for bit."""
+    assert set(served) == set(weights), what
+    for name, tensor in weights.items():
+        want = tensor.to(torch.bfloat16).to(served[name].dtype)
+        assert torch.equal(served[name].view(torch.uint8), want.view(torch.uint8)), (what, name)
+
+
+@module_loop
+@SAME_HOST
+async def test_the_transformers_generator_serves_deltas_bitwise_as_full_versions(
+    store, demo_checkpoint, same_host
+):
+    """``generator.backend: hf`` with ``weights.delta`` (anchors through torchstore, or the
+    same-host slots), updated with ``weight_update: keep`` while a request is in flight: the
+    model serves after every delta exactly what a full bf16 version of the same weights gives.
+    A delta on another base is refused and a corrupted one detected, both leaving the model
+    on the version it served (the delta is applied onto the engine's own buffer, and loaded
+    only once its checksums match); a replica restarted mid-run refuses deltas and serves
+    its checkpoint, saying so; a full version heals each."""
+    prefix = f"delta_hf_{same_host}"
+    generator, procs = await spawn_hf_generator(demo_checkpoint, prefix, f"delta_hf_{same_host}")
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix=prefix, same_host=same_host, dtype="bfloat16", delta=True,
+        delta_anchor_every=ANCHOR_EVERY, keep_versions=3))
+    restarted = None
+    try:
+        weights = await generator.served.call_one()
+        kinds, holding = [], None
+
+        async def push(version, reader_base, to=generator):
+            nonlocal weights
+            weights = perturbed(weights, version)
+            result = await publisher.publish(weights, version, reader_base=reader_base)
+            kinds.append(result.delta.base_version)
+            request = asyncio.ensure_future(to.sample.call_one([5, 6, 7], 4, False, version))
+            info = await to.update_weights.call_one(version, "keep")
+            await request  # the request in flight went on and ended
+            return info
+
+        for version in range(1, 5):
+            info = await push(version, holding)
+            assert (info["delta_refused"], info["holding"]) == (0, version), info
+            holding = version
+            assert_serves(await generator.served.call_one(), weights, f"version {version}")
+        assert kinds == [None, 1, 2, 3]
+
+        # A delta on a version the generator does not hold: refused before anything is read.
+        served = dict(weights)
+        await publisher.publish(perturbed(weights, 50), 5, reader_base=4)
+        info = await push(6, 5)
+        assert (info["delta_refused"], info["holding"], info["policy_version"]) == (1, 4, 4)
+        assert_serves(await generator.served.call_one(), served, "a delta on another base")
+        info = await push(7, 4)  # the publisher's base is 6: full
+        assert kinds[-1] is None and info["holding"] == 7
+        assert_serves(await generator.served.call_one(), weights, "healed")
+
+        # One flipped bit in a delta: detected; the model keeps serving version 7.
+        served = dict(weights)
+        weights_next = perturbed(weights, 8)
+        await publisher.publish(weights_next, 8, reader_base=7)
+        key = weights_store.chunk_key(prefix, 8, 0, 0)
+        chunk = bytearray(await ts.get(key))
+        chunk[9] ^= 0x01
+        await ts.put(key, bytes(chunk))
+        info = await generator.update_weights.call_one(8, "keep")
+        assert (info["delta_refused"], info["holding"], info["policy_version"]) == (1, None, 7)
+        assert_serves(await generator.served.call_one(), served, "a corrupted delta")
+        weights = weights_next
+        info = await push(9, None)
+        assert kinds[-1] is None and info["holding"] == 9
+        assert_serves(await generator.served.call_one(), weights, "healed after a flipped bit")
+
+        if same_host == "auto":  # a replica restarted mid-run (once: a spawn costs seconds)
+            restarted, restarted_procs = await spawn_hf_generator(
+                demo_checkpoint, prefix, "delta_hf_restarted")
+            info = await push(10, 9, to=restarted)
+            assert kinds[-1] == 9
+            assert (info["delta_refused"], info["holding"], info["policy_version"]) == (
+                1, None, 0)  # its checkpoint, as version 0: the staleness gate sees it
+            info = await push(11, None, to=restarted)
+            assert kinds[-1] is None and info["holding"] == 11
+            assert_serves(await restarted.served.call_one(), weights, "a restarted replica")
+    finally:
+        publisher.close()
+        if restarted is not None:
+            await restarted_procs.stop()
+        await procs.stop()
 
 
 @module_loop
