@@ -432,6 +432,54 @@ async def test_a_version_with_other_tensors_is_an_anchor(store):
     publisher.close()
 
 
+@module_loop
+async def test_a_delta_that_does_not_pay_warns_once_and_the_next_versions_go_full(
+    store, caplog
+):
+    """fp32 published weights at a large learning rate change nearly every element: the
+    delta is as big as a full version. One warning names the figure and why; the next
+    ``delta_anchor_every`` versions are full (``skipped``, counted by the app); then a
+    delta is tried again, and one that pays is kept."""
+    prefix = "delta_unpaid"
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix=prefix, same_host="off", delta=True, delta_anchor_every=3))
+    g = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(5000, generator=g)}
+
+    def large_step():  # every element moves (an fp32 Adam step at lr 1e-3)
+        weights["w"] = weights["w"] + 1e-3 * torch.randn(5000, generator=g)
+
+    def small_step():  # 1% of the elements move
+        weights["w"] = weights["w"].clone()
+        weights["w"][torch.randperm(5000, generator=g)[:50]] += 1.0
+
+    results = [await publisher.publish(dict(weights), 0)]
+    held = await weights_fetch.fetch_weights(0, key_prefix=prefix)
+    with caplog.at_level("WARNING", logger="forge_ext.weights.transports.delta"):
+        for version, step in enumerate([large_step] * 4 + [small_step] * 2, start=1):
+            step()
+            results.append(await publisher.publish(dict(weights), version,
+                                                    reader_base=version - 1))
+            await weights_fetch.fetch_weights(version, key_prefix=prefix, holding=version - 1,
+                                              allocate=lambda specs: held)
+            assert torch.equal(held["w"].view(torch.int32), weights["w"].view(torch.int32))
+    publisher.close()
+    stats = [r.delta for r in results]
+    # v1 a delta (all changed, dense), v2-v4 full and skipped, v5 a delta tried again (it
+    # pays: 1% changed), v6 a delta.
+    assert [s.base_version for s in stats] == [None, 0, None, None, None, 4, 5]
+    assert [s.skipped for s in stats] == [False, False, True, True, True, False, False]
+    assert stats[1].changed == 5000
+    warnings = [r.getMessage() for r in caplog.records]  # (Monarch prefixes the actor)
+    assert len(warnings) == 1 and warnings[0].endswith(stats[1].warning)
+    assert [s.warning is not None for s in stats] == [False, True, *[False] * 5]
+    assert stats[1].warning.startswith(
+        "weights.delta: the delta of policy_version=1 took 100% of a full version's bytes "
+        "(100.0% of the elements changed bit for bit): with fp32 published weights or a large "
+        "learning rate nearly every element changes at each step, so a delta does not pay; "
+        "the next weights.delta_anchor_every=3 versions are sent full"), stats[1].warning
+
+
 def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
