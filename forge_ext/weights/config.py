@@ -49,7 +49,9 @@ class WeightsConfig:
             (anchors) go into the shared-memory slots and the deltas through torchstore.
         delta_anchor_every: with ``delta``, a full version at least every this many
             versions (also at the first one, on resume, and when a reader does not hold the
-            last version).
+            last version); after a delta that did not pay (above half a full version's bytes:
+            fp32, a large learning rate), this many full versions before a delta is tried
+            again.
     """
 
     transport: str = "direct"
