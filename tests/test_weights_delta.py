@@ -552,3 +552,24 @@ def test_minus_zero_and_nan_payloads_count_as_changes():
 def test_delta_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         WeightsConfig(**fields)
+
+
+@pytest.mark.parametrize("fields", [
+    [],  # the transformers generator, weights.same_host=auto: anchors in the slots
+    ["generator.backend=vllm", "weights.same_host=off"],
+])
+def test_the_grpo_config_takes_delta_with_either_generator_and_either_path(fields):
+    from apps.grpo.config import load_config
+
+    config = load_config("configs/grpo_cpu_demo.yaml", ["weights.delta=true", *fields],
+                         check_model=False, check_engines=False)
+    assert config.weights.delta
+
+
+def test_the_grpo_config_refuses_delta_with_lora_naming_the_fields():
+    from apps.grpo.config import load_config
+
+    with pytest.raises(ValueError, match="weights.delta=true with trainer.lora: a LoRA version "
+                       "is the adapter alone, already small; set weights.delta=false"):
+        load_config("configs/grpo_cpu_demo.yaml", ["weights.delta=true", "trainer.lora={rank: 4}"],
+                    check_model=False, check_engines=False)
