@@ -42,11 +42,12 @@ import torch
 from torchstore.transport.buffers import rdma_available
 
 from forge_ext.weights import delta
+from forge_ext.weights.config import WeightsConfig
 from forge_ext.weights.delta import DeltaStats
 from forge_ext.weights.errors import WeightsDeltaBaseError
 from forge_ext.weights.store import chunk_key
 from forge_ext.weights.transports.base import (
-    CommitRecord, ProgressHook, Specs, StoreLocation, Tensors, Transport, fillable,
+    CommitRecord, Group, ProgressHook, Specs, StoreLocation, Tensors, Transport, fillable,
 )
 from forge_ext.weights.transports.direct import (
     DirectTransport, StreamBlock, align, get_chunks, plan_copy, put_stream,
@@ -87,7 +88,7 @@ class DeltaTransport(Transport):
     name = "delta"
     Record = DeltaRecord
 
-    def __init__(self, config: Any, group: Any, store_name: str,
+    def __init__(self, config: WeightsConfig, group: Group, store_name: str,
                  anchor: Transport | None = None) -> None:
         super().__init__(config, group, store_name)
         self.anchor = anchor if anchor is not None else DirectTransport(config, group, store_name)
