@@ -297,13 +297,11 @@ async def test_one_dead_replica_of_two_costs_only_its_request_and_the_run_finish
     assert any(cause in warnings[0] for cause in CAUSES), warnings[0]
     assert warnings[0].endswith("; its requests go to the 1 replica left")
     # weights.delta: the dead replica does not hold back the base (the live ones' version):
-    # step 2's version is a delta on step 1's, which the replica left applied (none
-    # refused), and sampled from (the run's samples are on-policy: max_policy_age 0). In
-    # fp32 at the demo's learning rate it changed nearly every element: one warning.
+    # step 2's version is a delta on step 1's (here empty: every group was flat, so the
+    # step changed no weight), which the replica left applied, none refused.
     assert [r["weights/anchor"] for r in rows if "loss" in r] == [1.0, 0.0]
     assert all(r["generator/delta_refused"] == 0 for r in rows if "loss" in r)
-    delta = [line for line in app.stderr.splitlines() if line.startswith("warning: weights.")]
-    assert len(delta) == 1 and "so a delta does not pay" in delta[0], app.stderr[-3000:]
+    assert rows[-1]["weights/bytes"] < rows[-1]["weights/full_bytes"]
 
 
 async def test_every_prompt_of_the_stream_is_trained_once_across_the_replicas_death(runs):
