@@ -4,6 +4,8 @@ small machine), issue 38:
 - ``--help``: the app's saved output (``apps/<app>/help.txt``, written by ``python -m
   apps.config_reference --write`` and kept current by tests/test_config_doc.py), printed in
   a fraction of a second; standard library only;
+- a usage error (no ``--config PATH``; a config path given bare is named with its fix),
+  from the app's own parser (:func:`forge_ext.config.parse_cli`), in a fraction of a second;
 - a config error: the app's light config check (YAML, overrides, every typed section, the
   cross-field checks and the derived sizes; no torch, see :mod:`forge_ext.engine.schema`),
   ``config error: ...`` in under 2 s. The app then loads the config again, whole (the checks
@@ -33,7 +35,8 @@ def print_saved_help(app: str, argv: list[str] | None = None) -> None:
         sys.exit(0)
 
 
-def exit_on_config_error(check: str, argv: list[str] | None = None) -> Any:
+def exit_on_config_error(check: str, argv: list[str] | None = None, *,
+                         prog: str | None = None) -> Any:
     """Run the app's light config check and exit with ``config error: <message>`` (status 1)
     if it raises ValueError or FileNotFoundError; return what the check returned otherwise
     (None if the command line names no config).
@@ -43,9 +46,16 @@ def exit_on_config_error(check: str, argv: list[str] | None = None) -> Any:
             checks the config without importing torch (e.g. ``apps.grpo.config:check_config``).
         argv: the command line (default ``sys.argv[1:]``): ``--config PATH [key=value ...]``;
             anything else is left to the app's own parser.
+        prog: the command, e.g. ``python -m apps.grpo.main``: given, a command line without
+            ``--config PATH`` gets the app's usage error now (status 2; a config path given
+            bare is named with ``--config``), not after the heavy imports.
     """
     args = sys.argv[1:] if argv is None else argv
     if "--config" not in args[:-1]:
+        if prog is not None:  # the parser's usage error (standard library and YAML only)
+            from forge_ext.config import parse_cli
+
+            parse_cli(args, prog=prog)
         return None  # the app's parser says what is missing
     at = args.index("--config")
     path, overrides = args[at + 1], [a for i, a in enumerate(args) if i not in (at, at + 1)]
@@ -69,7 +79,7 @@ def check_command_line(app: str, check: str, argv: list[str] | None = None) -> A
         what the check returned (None if the command line names no config).
     """
     print_saved_help(app, argv)
-    checked = exit_on_config_error(check, argv)
+    checked = exit_on_config_error(check, argv, prog=f"python -m apps.{app}.main")
     if getattr(checked, "finished", False):  # nothing to train: no torch, no Monarch
         print(checked.message())
         sys.exit(0)

@@ -65,7 +65,7 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     """Load ``path``; if it has a top-level ``base: other.yaml`` (relative to ``path``), load
     that first and merge ``path`` over it, so a variant states only what it changes."""
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        raise FileNotFoundError(missing_config_message(path))
     if path.resolve() in seen:
         raise ValueError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     config = OmegaConf.load(path)
@@ -73,6 +73,22 @@ def _load_with_base(path: Path, seen: tuple[Path, ...] = ()):
     if base is None:
         return config
     return _merge(_load_with_base(path.parent / base, (*seen, path.resolve())), config)
+
+
+def missing_config_message(path: Path) -> str:
+    """``config file 'configs/x.yml' does not exist; did you mean 'configs/x.yaml'?``: the
+    closest config file (``.yaml``/``.yml``, by name: another extension, a typo, another
+    case) in the path's folder, else in ``./configs`` (a name given without its folder)."""
+    message = f"config file {str(path)!r} does not exist"
+    for folder in dict.fromkeys([path.parent, Path("configs")]):
+        if not folder.is_dir():
+            continue
+        files = {f.stem.lower(): f.name for f in sorted(folder.iterdir())
+                 if f.suffix in (".yaml", ".yml") and f.is_file()}
+        close = difflib.get_close_matches(path.stem.lower(), files, n=1, cutoff=0.75)
+        if close:
+            return f"{message}; did you mean {str(folder / files[close[0]])!r}?"
+    return message
 
 
 def _merge(base, update):
@@ -118,8 +134,29 @@ def parse_cli(
                         help="show this message and every config field, then exit")
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the fields below, e.g. output_dir=outputs/mine")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(args):
+        bare = bare_config_path(args)
+        if bare is not None:  # argparse would say only that --config is required
+            others = " ".join(a for a in args if a != bare)
+            parser.error(f"{bare} is a config file: give it with --config, e.g. "
+                         f"{prog or parser.prog} --config {bare}" + (f" {others}" if others else ""))
+    parsed = parser.parse_args(args)
+    return parsed.config, parsed.overrides
+
+
+def bare_config_path(args: Sequence[str]) -> str | None:
+    """The first argument of a command line without ``--config`` that names a config file
+    (ends in ``.yaml``/``.yml`` or is a file, and is no ``key=value`` override nor option);
+    None if there is ``--config`` (``--config=PATH`` too) or no such argument."""
+    if any(a == "--config" or a.startswith("--config=") for a in args):
+        return None
+    for a in args:
+        if "=" not in a and not a.startswith("-") and (
+            a.endswith((".yaml", ".yml")) or os.path.isfile(a)
+        ):
+            return a
+    return None
 
 
 #: Checks the keys of a section that a dataclass types ``dict[str, Any]`` (a component
@@ -457,17 +494,38 @@ def config_changes(
     keys under a prefix in ``may_change``. Two strings naming the same path (``run`` and
     ``/abs/run``) are equal, each taken from its config's ``working_dir`` (default: the
     current one); ``True`` and ``1`` are not. Keys absent from ``previous`` are not compared
-    (fields newer than a record)."""
+    (fields newer than a record). A list of entries (``reward.functions``) is compared field
+    by field (``reward.functions[1].weight: 0.1 -> 0.2``), or, when entries were added or
+    removed, as its entries without their unset fields (None, empty)."""
     before, after = _flatten(_plain(previous)), _flatten(_plain(current))
     dirs = [str(c.pop(WORKING_DIR_KEY, os.getcwd())) for c in (before, after)]
+    # Lists of entries whose length changed: said whole (below), not entry field by field.
+    resized = tuple(f"{key}[" for key, value in before.items()
+                    if isinstance(value, _Entries) and not _same(value, after.get(key), *dirs))
     # Only the previous config's leaves: a leaf it lacks is a field newer than its record (a
     # section that became a mapping shows as its own leaf changing, e.g. None -> <unset>).
     return [
         f"{key}: {before[key]!r} -> {after.get(key, _UNSET)!r}"
         for key in sorted(before)
         if not _same(before[key], after.get(key, _UNSET), *dirs)
-        and not any(key == p or key.startswith(p + ".") for p in may_change)
+        and not key.startswith(resized)
+        and not any(key == p or key.startswith((p + ".", p + "[")) for p in may_change)
     ]
+
+
+class _Entries(list):
+    """A list of mappings (``reward.functions``) as a leaf of :func:`_flatten`: equal to
+    another of as many entries (their fields are leaves of their own), shown without the
+    fields left unset (None, empty) when the number of entries differs."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Entries) and len(self) == len(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr([{k: v for k, v in entry.items() if v not in (None, {}, [])}
+                     for entry in self])
 
 
 def _same(a: Any, b: Any, dir_a: str, dir_b: str) -> bool:
@@ -490,7 +548,13 @@ def _plain(config: Any) -> Any:
 
 
 def _flatten(mapping: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; scalars and lists of scalars are leaves; a list
+    of mappings is an :class:`_Entries` leaf plus each entry's leaves (``a[0].b``)."""
+    if isinstance(mapping, list) and prefix and all(isinstance(v, Mapping) for v in mapping):
+        flat = {prefix: _Entries(mapping)}
+        for i, entry in enumerate(mapping):
+            flat.update(_flatten(entry, f"{prefix}[{i}]"))
+        return flat
     if not isinstance(mapping, Mapping):
         return {prefix: mapping}
     if not mapping and prefix:

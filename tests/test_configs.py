@@ -229,6 +229,9 @@ def test_sft_warns_of_prompts_its_tokenizer_cannot_read_before_training(
          f"init.hf_path={demo_checkpoint}", *task, "trainer.training.seq_len=6"], capsys)
     assert "warning: 10 of 10 prompts hold text the tokenizer of init.hf_path maps to <unk>" \
         in err, err
+    # Which prompts: the first 3, each with its split, index, text and unknown characters.
+    assert "vocabulary), the first 3: training row 0: 'What is 0+0' (unknown: 'W', 'h', " \
+        "'a', 't', ' ', 'i', 's'); training row 1: 'What is 1+1' (unknown: " in err, err
     assert message.startswith("config error: trainer.training.seq_len=6 <"), message
 
 
@@ -686,6 +689,33 @@ def test_a_resume_may_change_how_batches_are_split_and_a_model_name_config_json_
     ]
 
 
+def test_a_changed_list_entry_on_resume_shows_only_the_fields_that_differ():
+    """A newcomer's resume with one reward weight changed listed both whole entries, every
+    default field of each; now the field, by its entry's index. Entries added or removed:
+    the lists, without their unset fields. A list under a may-change prefix (eval.sets) is
+    still free to change, entry fields included."""
+    from apps.grpo.main import MAY_CHANGE_ON_RESUME
+    from forge_ext.config import config_changes
+
+    def entry(fn, weight):
+        return {"fn": fn, "model": None, "weight": weight, "name": None, "procs": None,
+                "env": {}, "seq_len": None, "pooling": None}
+
+    recorded = {"reward": {"functions": [entry("my:exact", 1.0), entry("my:short", 0.1)]},
+                "eval": {"sets": [{"name": "a", "batch_size": 4}]}}
+    now = {"reward": {"functions": [entry("my:exact", 1.0), entry("my:short", 0.2)]},
+           "eval": {"sets": [{"name": "a", "batch_size": 8}]}}
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == [
+        "reward.functions[1].weight: 0.1 -> 0.2"]
+    now["reward"]["functions"].append(entry("my:long", 0.5))
+    assert config_changes(recorded, now, may_change=MAY_CHANGE_ON_RESUME) == [
+        "reward.functions: [{'fn': 'my:exact', 'weight': 1.0}, {'fn': 'my:short', 'weight': "
+        "0.1}] -> [{'fn': 'my:exact', 'weight': 1.0}, {'fn': 'my:short', 'weight': 0.2}, "
+        "{'fn': 'my:long', 'weight': 0.5}]"]
+    # Lists of scalars stay whole leaves.
+    assert config_changes({"stop": [2]}, {"stop": [2, 5]}) == ["stop: [2] -> [2, 5]"]
+
+
 def test_torchtitan_notices_about_defaults_the_engine_does_not_use_are_not_printed(
     tmp_path, caplog
 ):
@@ -769,3 +799,44 @@ def test_a_dcp_step_folder_as_model_hf_path_points_to_its_hf_folder_and_to_expor
     (run / "hf" / "step-4").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=re.escape(f"model.hf_path={run / 'hf' / 'step-4'}")):
         load_config(path, [f"model.hf_path={step}"])
+
+
+def warm_start(demo_checkpoint, root: Path, task: dict) -> str:
+    """The demo checkpoint as an apps.sft warm-start trained on ``task`` (its files linked,
+    beside the record an SFT run writes)."""
+    root.mkdir()
+    for f in Path(demo_checkpoint).iterdir():
+        (root / f.name).symlink_to(f)
+    record_run_config(root, {"task": task})
+    return str(root)
+
+
+DEMO_WARM_TASK = {"source": "addition", "max_digits": 2, "reverse_answer": True}
+
+
+@pytest.mark.parametrize(("warm_task", "run_overrides", "note", "warning"), [
+    # Own data on the demo's warm-start (the README's command): a choice, said as a note.
+    (DEMO_WARM_TASK,
+     ["task.source=dataset", "task.train_path={data}", "task.prompt_field=question"],
+     "note: model.hf_path={warm} was warm-started on task.source=addition; this run trains it "
+     "on task.source=dataset (your own task: nothing to change)\n", ""),
+    # The same task with other settings: likely a slip, said so, with the overrides that undo it.
+    (DEMO_WARM_TASK, ["task.max_digits=3"], "",
+     "warning: the task differs from the one model.hf_path={warm} was warm-started on "
+     "(task.max_digits: 2 -> 3): likely a mistake, unless meant (a curriculum); to train on "
+     "the warm-start's task, set task.max_digits=2\n"),
+    (DEMO_WARM_TASK, ["task.max_digits=2"], "", ""),
+])
+def test_a_task_other_than_the_warm_starts_is_a_note_when_chosen_a_warning_when_a_slip(
+    demo_checkpoint, tmp_path, capsys, warm_task, run_overrides, note, warning
+):
+    from apps.grpo.prepare import warn_if_task_differs_from_warm_start
+
+    warm = warm_start(demo_checkpoint, tmp_path / "warm", warm_task)
+    data = tmp_path / "my_data.jsonl"
+    data.write_text('{"question": "12+34=", "answer": "64"}\n')
+    config = load_config(str(CONFIGS / "grpo_cpu_demo.yaml"),
+                         [f"model.hf_path={warm}", *(o.format(data=data) for o in run_overrides)])
+    warn_if_task_differs_from_warm_start(config)
+    out, err = capsys.readouterr()
+    assert (out, err) == (note.format(warm=warm), warning.format(warm=warm))

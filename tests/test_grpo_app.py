@@ -190,8 +190,10 @@ async def test_parity_fp32_both_sides_every_mismatch_figure_is_below_1e_5(crashe
     assert [r["step"] for r in rows] == [1, 2, 3]
     replicas = app.config.generator.replicas
     for r in rows:
-        # Every sample is of the trainer's own version: all of them are measured.
+        # Every sample is of the trainer's own version: all of them are measured, and the
+        # probe of stale samples never runs (it costs nothing here).
         assert r["mismatch/tokens"] == r["offpolicy/tokens"] > 0
+        assert r["mismatch/probed_sequences"] == r["mismatch/probe_skipped"] == 0
         groups = ["mismatch"] + [f"mismatch/replica{i}" for i in range(replicas)
                                  if replicas > 1]
         for group in groups:
@@ -205,19 +207,22 @@ async def test_parity_fp32_both_sides_every_mismatch_figure_is_below_1e_5(crashe
 
 
 class StaleWeight(Actor):
-    """Spawned in the trainer's process: from then on every push sends ``name`` with its
-    value of the first push, as a generator holds a weight it never loaded again."""
+    """Spawned in the trainer's process: from version ``since`` on every push sends ``name``
+    with its value of version ``since - 1``, as a generator holds a weight it never loaded
+    again."""
 
     @endpoint
-    async def install(self, name: str) -> None:
+    async def install(self, name: str, since: int) -> None:
         from forge_ext.weights.publish import WeightsPublisher
 
-        original, first = WeightsPublisher.publish, {}
+        original, kept = WeightsPublisher.publish, {}
 
         async def publish(publisher, state_dict, version, **kwargs):
             state_dict = dict(state_dict)
-            first.setdefault(name, state_dict[name].detach().clone())
-            state_dict[name] = first[name]
+            if version == since - 1:
+                kept[name] = state_dict[name].detach().clone()
+            if version >= since:
+                state_dict[name] = kept[name]
             return await original(publisher, state_dict, version, **kwargs)
 
         WeightsPublisher.publish = publish
@@ -227,27 +232,43 @@ class StaleWeightApp(RLApp):
     async def setup(self):
         await super().setup()
         await self.trainer.procs.spawn("stale", StaleWeight).install.call(
-            "model.embed_tokens.weight")
+            "model.embed_tokens.weight", 3)
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
 async def test_a_weight_left_out_of_the_push_makes_the_mismatch_gate_stop_the_run(
-        checkpoint, tmp_path):
+        checkpoint, tmp_path, backend):
+    """An async run at ``max_policy_age: 1`` (fp32 both sides): every step is measured, the
+    steps whose samples are all stale by the generator's scores of them at the trainer's
+    version (the probe, issue 47), every figure below 1e-5 as in the parity test above; from
+    version 3 on the push keeps version 2's embedding (a weight the generator never loads
+    again), and the gate stops the run at step 4, before its weights go anywhere."""
     from forge_ext.rl.loop import MismatchError
 
-    config = load_config(DEMO["hf"], overrides(
-        checkpoint, tmp_path, "loop.steps=3", "loop.eval_every=0", "loop.save_every=0",
-        "task.num_eval=2", "reference=null", "loss.kl_coef=0", "loop.max_mismatch_kl=1e-8",
-        "export.enable=false"))
+    config = load_config(DEMO[backend], overrides(
+        checkpoint, tmp_path, "loop.steps=5", "loop.eval_every=0", "loop.save_every=0",
+        "loop.mode=async", "loop.max_policy_age=1", "task.num_eval=2", "reference=null",
+        "loss.kl_coef=0", "loop.max_mismatch_kl=1e-8", "export.enable=false"))
     app = StaleWeightApp(config)
     with pytest.raises(MismatchError) as error:
         await app.run()
     message = str(error.value)
-    # Step 1 samples version 0, whose embedding the generator holds; step 2 samples version 1
-    # with version 0's embedding: the gate stops it before its weights go anywhere.
-    assert message.startswith("step 2: mismatch/k3_kl=") and "\n" not in message
+    # Step 4 is the first trained at version 3, whose embedding the generator lacks
+    # (sampled by version 2: the probe scores them at version 3; or by version 3 itself).
+    assert message.startswith("step 4: mismatch/k3_kl=") and "\n" not in message
     assert "loop.max_mismatch_kl=1e-08" in message and "did not load" in message
-    (step1,) = [r for r in history(tmp_path) if "loss" in r]
-    assert step1["step"] == 1 and step1["mismatch/k3_kl"] < 1e-8
+    rows = [r for r in history(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["mismatch/tokens"] > 0 and r["mismatch/probe_skipped"] == 0, r
+        for name in MISMATCH_FIGURES:
+            bound = 2e-5 if name == "abs_diff_max" else 1e-5
+            assert abs(r[f"mismatch/{name}"]) < bound, (r["step"], name, r[f"mismatch/{name}"])
+        if r["rollout/policy_age_mean"] == 1.0:  # every sample stale: the probe measured
+            assert r["mismatch/probed_sequences"] == app.config.loop.mismatch_probe_sequences
+    # Step 3 trains at version 2 on samples of version 1 (the generator is one version behind
+    # once the first push is served): not a vacuous check.
+    assert any(r["rollout/policy_age_mean"] == 1.0 for r in rows), rows
 
 
 async def test_a_run_on_this_machine_listens_on_loopback_only(crashed_run):

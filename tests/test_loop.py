@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from forge_ext.rl.loop import LoopConfig, RLLoop
+from forge_ext.runtime.interrupts import Interrupted, exit_status
 from forge_ext.runtime.metrics import MetricsConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -239,8 +240,9 @@ async def test_ctrl_c_stops_at_the_next_step_boundary_after_teardown(tmp_path, m
         return await original(step, rollouts)
 
     job.train_step = train_step
-    with pytest.raises(KeyboardInterrupt, match="before step 4"):
+    with pytest.raises(KeyboardInterrupt, match="before step 4") as stop:
         await job.run()
+    assert exit_status(stop.value) == 130  # 128 + SIGINT, as a shell reports a Ctrl-C
     assert kinds(job.events, "train") == [0, 1, 2]  # step 3 (index 2) completed and saved
     assert kinds(job.events, "save") == [1, 2, 3]
     assert job.stopped == ["generator", "trainer", "store"]
@@ -260,8 +262,12 @@ async def test_sigterm_during_setup_stops_at_once(tmp_path):
         await asyncio.sleep(3600)
 
     job.setup = setup
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(job.run(), 10)
+    # In this task, as the app's asyncio.run has it: a KeyboardInterrupt (Interrupted is one)
+    # out of another task would stop the event loop.
+    with pytest.raises(Interrupted, match="stopped at once") as stop:
+        async with asyncio.timeout(10):
+            await job.run()
+    assert (stop.value.signum, exit_status(stop.value)) == (signal.SIGTERM, 143)
     assert job.stopped == ["hosts"] and job.events == []
 
 
@@ -279,11 +285,13 @@ async def test_sigterm_stops_like_ctrl_c(tmp_path):
     job.train_step = train_step
     previous = signal.signal(signal.SIGTERM, lambda *_: unhandled.append(True))
     try:
-        with pytest.raises(KeyboardInterrupt, match="before step 4"):
+        with pytest.raises(KeyboardInterrupt, match="before step 4") as stop:
             await job.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert not unhandled
+    # The command exits as one SIGTERM ended: 128 + 15 (it was 130, a Ctrl-C's).
+    assert exit_status(stop.value) == 143
     assert kinds(job.events, "train") == [0, 1, 2]
     assert kinds(job.events, "save") == [1, 2, 3]
     assert job.stopped == ["generator", "trainer", "store"]

@@ -3,13 +3,17 @@ command line, as a user types it, for 2 steps of a demo-shaped checkpoint, print
 will do first and where everything went last, and no traceback (Monarch's atexit shutdown,
 vLLM's chat-template warm-up) nor torchtitan's notices about defaults that do not apply.
 
+A SIGTERM to the run's process group (``timeout``, ``kill -- -PGID``) stops it with status 143.
+
 A test session on spawned procs ends with pytest's status and nothing after its summary
 (``tests/conftest.py``'s ``pytest_unconfigure``)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from forge_ext.engine.config import TITAN_NOTICES_NOT_APPLICABLE
@@ -117,6 +121,48 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
                                    "step 2 is the last of loop.steps=2; nothing to do"), again.stdout
     assert "spawning" not in again.stdout and "start-up:" not in again.stdout
     assert (again.stdout + again.stderr).count("\n") == 1, again.stdout + again.stderr
+
+
+def test_a_sigterm_to_the_runs_process_group_stops_it_and_exits_143(demo_checkpoint, tmp_path):
+    """What ``timeout`` and ``kill -- -PGID`` do: SIGTERM to the run's whole process group
+    (the controller and every process it started), here while the roles start. The run
+    stops at once, says so, and exits 143 (128 + SIGTERM) as a program SIGTERM ended, not
+    130 (a Ctrl-C's); nothing of the group is left."""
+    command = [
+        sys.executable, "-m", "apps.grpo.main", "--config", "configs/grpo_cpu_demo.yaml",
+        f"model.hf_path={demo_checkpoint}", f"output_dir={tmp_path / 'run'}", "loop.steps=2",
+        "task.num_train=8", "task.num_eval=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "eval.batch_size=2", "reference=null", "loss.kl_coef=0", "metrics.tensorboard=false",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "HYPERACTOR_CODEC_MAX_FRAME_LENGTH"}
+    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**env, "PYTHONPATH": str(ROOT)},
+                           start_new_session=True)  # its own group, as a shell's job
+    try:
+        for line in run.stdout:  # the plan's last line: the loop is setting up
+            if line.startswith("spawning "):
+                break
+        os.killpg(run.pid, signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 143, (run.returncode, stdout[-2000:], stderr[-3000:])
+    assert "SIGTERM: stopping now" in stdout, stdout[-2000:]
+    assert "interrupted: every actor and proc mesh was stopped" in stderr, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr, stderr[-3000:]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _group_alive(run.pid):
+        time.sleep(0.2)
+    assert not _group_alive(run.pid), "a process of the run's group outlived it"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_test_session_on_spawned_procs_ends_with_its_status_and_no_traceback():

@@ -34,6 +34,7 @@ from apps.grpo.main import RLApp
 from forge_ext.rollout.engines.base import Completion
 from forge_ext.rollout.generator import alive_processes
 from forge_ext.rollout.replicas import GeneratorReplicas, ReplicasLost
+from forge_ext.runtime.interrupts import Interrupted, exit_status
 from forge_ext.runtime.supervision import SIGNAL_CAUSES, UNANSWERED, FailureWatch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -338,7 +339,9 @@ async def test_both_replicas_dead_end_the_run_promptly_with_one_error_naming_bot
 
 async def test_sigterm_then_ctrl_c_during_a_weight_update_stops_the_run_now(runs):
     app = await runs.get("interrupted")
-    assert isinstance(app.error, asyncio.CancelledError), repr(app.error)
+    # The stop names the signal that asked first: the command exits 128 + SIGTERM.
+    assert isinstance(app.error, Interrupted), repr(app.error)
+    assert (app.error.signum, exit_status(app.error)) == (signal.SIGTERM, 143)
     assert app.update_interrupted, "the update had ended before the interrupt: not mid-update"
     assert sorted(app.trained) == [0]
 

@@ -163,6 +163,34 @@ async def test_a_short_request_sent_after_a_long_one_comes_back_first(vllm_engin
 
 
 @module_loop
+async def test_each_engine_scores_sampled_tokens_as_it_sampled_them_and_names_its_version(
+        vllm_engine, versions):
+    """``Engine.score`` (the mismatch probe's, issue 47): teacher-forced log-probs of a
+    sample's tokens equal those recorded when it was sampled and transformers' recomputation
+    (vLLM: its prompt log-probs, raw, whatever the request's sampling), with the version
+    served; a weight update that lands while vLLM scores makes that version None."""
+    path, states = versions
+    hf = HFEngine(path, sampling=SamplingConfig(max_new_tokens=8), stop_token_ids=STOP,
+                  pad_token_id=STOP)
+    for engine in (vllm_engine, hf):
+        completions = await engine.generate(PROMPTS[:4], 2, seed=5,
+                                            sampling=SamplingConfig(max_new_tokens=12))
+        scores = await engine.score([(c.prompt_ids, c.response_ids) for c in completions])
+        assert scores.policy_version == engine.policy_version == 0
+        recomputed = recomputed_logprobs(path, states, completions)
+        for c, got, want in zip(completions, scores.logprobs, recomputed, strict=True):
+            assert len(got) == len(c.response_ids) > 0
+            assert max(abs(a - b) for a, b in zip(got, c.logprobs)) < 1e-4, type(engine)
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, type(engine)
+    scoring = asyncio.ensure_future(vllm_engine.score([(p, p) for p in PROMPTS]))
+    await asyncio.sleep(0)  # it has started
+    await vllm_engine.pause("keep")
+    await vllm_engine.load_hf_state_dict(states[0], 0)
+    await vllm_engine.resume()
+    assert (await scoring).policy_version is None
+
+
+@module_loop
 async def test_the_transformers_engine_batches_requests_that_arrive_together(versions):
     """Requests sent at once are one ``model.generate`` batch; each caller gets its own
     completions, seeded draws per sample (two equal prompts draw apart)."""

@@ -14,11 +14,11 @@ import dataclasses
 import sys
 
 import cloudpickle
-import monarch.spmd
 import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
+from conftest import gloo_ranks, one_proc_actor
 from monarch.actor import Actor, endpoint, this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
@@ -150,29 +150,15 @@ class DeltaReader(Actor):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def store():
-    from forge_ext.compat.torchstore_monarch import initialize_store
-
-    await initialize_store()
-    yield
-    await ts.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def trainer(store):
-    procs = this_host().spawn_procs(per_host={"procs": 2})
-    await monarch.spmd.setup_torch_elastic_env_async(procs)
-    ranks = procs.spawn("delta_trainer", DeltaTrainer)
-    await ranks.init_process_group.call()
-    yield ranks
-    await procs.stop()
+    async with gloo_ranks("delta_trainer", DeltaTrainer) as ranks:
+        yield ranks
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def reader(store):
-    procs = this_host().spawn_procs(per_host={"procs": 1})
-    yield procs.spawn("delta_reader", DeltaReader)
-    await procs.stop()
+    async with one_proc_actor("delta_reader", DeltaReader) as actor:
+        yield actor
 
 
 async def publish(trainer, version, prefix, reader_base, **kwargs) -> list[dict]:

@@ -16,11 +16,11 @@ import time
 from typing import Any
 
 import cloudpickle
-import monarch.spmd
 import pytest
 import pytest_asyncio
 import torch
 import torchstore as ts
+from conftest import gloo_ranks, one_proc_actor
 from monarch.actor import Actor, endpoint, this_host
 from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
@@ -250,19 +250,14 @@ class ShardedTrainer(Actor):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def reader(store):
-    procs = this_host().spawn_procs(per_host={"procs": 1})
-    yield procs.spawn("weights_reader", WeightsReader)
-    await procs.stop()
+    async with one_proc_actor("weights_reader", WeightsReader) as actor:
+        yield actor
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def trainer(store):
-    procs = this_host().spawn_procs(per_host={"procs": 2})
-    await monarch.spmd.setup_torch_elastic_env_async(procs)
-    ranks = procs.spawn("sharded_trainer", ShardedTrainer)
-    await ranks.init_process_group.call()
-    yield ranks
-    await procs.stop()
+    async with gloo_ranks("sharded_trainer", ShardedTrainer) as ranks:
+        yield ranks
 
 
 def make_publisher(variant: str, tmp_path, key_prefix: str, **overrides):

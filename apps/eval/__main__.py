@@ -3,7 +3,7 @@
 from apps.fast_help import exit_on_config_error, print_saved_help
 
 print_saved_help("eval")  # before the imports below (seconds)
-exit_on_config_error("apps.eval.config:check_config")
+exit_on_config_error("apps.eval.config:check_config", prog="python -m apps.eval")
 
 from apps.eval.main import main  # noqa: E402
 from forge_ext.runtime.supervision import shutdown_monarch

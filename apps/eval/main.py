@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from forge_ext.config import apply_env, parse_cli
     from forge_ext.runtime import run_logs
     from forge_ext.runtime.disk import find_output_write_error
+    from forge_ext.runtime.interrupts import exit_status, run_until_stopped
 
     path, overrides = parse_cli(argv, __doc__.splitlines()[0], reference=eval_help,
                                 prog="python -m apps.eval")
@@ -278,9 +279,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for line in app.plan():
             print(line, flush=True)
         try:
-            results = asyncio.run(app.run())
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            sys.exit("interrupted: the generator was stopped")
+            results = asyncio.run(run_until_stopped(app.run()))
+        except (KeyboardInterrupt, asyncio.CancelledError) as stop:  # Ctrl-C, SIGTERM
+            print("interrupted: the generator was stopped", file=sys.stderr)
+            sys.exit(exit_status(stop))  # 130 after Ctrl-C, 143 after SIGTERM
         except Exception as error:  # noqa: BLE001 - re-raised unless an output failed
             write_error = find_output_write_error(error)
             if write_error is None:

@@ -48,7 +48,7 @@ from forge_ext.evaluation import as_logged, evaluate_held_out, evaluate_sets
 from forge_ext.rl.advantages import build_estimator
 from forge_ext.rl.episode import Episode, pack_episodes, set_ref_logprobs
 from forge_ext.rl.loop import MismatchError, RLLoop
-from forge_ext.rl.mismatch import step_mismatch
+from forge_ext.rl.mismatch import Probe, probe_rows, step_mismatch
 from forge_ext.rl.replay_buffer import ReplayBuffer
 from forge_ext.rl.report import FlatGroupsWatch, KLDriftWatch
 from forge_ext.rl.rollouts import Rollouts
@@ -58,6 +58,7 @@ from forge_ext.rollout.replicas import ReplicasLost
 from forge_ext.rollout.runner import EpisodeBatch
 from forge_ext.runtime import run_logs
 from forge_ext.runtime.disk import find_output_write_error
+from forge_ext.runtime.interrupts import exit_status
 from forge_ext.runtime.metrics import MetricsConfig
 from forge_ext.runtime.placement import PlacementError
 from forge_ext.runtime.supervision import RoleFailure, shutdown_monarch
@@ -111,6 +112,7 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
                                          scaling=config.grpo.advantage_scaling)
         self.trainer = self.reference = self.generator = self.critic = None
         self.push_metrics: dict[str, float] = {}  # the last push's, with weights.delta
+        self.probe_failed = False  # a replica's scoring raised (said once: see probe)
         self.bar = None
         self.flat_groups = FlatGroupsWatch(config.grpo.group_size)
         self.kl_drift = KLDriftWatch()
@@ -211,15 +213,24 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
             # critic.warmup_steps: the critic learns the start policy's values first.
             result = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.0}
         else:
-            result = await self.trainer.train_step(
-                *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True,
-                return_logprobs=True,
-            )
+            # The generator scores stale samples at the trainer's version while it trains.
+            versions = [ep.policy_version for ep in batch]
+            probe = asyncio.ensure_future(self.probe(batch, packed, probe_rows(
+                versions, trainer_version=self.trainer_version,
+                sequences=c.loop.mismatch_probe_sequences)))
+            try:
+                result = await self.trainer.train_step(
+                    *split_for_data_parallel(packed, dp, rows=rows), return_metrics=True,
+                    return_logprobs=True,
+                )
+                probed = await probe
+            finally:
+                probe.cancel()
             # The train-inference mismatch, from the step's forward before its update.
             result.update(step_mismatch(
-                in_batch_order(result.pop("logprobs"), rows), packed,
-                [ep.policy_version for ep in batch], [ep.replica for ep in batch],
-                trainer_version=self.trainer_version, num_replicas=c.generator.replicas))
+                in_batch_order(result.pop("logprobs"), rows), packed, versions,
+                [ep.replica for ep in batch], trainer_version=self.trainer_version,
+                num_replicas=c.generator.replicas, probe=probed))
         seconds["train"] = time.perf_counter() - start
         metrics = {
             "reward/mean": sum(rollouts.rewards) / len(rollouts.rewards),
@@ -250,6 +261,40 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
         }
         self._write_samples(step + 1, rollouts)
         return metrics
+
+    async def probe(self, batch: list[Episode], packed: dict[str, torch.Tensor],
+                    rows: list[int]) -> Probe | None:
+        """The mismatch probe (:mod:`forge_ext.rl.mismatch`): once the generator serves the
+        trainer's version, each of ``rows`` (stale samples of ``batch``) scored by the
+        replica that sampled it; a replica at another version, lost, or whose scoring
+        raised (a measurement does not stop the run; the first such error is printed) is
+        skipped. None when ``rows`` is empty."""
+        if not rows:
+            return None
+        version = self.trainer_version
+        if not await self.generator_serving(version):
+            return Probe.of(batch, {}, packed["labels"].shape[1], skipped=len(rows))
+        by_replica: dict[int, list[int]] = {}
+        for row in rows:
+            by_replica.setdefault(batch[row].replica, []).append(row)
+        answers = await asyncio.gather(*(
+            self.generator.score([(batch[r].prompt_ids.tolist(), batch[r].response_ids.tolist())
+                                  for r in of], replica)
+            for replica, of in by_replica.items()), return_exceptions=True)
+        scores = {}
+        for of, answer in zip(by_replica.values(), answers):
+            if isinstance(answer, Exception):
+                if not self.probe_failed:
+                    self.probe_failed = True
+                    self.write(f"warning: the mismatch probe could not score (counted in "
+                               f"mismatch/probe_skipped): {type(answer).__name__}: {answer}")
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            if answer is not None and answer.policy_version == version:
+                scores.update({r: v for r, v in zip(of, answer.logprobs) if v is not None})
+        return Probe.of(batch, scores, packed["labels"].shape[1],
+                        skipped=len(rows) - len(scores))
 
     async def critic_step(self, packed: dict[str, torch.Tensor], batch: list[Episode]
                           ) -> dict[str, float]:
@@ -317,10 +362,10 @@ def main(argv: list[str] | None = None, inputs: RunInputs | FinishedRun | None =
     with run_logs.keep_console(app.config.output_dir):  # the screen, in <output_dir>/logs
         try:
             asyncio.run(app.run())
-        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C once / twice
+        except (KeyboardInterrupt, asyncio.CancelledError) as stop:  # Ctrl-C, SIGTERM
             print("interrupted: every actor and proc mesh was stopped; rerun the same command "
                   "to resume from the last checkpoint", file=sys.stderr)
-            sys.exit(130)
+            sys.exit(exit_status(stop))  # 130 after Ctrl-C, 143 after SIGTERM
         except (RoleFailure, ReplicasLost) as failure:  # a process or host died: one message
             sys.exit(failure_message(failure, app.config, argv, module))
         except PlacementError as error:  # the hosts did not start: the message says the fix

@@ -273,12 +273,16 @@ def check_run(path: str, overrides: list[str]) -> RunInputs | FinishedRun:
 
 
 def warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
-    """A warm-start written by apps.sft records its config; GRPO on another task (more
-    digits, other answer order) is allowed (a curriculum) but is usually a mistake."""
+    """Say how this run's task relates to the one its warm-start was trained on (an apps.sft
+    checkpoint records its config; other checkpoints say nothing). Another task source (your
+    own data, a reasoning-gym task, a factory of yours on the demo's warm-start) is a choice:
+    one ``note:`` line on stdout. The same source with other settings (more digits, another
+    answer order, another data file) is allowed (a curriculum) but more often a slip: a
+    ``warning:`` on stderr naming each change and the overrides that undo them."""
     record = Path(config.model.hf_path) / RUN_CONFIG_FILE
     try:
         warm_task = load_run_record(record).get("task") if record.is_file() else None
-    except ValueError:  # an unreadable record: this warning is best effort
+    except ValueError:  # an unreadable record: this check is best effort
         return
     if warm_task is None:
         return
@@ -286,12 +290,32 @@ def warn_if_task_differs_from_warm_start(config: GRPOConfig) -> None:
         warm_task = resolved_task(warm_task)
     except (ValueError, FileNotFoundError):  # e.g. its data files are gone: best effort
         return
+    task = resolved_task(config.task)
+    path = config.model.hf_path
+    if warm_task["source"] != task["source"]:
+        print(f"note: model.hf_path={path} was warm-started on task.source="
+              f"{warm_task['source']}; this run trains it on task.source={task['source']} "
+              "(your own task: nothing to change)")
+        return
     # The warm-start is single-turn: GRPO may add an environment and its limits.
-    changes = config_changes(warm_task, resolved_task(config.task),
+    changes = config_changes(warm_task, task,
                              may_change=("num_eval", "partial_credit", *EPISODE_FIELDS))
     if changes:
+        undo = [f"task.{c.split(':', 1)[0]}={_override_value(warm_task, c.split(':', 1)[0])}"
+                for c in changes]
         print(
-            f"warning: task differs from the task model.hf_path={config.model.hf_path} was "
-            f"trained on ({'; '.join('task.' + c for c in changes)})",
+            f"warning: the task differs from the one model.hf_path={path} was warm-started "
+            f"on ({'; '.join('task.' + c for c in changes)}): likely a mistake, unless meant "
+            f"(a curriculum); to train on the warm-start's task, set {' '.join(undo)}",
             file=sys.stderr,
         )
+
+
+def _override_value(mapping: dict[str, Any], dotted: str) -> str:
+    """The value at ``dotted`` in ``mapping`` as a command-line override writes it."""
+    value: Any = mapping
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)

@@ -35,7 +35,7 @@ if __name__ == "__main__":  # --help and config errors before the imports below 
 
     print_saved_help("sft")
     # The config, the task's rows and the reward functions, before torch is imported.
-    _checked = exit_on_config_error("apps.sft.config:check_run")
+    _checked = exit_on_config_error("apps.sft.config:check_run", prog="python -m apps.sft.main")
 
 import forge_ext  # noqa: F401  (selects the CPU device before torchtitan is imported)
 from apps.sft.config import (
@@ -47,6 +47,7 @@ from forge_ext.engine.hf_checkpoint import init_hf_checkpoint, save_hf_checkpoin
 from forge_ext.rl.episode import Episode, pack_episodes
 from forge_ext.rollout.engines.base import SamplingConfig
 from forge_ext.rollout.engines.hf import HFSampler
+from forge_ext.runtime.interrupts import exit_status, stop_signals_raise
 from forge_ext.runtime.metrics import MetricLogger
 from forge_ext.tasks import PromptRenderer, Row, Rubric, Sample, Task, build_task, resolved_task
 from forge_ext.tasks.base import prompt_characters
@@ -369,9 +370,13 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> None:
                 shutil.rmtree(config.init.hf_path, ignore_errors=True)
             sys.exit(f"config error: {e}")
     try:
-        run(config, task)
+        with stop_signals_raise():
+            run(config, task)
     except RewardFailure as failure:  # every call of a batch failed: count and traceback
         sys.exit(f"error: {failure}")
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM
+        print("interrupted: the run was stopped", file=sys.stderr)
+        sys.exit(exit_status(stop))  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":

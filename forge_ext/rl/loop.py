@@ -18,7 +18,8 @@ torchforge's GRPO ``main``::
         rollouts                     sync: build_rollouts(step) now; async: the rollout
                                      task's (stale ones are dropped and built again)
         train_step(step, rollouts)   (waits for an in-flight push_weights first)
-        mismatch gate                loop.max_mismatch_kl (check_mismatch)
+        mismatch gate                loop.max_mismatch_kl (check_mismatch; async runs
+                                     with stale samples: generator_serving for the probe)
         push_weights / fetch_weights of the new policy version, in the background
         sync: weight-sync gate       generator version >= trainer version - max_policy_age
         log, periodic evaluate, periodic save_checkpoint (last step always saved),
@@ -65,8 +66,10 @@ Ctrl-C (SIGINT) or SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes sen
 they kill) during ``setup`` (a Slurm job waiting in the queue, roles loading): the awaited
 call is cancelled at once and teardown runs. After setup, once: the run stops at the next
 step boundary, saves a checkpoint there if checkpoints are on (``save_every > 0``) and that
-step has none yet, and raises KeyboardInterrupt after teardown; twice: the awaited call is
-cancelled at once (teardown still runs). Why not rely on asyncio's own SIGINT handling (it
+step has none yet, and raises :class:`~forge_ext.runtime.interrupts.Interrupted` (a
+KeyboardInterrupt naming the signal that asked first: the app exits 128 + its number, 130 or
+143) after teardown; twice: the awaited call is cancelled at once (teardown still runs), and
+the same error is raised. Why not rely on asyncio's own SIGINT handling (it
 cancels the main task): a cancellation that arrives while the task awaits a Monarch endpoint
 call was seen to be swallowed, and the run went on.
 """
@@ -87,6 +90,7 @@ from typing import Any, Literal
 
 from forge_ext.runtime.clock import BusyClock
 from forge_ext.runtime.disk import OutputWriteError
+from forge_ext.runtime.interrupts import STOP_SIGNALS, Interrupted
 from forge_ext.runtime.metrics import MetricLogger, MetricsConfig
 
 logger = logging.getLogger(__name__)
@@ -118,13 +122,23 @@ class LoopConfig:
     max_mismatch_kl: float | None = None
     """Stop the run at a step whose train-inference mismatch ``mismatch/k3_kl`` (the k3 KL
     between the generator's and the trainer's log-probs of the tokens sampled by the
-    trainer's own weights, :mod:`forge_ext.rl.mismatch`) is above this, with one line naming
-    the figure, the step and the likely causes; unset: never. fp32 on both sides measures
-    about 1e-12 here and a bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a
-    broken fp32 run; for bf16 choose the bound from its first steps."""
+    trainer's own weights, :mod:`forge_ext.rl.mismatch`; in an async run whose samples are
+    stale, of the generator's scores of them at the trainer's version:
+    ``mismatch_probe_sequences``) is above this, with one line naming the figure, the step
+    and the likely causes; unset: never. fp32 on both sides measures about 1e-12 here and a
+    bf16 generator 4e-4 to 1.2e-3 (docs/mismatch.md): 1e-8 stops a broken fp32 run; for
+    bf16 choose the bound from its first steps."""
+    mismatch_probe_sequences: int = 4
+    """Samples measured per step for the train-inference mismatch, at least: a step with
+    fewer samples of the trainer's own version (an async run with ``max_policy_age > 0``)
+    has the generator score that many more of its stale samples at the trainer's version (a
+    prefill of each, no sampling, while the trainer trains; :mod:`forge_ext.rl.mismatch`),
+    so ``mismatch/*`` and ``max_mismatch_kl`` see every step. A run whose samples are all of
+    the trainer's version (sync, or ``max_policy_age: 0``) never probes. 0: no probe."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age"):
+        for name in ("steps", "eval_every", "save_every", "export_every", "max_policy_age",
+                     "mismatch_probe_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"loop.{name}={getattr(self, name)} must be >= 0")
         if self.max_mismatch_kl is not None and not self.max_mismatch_kl > 0:
@@ -164,6 +178,7 @@ class RLLoop(ABC):
         self._clocks = {role: BusyClock() for role in ROLES}
         self._step_began = (0.0, {role: 0.0 for role in ROLES})
         self._interrupts = 0
+        self._stop_signal = signal.SIGINT  # the first stop signal (interrupt's signum)
         self._saved_step: int | None = None  # the last step save_checkpoint was called for
         self._main_task: asyncio.Task | None = None
         self._failure: BaseException | None = None
@@ -280,6 +295,19 @@ class RLLoop(ABC):
         their generation calls."""
         return self._clocks[role]
 
+    async def generator_serving(self, version: int) -> bool:
+        """Wait for the weight sync under way, if any, until the generator serves
+        ``version``; True when it serves ``version`` or newer, False when no sync will bring
+        it (at start-up with ``max_policy_age > 0`` nothing is synced before the first
+        push). The mismatch probe's wait (:mod:`forge_ext.rl.mismatch`): during a step the
+        generator never moves past the trainer's version, which is pushed only after it."""
+        while self.generator_version < version:
+            sync = self._sync
+            if sync is None or sync.done():
+                return False
+            await self._until(asyncio.shield(sync))
+        return True
+
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
         """Run the whole job (module docstring). Re-raises the first error after teardown."""
@@ -315,6 +343,10 @@ class RLLoop(ABC):
             completed = True
         except BaseException as error:
             failure = self._failure or self.explain_error(error)
+            if failure is None and self._interrupts and isinstance(error, asyncio.CancelledError):
+                # Our own cancellation (a second signal, or one during setup): the stop's error.
+                asyncio.current_task().uncancel()
+                raise self._interrupted("stopped at once") from None
             if failure is not None and failure is not error:
                 self._failure = failure
                 raise failure from None  # the one message a user should read
@@ -390,7 +422,8 @@ class RLLoop(ABC):
     def check_mismatch(self, metrics: dict[str, float], step: int) -> None:
         """The mismatch gate: raise :class:`MismatchError` when ``step``'s (1-based)
         ``mismatch/k3_kl`` (:mod:`forge_ext.rl.mismatch`) is above ``loop.max_mismatch_kl``
-        (unset: never). NaN (no sample of the trainer's own version this step) passes.
+        (unset: never). NaN (nothing measured this step: no sample of the trainer's own
+        version and no probe at it) passes.
 
         Raises:
             MismatchError: one line naming the figure, the step and the likely causes.
@@ -404,6 +437,8 @@ class RLLoop(ABC):
             f"step {step}: mismatch/k3_kl={kl:.3g} > loop.max_mismatch_kl={max_kl:g} (max "
             f"|log-prob diff| {metrics.get('mismatch/abs_diff_max', math.nan):.3g} over "
             f"{int(metrics.get('mismatch/tokens', 0))} tokens"
+            + (f", {probed} stale samples scored by the generator at the trainer's version"
+               if (probed := int(metrics.get("mismatch/probed_sequences", 0))) else "")
             + (f"; {', '.join(worst)}" if worst else "")
             + "): the generator's log-probs of the sampled tokens are not the trainer's under "
             "the same weights. Likely causes: a dtype difference (generator.dtype vs the "
@@ -424,7 +459,7 @@ class RLLoop(ABC):
         """Route SIGINT and SIGTERM to :meth:`interrupt`; returns those handled (none where
         signals cannot be handled: not the main thread, or no signal support)."""
         handled = []
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             try:
                 asyncio.get_running_loop().add_signal_handler(signum, self.interrupt, signum)
             except (NotImplementedError, RuntimeError, ValueError):
@@ -437,6 +472,8 @@ class RLLoop(ABC):
         at once); second: cancel the awaited call. ``signum``: the signal that asked (for the
         message)."""
         self._interrupts += 1
+        if self._interrupts == 1:
+            self._stop_signal = signum
         name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
         if self._interrupts == 1 and self._setting_up:
             # No step to finish and nothing to save: waiting for setup (a Slurm job in the
@@ -453,7 +490,12 @@ class RLLoop(ABC):
         if self._failure is not None:
             raise self._failure
         if self._interrupts:
-            raise KeyboardInterrupt(f"interrupted before step {self.step + 1}")
+            raise self._interrupted(f"interrupted before step {self.step + 1}")
+
+    def _interrupted(self, message: str) -> Interrupted:
+        """The error a stop by signal ends the run with, naming the first signal."""
+        return Interrupted(f"{message} ({signal.Signals(self._stop_signal).name})",
+                           self._stop_signal)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.log(step, metrics)

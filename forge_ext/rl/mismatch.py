@@ -18,13 +18,28 @@ sampled by version ``g`` has policy age ``s - g``:
 
 - age 0 (every sample of a ``loop.max_policy_age: 0`` run, sync or async): the trainer's
   weights *are* the weights that sampled it, and the gap is the mismatch alone. The
-  ``mismatch/*`` metrics and the gate are computed over these samples only (a sample's
-  version is the oldest that sampled any of its tokens, so age 0 means every token).
+  ``mismatch/*`` metrics and the gate are computed over these samples and the probed ones
+  below (a sample's version is the oldest that sampled any of its tokens, so age 0 means
+  every token).
 - age > 0 (async, or sync with ``max_policy_age > 0``): the weights that sampled it are gone
   from the trainer (it keeps no copy of old versions), and the gap mixes the mismatch with
   the ``s - g`` updates since. It is logged apart as ``offpolicy/*`` over every sample: it is
-  what ``token_tis`` and ``decoupled`` weight by (``pi_prox / pi_gen``). A step without an
-  age-0 sample has ``mismatch/tokens`` 0 and NaN figures, and the gate waits for one.
+  what ``token_tis`` and ``decoupled`` weight by (``pi_prox / pi_gen``).
+
+The probe (async runs whose samples are stale). With ``loop.max_policy_age > 0`` nearly
+every sample of an async step is stale, and the age-0 samples alone would leave most steps
+unmeasured (and the gate blind). So a step with fewer than ``loop.mismatch_probe_sequences``
+age-0 samples asks the generator to *score* as many of its stale samples as make up the
+difference (:func:`probe_rows`): their prompt and sampled tokens, teacher-forced, with the
+weights of the trainer's version ``s``
+(:meth:`forge_ext.rollout.engines.base.Engine.score`; each sample goes to the replica that
+sampled it). The scores of a replica that served version ``s`` are the generator's side of
+the gap under the same weights as the trainer's forward, and those rows join the age-0 rows
+in ``mismatch/*`` (:class:`Probe`); a replica that scored with another version (or is lost)
+is skipped and counted (``mismatch/probe_skipped``). What the probe measures is the prefill
+(teacher-forced) side of the generator, where its samples' log-probs came from decoding:
+the same weights and numerics, another kernel path (torchtitan's RL parity tests check
+decode against prefill as a separate gap).
 
 Metrics, over the valid tokens (response tokens the model sampled), with ``d_t = log
 pi_trainer(o_t) - log pi_gen(o_t)``:
@@ -38,7 +53,10 @@ pi_trainer(o_t) - log pi_gen(o_t)``:
   ``log_ppl_diff``; > 0: the trainer finds the samples less likely);
 - ``ratio_outside_band``: the fraction of tokens whose ratio ``exp(d_t)`` leaves ``[1 / C, C]``,
   ``C`` = :data:`RATIO_BAND` (what ``token_mask`` with its default caps would reject);
-- ``tokens``: how many tokens were measured.
+- ``tokens``: how many tokens were measured;
+- ``probed_sequences``, ``probe_skipped`` (``mismatch/`` only): the stale samples the
+  probe measured, and those it asked for but could not (no replica at the trainer's
+  version; a sequence longer than the generator's context).
 
 With several generator replicas each replica's age-0 samples give ``mismatch/replica<i>/*``
 too (a replica with another dtype or a failed load shows apart from the rest).
@@ -47,11 +65,13 @@ too (a replica with another dtype or a failed load shows apart from the rest).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from forge_ext.engine.losses import IGNORE_INDEX
+from forge_ext.rl.episode import Episode
 
 RATIO_BAND = 2.0
 """``C`` of ``ratio_outside_band``: the band ``[1 / C, C]`` (verl's default
@@ -108,10 +128,60 @@ def mismatch_figures(trainer_logprobs: torch.Tensor, generator_logprobs: torch.T
     }
 
 
+def probe_rows(versions: Sequence[int], *, trainer_version: int, sequences: int) -> list[int]:
+    """The rows of a step the probe scores (module docstring): none when ``sequences`` or
+    more rows are of ``trainer_version`` (age 0: measured at no cost), otherwise as many
+    stale rows as make up the difference, spread evenly over the stale rows in batch order.
+
+    Args:
+        versions: ``[B]`` the version that sampled each row.
+        trainer_version: the trainer's version at the step's start.
+        sequences: ``loop.mismatch_probe_sequences``, rows measured per step (0: no probe).
+    """
+    stale = [i for i, v in enumerate(versions) if v != trainer_version]
+    wanted = min(max(sequences - (len(versions) - len(stale)), 0), len(stale))
+    return [stale[(k * len(stale)) // wanted] for k in range(wanted)]
+
+
+@dataclass(slots=True)
+class Probe:
+    """The generator's log-probs of stale rows, scored at the trainer's version."""
+
+    logprobs: torch.Tensor
+    """``[B, S]`` fp32 in the packed layout (``generator_logprobs``'), 0 outside ``rows``."""
+    rows: torch.Tensor
+    """``[B]`` bool: the rows scored at the trainer's version."""
+    skipped: int = 0
+    """Rows asked for but not scored at the trainer's version."""
+
+    @classmethod
+    def of(cls, episodes: Sequence[Episode], scores: Mapping[int, Sequence[float]],
+           seq_len: int, skipped: int = 0) -> Probe:
+        """A probe of the packed batch of ``episodes`` (``[B]``, rows ``seq_len`` long) from
+        ``scores``: row -> ``[R]`` log-probs of that episode's response tokens
+        (:attr:`forge_ext.rollout.engines.base.Scores.logprobs`), placed where
+        :func:`forge_ext.rl.episode.pack_episodes` puts its ``generator_logprobs``.
+
+        Raises:
+            ValueError: a row's scores are not one per response token.
+        """
+        logprobs = torch.zeros(len(episodes), seq_len, dtype=torch.float32)
+        rows = torch.zeros(len(episodes), dtype=torch.bool)
+        for row, values in scores.items():
+            ep = episodes[row]
+            start, count = len(ep.prompt_ids) - 1, len(ep.response_ids)
+            if len(values) != count:
+                raise ValueError(f"row {row}: {len(values)} scores for {count} response tokens")
+            logprobs[row, start : start + count] = torch.tensor(list(values))
+            rows[row] = True
+        return cls(logprobs=logprobs, rows=rows, skipped=skipped)
+
+
 def step_mismatch(trainer_logprobs: torch.Tensor, batch: dict[str, torch.Tensor],
                   versions: Sequence[int], replicas: Sequence[int], *, trainer_version: int,
-                  num_replicas: int = 1) -> dict[str, float]:
-    """A step's logged figures (module docstring): ``mismatch/<name>`` over its age-0 rows,
+                  num_replicas: int = 1, probe: Probe | None = None) -> dict[str, float]:
+    """A step's logged figures (module docstring): ``mismatch/<name>`` over its age-0 rows
+    and the rows of ``probe`` (against the probe's log-probs),
     ``mismatch/replica<i>/<name>`` per replica when ``num_replicas > 1``, and
     ``offpolicy/<name>`` over every row.
 
@@ -124,17 +194,26 @@ def step_mismatch(trainer_logprobs: torch.Tensor, batch: dict[str, torch.Tensor]
         replicas: ``[B]`` the generator replica that sampled each row.
         trainer_version: the trainer's policy version at the step's start.
         num_replicas: ``generator.replicas``.
+        probe: the generator's scores of stale rows at ``trainer_version`` (None: none).
     """
     valid = batch["labels"] != IGNORE_INDEX
     generator = batch["generator_logprobs"]
-    fresh = torch.tensor([v == trainer_version for v in versions], dtype=torch.bool)[:, None]
+    fresh = torch.tensor([v == trainer_version for v in versions], dtype=torch.bool)
     out = {f"offpolicy/{k}": v
            for k, v in mismatch_figures(trainer_logprobs, generator, valid).items()}
+    same = generator  # the generator's log-probs under the trainer's weights, per row
+    probed = torch.zeros_like(fresh)
+    if probe is not None:
+        probed = probe.rows & ~fresh
+        same = torch.where(probed[:, None], probe.logprobs, generator)
+    measured = valid & (fresh | probed)[:, None]
     out.update({f"mismatch/{k}": v for k, v in
-                mismatch_figures(trainer_logprobs, generator, valid & fresh).items()})
+                mismatch_figures(trainer_logprobs, same, measured).items()})
+    out["mismatch/probed_sequences"] = float(probed.sum())
+    out["mismatch/probe_skipped"] = float(probe.skipped if probe is not None else 0)
     if num_replicas > 1:
         of = torch.tensor(list(replicas), dtype=torch.int64)[:, None]
         for i in range(num_replicas):
-            figures = mismatch_figures(trainer_logprobs, generator, valid & fresh & (of == i))
+            figures = mismatch_figures(trainer_logprobs, same, measured & (of == i))
             out.update({f"mismatch/replica{i}/{k}": v for k, v in figures.items()})
     return out

@@ -41,7 +41,7 @@ from typing import Any
 from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_ext.rollout.config import GeneratorConfig
-from forge_ext.rollout.engines.base import Completion, SamplingConfig, WeightUpdateMode
+from forge_ext.rollout.engines.base import Completion, SamplingConfig, Scores, WeightUpdateMode
 from forge_ext.rollout.engines.hf import HFEngine
 from forge_ext.rollout.engines.vllm import VLLMEngine
 from forge_ext.runtime.run_logs import log_role, startup_phases
@@ -231,6 +231,13 @@ class Generator(Actor):
         ``seed``: one int for the call or one per prompt
         (:func:`forge_ext.rollout.engines.base.request_seeds`)."""
         return await self.engine.generate(prompts, n, greedy=greedy, seed=seed)
+
+    @concurrent_endpoint
+    async def score(self, sequences: list[tuple[list[int], list[int]]]) -> Scores:
+        """The served policy's teacher-forced log-probs of each ``(prompt_ids,
+        response_ids)``'s response tokens and the version that scored them
+        (:meth:`forge_ext.rollout.engines.base.Engine.score`)."""
+        return await self.engine.score(sequences)
 
     @concurrent_endpoint
     async def update_weights(self, policy_version: int,
@@ -521,6 +528,9 @@ class GeneratorHandle:
 
     async def get_policy_version(self) -> int:
         return await self.actor.get_policy_version.call_one()
+
+    async def score(self, sequences: list[tuple[list[int], list[int]]]) -> Scores:
+        return await self.actor.score.call_one(sequences)
 
     async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
         await self.actor.load_adapter_folder.call_one(str(folder), policy_version)

@@ -31,6 +31,7 @@ from typing import Any
 from forge_ext.rollout.engines.base import (
     Completion,
     SamplingConfig,
+    Scores,
     WeightUpdateMode,
     request_seeds,
 )
@@ -150,6 +151,22 @@ class GeneratorReplicas:
         results = await asyncio.gather(*(
             self.sample(p, n, greedy=greedy, seed=s) for p, s in zip(prompts, seeds)))
         return [c for completions in results for c in completions]
+
+    async def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                    replica: int) -> Scores | None:
+        """Replica ``replica``'s teacher-forced log-probs of ``sequences`` and the version
+        that scored them (:meth:`forge_ext.rollout.generator.Generator.score`); None when
+        that replica is lost (now or before). Not routed: the caller names the replica whose
+        side of the train-inference gap it measures (the one that sampled them)."""
+        if not self.router.alive[replica]:
+            return None
+        try:
+            return await self.handles[replica].score([(list(p), list(r)) for p, r in sequences])
+        except Exception as error:  # noqa: BLE001  (a dead replica scores nothing)
+            if not self._is_dead(error):
+                raise
+            self.lose(replica, *death_of(error))
+            return None
 
     # ---- weights ---------------------------------------------------------------------------
     async def update_weights(self, policy_version: int,

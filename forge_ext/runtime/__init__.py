@@ -6,6 +6,8 @@
   leaves behind;
 - :mod:`~forge_ext.runtime.roles`: a run's roles as a declarative list, spawned, timed, stopped;
 - :mod:`~forge_ext.runtime.supervision`: a dead process or host as one error;
+- :mod:`~forge_ext.runtime.interrupts`: a stop from outside (Ctrl-C, SIGTERM) and the exit
+  status it gives (130, 143);
 - :mod:`~forge_ext.runtime.ports`: the ports a run's processes listen on;
 - :mod:`~forge_ext.runtime.run_logs`: Monarch's log and each role's log in ``output_dir``;
 - :mod:`~forge_ext.runtime.metrics`: TensorBoard, ``metrics.jsonl`` and the plot;

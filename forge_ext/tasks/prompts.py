@@ -182,11 +182,32 @@ def render_splits(render: PromptRenderer, splits: dict[str, list[Row]],
             except ValueError as e:
                 raise ValueError(f"{split} row {i}: {e}") from None
     tok = render.tok
-    unknown = sum(tok.unknown_count(x) > 0 for prompts in ids.values() for x in prompts)
+    unknown = [(split, i) for split, prompts in ids.items()
+               for i, x in enumerate(prompts) if tok.unknown_count(x) > 0]
     total = sum(len(prompts) for prompts in ids.values())
     warning = None
     if unknown:  # e.g. the demo's character tokenizer on English prompts
-        warning = (f"warning: {unknown} of {total} prompts hold text the tokenizer of "
+        shown = "; ".join(_unknown_example(tok, split, i, splits[split][i])
+                          for split, i in unknown[:UNKNOWN_SHOWN])
+        warning = (f"warning: {len(unknown)} of {total} prompts hold text the tokenizer of "
                    f"{tokenizer_field} maps to {tok.tokenizer.unk_token} (characters or words "
-                   "outside its vocabulary)")
+                   f"outside its vocabulary), the first {min(len(unknown), UNKNOWN_SHOWN)}: "
+                   f"{shown}")
     return ids, warning
+
+
+UNKNOWN_SHOWN = 3
+"""How many prompts holding the unknown token :func:`render_splits`' warning names."""
+
+
+def _unknown_example(tok: CheckpointTokenizer, split: str, index: int, row: Row) -> str:
+    """``training row 4: 'What is 6+7' (unknown: 'W', 'h', ...)``: the row's prompt (its
+    first 60 characters) and the characters the tokenizer maps to its unknown token alone
+    (none listed where only longer text does, e.g. a word-level vocabulary)."""
+    prompt = row.prompt if isinstance(row.prompt, str) else " ".join(
+        str(m.get("content", "")) for m in row.prompt)
+    text = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+    chars = [c for c in dict.fromkeys(prompt)
+             if tok.unknown_count(tok.tokenizer.encode(c, add_special_tokens=False)) > 0]
+    listed = ", ".join(repr(c) for c in chars[:8]) + (", ..." if len(chars) > 8 else "")
+    return f"{split} row {index}: {text!r}" + (f" (unknown: {listed})" if chars else "")

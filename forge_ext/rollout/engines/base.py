@@ -86,6 +86,20 @@ class Completion:
     is logged per replica)."""
 
 
+@dataclass(kw_only=True, slots=True)
+class Scores:
+    """What :meth:`Engine.score` returns: the policy's log-probs of given tokens."""
+
+    logprobs: list[list[float] | None]
+    """One entry per scored sequence: ``[len(response_ids)]`` log-probs (nats) of its response
+    tokens, each given every token before it (teacher-forced), under the raw logits as in
+    :attr:`Completion.logprobs`; None for a sequence the engine cannot take (longer than its
+    context)."""
+    policy_version: int | None
+    """The version of the weights that scored every sequence; None when the engine's weights
+    changed while it scored (then no entry can be trusted to one version)."""
+
+
 def derive_seed(*parts: int) -> int:
     """A seed in ``[0, 2**62)`` that depends on every part (a step's seed, an episode's
     index, a turn), the same in every process and run (BLAKE2b of the parts, not Python's
@@ -266,6 +280,20 @@ class Engine(ABC):
                            policy_version: int) -> None:
         """Serve a LoRA adapter on the base weights as ``policy_version`` (between
         :meth:`pause` and :meth:`resume`)."""
+
+    async def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Scores:
+        """The policy's log-probs of given responses, teacher-forced: for each ``(prompt_ids,
+        response_ids)``, ``log pi(o_i | prompt, o_<i)`` for every response token ``o_i``,
+        from the raw logits (as a sample's :attr:`Completion.logprobs`, so the two measure
+        one distribution), with the weights the engine serves now, and that version. What
+        the train-inference mismatch probe of a run whose samples are stale asks
+        (:mod:`forge_ext.rl.mismatch`): the generator's side of the gap at the trainer's
+        version.
+
+        Raises:
+            NotImplementedError: the engine does not score (none of this package's).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not score sequences")
 
     async def close(self) -> None:
         """Stop whatever the engine started (processes, buffers)."""

@@ -21,6 +21,7 @@ from forge_ext.rollout.engines.base import (
     Completion,
     Engine,
     SamplingConfig,
+    Scores,
     WeightUpdateMode,
     derive_seed,
     make_completion,
@@ -220,6 +221,21 @@ class HFSampler:
             for i in range(len(rows))
         ]
 
+    @torch.no_grad()
+    def score_rows(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+                   ) -> list[list[float]]:
+        """The model's log-probs of each ``(prompt_ids, response_ids)``'s response tokens,
+        teacher-forced: one forward of ``prompt + response`` per sequence (unpadded), the
+        raw logits' ``log_softmax`` in fp32 at the positions before each response token, as
+        :meth:`sample_rows` computes a sample's (``[len(response_ids)]`` each)."""
+        out = []
+        for prompt, response in sequences:
+            ids = torch.tensor([*prompt, *response], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1].float()
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[len(prompt):, None])
+            out.append(picked[:, 0].tolist())
+        return out
+
     def load_hf_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], shared_handle: Mapping | None = None
     ) -> None:
@@ -372,6 +388,15 @@ class HFEngine(Engine):
             if not r.done.done():
                 r.done.set_result(completions[start : start + r.n])
             start += r.n
+
+    async def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Scores:
+        """:meth:`HFSampler.score_rows`, between batches and never during a weight update
+        (it holds their lock): every sequence is scored by the version served."""
+        with self.busy:
+            async with self._lock():
+                version = self.policy_version
+                logprobs = await asyncio.to_thread(self.sampler.score_rows, sequences)
+        return Scores(logprobs=list(logprobs), policy_version=version)
 
     async def pause(self, mode: WeightUpdateMode) -> None:
         await self._lock().acquire()  # after the running batch

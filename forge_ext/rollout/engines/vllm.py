@@ -28,6 +28,7 @@ process, which must not ``fork``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
 import itertools
@@ -45,6 +46,7 @@ from forge_ext.rollout.engines.base import (
     Completion,
     Engine,
     SamplingConfig,
+    Scores,
     WeightUpdateMode,
     derive_seed,
     make_completion,
@@ -130,7 +132,7 @@ def _set_default_env(name: str, value: str) -> None:
 
 def sampling_params(
     stop_token_ids: Sequence[int], n: int, sampling: SamplingConfig, *, greedy: bool = False,
-    seed: int | None = None,
+    seed: int | None = None, prompt_logprobs: int | None = None,
 ):
     """``vllm.SamplingParams`` for ``n`` completions that end at ``stop_token_ids`` and only
     there, like :class:`~forge_ext.rollout.engines.base.HFSampler`.
@@ -145,6 +147,9 @@ def sampling_params(
     passed at its off value, not left to vLLM's defaults (issue 26). Parameters passed here are
     used as given: ``generation_config.json``'s sampling defaults (top-k, min-p, penalties)
     apply only to requests without ``SamplingParams`` (``LLM.get_default_sampling_params``).
+
+    ``prompt_logprobs=0``: also the log-prob of each prompt token given those before it (a
+    scoring request, :meth:`VLLMEngine.score`); vLLM then reads no prefix cache for it.
     """
     from vllm import SamplingParams
 
@@ -165,6 +170,7 @@ def sampling_params(
         min_tokens=0,
         max_tokens=sampling.max_new_tokens,
         logprobs=0,  # the sampled token's log-prob only
+        prompt_logprobs=prompt_logprobs,
         seed=seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=True,
@@ -393,6 +399,7 @@ class VLLMEngine(Engine):
             rmtree=[self.lora_root] if self.lora_root else [],
         )
         self._paused_at = 0.0
+        self._pauses = 0  # pauses begun (weight updates): a score spans none
 
     async def start(self) -> None:
         """Label what is sampled from now on as version 0, and send one request that asks
@@ -402,10 +409,11 @@ class VLLMEngine(Engine):
         await self._request([0], self._params(1, self.sampling, greedy=True, seed=None))
 
     def _params(self, n: int, sampling: SamplingConfig, *, greedy: bool, seed: int | None,
-                max_tokens: int | None = None):
+                max_tokens: int | None = None, prompt_logprobs: int | None = None):
         from vllm.sampling_params import RequestOutputKind
 
-        params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed)
+        params = sampling_params(self.stop_token_ids, n, sampling, greedy=greedy, seed=seed,
+                                 prompt_logprobs=prompt_logprobs)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request
         if max_tokens is not None:
             params.max_tokens = max_tokens
@@ -467,11 +475,39 @@ class VLLMEngine(Engine):
         self.stats.tokens += sum(len(c.response_ids) for c in completions)
         return completions
 
+    async def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Scores:
+        """Each ``prompt + response`` as one request of one greedy token with
+        ``prompt_logprobs=0``: vLLM 0.32 computes a prompt token's log-prob from the raw
+        logits' ``log_softmax`` in fp32 whatever the sampling options
+        (``GPUModelRunner._get_prompt_logprobs_dict``: prompt tokens skip the sampling
+        processors, so no temperature), which is what ``logprobs_mode="raw_logprobs"`` gives
+        a sampled token. A sequence of ``max_model_len`` tokens or more (no room for the one
+        token) is None. The version is None when a weight update paused the engine while
+        the requests ran."""
+        limit = self.engine.model_config.max_model_len
+
+        async def one(prompt: Sequence[int], response: Sequence[int]) -> list[float] | None:
+            ids = [*prompt, *response]
+            if len(ids) >= limit:
+                return None
+            params = self._params(1, self.sampling, greedy=True, seed=None, max_tokens=1,
+                                  prompt_logprobs=0)
+            entries = (await self._request(ids, params)).prompt_logprobs
+            return [entries[i][token].logprob for i, token in enumerate(ids)
+                    if i >= len(prompt)]
+
+        before = (self.policy_version, self._pauses)
+        with self.busy:
+            logprobs = await asyncio.gather(*(one(p, r) for p, r in sequences))
+        same = (self.policy_version, self._pauses) == before
+        return Scores(logprobs=list(logprobs), policy_version=before[0] if same else None)
+
     async def pause(self, mode: WeightUpdateMode) -> None:
         # A LoRA request holds its adapter's id until it ends: it cannot move to the next
         # adapter mid-response, so a LoRA engine lets requests finish instead of keeping them.
         if mode == "keep" and self.max_lora_rank is not None:
             mode = "between_requests"
+        self._pauses += 1  # before it holds anything: a score in flight sees it
         await self.engine.pause_generation(
             mode="wait" if mode == "between_requests" else mode, clear_cache=True)
         self._paused_at = time.perf_counter()
