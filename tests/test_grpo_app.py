@@ -130,11 +130,13 @@ class Runs:
         self.done = {}
 
     def overrides(self, output_dir, mode, backend, *extra):
-        # The vLLM runs have two replicas (tp=1 each) behind the router, and take their
-        # weights as delta versions through torchstore (weights.delta, issue 48).
-        replicas = ["generator.replicas=2", "weights.delta=true", "weights.same_host=off"
+        # Every run takes its weights as delta versions (weights.delta, issue 48): the vLLM
+        # runs have two replicas (tp=1 each) behind the router and take them through
+        # torchstore; the transformers runs with their anchors in the same-host slots.
+        replicas = ["generator.replicas=2", "weights.same_host=off"
                     ] if backend == "vllm" else []
-        return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", *replicas, *extra)
+        return overrides(self.checkpoint, output_dir, f"loop.mode={mode}", "weights.delta=true",
+                         *replicas, *extra)
 
     async def crashed(self, backend, mode):
         if ("crashed", backend, mode) not in self.done:
@@ -425,18 +427,23 @@ async def test_rerun_resumes_from_the_last_checkpoint_and_finishes(crashed_run, 
     ]
 
 
-async def test_vllm_replicas_take_delta_versions_between_anchors(crashed_run, resumed_run):
-    """weights.delta on the vLLM runs (two replicas, fp32 published at lr 1e-3, so nearly
-    every block goes dense): the first push of each process is an anchor (the crashed run's
-    version 0, logged at step 1; the resumed run's checkpoint version 3, at step 4), the
-    others deltas on the version both replicas hold; no replica refused one, and each
-    served the trainer's weights (the log-prob gap test above)."""
-    app, output_dir, _ = crashed_run
-    if app.config.generator.backend != "vllm":
-        pytest.skip("weights.delta needs the vLLM generator")
+async def test_replicas_take_delta_versions_and_full_ones_once_deltas_do_not_pay(
+    crashed_run, resumed_run
+):
+    """weights.delta on every run (vLLM: two replicas, through torchstore; transformers:
+    anchors in the same-host slots), fp32 published at lr 1e-3: the first push of each
+    process is an anchor (the crashed run's version 0, logged at step 1; the resumed run's
+    checkpoint version 3, at step 4); the next is a delta on the version every replica
+    holds, which changed nearly every element (as big as a full version: it does not pay),
+    so the one after it is full and counted in ``weights/delta_skipped``. No replica refused
+    a delta, and each served the trainer's weights (the log-prob gap test above: on-policy
+    at max_policy_age 0 after a delta too)."""
+    _, output_dir, _ = crashed_run
     rows = [r for r in history(output_dir) if "weights/anchor" in r]
-    assert [r["weights/anchor"] for r in rows] == [1.0, 0.0, 0.0, 1.0], rows
+    assert [r["weights/anchor"] for r in rows] == [1.0, 0.0, 1.0, 1.0], rows
+    assert [r["weights/delta_skipped"] for r in rows] == [0.0, 0.0, 1.0, 0.0], rows
     assert all(r["generator/delta_refused"] == 0 for r in rows)
+    assert rows[1]["weights/changed_fraction"] > 0.4
     assert all(0 < r["weights/changed_fraction"] <= 1 for r in rows)
     assert all(r["weights/bytes"] <= r["weights/full_bytes"] + 64 * 50 for r in rows)
 

@@ -238,6 +238,8 @@ def argv(output_dir, checkpoint, kind):
         f"weights.key_prefix=replica_faults_{kind}",
         # No reference (a proc fewer to start), plot or TensorBoard: not what is tested.
         "reference=null", "loss.kl_coef=0", "metrics.plot=null", "metrics.tensorboard=false",
+        # One run takes delta versions (issue 48): the replica left must go on taking them.
+        *(["weights.delta=true"] if kind == "one_killed" else []),
     )
 
 
@@ -295,6 +297,12 @@ async def test_one_dead_replica_of_two_costs_only_its_request_and_the_run_finish
     assert warnings[0].startswith("warning: generator replica generator0 ")
     assert any(cause in warnings[0] for cause in CAUSES), warnings[0]
     assert warnings[0].endswith("; its requests go to the 1 replica left")
+    # weights.delta: the dead replica does not hold back the base (the live ones' version):
+    # step 2's version is a delta on step 1's (here empty: every group was flat, so the
+    # step changed no weight), which the replica left applied, none refused.
+    assert [r["weights/anchor"] for r in rows if "loss" in r] == [1.0, 0.0]
+    assert all(r["generator/delta_refused"] == 0 for r in rows if "loss" in r)
+    assert rows[-1]["weights/bytes"] < rows[-1]["weights/full_bytes"]
 
 
 async def test_every_prompt_of_the_stream_is_trained_once_across_the_replicas_death(runs):

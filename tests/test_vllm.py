@@ -275,8 +275,9 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
     generator, trainer, publishers
 ):
     """weights.delta through vLLM's buffer (tp1 and tp2 loads): an anchor, then deltas each
-    applied onto what the generator holds; on-policy at every version, and after the last
-    the log-probs bitwise those of a full version of the same weights. A delta on a version
+    applied onto what the generator holds (one with ``weight_update: keep``, requests in
+    flight); on-policy at every version, and after the last the log-probs bitwise those of
+    a full version of the same weights. A delta on a version
     the generator does not hold is refused: it keeps serving, and says it needs a full one."""
     delta = publishers["delta"]
     weights = await trainer.get_hf_state_dict()
@@ -288,7 +289,10 @@ async def test_delta_versions_serve_what_a_full_version_of_the_same_weights_serv
         v = next(_delta_versions)
         result = await delta.publish(weights, v, reader_base=holding)
         kinds.append("anchor" if result.delta.base_version is None else "delta")
-        info = await generator.update_weights(v)
+        # generator.weight_update keep: requests in flight go on under the delta's weights.
+        in_flight = asyncio.ensure_future(generator.generate(PROMPTS, n=2, seed=step))
+        info = await generator.update_weights(v, "keep" if step == 2 else None)
+        await in_flight
         assert (info["delta_refused"], info["holding"]) == (0, v), info
         holding = v
         assert await generator.get_policy_version() == v

@@ -9,6 +9,8 @@ detected, then healed by a full version."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import sys
 
 import cloudpickle
@@ -17,8 +19,12 @@ import pytest_asyncio
 import torch
 import torchstore as ts
 from conftest import gloo_ranks, one_proc_actor
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, endpoint, this_host
+from torchstore.api import DEFAULT_TORCHSTORE_NAME
 
+from forge_ext.rollout.config import GeneratorConfig
+from forge_ext.rollout.engines.base import SamplingConfig
+from forge_ext.rollout.generator import Generator
 from forge_ext.weights import delta as codec
 from forge_ext.weights import fetch as weights_fetch
 from forge_ext.weights import publish as weights_publish
@@ -80,7 +86,7 @@ class DeltaTrainer(Actor):
 
     @endpoint
     async def publish(self, version: int, key_prefix: str, reader_base: int | None,
-                      new_publisher: bool = False) -> dict:
+                      new_publisher: bool = False, same_host: str = "off") -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -94,8 +100,10 @@ class DeltaTrainer(Actor):
         state_dict["lm_head.bias"] = full["lm_head.bias"]
         state_dict["model.position_ids"] = full["model.position_ids"]
         if new_publisher or key_prefix not in self.publishers:  # new_publisher: a resumed run
+            if key_prefix in self.publishers:
+                self.publishers[key_prefix].close()
             self.publishers[key_prefix] = weights_publish.WeightsPublisher(WeightsConfig(
-                key_prefix=key_prefix, chunk_mb=CHUNK_MB, same_host="off", dtype="bfloat16",
+                key_prefix=key_prefix, chunk_mb=CHUNK_MB, same_host=same_host, dtype="bfloat16",
                 delta=True, delta_anchor_every=ANCHOR_EVERY, keep_versions=3,
             ))
         publisher = self.publishers[key_prefix]
@@ -154,6 +162,8 @@ async def reader(store):
 
 
 async def publish(trainer, version, prefix, reader_base, **kwargs) -> list[dict]:
+    if prefix.endswith("_auto"):  # anchors into the same-host slots, deltas in torchstore
+        kwargs["same_host"] = "auto"
     return [r for _, r in (await trainer.publish.call(version, prefix, reader_base,
                                                       **kwargs)).items()]
 
@@ -164,11 +174,22 @@ def kinds(results: list[dict]) -> str:
     return "anchor" if bases == {None} else f"delta on {bases.pop()}"
 
 
+SAME_HOST = pytest.mark.parametrize("same_host", ["off", "auto"])
+
+
+async def transports(versions, prefix) -> list[str]:
+    return [(await weights_fetch.fetch_commit_record(
+        v, key_prefix=prefix, store_name=DEFAULT_TORCHSTORE_NAME))["transport"] for v in versions]
+
+
 @module_loop
+@SAME_HOST
 async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
-    store, trainer, reader
+    store, trainer, reader, same_host
 ):
-    prefix = "delta_exact"
+    """Through torchstore chunks (``same_host: off``), or with the anchors in the same-host
+    shared-memory slots and the deltas in torchstore (``auto``)."""
+    prefix = f"delta_exact_{same_host}"
     await reader.restart.call_one()
     seen = []
     holding = None
@@ -185,16 +206,19 @@ async def test_ten_versions_reach_the_reader_bitwise_as_full_versions_would(
             assert sent < 0.2 * full, (version, sent, full)  # ~2% of elements changed
     assert seen == ["anchor", *[f"delta on {v}" for v in range(3)], "anchor",
                     *[f"delta on {v}" for v in range(4, 7)], "anchor", "delta on 8"]
+    anchor = "same_host" if same_host == "auto" else "direct"
+    assert await transports([7, 8, 9], prefix) == ["delta", anchor, "delta"]
     # Each rank's snapshot of the base is its own shards, not the whole model.
     total = sum(t.numel() * t.element_size() for t in published(0).values())
     assert all(r["snapshot_bytes"] < 0.6 * total for r in results), results
 
 
 @module_loop
+@SAME_HOST
 async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
-    store, trainer, reader
+    store, trainer, reader, same_host
 ):
-    prefix = "delta_faults"
+    prefix = f"delta_faults_{same_host}"
     await reader.restart.call_one()
 
     state = {"holding": None}  # what the reader reported holding last
@@ -252,6 +276,128 @@ async def test_faults_are_refused_or_detected_and_a_full_version_heals_them(
     # A resumed trainer (a new publisher: no snapshot) publishes full, whatever the reader holds.
     await step(8, expect_kind="anchor", new_publisher=True)
     assert_bitwise((await read(8))["tensors"], published(8), "after a resume")
+
+
+class ServedGenerator(Generator):
+    """The transformers generator as shipped, plus what its model serves."""
+
+    @endpoint
+    async def served(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.engine.sampler.model.state_dict().items()}
+
+
+async def spawn_hf_generator(checkpoint: str, key_prefix: str, name: str):
+    """One transformers generator replica keeping a delta's base (as the GRPO app spawns it
+    with ``weights.delta``), updated with ``weight_update: keep``."""
+    config = GeneratorConfig(hf_path=checkpoint, backend="hf", weight_update="keep",
+                             sampling=SamplingConfig(temperature=1.0, top_p=1.0,
+                                                     max_new_tokens=4))
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
+    actor = procs.spawn(name, ServedGenerator, dataclasses.asdict(config), [2], 0, key_prefix,
+                        0, 1, True)
+    await actor.setup.call_one(name)
+    return actor, procs
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """2% of the elements moved a little, as an optimizer step at a small learning rate."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in weights.items():
+        mask = torch.rand(tensor.shape, generator=g) < 0.02
+        out[name] = tensor + mask * torch.randn(tensor.shape, generator=g) * 0.05
+    return out
+
+
+def assert_serves(served: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], what: str):
+    """The model holds ``weights`` as a full bf16 version of them loads: cast to bf16 (the
+    published dtype), then to the model's fp32, bit for bit."""
+    assert set(served) == set(weights), what
+    for name, tensor in weights.items():
+        want = tensor.to(torch.bfloat16).to(served[name].dtype)
+        assert torch.equal(served[name].view(torch.uint8), want.view(torch.uint8)), (what, name)
+
+
+@module_loop
+@SAME_HOST
+async def test_the_transformers_generator_serves_deltas_bitwise_as_full_versions(
+    store, demo_checkpoint, same_host
+):
+    """``generator.backend: hf`` with ``weights.delta`` (anchors through torchstore, or the
+    same-host slots), updated with ``weight_update: keep`` while a request is in flight: the
+    model serves after every delta exactly what a full bf16 version of the same weights gives.
+    A delta on another base is refused and a corrupted one detected, both leaving the model
+    on the version it served (the delta is applied onto the engine's own buffer, and loaded
+    only once its checksums match); a replica restarted mid-run refuses deltas and serves
+    its checkpoint, saying so; a full version heals each."""
+    prefix = f"delta_hf_{same_host}"
+    generator, procs = await spawn_hf_generator(demo_checkpoint, prefix, f"delta_hf_{same_host}")
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix=prefix, same_host=same_host, dtype="bfloat16", delta=True,
+        delta_anchor_every=ANCHOR_EVERY, keep_versions=3))
+    restarted = None
+    try:
+        weights = await generator.served.call_one()
+        kinds, holding = [], None
+
+        async def push(version, reader_base, to=generator):
+            nonlocal weights
+            weights = perturbed(weights, version)
+            result = await publisher.publish(weights, version, reader_base=reader_base)
+            kinds.append(result.delta.base_version)
+            request = asyncio.ensure_future(to.sample.call_one([5, 6, 7], 4, False, version))
+            info = await to.update_weights.call_one(version, "keep")
+            await request  # the request in flight went on and ended
+            return info
+
+        for version in range(1, 5):
+            info = await push(version, holding)
+            assert (info["delta_refused"], info["holding"]) == (0, version), info
+            holding = version
+            assert_serves(await generator.served.call_one(), weights, f"version {version}")
+        assert kinds == [None, 1, 2, 3]
+
+        # A delta on a version the generator does not hold: refused before anything is read.
+        served = dict(weights)
+        await publisher.publish(perturbed(weights, 50), 5, reader_base=4)
+        info = await push(6, 5)
+        assert (info["delta_refused"], info["holding"], info["policy_version"]) == (1, 4, 4)
+        assert_serves(await generator.served.call_one(), served, "a delta on another base")
+        info = await push(7, 4)  # the publisher's base is 6: full
+        assert kinds[-1] is None and info["holding"] == 7
+        assert_serves(await generator.served.call_one(), weights, "healed")
+
+        # One flipped bit in a delta: detected; the model keeps serving version 7.
+        served = dict(weights)
+        weights_next = perturbed(weights, 8)
+        await publisher.publish(weights_next, 8, reader_base=7)
+        key = weights_store.chunk_key(prefix, 8, 0, 0)
+        chunk = bytearray(await ts.get(key))
+        chunk[9] ^= 0x01
+        await ts.put(key, bytes(chunk))
+        info = await generator.update_weights.call_one(8, "keep")
+        assert (info["delta_refused"], info["holding"], info["policy_version"]) == (1, None, 7)
+        assert_serves(await generator.served.call_one(), served, "a corrupted delta")
+        weights = weights_next
+        info = await push(9, None)
+        assert kinds[-1] is None and info["holding"] == 9
+        assert_serves(await generator.served.call_one(), weights, "healed after a flipped bit")
+
+        if same_host == "auto":  # a replica restarted mid-run (once: a spawn costs seconds)
+            restarted, restarted_procs = await spawn_hf_generator(
+                demo_checkpoint, prefix, "delta_hf_restarted")
+            info = await push(10, 9, to=restarted)
+            assert kinds[-1] == 9
+            assert (info["delta_refused"], info["holding"], info["policy_version"]) == (
+                1, None, 0)  # its checkpoint, as version 0: the staleness gate sees it
+            info = await push(11, None, to=restarted)
+            assert kinds[-1] is None and info["holding"] == 11
+            assert_serves(await restarted.served.call_one(), weights, "a restarted replica")
+    finally:
+        publisher.close()
+        if restarted is not None:
+            await restarted_procs.stop()
+        await procs.stop()
 
 
 @module_loop
@@ -313,6 +459,54 @@ async def test_tied_names_are_encoded_once_and_stay_exact_when_untied(store, mon
                        f"snapshot {version}")
     assert blocks_encoded == [2, 2, 3, 3]  # tied: embed+head once, norm; untied: three
     publisher.close()
+
+
+@module_loop
+async def test_a_delta_that_does_not_pay_warns_once_and_the_next_versions_go_full(
+    store, caplog
+):
+    """fp32 published weights at a large learning rate change nearly every element: the
+    delta is as big as a full version. One warning names the figure and why; the next
+    ``delta_anchor_every`` versions are full (``skipped``, counted by the app); then a
+    delta is tried again, and one that pays is kept."""
+    prefix = "delta_unpaid"
+    publisher = weights_publish.WeightsPublisher(WeightsConfig(
+        key_prefix=prefix, same_host="off", delta=True, delta_anchor_every=3))
+    g = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(5000, generator=g)}
+
+    def large_step():  # every element moves (an fp32 Adam step at lr 1e-3)
+        weights["w"] = weights["w"] + 1e-3 * torch.randn(5000, generator=g)
+
+    def small_step():  # 1% of the elements move
+        weights["w"] = weights["w"].clone()
+        weights["w"][torch.randperm(5000, generator=g)[:50]] += 1.0
+
+    results = [await publisher.publish(dict(weights), 0)]
+    held = await weights_fetch.fetch_weights(0, key_prefix=prefix)
+    with caplog.at_level("WARNING", logger="forge_ext.weights.transports.delta"):
+        for version, step in enumerate([large_step] * 4 + [small_step] * 2, start=1):
+            step()
+            results.append(await publisher.publish(dict(weights), version,
+                                                    reader_base=version - 1))
+            await weights_fetch.fetch_weights(version, key_prefix=prefix, holding=version - 1,
+                                              allocate=lambda specs: held)
+            assert torch.equal(held["w"].view(torch.int32), weights["w"].view(torch.int32))
+    publisher.close()
+    stats = [r.delta for r in results]
+    # v1 a delta (all changed, dense), v2-v4 full and skipped, v5 a delta tried again (it
+    # pays: 1% changed), v6 a delta.
+    assert [s.base_version for s in stats] == [None, 0, None, None, None, 4, 5]
+    assert [s.skipped for s in stats] == [False, False, True, True, True, False, False]
+    assert stats[1].changed == 5000
+    warnings = [r.getMessage() for r in caplog.records]  # (Monarch prefixes the actor)
+    assert len(warnings) == 1 and warnings[0].endswith(stats[1].warning)
+    assert [s.warning is not None for s in stats] == [False, True, *[False] * 5]
+    assert stats[1].warning.startswith(
+        "weights.delta: the delta of policy_version=1 took 100% of a full version's bytes "
+        "(100.0% of the elements changed bit for bit): with fp32 published weights or a large "
+        "learning rate nearly every element changes at each step, so a delta does not pay; "
+        "the next weights.delta_anchor_every=3 versions are sent full"), stats[1].warning
 
 
 def test_the_codec_is_exact_for_every_float_dtype_and_overwrites_idempotently():
@@ -379,12 +573,32 @@ def test_minus_zero_and_nan_payloads_count_as_changes():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"delta": True}, "weights.delta=true needs weights.transport='direct' and weights.same_host"),
     ({"delta": True, "same_host": "off", "transport": "dcp", "dcp_path": "/tmp/x"},
-     "weights.delta=true needs"),
+     "weights.delta=true needs weights.transport='direct' \\(got 'dcp'\\)"),
     ({"delta": "yes"}, "weights.delta='yes' must be true or false"),
     ({"delta_anchor_every": 0}, "weights.delta_anchor_every=0 must be an int >= 1"),
 ])
 def test_delta_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         WeightsConfig(**fields)
+
+
+@pytest.mark.parametrize("fields", [
+    [],  # the transformers generator, weights.same_host=auto: anchors in the slots
+    ["generator.backend=vllm", "weights.same_host=off"],
+])
+def test_the_grpo_config_takes_delta_with_either_generator_and_either_path(fields):
+    from apps.grpo.config import load_config
+
+    config = load_config("configs/grpo_cpu_demo.yaml", ["weights.delta=true", *fields],
+                         check_model=False, check_engines=False)
+    assert config.weights.delta
+
+
+def test_the_grpo_config_refuses_delta_with_lora_naming_the_fields():
+    from apps.grpo.config import load_config
+
+    with pytest.raises(ValueError, match="weights.delta=true with trainer.lora: a LoRA version "
+                       "is the adapter alone, already small; set weights.delta=false"):
+        load_config("configs/grpo_cpu_demo.yaml", ["weights.delta=true", "trainer.lora={rank: 4}"],
+                    check_model=False, check_engines=False)

@@ -261,20 +261,12 @@ class GRPOConfig:
             self.validate_engines(layout)
 
     def _validate_delta(self) -> None:
-        """``weights.delta`` needs full versions to publish and a generator that keeps the
-        last one whole to apply a delta onto (vLLM's shared buffer)."""
-        if not self.weights.delta:
-            return
-        if self.trainer.get("lora"):
+        """``weights.delta`` needs full versions to publish (every generator backend keeps
+        the last one whole to apply a delta onto, ``Generator(keep_base=True)``)."""
+        if self.weights.delta and self.trainer.get("lora"):
             raise ValueError(
                 "weights.delta=true with trainer.lora: a LoRA version is the adapter alone, "
                 "already small; set weights.delta=false"
-            )
-        if self.generator.backend != "vllm":
-            raise ValueError(
-                f"weights.delta=true needs generator.backend='vllm' (got "
-                f"{self.generator.backend!r}): the transformers generator keeps no copy of the "
-                "weights to apply a delta onto; set weights.delta=false"
             )
 
     def validate_engines(self, layout: dict[str, Any] | None = None) -> None:

@@ -317,7 +317,10 @@ class RLApp(RunRoles, RunOutputs, RunConsole, RLLoop):
                 "weights/full_bytes": float(info["full_bytes"]),
                 "weights/changed_fraction": info["changed"] / max(info["elements"], 1),
                 "weights/anchor": float(info["delta_base"] is None),
+                "weights/delta_skipped": float(info["delta_skipped"]),
             }
+            if info["delta_warning"]:  # deltas do not pay here (fp32, a large lr): once
+                print(f"warning: {info['delta_warning']}", file=sys.stderr, flush=True)
 
     async def fetch_weights(self, version: int) -> dict[str, float]:
         info = await self.generator.update_weights(version)

@@ -85,7 +85,8 @@ def rl_role_specs(config: Any, placement: Placement, *, tok: Any, weights: dict[
         "generator": role("generator", lambda: spawn_replicas(
             c.generator, stop_token_ids=tok.stop_ids, pad_token_id=tok.pad_id,
             key_prefix=c.weights.key_prefix, hosts=placement.layout["generator"][0],
-            spawn_procs=procs("generator", placement.spawn_replica_procs)),
+            spawn_procs=procs("generator", placement.spawn_replica_procs),
+            keep_base=c.weights.delta),
             meshes=lambda g: [h.procs for h in g.handles],  # each replica its own mesh
             setup_seconds=lambda g: max(h.startup.get("setup", 0.0) for h in g.handles)),
     }

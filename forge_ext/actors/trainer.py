@@ -225,7 +225,9 @@ class RLTrainer(Actor):
             (``same_host``: the version went into shared memory, see
             ``forge_ext.weights.publish``); with ``weights.delta`` also ``delta_base`` (None:
             a full version), ``changed`` and ``elements`` (this rank's elements whose bits
-            changed, of all) and ``full_bytes`` (what a full version of this rank takes).
+            changed, of all), ``full_bytes`` (what a full version of this rank takes),
+            ``delta_skipped`` (full because a recent delta did not pay) and
+            ``delta_warning`` (the text saying so, once; else None).
 
         Raises:
             Under pipeline parallelism each stage publishes its own tensors, which needs
@@ -256,7 +258,8 @@ class RLTrainer(Actor):
                "seconds": result.seconds, "rdma": result.rdma, "same_host": result.same_host}
         if result.delta is not None:
             out.update(delta_base=result.delta.base_version, changed=result.delta.changed,
-                       elements=result.delta.elements, full_bytes=result.delta.full_bytes)
+                       elements=result.delta.elements, full_bytes=result.delta.full_bytes,
+                       delta_skipped=result.delta.skipped, delta_warning=result.delta.warning)
         return out
 
     def _hf_buffer_names(self) -> set[str]:

@@ -29,6 +29,7 @@ Controller usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -114,17 +115,24 @@ class Generator(Actor):
             number: on CPU they split the host's cores (:func:`replica_cores`); with CUDA each
             takes its own ``tensor_parallel_size`` of the GPUs the host shows
             (:func:`replica_devices`).
+        keep_base: keep every version whole in the engine's buffer (``engine.allocate``),
+            whatever its transport, as the base a delta version is applied onto
+            (``weights.delta``; full-weight versions, not LoRA adapters). A version in
+            shared memory on this host is then copied into the buffer instead of loaded
+            straight from the trainer's slot; the transformers engine keeps such a buffer
+            only then (one copy of the model in the published dtype).
     """
 
     def __init__(
         self, config: dict[str, Any], stop_token_ids: list[int], pad_token_id: int,
-        key_prefix: str, replica: int = 0, replicas_on_host: int = 1,
+        key_prefix: str, replica: int = 0, replicas_on_host: int = 1, keep_base: bool = False,
     ) -> None:
         self.config = GeneratorConfig(**{**config, "sampling": SamplingConfig(**config["sampling"])})
         self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.key_prefix = key_prefix
         self.replica, self.replicas_on_host = replica, replicas_on_host
+        self.keep_base = keep_base
         self.engine = None
         self._updating: asyncio.Lock | None = None
         # The version whose full HF weights the engine's buffer holds (``engine.allocate``),
@@ -245,10 +253,11 @@ class Generator(Actor):
         on this host cannot overwrite its slot before the load is done.
 
         A delta version (``weights.delta``) is applied onto the engine's buffer, which holds
-        the version loaded last (vLLM's shared buffer); a delta on another version (this
-        replica restarted, an earlier update failed) or one whose checksum fails is not
-        loaded: the served version stays, ``delta_refused`` is 1 and ``holding`` None, and
-        the trainer's next push is then a full version (``GeneratorReplicas.reader_base``).
+        the version loaded last (vLLM's shared buffer; the transformers engine's, with
+        ``keep_base``), and loaded from there only once every tensor's checksum matched; a
+        delta on another version (this replica restarted, an earlier update failed) or one
+        whose checksum fails is not loaded: the served version stays, ``delta_refused`` is 1,
+        and the trainer's next push is full (``GeneratorReplicas.reader_base``).
 
         Returns:
             ``{"policy_version", "fetch_seconds", "load_seconds", "paused_seconds",
@@ -262,13 +271,12 @@ class Generator(Actor):
                 (e.g. published into another host's shared memory: ``weights.same_host=off``).
         """
         from forge_ext.weights.errors import WeightsChecksumError, WeightsDeltaBaseError
-        from forge_ext.weights.fetch import open_weights
 
         mode = mode or self.config.weight_update
         if self._updating is None:
             self._updating = asyncio.Lock()
-        engine = self.engine
-        allocate = getattr(engine, "allocate", None)
+        engine = self.engine  # its buffer where it loads from there (vLLM) or keeps a base:
+        allocate = engine.allocate if self.keep_base or engine.loads_from_buffer else None
         async with self._updating:  # one version at a time
             start = fetched = time.perf_counter()
             paused = None
@@ -277,16 +285,15 @@ class Generator(Actor):
                 if mode == "between_requests":
                     await engine.pause(mode)
                     paused = time.perf_counter()
-                async with open_weights(
-                    policy_version, key_prefix=self.key_prefix, allocate=allocate,
-                    holding=holding if allocate is not None else None,
-                ) as weights:
+                async with self._open(policy_version, allocate, holding) as weights:
                     fetched = time.perf_counter()
                     if paused is None:
                         await engine.pause(mode)
                         paused = time.perf_counter()
                     await load_version(engine, weights, policy_version)
-                    whole = allocate is not None and "adapter_config" not in weights.metadata
+                    # The buffer holds the version whole (not a slot's views, not an adapter).
+                    whole = allocate is not None and weights.shared_handle is None and (
+                        "adapter_config" not in weights.metadata)
             except (WeightsDeltaBaseError, WeightsChecksumError) as error:
                 if isinstance(error, WeightsDeltaBaseError):
                     self._holding = holding  # nothing was applied
@@ -312,6 +319,17 @@ class Generator(Actor):
             "holding": self._holding,
             "delta_refused": 0,
         }
+
+    def _open(self, policy_version: int, allocate: Callable | None, holding: int | None):
+        """``async with`` the version's tensors (:func:`forge_ext.weights.fetch.open_weights`;
+        with ``keep_base`` always fetched into ``allocate``'s buffer, a same-host version too:
+        :func:`_fetched`)."""
+        from forge_ext.weights.fetch import open_weights
+
+        if self.keep_base:
+            return _fetched(policy_version, self.key_prefix, allocate, holding)
+        return open_weights(policy_version, key_prefix=self.key_prefix, allocate=allocate,
+                            holding=holding if allocate is not None else None)
 
     @endpoint
     async def load_adapter_folder(self, folder: str, policy_version: int) -> None:
@@ -353,6 +371,20 @@ class Generator(Actor):
             served = engine.metrics()
             await engine.close()
             logger.info("generator stopped: %s", served)
+
+
+@contextlib.asynccontextmanager
+async def _fetched(policy_version: int, key_prefix: str, allocate: Callable,
+                   holding: int | None):
+    """A version fetched into ``allocate``'s tensors (a delta applied onto them, ``holding``
+    its base), lent as :class:`~forge_ext.weights.transports.base.OpenedWeights` (no metadata:
+    full-weight versions)."""
+    from forge_ext.weights.fetch import fetch_weights
+    from forge_ext.weights.transports.base import OpenedWeights
+
+    tensors = await fetch_weights(policy_version, key_prefix=key_prefix, allocate=allocate,
+                                  holding=holding)
+    yield OpenedWeights(tensors, None, {})
 
 
 def _child_pids() -> list[tuple[int, float]]:
@@ -534,7 +566,7 @@ async def spawn_generator(
     config: GeneratorConfig, *, stop_token_ids: int | list[int], pad_token_id: int,
     key_prefix: str = DEFAULT_KEY_PREFIX, name: str = "generator",
     spawn_procs: Callable[[], ProcMesh] | None = None, replica: int = 0,
-    replicas_on_host: int = 1,
+    replicas_on_host: int = 1, keep_base: bool = False,
 ) -> GeneratorHandle:
     """Check the backend, spawn one proc, start one replica's engine there.
 
@@ -544,7 +576,7 @@ async def spawn_generator(
         name: the proc mesh's and actor's name.
         spawn_procs: returns the one-proc mesh to run on, called after the checks (e.g.
             :meth:`forge_ext.runtime.placement.Placement.spawn_procs`); default: a proc on this host.
-        replica, replicas_on_host: see :class:`Generator`.
+        replica, replicas_on_host, keep_base: see :class:`Generator`.
 
     Raises:
         ValueError: see :meth:`GeneratorConfig.check_backend` (before anything is spawned).
@@ -560,7 +592,7 @@ async def spawn_generator(
             raise ValueError(f"{name}: the generator runs in one proc, not {procs.size()}")
         actor = procs.spawn(
             name, Generator, asdict(config), stop_token_ids, pad_token_id, key_prefix,
-            replica, replicas_on_host,
+            replica, replicas_on_host, keep_base,
         )
         info = await actor.setup.call_one(name)
         stream = await RequestStream.open(actor)

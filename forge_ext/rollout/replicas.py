@@ -316,6 +316,7 @@ def _is_supervision_error(error: BaseException) -> bool:
 async def spawn_replicas(
     config: Any, *, stop_token_ids: int | list[int], pad_token_id: int, key_prefix: str,
     hosts: int = 1, spawn_procs: Callable[[int, str], Any] | None = None,
+    keep_base: bool = False,
 ) -> GeneratorReplicas:
     """Spawn ``config.replicas`` generator replicas concurrently (module docstring).
 
@@ -326,6 +327,8 @@ async def spawn_replicas(
         spawn_procs: ``(host index, name) -> one-proc mesh`` (e.g.
             :meth:`forge_ext.runtime.placement.Placement.spawn_replica_procs`); default: procs on
             this host.
+        keep_base: every replica keeps each version whole as a delta's base
+            (``weights.delta``; :class:`forge_ext.rollout.generator.Generator`).
 
     Raises:
         ValueError: from :meth:`GeneratorConfig.check_backend`, or replicas that do not
@@ -349,7 +352,7 @@ async def spawn_replicas(
         spawn_generator(
             config, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
             key_prefix=key_prefix, name=names[r], spawn_procs=procs_for(r),
-            replica=r % per_host, replicas_on_host=per_host,
+            replica=r % per_host, replicas_on_host=per_host, keep_base=keep_base,
         )
         for r in range(config.replicas)
     ), return_exceptions=True)

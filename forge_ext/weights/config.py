@@ -45,10 +45,13 @@ class WeightsConfig:
         delta: publish, between full versions, only the elements whose bits changed since
             the version every reader holds (:mod:`forge_ext.weights.transports.delta`; pays
             in bf16 at small learning rates, see docs/weights.md). Requires
-            ``transport: direct`` and ``same_host: off``.
+            ``transport: direct``; with ``same_host: auto`` on one host the full versions
+            (anchors) go into the shared-memory slots and the deltas through torchstore.
         delta_anchor_every: with ``delta``, a full version at least every this many
             versions (also at the first one, on resume, and when a reader does not hold the
-            last version).
+            last version); after a delta that did not pay (above half a full version's bytes:
+            fp32, a large learning rate), this many full versions before a delta is tried
+            again.
     """
 
     transport: str = "direct"
@@ -108,11 +111,11 @@ class WeightsConfig:
             raise ValueError(f"weights.same_host={self.same_host!r} must be one of {allowed}")
         if not isinstance(self.delta, bool):
             raise ValueError(f"weights.delta={self.delta!r} must be true or false")
-        if self.delta and (self.transport != "direct" or self.same_host != "off"):
+        if self.delta and self.transport != "direct":
             raise ValueError(
-                f"weights.delta=true needs weights.transport='direct' and weights.same_host="
-                f"'off' (got {self.transport!r}, {self.same_host!r}): deltas travel as "
-                "torchstore chunks; set them, or weights.delta=false"
+                f"weights.delta=true needs weights.transport='direct' (got "
+                f"{self.transport!r}): deltas travel as torchstore chunks; set it, or "
+                "weights.delta=false"
             )
         if isinstance(self.delta_anchor_every, bool) or not isinstance(
             self.delta_anchor_every, int

@@ -256,9 +256,15 @@ class DeltaStats:
             for an anchor).
         elements: elements of this rank's blocks.
         full_bytes: bytes a full version of this rank's blocks takes.
+        skipped: a full version sent because a recent delta did not pay (its bytes above
+            :data:`~forge_ext.weights.transports.delta.PAYS_BELOW` of a full version's).
+        warning: the once-per-publisher warning that deltas do not pay, on the version
+            that found it (None otherwise).
     """
 
     base_version: int | None
     changed: int
     elements: int
     full_bytes: int
+    skipped: bool = False
+    warning: str | None = None

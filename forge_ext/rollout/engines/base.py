@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from forge_ext.runtime.clock import BusyClock
 from forge_ext.tasks.tokenizer import as_stop_ids
@@ -197,12 +197,23 @@ class Engine(ABC):
         stop_token_ids: every id that ends a response.
     """
 
+    #: A version fetched over torchstore goes into the engine's own buffer (:meth:`allocate`)
+    #: because the engine loads from there (vLLM's workers map it).
+    loads_from_buffer: ClassVar[bool] = False
+
     def __init__(self, sampling: SamplingConfig, stop_token_ids: int | Sequence[int]) -> None:
         self.sampling = sampling
         self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.policy_version = 0
         self.stats = EngineStats()
         self.busy = BusyClock()
+
+    def allocate(self, specs: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
+        """Contiguous CPU tensors of the engine's own buffer for ``specs`` (``{name: (shape,
+        dtype)}``, the published ones), kept from version to version: a version is fetched
+        into them (``fetch_weights(..., allocate=engine.allocate)``) and a delta version
+        (``weights.delta``) applied onto the one they hold, then loaded from them."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no weight buffer")
 
     @classmethod
     def validate_config(cls, config: Any) -> None:

@@ -332,6 +332,7 @@ class HFEngine(Engine):
         self._gate: asyncio.Lock | None = None  # held by a running batch and by a pause
         self._gate_loop: asyncio.AbstractEventLoop | None = None
         self._paused_at = 0.0
+        self._buffer: dict[str, torch.Tensor] = {}  # allocate's, made at its first call
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -404,6 +405,24 @@ class HFEngine(Engine):
     async def resume(self) -> None:
         self.stats.paused_seconds += time.perf_counter() - self._paused_at
         self._lock().release()
+
+    def allocate(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                 ) -> dict[str, torch.Tensor]:
+        """CPU tensors in the published dtype, kept between versions (made again when the
+        names, shapes or dtypes change), for a generator that keeps a delta's base
+        (``weights.delta``): a version is fetched (a delta applied and its checksums checked)
+        into them while the model serves the version before, then copied (cast where the
+        model's dtype differs) into the model by :meth:`load_hf_state_dict`. Why a buffer of
+        its own and not the model's parameters, even where the dtypes match: a delta whose
+        checksum fails would leave the served model on wrong weights, and a fetch into the
+        parameters would change them under a running batch. Memory: one copy of the model
+        in the published dtype."""
+        wanted = {name: (tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
+        held = {name: (tuple(t.shape), t.dtype) for name, t in self._buffer.items()}
+        if held != wanted:
+            self._buffer = {name: torch.empty(shape, dtype=dtype)
+                            for name, (shape, dtype) in wanted.items()}
+        return self._buffer
 
     async def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor],
                                  policy_version: int, shared_handle: Any = None,

@@ -516,6 +516,8 @@ class VLLMEngine(Engine):
         await self.engine.resume_generation()
         self.stats.paused_seconds += time.perf_counter() - self._paused_at
 
+    loads_from_buffer = True  # the workers map the shared buffer (or a same-host slot)
+
     def allocate(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
         """Tensors in the shared buffer for ``specs`` (``{name: (shape, dtype)}``): pass as
         ``fetch_weights(..., allocate=engine.allocate)`` to fetch straight into it."""

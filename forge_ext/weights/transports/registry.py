@@ -4,7 +4,7 @@ and the reader's from a commit record (:func:`transport_of`).
 ``weights.transport`` names what a user asks for (``direct``, ``dcp``); a commit record names
 the transport that wrote it (``direct``, ``same_host``, ``dcp``, ``delta``): ``direct`` runs as
 ``same_host`` when ``weights.same_host=auto`` and every rank of the group is on one host, and
-as ``delta`` with ``weights.delta`` (whose anchors are ``direct`` versions).
+as ``delta`` with ``weights.delta`` (whose anchors are ``direct`` or ``same_host`` versions).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ def transport_for(config: WeightsConfig, group: Group, store_name: str) -> Trans
     .host_id`), kept afterwards (the same-host slots persist)."""
     if config.transport != "direct":
         return TRANSPORTS[config.transport](config, group, store_name)
-    if config.delta:  # the config requires same_host=off
-        return DeltaTransport(config, group, store_name)
     hosts = [None]
     if config.same_host == "auto":
         hosts = group.all_gather(slots.host_id())
@@ -46,7 +44,10 @@ def transport_for(config: WeightsConfig, group: Group, store_name: str) -> Trans
         config.same_host,
         f", group on hosts {sorted(set(hosts))}" if hosts != [None] else "",
     )
-    return (SameHostTransport if same_host else DirectTransport)(config, group, store_name)
+    direct = (SameHostTransport if same_host else DirectTransport)(config, group, store_name)
+    if config.delta:  # full versions (anchors) as direct publishes them, deltas between
+        return DeltaTransport(config, group, store_name, anchor=direct)
+    return direct
 
 
 def transport_of(stored: Mapping[str, Any]) -> tuple[type[Transport], CommitRecord]:
