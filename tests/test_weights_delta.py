@@ -439,7 +439,9 @@ async def test_tied_names_are_encoded_once_and_stay_exact_when_untied(store, mon
     for version in range(5):
         if version:
             embed[torch.rand(300, 8, generator=g) < 0.03] += 0.1
-        head = embed if version < 3 else embed * 1.5  # untied from version 3 on
+        head = embed if version < 3 else embed.clone()  # untied from version 3 on
+        if version >= 3:
+            head[0, version] += 1.0  # the head apart from the embedding
         state_dict = {"model.embed_tokens.weight": embed, "lm_head.weight": head,
                       "model.norm.weight": norm}
         result = await publisher.publish(state_dict, version, reader_base=holding)
