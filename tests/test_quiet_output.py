@@ -75,11 +75,11 @@ def test_a_two_step_demo_run_says_what_it_does_first_where_it_wrote_last_and_no_
     # Each role's split: its processes' start and imports, then its setup.
     for line in startup[2:4]:
         assert "s (processes and imports " in line and ", setup " in line, line
-    assert f"checkpoint of step 2 saved in " in result.stdout
+    assert "checkpoint of step 2 saved in " in result.stdout
     # The start is "step 0": this checkpoint is no SFT run's warm-start (no run_config.yaml).
     assert any(line.startswith("held-out accuracy (2 prompts, greedy): step 0 ")
                for line in lines), lines[-6:]
-    assert f"HF checkpoint of step 2 written in " in result.stdout
+    assert "HF checkpoint of step 2 written in " in result.stdout
     assert last == (f"written to {out}: run config {out / 'run_config.yaml'}, metrics "
                     f"{out / 'metrics.jsonl'}, checkpoints {out / 'checkpoints'}, "
                     f"HF checkpoints {out / 'hf'}"), last

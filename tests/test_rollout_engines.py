@@ -14,7 +14,6 @@ serves the module; the transformers engine is cheap and gets its own.
 """
 
 import asyncio
-import os
 
 import pytest
 import pytest_asyncio
