@@ -158,6 +158,9 @@ def publishers(trainer):
     made["delta"] = WeightsPublisher(WeightsConfig(
         key_prefix=KEY_PREFIX, same_host="off", delta=True, dtype="bfloat16"))
     made["full"] = WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host="off"))
+    # The LoRA test's base versions (from 13, its own counter): a publisher's versions must
+    # increase, and the other tests' come from 1 on at each tensor-parallel degree.
+    made["lora"] = WeightsPublisher(WeightsConfig(key_prefix=KEY_PREFIX, same_host="off"))
     yield made
     for publisher in made.values():
         publisher.close()
@@ -486,7 +489,7 @@ async def test_on_policy_ratio_is_one_at_every_lora_version(generator, lora_trai
     # full weights, so it gets the LoRA trainer's base (the checkpoint) back first, as a
     # full version (in a run it never leaves the checkpoint).
     v = next(_lora_versions)
-    await publishers["off"].publish(await lora_trainer.get_hf_state_dict(), v)
+    await publishers["lora"].publish(await lora_trainer.get_hf_state_dict(), v)
     await generator.update_weights(v)
     await assert_on_policy_across_lora_versions(generator, lora_trainer, PROMPTS,
                                                 _lora_versions)
