@@ -376,15 +376,26 @@ class Generator(Actor):
 @contextlib.asynccontextmanager
 async def _fetched(policy_version: int, key_prefix: str, allocate: Callable,
                    holding: int | None):
-    """A version fetched into ``allocate``'s tensors (a delta applied onto them, ``holding``
-    its base), lent as :class:`~forge_ext.weights.transports.base.OpenedWeights` (no metadata:
-    full-weight versions)."""
-    from forge_ext.weights.fetch import fetch_weights
+    """A version in ``allocate``'s tensors, lent as
+    :class:`~forge_ext.weights.transports.base.OpenedWeights`: fetched into them, or a delta
+    applied onto them (``holding`` its base; ``changed`` names what it changed, so that vLLM
+    reloads only those layers), or a version in this host's shared memory copied from the
+    publisher's slot into them (the slot is let go once copied)."""
+    from forge_ext.weights.fetch import open_weights
     from forge_ext.weights.transports.base import OpenedWeights
 
-    tensors = await fetch_weights(policy_version, key_prefix=key_prefix, allocate=allocate,
-                                  holding=holding)
-    yield OpenedWeights(tensors, None, {})
+    async with open_weights(policy_version, key_prefix=key_prefix, allocate=allocate,
+                            holding=holding) as lent:
+        if lent.shared_handle is None:  # already in the buffer
+            copied = None
+            yield lent
+        else:
+            copied = allocate({name: (tuple(t.shape), t.dtype) for name, t in lent.tensors.items()})
+            for name, tensor in lent.tensors.items():
+                copied[name].copy_(tensor)
+            metadata = dict(lent.metadata)
+    if copied is not None:
+        yield OpenedWeights(copied, None, metadata)
 
 
 def _child_pids() -> list[tuple[int, float]]:
