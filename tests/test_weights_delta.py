@@ -428,7 +428,10 @@ async def test_tied_names_are_encoded_once_and_stay_exact_when_untied(store, mon
 
     def counting(pairs):
         blocks_encoded.append(len(pairs))
-        return encode_blocks(pairs)
+        encoded.append(encode_blocks(pairs))
+        return encoded[-1]
+
+    encoded = []
 
     monkeypatch.setattr(codec, "encode_blocks", counting)
     publisher = weights_publish.WeightsPublisher(WeightsConfig(
@@ -446,6 +449,8 @@ async def test_tied_names_are_encoded_once_and_stay_exact_when_untied(store, mon
                       "model.norm.weight": norm}
         result = await publisher.publish(state_dict, version, reader_base=holding)
         assert (result.delta.base_version is None) == (version == 0), version
+        if version:  # each encoding's payload is sent once, a tied group's too
+            assert result.bytes_written == sum(c.payload.numel() for c in encoded[-1]), version
         if held is None:
             held = await weights_fetch.fetch_weights(version, key_prefix="delta_tied")
         else:

@@ -164,15 +164,19 @@ class DeltaTransport(Transport):
                                      skipped=self._skipping)
             return await self.anchor.write(version, state_dict, tensors, prepared, on_progress,
                                            stored)
-        blocks, codes = [], []
+        blocks, codes, pieces = [], [], []
         offset = 0
         encoded = self._encode(owned)
+        at: dict[int, int] = {}  # id(code) -> its stream offset: a tied group's travels once
         for name, (new, local_shape, global_offset) in owned.items():
             code = encoded[name]
-            blocks.append(StreamBlock(name, code.payload, torch.uint8, local_shape,
-                                      global_offset, offset))
+            if id(code) not in at:
+                at[id(code)] = offset
+                blocks.append(StreamBlock(name, code.payload, torch.uint8, local_shape,
+                                          global_offset, offset))
+                offset += align(code.payload.numel())
             codes.append((name, (code.encoding, code.count, code.checksum)))
-            offset += align(code.payload.numel())
+            pieces.append((name, (rank, at[id(code)], local_shape, global_offset)))
         await put_stream(
             blocks, self.config.chunk_mb << 20, lambda i: chunk_key(prefix, version, rank, i),
             stored, on_progress, self.where.store_name,
@@ -180,8 +184,6 @@ class DeltaTransport(Transport):
         self._pending = encoded
         changed = sum(c.changed for c in encoded.values())
         self._stats = DeltaStats(self._base, changed, elements, full_bytes)
-        pieces = [(b.name, (rank, b.stream_offset, b.local_shape, b.global_offset))
-                  for b in blocks]
         sent = sum(b.nbytes for b in blocks)
         manifest = {"tensors": dict(tensors), "pieces": pieces, "codes": codes,
                     "chunks": len(stored), "sizes": (sent, full_bytes, changed, elements)}
